@@ -1,0 +1,549 @@
+#include "caching.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <sstream>
+#include <stdexcept>
+
+namespace supermem {
+
+namespace {
+
+constexpr size_t kMaxRequest = size_t(1) << 60;  // 1 EiB: beyond this, rounding would overflow
+
+size_t round_size(size_t n) {
+  return n < kMinBlockBytes ? kMinBlockBytes : (n + kMinBlockBytes - 1) / kMinBlockBytes * kMinBlockBytes;
+}
+
+size_t segment_size(size_t size, bool small) {
+  if (small) return kSmallSegmentBytes;
+  if (size < kMinLargeAlloc) return kLargeSegmentBytes;
+  return (size + kRoundLarge - 1) / kRoundLarge * kRoundLarge;
+}
+
+std::string hex(const void* p) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "0x%llx", static_cast<unsigned long long>(reinterpret_cast<uintptr_t>(p)));
+  return buf;
+}
+
+}  // namespace
+
+std::string format_bytes(size_t n) {
+  const char* units[] = {"bytes", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"};
+  double v = static_cast<double>(n);
+  int u = 0;
+  while (v >= 1024 && u < 6) v /= 1024, ++u;
+  char buf[48];
+  if (u == 0) std::snprintf(buf, sizeof buf, "%zu bytes", n);
+  else std::snprintf(buf, sizeof buf, "%.2f %s", v, units[u]);
+  return buf;
+}
+
+CachingAllocator::CachingAllocator(DevicePtr device, AllocatorOptions options)
+    : device_(std::move(device)), opts_(options), trace_(options.trace_capacity) {
+  live_.reserve(4096);
+}
+
+CachingAllocator::~CachingAllocator() {
+  // Return what we can. Live blocks belong to someone else's tensors: their memory stays mapped.
+  try {
+    std::lock_guard<std::mutex> g(mu_);
+    for (auto& [base, s] : segments_) {
+      bool whole_free = s->head->state == BlockState::free && !s->head->next;
+      if (whole_free) device_->segment_free(s->base, s->size);
+    }
+  } catch (...) {
+    // The device may already be gone at interpreter shutdown.
+  }
+  for (auto& [base, s] : segments_) {
+    for (Block* b = s->head; b;) {
+      Block* n = b->next;
+      delete b;
+      b = n;
+    }
+    delete s;
+  }
+  for (auto& [id, p] : private_pools_) delete p;
+}
+
+// ---------------------------------------------------------------- fast path
+
+void* CachingAllocator::malloc(size_t nbytes, Stream stream) {
+  if (nbytes == 0) return nullptr;
+  Lock lk(mu_);
+  if (!events_.empty() && captures_.empty()) process_events();
+  if (nbytes > kMaxRequest) throw_oom(nbytes, nbytes, 0);
+  size_t size = round_size(nbytes);
+  bool small = size <= kSmallBytes;
+  Pool& pool = pool_for(stream);
+  Block* b = take_free(pool, small, stream, size);
+  bool slow = !b;
+  if (slow) b = malloc_slow(lk, pool, small, stream, size, nbytes);
+  split(b, size, small);
+  b->state = BlockState::allocated;
+  b->requested = nbytes;
+  live_.emplace(b->ptr, b);
+  stats_.allocated_bytes.add(small, b->size);
+  stats_.requested_bytes.add(small, nbytes);
+  stats_.active_bytes.add(small, b->size);
+  stats_.allocation.add(small, 1);
+  stats_.active.add(small, 1);
+  trace_.push(TraceKind::alloc, b->ptr, b->size, stream);
+  if (opts_.debug >= 2 || (slow && opts_.debug >= 1)) check_locked();
+  return b->ptr;
+}
+
+void CachingAllocator::free(void* ptr) {
+  if (!ptr) return;
+  std::lock_guard<std::mutex> g(mu_);
+  auto it = live_.find(static_cast<char*>(ptr));
+  if (it == live_.end()) throw UsageError(describe_bad_pointer(ptr));
+  Block* b = it->second;
+  live_.erase(it);
+  bool small = b->segment->small;
+  stats_.allocated_bytes.add(small, -static_cast<int64_t>(b->size));
+  stats_.requested_bytes.add(small, -static_cast<int64_t>(b->requested));
+  stats_.allocation.add(small, -1);
+  b->requested = 0;
+  if (b->stream_uses.empty()) {
+    free_block(b);
+  } else {
+    b->state = BlockState::pending;
+    trace_.push(TraceKind::free_requested, b->ptr, b->size, b->stream);
+    if (captures_.empty()) insert_events(b);
+    else deferred_.push_back(b);  // querying events recorded inside a capture is illegal
+  }
+  if (opts_.debug >= 2) check_locked();
+}
+
+Block* CachingAllocator::take_free(Pool& pool, bool small, Stream stream, size_t size) {
+  auto& set = pool.free_set(small);
+  Block key;
+  key.stream = stream;
+  key.size = size;
+  auto it = set.lower_bound(&key);
+  if (it == set.end() || (*it)->stream != stream) return nullptr;
+  Block* b = *it;
+  set.erase(it);
+  return b;
+}
+
+void CachingAllocator::split(Block* b, size_t size, bool small) {
+  size_t remaining = b->size - size;
+  bool should = !opts_.passthrough && (small ? remaining >= kMinBlockBytes : remaining > kSmallBytes);
+  if (!should) return;
+  auto* rest = new Block;
+  rest->ptr = b->ptr + size;
+  rest->size = remaining;
+  rest->stream = b->stream;
+  rest->segment = b->segment;
+  rest->prev = b;
+  rest->next = b->next;
+  if (b->next) b->next->prev = rest;
+  b->next = rest;
+  b->size = size;
+  b->segment->pool->free_set(small).insert(rest);
+}
+
+void CachingAllocator::free_block(Block* b) {
+  Segment* s = b->segment;
+  bool small = s->small;
+  stats_.active_bytes.add(small, -static_cast<int64_t>(b->size));
+  stats_.active.add(small, -1);
+  b->state = BlockState::free;
+  b->stream_uses.clear();
+  trace_.push(TraceKind::free_completed, b->ptr, b->size, b->stream);
+  auto& set = s->pool->free_set(small);
+  for (Block* n : {b->prev, b->next}) {  // coalesce with free neighbours
+    if (!n || n->state != BlockState::free) continue;
+    set.erase(n);
+    if (n == b->prev) {
+      b->ptr = n->ptr;
+      b->prev = n->prev;
+      if (b->prev) b->prev->next = b;
+      else s->head = b;
+    } else {
+      b->next = n->next;
+      if (b->next) b->next->prev = b;
+    }
+    b->size += n->size;
+    delete n;
+  }
+  set.insert(b);
+  bool whole = !b->prev && !b->next;
+  bool pool_gone = s->pool != &default_pool_ && s->pool->users == 0;
+  if (whole && (opts_.passthrough || pool_gone) && captures_.empty()) release_segment(s);
+}
+
+// ---------------------------------------------------------------- slow path
+
+Pool& CachingAllocator::pool_for(Stream stream) {
+  for (auto& [id, filter] : captures_)
+    if (filter(stream)) return *private_pools_.at(id);
+  return default_pool_;
+}
+
+Block* CachingAllocator::malloc_slow(Lock& lk, Pool& pool, bool small, Stream stream, size_t size,
+                                     size_t nbytes) {
+  if (Block* b = new_segment(pool, small, stream, size)) return b;
+  // Stage 2: give cached segments back to the device and try again.
+  ++stats_.num_alloc_retries;
+  if (release_cached()) {
+    if (Block* b = take_free(pool, small, stream, size)) return b;  // a synced block may fit now
+    if (Block* b = new_segment(pool, small, stream, size)) return b;
+  }
+  // Stage 3: ask the pressure handlers (tensor pool eviction) to free memory, then retry.
+  size_t evicted = 0;
+  if (captures_.empty() && !handlers_.empty()) {
+    evicted = run_pressure_handlers(lk, size);
+    if (captures_.empty()) process_events();
+    Pool& again = pool_for(stream);  // captures may have begun while the lock was released
+    if (Block* b = take_free(again, small, stream, size)) return b;
+    if (Block* b = new_segment(again, small, stream, size)) return b;
+    if (release_cached()) {
+      if (Block* b = take_free(again, small, stream, size)) return b;
+      if (Block* b = new_segment(again, small, stream, size)) return b;
+    }
+  }
+  if (opts_.debug >= 1) check_locked();
+  throw_oom(nbytes, size, evicted);
+}
+
+Block* CachingAllocator::new_segment(Pool& pool, bool small, Stream stream, size_t size) {
+  size_t limit = opts_.limit_bytes;
+  size_t reserved = stats_.reserved_bytes.s[kAll].current;
+  // Prefer PyTorch's segment sizes; under a tight limit or a full device fall back to the exact size.
+  auto try_alloc = [&](size_t want) -> void* {
+    if (limit && reserved + want > limit) return nullptr;
+    return device_->segment_alloc(want, stream);
+  };
+  size_t got = opts_.passthrough ? size : segment_size(size, small);
+  void* p = try_alloc(got);
+  if (!p && got != size) p = try_alloc(got = size);
+  if (!p) return nullptr;
+  ++stats_.num_device_alloc;
+  auto* s = new Segment;
+  s->base = static_cast<char*>(p);
+  s->size = got;
+  s->stream = stream;
+  s->small = small;
+  s->pool = &pool;
+  auto* b = new Block;
+  b->ptr = s->base;
+  b->size = got;
+  b->stream = stream;
+  b->segment = s;
+  s->head = b;
+  segments_.emplace(s->base, s);
+  stats_.reserved_bytes.add(small, got);
+  stats_.segment.add(small, 1);
+  trace_.push(TraceKind::segment_alloc, s->base, got, stream);
+  return b;
+}
+
+void CachingAllocator::release_segment(Segment* s) {
+  Block* b = s->head;
+  s->pool->free_set(s->small).erase(b);
+  device_->segment_free(s->base, s->size);
+  ++stats_.num_device_free;
+  stats_.reserved_bytes.add(s->small, -static_cast<int64_t>(s->size));
+  stats_.segment.add(s->small, -1);
+  trace_.push(TraceKind::segment_free, s->base, s->size, s->stream);
+  segments_.erase(s->base);
+  delete b;
+  delete s;
+}
+
+bool CachingAllocator::release_cached() {
+  if (!captures_.empty()) return false;  // cudaFree and event syncs are illegal during capture
+  sync_events();
+  std::vector<Segment*> whole;
+  for (auto& [base, s] : segments_) {
+    bool freeable = s->pool == &default_pool_ || s->pool->users == 0;
+    if (freeable && s->head->state == BlockState::free && !s->head->next) whole.push_back(s);
+  }
+  for (Segment* s : whole) release_segment(s);
+  for (auto it = private_pools_.begin(); it != private_pools_.end();) {  // forget empty dead pools
+    Pool* p = it->second;
+    bool empty = p->small_free.empty() && p->large_free.empty();
+    bool used = std::any_of(segments_.begin(), segments_.end(),
+                            [&](auto& kv) { return kv.second->pool == p; });
+    if (p->users == 0 && empty && !used && !p->capturing) {
+      delete p;
+      it = private_pools_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  return true;
+}
+
+void CachingAllocator::insert_events(Block* b) {
+  for (Stream s : b->stream_uses) {
+    events_.emplace_back(device_->event_record(s), b);
+    ++b->pending_events;
+  }
+}
+
+void CachingAllocator::process_events() {
+  for (Block* b : deferred_) insert_events(b);
+  deferred_.clear();
+  for (auto it = events_.begin(); it != events_.end();) {
+    if (!device_->event_done(it->first)) {
+      ++it;
+      continue;
+    }
+    Block* b = it->second;
+    device_->event_release(it->first);
+    it = events_.erase(it);
+    if (--b->pending_events == 0) free_block(b);
+  }
+}
+
+void CachingAllocator::sync_events() {
+  for (Block* b : deferred_) insert_events(b);
+  deferred_.clear();
+  if (!events_.empty()) ++stats_.num_sync_all_streams;
+  while (!events_.empty()) {
+    auto [e, b] = events_.front();
+    events_.pop_front();
+    device_->event_wait(e);
+    device_->event_release(e);
+    if (--b->pending_events == 0) free_block(b);
+  }
+}
+
+size_t CachingAllocator::run_pressure_handlers(Lock& lk, size_t need) {
+  auto handlers = handlers_;  // copied: handlers may be added or removed while unlocked
+  ++stats_.num_pressure_calls;
+  lk.unlock();
+  size_t freed = 0;
+  try {
+    for (auto& [id, h] : handlers) freed += h(need);
+  } catch (...) {
+    lk.lock();
+    throw;
+  }
+  lk.lock();
+  stats_.pressure_freed_bytes += freed;
+  return freed;
+}
+
+void CachingAllocator::throw_oom(size_t nbytes, size_t alloc_size, size_t evicted) {
+  ++stats_.num_ooms;
+  trace_.push(TraceKind::oom, nullptr, alloc_size, 0);
+  std::ostringstream m;
+  m << "CUDA out of memory. ";
+  if (nbytes > kMaxRequest) {
+    m << "Tried to allocate more than 1EB memory.";
+    throw OutOfMemory(m.str(), nbytes);
+  }
+  size_t total = device_->total_bytes(), free = device_->free_bytes();
+  size_t allocated = stats_.allocated_bytes.s[kAll].current;
+  size_t reserved = stats_.reserved_bytes.s[kAll].current;
+  m << "Tried to allocate " << format_bytes(nbytes) << ". ";
+  if (device_->name() == "sim") m << "Simulated device";
+  else m << "GPU " << device_->index();
+  m << " has a total capacity of " << format_bytes(total) << " of which " << format_bytes(free)
+    << " is free.";
+  if (opts_.limit_bytes)
+    m << " The supermem limit is " << format_bytes(opts_.limit_bytes) << ".";
+  m << " Of the allocated memory " << format_bytes(allocated) << " is allocated by PyTorch, and "
+    << format_bytes(reserved - allocated) << " is reserved by PyTorch but unallocated";
+  m << " (supermem: requested " << nbytes << " bytes, allocated " << allocated << " bytes, reserved "
+    << reserved << " bytes, evicted " << evicted << " bytes under pressure).";
+  throw OutOfMemory(m.str(), nbytes);
+}
+
+// ---------------------------------------------------------------- everything else
+
+void CachingAllocator::record_stream(void* ptr, Stream stream) {
+  std::lock_guard<std::mutex> g(mu_);
+  auto it = live_.find(static_cast<char*>(ptr));
+  if (it == live_.end()) throw UsageError(describe_bad_pointer(ptr));
+  Block* b = it->second;
+  if (stream == b->stream) return;
+  auto& uses = b->stream_uses;
+  if (std::find(uses.begin(), uses.end(), stream) == uses.end()) uses.push_back(stream);
+}
+
+void CachingAllocator::empty_cache() {
+  std::lock_guard<std::mutex> g(mu_);
+  release_cached();
+  if (opts_.debug >= 1) check_locked();
+}
+
+size_t CachingAllocator::allocation_size(void* ptr) {
+  std::lock_guard<std::mutex> g(mu_);
+  auto it = live_.find(static_cast<char*>(ptr));
+  if (it == live_.end()) throw UsageError(describe_bad_pointer(ptr));
+  return it->second->size;
+}
+
+void CachingAllocator::begin_allocate_to_pool(PoolId id, StreamFilter filter) {
+  std::lock_guard<std::mutex> g(mu_);
+  Pool*& p = private_pools_[id];
+  if (!p) {
+    p = new Pool;
+    p->id_hi = id.first;
+    p->id_lo = id.second;
+  }
+  ++p->users;
+  p->capturing = true;
+  captures_.emplace_back(id, std::move(filter));
+}
+
+void CachingAllocator::end_allocate_to_pool(PoolId id) {
+  std::lock_guard<std::mutex> g(mu_);
+  for (auto it = captures_.begin(); it != captures_.end(); ++it) {
+    if (it->first == id) {
+      captures_.erase(it);
+      break;
+    }
+  }
+  auto p = private_pools_.find(id);
+  if (p != private_pools_.end()) {
+    p->second->capturing = std::any_of(captures_.begin(), captures_.end(),
+                                       [&](auto& c) { return c.first == id; });
+  }
+}
+
+void CachingAllocator::release_pool(PoolId id) {
+  std::lock_guard<std::mutex> g(mu_);
+  auto it = private_pools_.find(id);
+  if (it == private_pools_.end()) return;
+  if (it->second->users > 0) --it->second->users;
+  if (it->second->users == 0) release_cached();  // its wholly free segments go back now
+}
+
+int CachingAllocator::add_pressure_handler(PressureHandler handler) {
+  std::lock_guard<std::mutex> g(mu_);
+  handlers_.emplace_back(next_handler_id_, std::move(handler));
+  return next_handler_id_++;
+}
+
+void CachingAllocator::remove_pressure_handler(int id) {
+  std::lock_guard<std::mutex> g(mu_);
+  handlers_.erase(std::remove_if(handlers_.begin(), handlers_.end(),
+                                 [&](auto& h) { return h.first == id; }),
+                  handlers_.end());
+}
+
+Stats CachingAllocator::stats() {
+  std::lock_guard<std::mutex> g(mu_);
+  return stats_;
+}
+
+void CachingAllocator::reset_peak_stats() {
+  std::lock_guard<std::mutex> g(mu_);
+  for (StatArray* a : {&stats_.allocated_bytes, &stats_.reserved_bytes, &stats_.active_bytes,
+                       &stats_.requested_bytes, &stats_.allocation, &stats_.segment, &stats_.active})
+    a->reset_peak();
+}
+
+void CachingAllocator::reset_accumulated_stats() {
+  std::lock_guard<std::mutex> g(mu_);
+  for (StatArray* a : {&stats_.allocated_bytes, &stats_.reserved_bytes, &stats_.active_bytes,
+                       &stats_.requested_bytes, &stats_.allocation, &stats_.segment, &stats_.active})
+    a->reset_totals();
+  stats_.num_alloc_retries = stats_.num_ooms = stats_.num_sync_all_streams = 0;
+  stats_.num_device_alloc = stats_.num_device_free = 0;
+  stats_.num_pressure_calls = stats_.pressure_freed_bytes = 0;
+}
+
+size_t CachingAllocator::limit_bytes() {
+  std::lock_guard<std::mutex> g(mu_);
+  return opts_.limit_bytes;
+}
+
+void CachingAllocator::set_limit_bytes(size_t limit) {
+  std::lock_guard<std::mutex> g(mu_);
+  opts_.limit_bytes = limit;
+  if (limit && static_cast<size_t>(stats_.reserved_bytes.s[kAll].current) > limit) release_cached();
+}
+
+std::string CachingAllocator::describe_bad_pointer(void* ptr) {
+  char* p = static_cast<char*>(ptr);
+  auto it = segments_.upper_bound(p);
+  if (it != segments_.begin()) {
+    Segment* s = std::prev(it)->second;
+    if (p < s->base + s->size) {
+      for (Block* b = s->head; b; b = b->next) {
+        if (b->ptr == p)
+          return "supermem: double free or free of a block that is not allocated: " + hex(p) +
+                 " is a " + (b->state == BlockState::pending ? "pending" : "free") + " block";
+        if (p > b->ptr && p < b->ptr + b->size)
+          return "supermem: " + hex(p) + " points inside the block at " + hex(b->ptr) + " (" +
+                 format_bytes(b->size) + "); pass the address malloc returned";
+      }
+    }
+  }
+  return "supermem: " + hex(p) + " was not allocated by this allocator (foreign pointer)";
+}
+
+void CachingAllocator::check() {
+  std::lock_guard<std::mutex> g(mu_);
+  check_locked();
+}
+
+void CachingAllocator::check_locked() {
+  auto fail = [](const std::string& what) { throw std::logic_error("supermem invariant violated: " + what); };
+  int64_t reserved = 0, allocated = 0, pending = 0, cached = 0;
+  size_t n_free = 0, n_live = 0;
+  for (auto& [base, s] : segments_) {
+    if (s->base != base || s->head->ptr != s->base || s->head->prev) fail("segment head at " + hex(base));
+    reserved += s->size;
+    size_t covered = 0;
+    for (Block* b = s->head; b; b = b->next) {
+      if (b->ptr != s->base + covered) fail("blocks of segment " + hex(base) + " are not contiguous");
+      if (b->segment != s) fail("block " + hex(b->ptr) + " names the wrong segment");
+      if (b->next && b->next->prev != b) fail("broken prev/next links at " + hex(b->ptr));
+      covered += b->size;
+      auto& set = s->pool->free_set(s->small);
+      bool in_set = set.count(b) > 0;
+      switch (b->state) {
+        case BlockState::free:
+          ++n_free;
+          cached += b->size;
+          if (!in_set) fail("free block " + hex(b->ptr) + " missing from its free set");
+          if (b->next && b->next->state == BlockState::free) fail("uncoalesced free blocks at " + hex(b->ptr));
+          break;
+        case BlockState::allocated:
+          ++n_live;
+          allocated += b->size;
+          if (in_set) fail("allocated block " + hex(b->ptr) + " is in a free set");
+          if (!live_.count(b->ptr) || live_.at(b->ptr) != b) fail("allocated block " + hex(b->ptr) + " missing from the live map");
+          break;
+        case BlockState::pending:
+          pending += b->size;
+          if (in_set) fail("pending block " + hex(b->ptr) + " is in a free set");
+          break;
+      }
+    }
+    if (covered != s->size) fail("blocks of segment " + hex(base) + " do not cover it");
+  }
+  size_t set_total = default_pool_.small_free.size() + default_pool_.large_free.size();
+  for (auto& [id, p] : private_pools_) set_total += p->small_free.size() + p->large_free.size();
+  if (set_total != n_free) fail("free sets hold " + std::to_string(set_total) + " blocks, segments " + std::to_string(n_free));
+  if (live_.size() != n_live) fail("live map holds " + std::to_string(live_.size()) + " blocks, segments " + std::to_string(n_live));
+  if (reserved != stats_.reserved_bytes.s[kAll].current) fail("reserved stat != sum of segments");
+  if (allocated != stats_.allocated_bytes.s[kAll].current) fail("allocated stat != sum of allocated blocks");
+  if (allocated + pending != stats_.active_bytes.s[kAll].current) fail("active stat != allocated + pending");
+  if (reserved != allocated + pending + cached) fail("reserved != allocated + pending + cached free");
+}
+
+std::vector<SegmentInfo> CachingAllocator::snapshot() {
+  std::lock_guard<std::mutex> g(mu_);
+  std::vector<SegmentInfo> out;
+  for (auto& [base, s] : segments_) {
+    SegmentInfo si{reinterpret_cast<uint64_t>(base), s->size, s->stream, s->small,
+                   {s->pool->id_hi, s->pool->id_lo}, {}};
+    for (Block* b = s->head; b; b = b->next)
+      si.blocks.push_back({reinterpret_cast<uint64_t>(b->ptr), b->size, b->requested, b->state});
+    out.push_back(std::move(si));
+  }
+  return out;
+}
+
+}  // namespace supermem

@@ -1,0 +1,115 @@
+// The caching allocator: PyTorch's algorithm (512-byte rounding, small/large pools, per-stream
+// best fit, split and coalesce, record_stream events, private pools for CUDA graphs) over any
+// Device, plus a hard limit, pressure handlers and a trace ring. Thread-safe.
+//
+// Fast path: malloc finds a cached block of its stream (one set lookup) and splits it; free
+// coalesces it back. Everything else (new segments, recovery from OOM) is in malloc_slow.
+//
+// OOM protocol, one retry per stage: (1) a new segment; (2) release cached segments, retry;
+// (3) release the lock, call the pressure handlers (they may free through this allocator), retry;
+// (4) throw OutOfMemory carrying requested, allocated, reserved and evicted bytes.
+#pragma once
+
+#include <deque>
+#include <functional>
+#include <map>
+#include <mutex>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "../core/trace.h"
+#include "../core/types.h"
+#include "../prim/prim.h"
+
+namespace supermem {
+
+struct AllocatorOptions {
+  size_t limit_bytes = 0;     // reserved bytes may not exceed this; 0: only the device's capacity
+  bool passthrough = false;   // no caching: one segment per block, returned on free (sanitizers)
+  int debug = 0;              // 1: invariant walk after each slow-path call; 2: after every call
+  size_t trace_capacity = 0;  // ring buffer size in events; 0: tracing off
+};
+
+// Called under memory pressure with the allocator lock released; returns the bytes it freed.
+using PressureHandler = std::function<size_t(size_t need_bytes)>;
+using PoolId = std::pair<uint64_t, uint64_t>;
+using StreamFilter = std::function<bool(Stream)>;
+
+struct BlockInfo {
+  uint64_t addr, size, requested;
+  BlockState state;
+};
+struct SegmentInfo {
+  uint64_t addr, size, stream;
+  bool small;
+  PoolId pool;
+  std::vector<BlockInfo> blocks;
+};
+
+class CachingAllocator {
+ public:
+  CachingAllocator(DevicePtr device, AllocatorOptions options);
+  ~CachingAllocator();
+  CachingAllocator(const CachingAllocator&) = delete;
+  CachingAllocator& operator=(const CachingAllocator&) = delete;
+
+  void* malloc(size_t nbytes, Stream stream);  // nullptr for 0 bytes; throws OutOfMemory
+  void free(void* ptr);                        // throws UsageError for a pointer it did not hand out
+  void record_stream(void* ptr, Stream stream);
+  void empty_cache();
+  size_t allocation_size(void* ptr);           // rounded size of a live block; throws UsageError
+
+  void begin_allocate_to_pool(PoolId id, StreamFilter filter);
+  void end_allocate_to_pool(PoolId id);
+  void release_pool(PoolId id);
+
+  int add_pressure_handler(PressureHandler handler);
+  void remove_pressure_handler(int id);
+
+  Stats stats();
+  void reset_peak_stats();
+  void reset_accumulated_stats();
+  size_t limit_bytes();
+  void set_limit_bytes(size_t limit);  // 0: no limit; a lower limit than reserved frees the cache
+  void check();                        // throws std::logic_error naming the broken invariant
+  std::vector<SegmentInfo> snapshot();
+  TraceRing& trace() { return trace_; }
+  const DevicePtr& device() const { return device_; }
+  const AllocatorOptions& options() const { return opts_; }
+
+ private:
+  using Lock = std::unique_lock<std::mutex>;
+  Pool& pool_for(Stream stream);
+  Block* take_free(Pool& pool, bool small, Stream stream, size_t size);
+  Block* malloc_slow(Lock& lk, Pool& pool, bool small, Stream stream, size_t size, size_t nbytes);
+  Block* new_segment(Pool& pool, bool small, Stream stream, size_t size);
+  void split(Block* b, size_t size, bool small);
+  void free_block(Block* b);
+  void release_segment(Segment* s);
+  bool release_cached();  // frees every wholly free segment it may; false when a capture forbids it
+  void process_events();
+  void sync_events();
+  void insert_events(Block* b);
+  size_t run_pressure_handlers(Lock& lk, size_t need);
+  void check_locked();
+  std::string describe_bad_pointer(void* ptr);
+  [[noreturn]] void throw_oom(size_t nbytes, size_t alloc_size, size_t evicted);
+
+  DevicePtr device_;
+  AllocatorOptions opts_;
+  std::mutex mu_;
+  Pool default_pool_;
+  std::map<PoolId, Pool*> private_pools_;
+  std::vector<std::pair<PoolId, StreamFilter>> captures_;  // graph captures routing allocations
+  std::map<char*, Segment*> segments_;                     // by base address
+  std::unordered_map<char*, Block*> live_;                 // allocated blocks by address
+  std::deque<std::pair<Event, Block*>> events_;            // outstanding record_stream events
+  std::vector<Block*> deferred_;   // freed during a capture: events recorded once it ends
+  std::vector<std::pair<int, PressureHandler>> handlers_;
+  int next_handler_id_ = 1;
+  Stats stats_;
+  TraceRing trace_;
+};
+
+}  // namespace supermem

@@ -1,0 +1,261 @@
+// supermem._C: the Python face of the core. Thin: argument checks, GIL handling, conversions.
+// Allocator calls release the GIL (they may block on events or call pressure handlers, which take it).
+#include <pybind11/functional.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include "alloc/caching.h"
+#include "plugin.h"
+#include "prim/prim.h"
+
+namespace py = pybind11;
+using namespace supermem;
+
+namespace {
+
+struct InvariantError : std::logic_error {
+  using std::logic_error::logic_error;
+};
+
+// Raises supermem.errors.<name>(msg); the classes live in Python so they can subclass torch's.
+void raise_py(const char* name, const char* msg) {
+  py::object cls = py::module_::import("supermem.errors").attr(name);
+  PyErr_SetString(cls.ptr(), msg);
+}
+
+size_t checked_size(int64_t nbytes) {
+  if (nbytes < 0) throw UsageError("supermem: nbytes must be >= 0, got " + std::to_string(nbytes));
+  return static_cast<size_t>(nbytes);
+}
+
+void* as_ptr(uint64_t address) { return reinterpret_cast<void*>(address); }
+
+// A Python callable kept alive by C++ and released with the GIL held (skipped at interpreter exit).
+std::shared_ptr<py::object> hold(py::object fn) {
+  return std::shared_ptr<py::object>(new py::object(std::move(fn)), [](py::object* o) {
+    if (!Py_IsInitialized()) return;  // leak: Python is gone
+    py::gil_scoped_acquire g;
+    delete o;
+  });
+}
+
+py::dict stat_dict(const Stat& s) {
+  py::dict d;
+  d["current"] = s.current;
+  d["peak"] = s.peak;
+  d["allocated"] = s.allocated;
+  d["freed"] = s.freed;
+  return d;
+}
+
+py::dict stat_array(const StatArray& a) {
+  py::dict d;
+  d["all"] = stat_dict(a.s[kAll]);
+  d["small_pool"] = stat_dict(a.s[kSmallPool]);
+  d["large_pool"] = stat_dict(a.s[kLargePool]);
+  return d;
+}
+
+// Stats in the nested shape of torch.cuda.memory_stats_as_nested_dict, plus supermem's own keys.
+py::dict nested_stats(CachingAllocator& a) {
+  Stats s;
+  std::vector<SegmentInfo> segs;
+  {
+    py::gil_scoped_release nogil;
+    s = a.stats();
+    segs = a.snapshot();
+  }
+  uint64_t cached = 0, largest = 0;
+  for (auto& seg : segs)
+    for (auto& b : seg.blocks)
+      if (b.state == BlockState::free) cached += b.size, largest = std::max(largest, b.size);
+  py::dict d;
+  d["allocated_bytes"] = stat_array(s.allocated_bytes);
+  d["reserved_bytes"] = stat_array(s.reserved_bytes);
+  d["active_bytes"] = stat_array(s.active_bytes);
+  d["requested_bytes"] = stat_array(s.requested_bytes);
+  d["allocation"] = stat_array(s.allocation);
+  d["segment"] = stat_array(s.segment);
+  d["active"] = stat_array(s.active);
+  StatArray zero;  // PyTorch reports these; supermem never keeps inactive split blocks apart
+  d["inactive_split"] = stat_array(zero);
+  d["inactive_split_bytes"] = stat_array(zero);
+  d["oversize_allocations"] = stat_dict(Stat{});
+  d["oversize_segments"] = stat_dict(Stat{});
+  d["num_alloc_retries"] = s.num_alloc_retries;
+  d["num_ooms"] = s.num_ooms;
+  d["num_sync_all_streams"] = s.num_sync_all_streams;
+  d["num_device_alloc"] = s.num_device_alloc;
+  d["num_device_free"] = s.num_device_free;
+  d["max_split_size"] = -1;
+  d["supermem"] = py::dict(py::arg("cached_free_bytes") = cached, py::arg("largest_free_block_bytes") = largest,
+                           py::arg("num_pressure_calls") = s.num_pressure_calls,
+                           py::arg("pressure_freed_bytes") = s.pressure_freed_bytes,
+                           py::arg("limit_bytes") = a.limit_bytes());
+  return d;
+}
+
+const char* kTraceNames[] = {"alloc",    "free_requested", "free_completed", "segment_alloc",
+                             "segment_free", "oom",        "offload",        "prefetch",
+                             "recompute", "compress",      "drop",           "restore",
+                             "annotate"};
+static_assert(sizeof(kTraceNames) / sizeof(*kTraceNames) == size_t(TraceKind::count_));
+
+const char* state_name(BlockState s) {
+  switch (s) {
+    case BlockState::allocated: return "active_allocated";
+    case BlockState::pending: return "active_pending_free";
+    default: return "inactive";
+  }
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "supermem core: caching allocator, devices, trace ring (C++)";
+
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const OutOfMemory& e) {
+      raise_py("OutOfMemoryError", e.what());
+    } catch (const UsageError& e) {
+      raise_py("UsageError", e.what());
+    } catch (const DeviceError& e) {
+      raise_py("DeviceError", e.what());
+    } catch (const InvariantError& e) {
+      raise_py("InvariantError", e.what());
+    }
+  });
+
+  py::class_<Device, DevicePtr>(m, "Device")
+      .def_property_readonly("total_bytes", &Device::total_bytes)
+      .def_property_readonly("free_bytes", &Device::free_bytes)
+      .def_property_readonly("index", &Device::index)
+      .def_property_readonly("name", &Device::name);
+
+  py::class_<SimDevice, Device, std::shared_ptr<SimDevice>>(m, "SimDevice")
+      .def(py::init([](int64_t capacity) { return std::make_shared<SimDevice>(checked_size(capacity)); }),
+           py::arg("capacity_bytes"))
+      .def("hold_events", &SimDevice::hold_events, py::arg("hold"))
+      .def("set_capturing", &SimDevice::set_capturing, py::arg("stream"), py::arg("on"))
+      .def_property_readonly("used_bytes", &SimDevice::used_bytes)
+      .def_property_readonly("live_events", &SimDevice::live_events);
+
+#ifdef SUPERMEM_WITH_CUDA
+  py::class_<CudaDevice, Device, std::shared_ptr<CudaDevice>>(m, "CudaDevice")
+      .def(py::init<int>(), py::arg("index") = 0);
+  m.def("cuda_device_count", &cuda_device_count);
+  m.attr("has_cuda") = true;
+#else
+  m.def("cuda_device_count", []() { return 0; });
+  m.attr("has_cuda") = false;
+#endif
+
+  using CA = CachingAllocator;
+  auto nogil = py::call_guard<py::gil_scoped_release>();
+  py::class_<CA, std::shared_ptr<CA>>(m, "CachingAllocator")
+      .def(py::init([](DevicePtr dev, int64_t limit, bool passthrough, int debug, int64_t trace_capacity) {
+             AllocatorOptions o;
+             o.limit_bytes = checked_size(limit);
+             o.passthrough = passthrough;
+             o.debug = debug;
+             o.trace_capacity = checked_size(trace_capacity);
+             return std::make_shared<CA>(std::move(dev), o);
+           }),
+           py::arg("device"), py::arg("limit_bytes") = 0, py::arg("passthrough") = false,
+           py::arg("debug") = 0, py::arg("trace_capacity") = 0)
+      .def("malloc", [](CA& a, int64_t n, uint64_t stream) {
+             size_t size = checked_size(n);
+             py::gil_scoped_release g;
+             return reinterpret_cast<uint64_t>(a.malloc(size, stream));
+           }, py::arg("nbytes"), py::arg("stream") = 0)
+      .def("free", [](CA& a, uint64_t addr) { a.free(as_ptr(addr)); }, py::arg("address"), nogil)
+      .def("record_stream", [](CA& a, uint64_t addr, uint64_t s) { a.record_stream(as_ptr(addr), s); },
+           py::arg("address"), py::arg("stream"), nogil)
+      .def("allocation_size", [](CA& a, uint64_t addr) { return a.allocation_size(as_ptr(addr)); },
+           py::arg("address"), nogil)
+      .def("empty_cache", &CA::empty_cache, nogil)
+      .def("nested_stats", &nested_stats)
+      .def("reset_peak_stats", &CA::reset_peak_stats, nogil)
+      .def("reset_accumulated_stats", &CA::reset_accumulated_stats, nogil)
+      .def_property("limit_bytes", &CA::limit_bytes,
+                    [](CA& a, int64_t v) { a.set_limit_bytes(checked_size(v)); })
+      .def("check", [](CA& a) {
+             try {
+               a.check();
+             } catch (const std::logic_error& e) {
+               throw InvariantError(e.what());
+             }
+           }, nogil)
+      .def("add_pressure_handler", [](CA& a, py::function fn) {
+             auto f = hold(std::move(fn));
+             return a.add_pressure_handler([f](size_t need) -> size_t {
+               py::gil_scoped_acquire g;
+               try {
+                 py::object r = (*f)(need);
+                 return r.is_none() ? 0 : r.cast<size_t>();
+               } catch (py::error_already_set& e) {
+                 e.discard_as_unraisable("supermem pressure handler");
+                 return 0;
+               }
+             });
+           }, py::arg("handler"))
+      .def("remove_pressure_handler", &CA::remove_pressure_handler, py::arg("handler_id"), nogil)
+      .def("begin_allocate_to_pool", [](CA& a, PoolId id, std::vector<uint64_t> streams) {
+             a.begin_allocate_to_pool(id, [streams](Stream s) {
+               return std::find(streams.begin(), streams.end(), s) != streams.end();
+             });
+           }, py::arg("pool_id"), py::arg("streams"), nogil)
+      .def("end_allocate_to_pool", &CA::end_allocate_to_pool, py::arg("pool_id"), nogil)
+      .def("release_pool", &CA::release_pool, py::arg("pool_id"), nogil)
+      .def("snapshot", [](CA& a) {
+             std::vector<SegmentInfo> segs;
+             {
+               py::gil_scoped_release g;
+               segs = a.snapshot();
+             }
+             py::list out;
+             for (auto& s : segs) {
+               py::list blocks;
+               for (auto& b : s.blocks)
+                 blocks.append(py::dict(py::arg("address") = b.addr, py::arg("size") = b.size,
+                                        py::arg("requested_size") = b.requested,
+                                        py::arg("state") = state_name(b.state)));
+               out.append(py::dict(py::arg("address") = s.addr, py::arg("total_size") = s.size,
+                                   py::arg("stream") = s.stream,
+                                   py::arg("segment_type") = s.small ? "small" : "large",
+                                   py::arg("segment_pool_id") = py::make_tuple(s.pool.first, s.pool.second),
+                                   py::arg("blocks") = blocks));
+             }
+             return out;
+           })
+      .def("drain_trace", [](CA& a) {
+             std::vector<TraceEvent> evs;
+             {
+               py::gil_scoped_release g;
+               evs = a.trace().drain();
+             }
+             py::list out(evs.size());
+             for (size_t i = 0; i < evs.size(); ++i) {
+               auto& e = evs[i];
+               out[i] = py::make_tuple(e.time_ns, kTraceNames[size_t(e.kind)], e.addr, e.size, e.stream, e.tag);
+             }
+             return out;
+           })
+      .def("push_trace", [](CA& a, const std::string& kind, uint64_t addr, uint64_t size, uint64_t stream,
+                            uint64_t tag) {
+             for (size_t k = 0; k < size_t(TraceKind::count_); ++k)
+               if (kind == kTraceNames[k]) return a.trace().push(TraceKind(k), as_ptr(addr), size, stream, tag);
+             throw UsageError("supermem: unknown trace event kind '" + kind + "'");
+           }, py::arg("kind"), py::arg("address") = 0, py::arg("size") = 0, py::arg("stream") = 0,
+           py::arg("tag") = 0)
+      .def_property("trace_capacity", [](CA& a) { return a.trace().capacity(); },
+                    [](CA& a, int64_t n) { a.trace().set_capacity(checked_size(n)); })
+      .def_property_readonly("trace_dropped", [](CA& a) { return a.trace().dropped(); })
+      .def_property_readonly("device", &CA::device)
+      .def_property_readonly("passthrough", [](CA& a) { return a.options().passthrough; });
+
+  m.attr("trace_kinds") = py::cast(std::vector<std::string>(std::begin(kTraceNames), std::end(kTraceNames)));
+  register_plugin(m);
+}

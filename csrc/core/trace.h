@@ -1,0 +1,60 @@
+// A bounded ring buffer of allocator and pool events. When full, the oldest events are
+// overwritten and counted in `dropped`; Python drains it (drain() empties it).
+#pragma once
+
+#include <cstdint>
+#include <mutex>
+#include <vector>
+
+#include "types.h"
+
+namespace supermem {
+
+// Kinds mirror PyTorch's snapshot trace actions first, then supermem's pool actions.
+enum class TraceKind : uint8_t {
+  alloc = 0,
+  free_requested,   // the user freed a block that other streams still use: reuse is deferred
+  free_completed,   // the block is reusable
+  segment_alloc,
+  segment_free,
+  oom,
+  offload,          // pool: device -> host copy started
+  prefetch,         // pool: host -> device copy started
+  recompute,
+  compress,
+  drop,             // pool: device copy released (entry stays recomputable or on host)
+  restore,          // pool: entry back on device
+  annotate,
+  count_
+};
+
+struct TraceEvent {
+  int64_t time_ns;  // steady clock
+  uint64_t addr;
+  uint64_t size;
+  uint64_t stream;
+  uint64_t tag;     // free-form: pool entry id, category, ...
+  TraceKind kind;
+};
+
+class TraceRing {
+ public:
+  explicit TraceRing(size_t capacity = 0) { set_capacity(capacity); }
+
+  bool enabled() const { return capacity_ != 0; }
+  void set_capacity(size_t capacity);
+  void push(TraceKind kind, const void* addr, size_t size, Stream stream, uint64_t tag = 0);
+  std::vector<TraceEvent> drain();  // oldest first
+  uint64_t dropped() const { return dropped_; }
+  size_t capacity() const { return capacity_; }
+
+ private:
+  std::mutex mu_;
+  std::vector<TraceEvent> buf_;
+  size_t capacity_ = 0, head_ = 0, size_ = 0;  // head_: index of the oldest event
+  uint64_t dropped_ = 0;
+};
+
+int64_t now_ns();
+
+}  // namespace supermem

@@ -1,0 +1,149 @@
+// The CUDA device. cudart is linked statically (see CMakeLists.txt): it talks to the driver's
+// primary context, which PyTorch's own cudart shares, so streams, events and pointers interoperate.
+#include <cuda_runtime_api.h>
+
+#include <mutex>
+#include <vector>
+
+#include "prim.h"
+
+namespace supermem {
+
+namespace {
+
+void check(cudaError_t err, const char* what) {
+  if (err != cudaSuccess) {
+    cudaGetLastError();  // clear it so it does not surface in an unrelated PyTorch call
+    throw DeviceError(std::string("supermem: ") + what + " failed: " + cudaGetErrorString(err));
+  }
+}
+
+// Makes `index` the current device for the guard's lifetime.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int index) {
+    check(cudaGetDevice(&prev_), "cudaGetDevice");
+    if (prev_ != index) check(cudaSetDevice(index), "cudaSetDevice");
+  }
+  ~DeviceGuard() {
+    int cur = -1;
+    if (cudaGetDevice(&cur) == cudaSuccess && cur != prev_) cudaSetDevice(prev_);
+  }
+
+ private:
+  int prev_ = 0;
+};
+
+}  // namespace
+
+struct CudaDevice::State {
+  std::mutex mu;
+  std::vector<cudaEvent_t> spare_events;
+};
+
+int cuda_device_count() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  return n;
+}
+
+CudaDevice::CudaDevice(int index) : st_(new State), index_(index) {
+  int n = cuda_device_count();
+  if (index < 0 || index >= n)
+    throw UsageError("supermem: CUDA device " + std::to_string(index) + " does not exist (" +
+                     std::to_string(n) + " visible)");
+}
+
+CudaDevice::~CudaDevice() {
+  // Deliberately leak spare events: the destructor may run while CUDA is unloading at exit.
+}
+
+void* CudaDevice::segment_alloc(size_t nbytes, Stream) {
+  DeviceGuard g(index_);
+  // Relaxed mode makes cudaMalloc legal while some stream captures a graph in global mode.
+  cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+  check(cudaThreadExchangeStreamCaptureMode(&mode), "cudaThreadExchangeStreamCaptureMode");
+  void* p = nullptr;
+  cudaError_t err = cudaMalloc(&p, nbytes);
+  cudaThreadExchangeStreamCaptureMode(&mode);
+  if (err == cudaErrorMemoryAllocation) {
+    cudaGetLastError();
+    return nullptr;
+  }
+  check(err, "cudaMalloc");
+  return p;
+}
+
+void CudaDevice::segment_free(void* ptr, size_t) {
+  DeviceGuard g(index_);
+  check(cudaFree(ptr), "cudaFree");
+}
+
+Event CudaDevice::event_record(Stream stream) {
+  cudaEvent_t e = nullptr;
+  {
+    std::lock_guard<std::mutex> l(st_->mu);
+    if (!st_->spare_events.empty()) {
+      e = st_->spare_events.back();
+      st_->spare_events.pop_back();
+    }
+  }
+  DeviceGuard g(index_);
+  if (!e) check(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreate");
+  check(cudaEventRecord(e, reinterpret_cast<cudaStream_t>(stream)), "cudaEventRecord");
+  return e;
+}
+
+bool CudaDevice::event_done(Event e) {
+  cudaError_t err = cudaEventQuery(static_cast<cudaEvent_t>(e));
+  if (err == cudaErrorNotReady) {
+    cudaGetLastError();
+    return false;
+  }
+  check(err, "cudaEventQuery");
+  return true;
+}
+
+void CudaDevice::event_wait(Event e) {
+  check(cudaEventSynchronize(static_cast<cudaEvent_t>(e)), "cudaEventSynchronize");
+}
+
+void CudaDevice::event_release(Event e) {
+  std::lock_guard<std::mutex> l(st_->mu);
+  st_->spare_events.push_back(static_cast<cudaEvent_t>(e));
+}
+
+bool CudaDevice::capturing(Stream stream) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  cudaError_t err = cudaStreamIsCapturing(reinterpret_cast<cudaStream_t>(stream), &status);
+  if (err != cudaSuccess) {  // e.g. the legacy stream while another stream captures globally
+    cudaGetLastError();
+    return true;
+  }
+  return status != cudaStreamCaptureStatusNone;
+}
+
+size_t CudaDevice::total_bytes() {
+  DeviceGuard g(index_);
+  size_t free = 0, total = 0;
+  check(cudaMemGetInfo(&free, &total), "cudaMemGetInfo");
+  return total;
+}
+
+size_t CudaDevice::free_bytes() {
+  DeviceGuard g(index_);
+  size_t free = 0, total = 0;
+  check(cudaMemGetInfo(&free, &total), "cudaMemGetInfo");
+  return free;
+}
+
+std::string CudaDevice::name() const {
+  cudaDeviceProp p;
+  check(cudaGetDeviceProperties(&p, index_), "cudaGetDeviceProperties");
+  return p.name;
+}
+
+}  // namespace supermem

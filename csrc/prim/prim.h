@@ -1,0 +1,105 @@
+// The primitive layer: the only code that talks to a device. Two implementations:
+//   CudaDevice (cuda.cpp): cudaMalloc/cudaFree, events and stream capture queries on one GPU;
+//   SimDevice  (sim.cpp):  a fixed-capacity device backed by host memory, so everything above runs
+//                          and is tested on machines without a GPU.
+// Contracts are written above each function. Implementations are thread-safe.
+#pragma once
+
+#include <cstddef>
+#include <memory>
+#include <string>
+
+#include "../core/types.h"
+
+namespace supermem {
+
+class Device {
+ public:
+  virtual ~Device() = default;
+
+  // Returns nbytes (> 0) of device memory aligned to >= 512 bytes, or nullptr when the device
+  // has no room. Throws DeviceError on any other failure. Safe while `stream` is being captured
+  // into a CUDA graph (the call is made in relaxed capture mode).
+  virtual void* segment_alloc(size_t nbytes, Stream stream) = 0;
+
+  // Returns a segment obtained from segment_alloc. Must not be called during a graph capture.
+  virtual void segment_free(void* ptr, size_t nbytes) = 0;
+
+  // Records a new event on `stream`; it completes once all work queued before it has run.
+  virtual Event event_record(Stream stream) = 0;
+  // True once the event has completed. Never blocks.
+  virtual bool event_done(Event e) = 0;
+  // Blocks the calling thread until the event has completed.
+  virtual void event_wait(Event e) = 0;
+  // Gives the event back (to a pool of reusable events).
+  virtual void event_release(Event e) = 0;
+
+  // True while `stream` (or, for the legacy default stream, any stream) is capturing a graph.
+  virtual bool capturing(Stream stream) = 0;
+
+  virtual size_t total_bytes() = 0;  // capacity of the device
+  virtual size_t free_bytes() = 0;   // what segment_alloc could still hand out, roughly
+  virtual int index() const = 0;     // device ordinal (0 for the simulated device)
+  virtual std::string name() const = 0;
+};
+
+using DevicePtr = std::shared_ptr<Device>;
+
+// A simulated device of `capacity` bytes. Memory is real host memory (mmap'd per segment,
+// pages committed only when touched). Events complete immediately unless the test holds them:
+// hold_events(true) keeps every event recorded from then on outstanding until hold_events(false).
+class SimDevice : public Device {
+ public:
+  explicit SimDevice(size_t capacity);
+  ~SimDevice() override;
+  void* segment_alloc(size_t nbytes, Stream stream) override;
+  void segment_free(void* ptr, size_t nbytes) override;
+  Event event_record(Stream stream) override;
+  bool event_done(Event e) override;
+  void event_wait(Event e) override;
+  void event_release(Event e) override;
+  bool capturing(Stream stream) override;
+  size_t total_bytes() override { return capacity_; }
+  size_t free_bytes() override;
+  int index() const override { return 0; }
+  std::string name() const override { return "sim"; }
+
+  void hold_events(bool hold);             // see above
+  void set_capturing(Stream s, bool on);   // pretend `s` is capturing a graph
+  size_t used_bytes();
+  size_t live_events();
+
+ private:
+  struct State;
+  std::unique_ptr<State> st_;
+  size_t capacity_;
+};
+
+#ifdef SUPERMEM_WITH_CUDA
+// One CUDA device. All calls switch to that device for their duration.
+class CudaDevice : public Device {
+ public:
+  explicit CudaDevice(int index);
+  ~CudaDevice() override;
+  void* segment_alloc(size_t nbytes, Stream stream) override;
+  void segment_free(void* ptr, size_t nbytes) override;
+  Event event_record(Stream stream) override;
+  bool event_done(Event e) override;
+  void event_wait(Event e) override;
+  void event_release(Event e) override;
+  bool capturing(Stream stream) override;
+  size_t total_bytes() override;
+  size_t free_bytes() override;
+  int index() const override { return index_; }
+  std::string name() const override;
+
+ private:
+  struct State;
+  std::unique_ptr<State> st_;
+  int index_;
+};
+
+int cuda_device_count();  // 0 when there is no driver or no GPU; never throws
+#endif
+
+}  // namespace supermem

@@ -1,0 +1,24 @@
+"""supermem's exceptions. The OOM error is a torch.OutOfMemoryError, so code that catches PyTorch's
+OOM (or matches "CUDA out of memory.") handles supermem's too."""
+
+import torch
+
+
+class OutOfMemoryError(torch.OutOfMemoryError):
+    """The allocator could not find memory after releasing its cache and asking the pool to evict."""
+
+
+class UsageError(ValueError):
+    """The API was misused: double free, foreign or interior pointer, negative size, ..."""
+
+
+class ConfigError(ValueError):
+    """A bad option name or value (SUPERMEM_CONF, supermem.options(...), CLI flags)."""
+
+
+class DeviceError(RuntimeError):
+    """The device or driver failed for a reason other than a lack of memory."""
+
+
+class InvariantError(RuntimeError):
+    """The allocator's invariant walker found corrupted bookkeeping: a bug in supermem."""

@@ -1,0 +1,61 @@
+"""Byte sizes: parsing ("8GiB", "512MB", "60%") and formatting."""
+
+import re
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1 << 10,
+    "kb": 1000,
+    "kib": 1 << 10,
+    "m": 1 << 20,
+    "mb": 1000**2,
+    "mib": 1 << 20,
+    "g": 1 << 30,
+    "gb": 1000**3,
+    "gib": 1 << 30,
+    "t": 1 << 40,
+    "tb": 1000**4,
+    "tib": 1 << 40,
+}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_bytes(value: int | str, total_bytes: int | None = None) -> int:
+    """Bytes from an int, a size string ("64KiB", "1.5GiB", "512MB") or, when `total_bytes` is given,
+    a fraction of it ("60%" or a float 0 < x <= 1). Raises ValueError with the accepted forms."""
+    if isinstance(value, bool):
+        raise ValueError(f"expected a size, got {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"a size must be >= 0, got {value}")
+        return value
+    if isinstance(value, float):
+        if total_bytes is not None and 0 < value <= 1:
+            return int(value * total_bytes)
+        raise ValueError(f"a float size must be a fraction in (0, 1] of the device, got {value}")
+    text = str(value).strip()
+    if text.endswith("%"):
+        if total_bytes is None:
+            raise ValueError(f"{text!r}: a percentage needs a known device capacity")
+        try:
+            pct = float(text[:-1])
+        except ValueError:
+            pct = -1.0
+        if not 0 < pct <= 100:
+            raise ValueError(f"{text!r}: a percentage must be in (0, 100]")
+        return int(total_bytes * pct / 100)
+    m = _SIZE.match(text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"{text!r} is not a size: use bytes (1048576), a unit (64KiB, 8GiB, 512MB) or a percentage")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def format_bytes(n: int | float) -> str:
+    """'1.50 GiB' style, binary units."""
+    v = float(n)
+    for unit in ("bytes", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if abs(v) < 1024 or unit == "PiB":
+            return f"{int(v)} bytes" if unit == "bytes" else f"{v:.2f} {unit}"
+        v /= 1024
+    raise AssertionError("unreachable")
