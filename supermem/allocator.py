@@ -1,13 +1,14 @@
-"""The C++ caching allocator and its memory sources, for direct use and tests.
+"""The C++ caching allocator and its memory sources, for direct use, tools and tests.
 
 A source is a device that hands out segments: `SimulatedDevice` (host memory, any machine) or
-`CudaDevice` (a GPU). `CachingAllocator` caches blocks over one source exactly as PyTorch's allocator
-does, adds a hard limit, pressure handlers and a trace ring. All sizes are bytes, addresses and
-streams are ints (a stream is a cudaStream_t value; 0 is the default stream).
+`CudaDevice` (a GPU). `CachingAllocator` caches blocks over one source as PyTorch's allocator does,
+and adds a hard limit, pressure handlers and a trace ring. Sizes are bytes; addresses and streams
+are ints (a stream is a cudaStream_t value, 0 the default stream).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
 from . import _C
@@ -15,12 +16,15 @@ from .units import parse_bytes
 
 
 class TraceEvent(NamedTuple):
-    time_ns: int
-    action: str  # alloc, free_requested, free_completed, segment_alloc, segment_free, oom, ...
+    time_ns: int  # steady clock
+    action: str  # one of TRACE_ACTIONS
     address: int
     size: int
     stream: int
-    tag: int
+    tag: int  # free-form (pool entry id, category, ...)
+
+
+TRACE_ACTIONS: tuple[str, ...] = tuple(_C.trace_kinds)
 
 
 class SimulatedDevice(_C.SimDevice):
@@ -48,11 +52,12 @@ if _C.has_cuda:
             return f"CudaDevice({self.index})"
 
 
-class CachingAllocator(_C.CachingAllocator):
+class CachingAllocator:
     """PyTorch-style caching allocator over `source`.
 
-    limit_bytes: reserved memory never exceeds this (an OOM happens on demand); None: no limit.
-    passthrough: no caching (one segment per block), for sanitizers.
+    limit_bytes: reserved memory never exceeds this (bytes, "8GiB" or "60%" of the source); None: no
+        limit. Beyond it, malloc raises supermem.OutOfMemoryError (a torch.OutOfMemoryError).
+    passthrough: no caching (one segment per block, returned on free), for sanitizers.
     debug: 1 walks the invariants after each slow-path call, 2 after every call.
     trace_capacity: events kept in the trace ring (0: off).
     """
@@ -67,12 +72,83 @@ class CachingAllocator(_C.CachingAllocator):
         trace_capacity: int = 0,
     ):
         limit = 0 if limit_bytes is None else parse_bytes(limit_bytes, source.total_bytes)
-        super().__init__(source, limit, passthrough, debug, trace_capacity)
+        self._impl = _C.CachingAllocator(source, limit, passthrough, debug, trace_capacity)
+
+    @classmethod
+    def wrap(cls, impl: _C.CachingAllocator) -> CachingAllocator:
+        """A view of an allocator owned elsewhere (e.g. the one serving PyTorch on a GPU)."""
+        self = cls.__new__(cls)
+        self._impl = impl
+        return self
+
+    def malloc(self, nbytes: int, stream: int = 0) -> int:
+        """Address of a block of at least `nbytes` (512-byte aligned); 0 for 0 bytes."""
+        return self._impl.malloc(nbytes, stream)
+
+    def free(self, address: int) -> None:
+        """Frees a block malloc returned. Double, interior or foreign frees raise UsageError."""
+        self._impl.free(address)
+
+    def record_stream(self, address: int, stream: int) -> None:
+        """`stream` uses the block too: after free, it is reused only once that stream's work is done."""
+        self._impl.record_stream(address, stream)
+
+    def allocation_size(self, address: int) -> int:
+        """Rounded size of a live block."""
+        return self._impl.allocation_size(address)
+
+    def empty_cache(self) -> None:
+        """Returns every wholly free cached segment to the source."""
+        self._impl.empty_cache()
+
+    def check(self) -> None:
+        """Walks the invariants; raises InvariantError on any violation."""
+        self._impl.check()
+
+    def add_pressure_handler(self, handler: Callable[[int], int | None]) -> int:
+        """`handler(need_bytes) -> freed_bytes` runs (allocator lock released) before an OOM is raised.
+        Returns an id for remove_pressure_handler."""
+        return self._impl.add_pressure_handler(handler)
+
+    def remove_pressure_handler(self, handler_id: int) -> None:
+        self._impl.remove_pressure_handler(handler_id)
+
+    def begin_allocate_to_pool(self, pool_id: tuple[int, int], streams: Iterable[int]) -> None:
+        """Routes allocations on `streams` to a private pool (what a CUDA graph capture does)."""
+        self._impl.begin_allocate_to_pool(pool_id, list(streams))
+
+    def end_allocate_to_pool(self, pool_id: tuple[int, int]) -> None:
+        self._impl.end_allocate_to_pool(pool_id)
+
+    def release_pool(self, pool_id: tuple[int, int]) -> None:
+        """The pool's owner (a graph) is gone: its memory returns to the device once free."""
+        self._impl.release_pool(pool_id)
+
+    @property
+    def limit_bytes(self) -> int:
+        """0 when unlimited."""
+        return self._impl.limit_bytes
+
+    @limit_bytes.setter
+    def limit_bytes(self, value: int | str | None) -> None:
+        self._impl.limit_bytes = 0 if value is None else parse_bytes(value, self.device.total_bytes)
+
+    @property
+    def device(self) -> _C.Device:
+        return self._impl.device
+
+    @property
+    def passthrough(self) -> bool:
+        return self._impl.passthrough
+
+    def nested_stats(self) -> dict:
+        """Stats shaped like torch.cuda.memory_stats_as_nested_dict, plus a "supermem" section."""
+        return self._impl.nested_stats()
 
     def stats(self) -> dict:
         """Flat stats: *_bytes (current) and *_bytes_peak, counts, and a fragmentation figure:
         1 - largest cached free block / all cached free bytes (0 when nothing is cached)."""
-        n = self.nested_stats()
+        n = self._impl.nested_stats()
         out = {}
         for key in ("allocated_bytes", "reserved_bytes", "active_bytes", "requested_bytes"):
             out[key] = n[key]["all"]["current"]
@@ -91,9 +167,36 @@ class CachingAllocator(_C.CachingAllocator):
         out["fragmentation"] = 1 - own["largest_free_block_bytes"] / cached if cached else 0.0
         return out
 
+    def reset_peak_stats(self) -> None:
+        self._impl.reset_peak_stats()
+
+    def reset_accumulated_stats(self) -> None:
+        self._impl.reset_accumulated_stats()
+
+    def snapshot(self) -> list[dict]:
+        """Segments and their blocks, in the shape of PyTorch's memory snapshot "segments"."""
+        return self._impl.snapshot()
+
+    @property
+    def trace_capacity(self) -> int:
+        return self._impl.trace_capacity
+
+    @trace_capacity.setter
+    def trace_capacity(self, n: int) -> None:
+        self._impl.trace_capacity = n
+
+    @property
+    def trace_dropped(self) -> int:
+        """Events overwritten because the ring was full."""
+        return self._impl.trace_dropped
+
     def drain_trace(self) -> list[TraceEvent]:
         """Events recorded since the last drain, oldest first (the ring keeps the newest)."""
-        return [TraceEvent(*e) for e in super().drain_trace()]
+        return [TraceEvent(*e) for e in self._impl.drain_trace()]
+
+    def push_trace(self, action: str, address: int = 0, size: int = 0, stream: int = 0, tag: int = 0) -> None:
+        """Adds an event of the pool's (offload, prefetch, ...) to the ring."""
+        self._impl.push_trace(action, address, size, stream, tag)
 
     def __repr__(self) -> str:
         return f"CachingAllocator({self.device!r}, limit_bytes={self.limit_bytes})"

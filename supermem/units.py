@@ -47,7 +47,9 @@ def parse_bytes(value: int | str, total_bytes: int | None = None) -> int:
         return int(total_bytes * pct / 100)
     m = _SIZE.match(text)
     if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"{text!r} is not a size: use bytes (1048576), a unit (64KiB, 8GiB, 512MB) or a percentage")
+        raise ValueError(
+            f"{text!r} is not a size: use bytes (1048576), a unit (64KiB, 8GiB, 512MB) or a percentage"
+        )
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 

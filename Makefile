@@ -1,0 +1,33 @@
+# Two commands on a fresh machine:
+#   make demo    build supermem in .venv and run the demo
+#   make test    build supermem in .venv, lint, and run the tests
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+
+.PHONY: demo test lint build clean
+
+$(BIN)/pip:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+$(VENV)/.deps: requirements-dev.txt | $(BIN)/pip
+	$(BIN)/pip install -q -r requirements-dev.txt
+	command -v cmake >/dev/null || $(BIN)/pip install -q cmake ninja
+	touch $@
+
+build: $(VENV)/.deps
+	$(BIN)/pip install -q --no-build-isolation --no-deps -e .
+
+demo: build
+	$(BIN)/supermem demo
+
+lint: $(VENV)/.deps
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+test: build lint
+	$(BIN)/pytest -q
+
+clean:
+	rm -rf build $(VENV) supermem/_C*.so

@@ -1,0 +1,39 @@
+"""The `supermem` command (also `python -m supermem`). Each subcommand lives in its own module,
+which provides `add_arguments(parser)` and `main(args) -> int`."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from .errors import ConfigError, UsageError
+
+# name -> (module, one-line help)
+COMMANDS = {
+    "demo": ("supermem.demo", "train a small model with and without supermem; print memory and time"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="supermem", description="A GPU memory manager for PyTorch.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, (module, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        mod = importlib.import_module(module)
+        mod.add_arguments(p)
+        p.set_defaults(_main=mod.main)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args._main(args) or 0)
+    except (ConfigError, UsageError, FileNotFoundError) as e:  # user mistakes: a message, no traceback
+        print(f"supermem {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,236 @@
+"""supermem's options: one table, parsed strictly from SUPERMEM_CONF ("key:value,key:value", the
+syntax of PYTORCH_ALLOC_CONF) and settable with `supermem.options(...)`. The README's option list is
+generated from this table (`python -m supermem.config --markdown`)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import ConfigError
+from .units import parse_bytes
+
+
+def _size_or_fraction(text: Any) -> int | float | str:
+    """Kept as given ("12GiB", "80%", 0.8) and resolved against the card when the device is known."""
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        value: int | float | str = text
+    else:
+        text = str(text).strip()
+        try:
+            value = float(text) if "." in text and text.replace(".", "", 1).isdigit() else text
+        except ValueError:
+            value = text
+    parse_bytes(value, total_bytes=1 << 40)  # validates; raises ValueError with the accepted forms
+    return value
+
+
+def _bool(text: Any) -> bool:
+    if isinstance(text, bool):
+        return text
+    t = str(text).strip().lower()
+    if t in ("1", "true", "on", "yes"):
+        return True
+    if t in ("0", "false", "off", "no"):
+        return False
+    raise ValueError(f"{text!r} is not a boolean: use true/false, on/off or 1/0")
+
+
+def _int_range(lo: int, hi: int) -> Callable[[Any], int]:
+    def parse(text: Any) -> int:
+        try:
+            v = int(str(text).strip())
+        except ValueError:
+            raise ValueError(f"{text!r} is not an integer") from None
+        if not lo <= v <= hi:
+            raise ValueError(f"{v} is out of range [{lo}, {hi}]")
+        return v
+
+    return parse
+
+
+def _choice(*names: str) -> Callable[[Any], str]:
+    def parse(text: Any) -> str:
+        t = str(text).strip().lower()
+        if t not in names:
+            raise ValueError(f"{text!r} is not one of {', '.join(names)}")
+        return t
+
+    return parse
+
+
+def _path(text: Any) -> str:
+    t = str(text).strip()
+    if not t:
+        raise ValueError("an empty path")
+    return t
+
+
+@dataclass(frozen=True)
+class Option:
+    name: str
+    parse: Callable[[Any], Any]
+    default: Any
+    allowed: str  # the accepted values, in words
+    doc: str
+
+
+OPTIONS: tuple[Option, ...] = (
+    Option(
+        "allocator",
+        _choice("supermem", "native"),
+        "supermem",
+        "supermem | native",
+        "Which CUDA allocator serves PyTorch. `native` keeps PyTorch's and uses only the pool.",
+    ),
+    Option(
+        "limit",
+        _size_or_fraction,
+        None,
+        "bytes, 12GiB, 80% or 0.8",
+        "Hard cap on reserved GPU memory; allocations beyond it raise torch.OutOfMemoryError.",
+    ),
+    Option(
+        "passthrough",
+        _bool,
+        False,
+        "true | false",
+        "No caching: every tensor gets its own cudaMalloc, freed at once (for compute-sanitizer).",
+    ),
+    Option(
+        "trace",
+        _int_range(0, 1 << 30),
+        0,
+        "0 .. 2^30 events",
+        "Size of the allocator's event ring buffer (0: no tracing).",
+    ),
+    Option(
+        "debug",
+        _int_range(0, 2),
+        0,
+        "0 | 1 | 2",
+        "Invariant checks: 1 after every slow-path call, 2 after every call (slow).",
+    ),
+    Option(
+        "pool",
+        _choice("off", "lru"),
+        "off",
+        "off | lru",
+        "Tensor pool policy for tensors autograd saves for backward (`lru`: offload least recently used).",
+    ),
+    Option(
+        "budget",
+        _size_or_fraction,
+        None,
+        "bytes, 8GiB, 60% or 0.6",
+        "Device bytes the pool may keep resident; beyond it, the policy offloads to pinned host memory.",
+    ),
+    Option(
+        "host_limit",
+        _size_or_fraction,
+        "50%",
+        "bytes, 32GiB or a percentage of host RAM",
+        "Pinned host memory the pool may use for offloaded tensors.",
+    ),
+    Option(
+        "oom_snapshot",
+        _path,
+        None,
+        "a file path",
+        "When an OOM is raised, write a trace there (and an HTML report beside it).",
+    ),
+)
+_BY_NAME = {o.name: o for o in OPTIONS}
+
+
+def parse_option(name: str, value: Any) -> Any:
+    """The parsed value of one option; ConfigError names the key and the allowed values."""
+    opt = _BY_NAME.get(name)
+    if opt is None:
+        raise ConfigError(f"unknown supermem option {name!r}; known options: {', '.join(_BY_NAME)}")
+    if value is None:
+        return None
+    try:
+        return opt.parse(value)
+    except ValueError as e:
+        raise ConfigError(f"bad value for supermem option {name!r}: {e} (allowed: {opt.allowed})") from None
+
+
+def parse_conf(text: str) -> dict[str, Any]:
+    """Parses "key:value,key:value" strictly (spaces ignored, an empty string is no options)."""
+    out: dict[str, Any] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, value = item.partition(":")
+        key = key.strip()
+        if not sep or not value.strip():
+            raise ConfigError(f"SUPERMEM_CONF item {item!r} is not key:value (e.g. limit:12GiB,pool:lru)")
+        if key in out:
+            raise ConfigError(f"supermem option {key!r} is given twice")
+        out[key] = parse_option(key, value.strip())
+    return out
+
+
+class Config:
+    """The options in force: defaults, then SUPERMEM_CONF, then `options(...)` overrides."""
+
+    def __init__(self, values: dict[str, Any] | None = None):
+        self._values = {o.name: o.default for o in OPTIONS}
+        self._values.update(values or {})
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self._values[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self._values)
+
+    def set(self, **values: Any) -> None:
+        for k, v in values.items():
+            self._values[k] = parse_option(k, v)
+
+
+def from_env(environ: os._Environ | dict | None = None) -> Config:
+    env = os.environ if environ is None else environ
+    return Config(parse_conf(env.get("SUPERMEM_CONF", "")))
+
+
+_current: Config | None = None
+
+
+def current() -> Config:
+    """The process's options (read from the environment on first use)."""
+    global _current
+    if _current is None:
+        _current = from_env()
+    return _current
+
+
+@contextlib.contextmanager
+def options(**values: Any) -> Iterator[Config]:
+    """Overrides options for the `with` block: `with supermem.options(pool="lru", budget="8GiB"):`."""
+    cfg = current()
+    saved = cfg.as_dict()
+    cfg.set(**values)
+    try:
+        yield cfg
+    finally:
+        cfg._values = saved
+
+
+def markdown_table() -> str:
+    rows = ["| option | values | default | what it does |", "| --- | --- | --- | --- |"]
+    for o in OPTIONS:
+        default = "—" if o.default is None else f"`{o.default}`"
+        rows.append(f"| `{o.name}` | {o.allowed} | {default} | {o.doc} |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["--markdown"]:
+        print(markdown_table())
