@@ -7,6 +7,7 @@
 #include "alloc/caching.h"
 #include "plugin.h"
 #include "prim/prim.h"
+#include "py_callbacks.h"
 
 namespace py = pybind11;
 using namespace supermem;
@@ -29,15 +30,6 @@ size_t checked_size(int64_t nbytes) {
 }
 
 void* as_ptr(uint64_t address) { return reinterpret_cast<void*>(address); }
-
-// A Python callable kept alive by C++ and released with the GIL held (skipped at interpreter exit).
-std::shared_ptr<py::object> hold(py::object fn) {
-  return std::shared_ptr<py::object>(new py::object(std::move(fn)), [](py::object* o) {
-    if (!Py_IsInitialized()) return;  // leak: Python is gone
-    py::gil_scoped_acquire g;
-    delete o;
-  });
-}
 
 py::dict stat_dict(const Stat& s) {
   py::dict d;
@@ -109,7 +101,48 @@ const char* state_name(BlockState s) {
   }
 }
 
+// A Python callable kept alive by C++ and released with the GIL held (skipped at interpreter exit).
+std::shared_ptr<py::object> hold(py::function fn) {
+  return std::shared_ptr<py::object>(new py::object(std::move(fn)), [](py::object* o) {
+    if (!Py_IsInitialized()) return;  // leak: Python is gone
+    py::gil_scoped_acquire g;
+    delete o;
+  });
+}
+
 }  // namespace
+
+namespace supermem {
+
+PressureHandler pressure_handler_from_py(py::function fn) {
+  return [f = hold(std::move(fn))](size_t need) -> size_t {
+    if (!Py_IsInitialized()) return 0;
+    py::gil_scoped_acquire g;
+    try {
+      py::object r = (*f)(need);
+      return r.is_none() ? 0 : r.cast<size_t>();
+    } catch (py::error_already_set& e) {
+      e.discard_as_unraisable("supermem pressure handler");
+    } catch (const std::exception& e) {
+      PyErr_WarnEx(PyExc_RuntimeWarning, e.what(), 1);
+    }
+    return 0;
+  };
+}
+
+OomObserver oom_observer_from_py(py::function fn) {
+  return [f = hold(std::move(fn))](size_t requested, const std::string& message) {
+    if (!Py_IsInitialized()) return;
+    py::gil_scoped_acquire g;
+    try {
+      (*f)(requested, message);
+    } catch (py::error_already_set& e) {
+      e.discard_as_unraisable("supermem OOM observer");
+    }
+  };
+}
+
+}  // namespace supermem
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "supermem core: caching allocator, devices, trace ring (C++)";
@@ -189,18 +222,11 @@ PYBIND11_MODULE(_C, m) {
              }
            }, nogil)
       .def("add_pressure_handler", [](CA& a, py::function fn) {
-             auto f = hold(std::move(fn));
-             return a.add_pressure_handler([f](size_t need) -> size_t {
-               py::gil_scoped_acquire g;
-               try {
-                 py::object r = (*f)(need);
-                 return r.is_none() ? 0 : r.cast<size_t>();
-               } catch (py::error_already_set& e) {
-                 e.discard_as_unraisable("supermem pressure handler");
-                 return 0;
-               }
-             });
+             return a.add_pressure_handler(pressure_handler_from_py(std::move(fn)));
            }, py::arg("handler"))
+      .def("add_oom_observer", [](CA& a, py::function fn) {
+             a.add_oom_observer(oom_observer_from_py(std::move(fn)));
+           }, py::arg("observer"))
       .def("remove_pressure_handler", &CA::remove_pressure_handler, py::arg("handler_id"), nogil)
       .def("begin_allocate_to_pool", [](CA& a, PoolId id, std::vector<uint64_t> streams) {
              a.begin_allocate_to_pool(id, [streams](Stream s) {

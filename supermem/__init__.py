@@ -1,13 +1,28 @@
 """supermem: a GPU memory manager for PyTorch.
 
+    SUPERMEM=1 python train.py            # zero code change: supermem's allocator serves CUDA memory
+    supermem.install("limit:12GiB")       # or in code, before the first CUDA tensor
+
 Importing supermem never initialises CUDA.
 """
 
 import torch  # noqa: F401  (loads libc10, which supermem._C links against)
 
 from . import _C
-from .errors import ConfigError, OutOfMemoryError, UsageError
+from .activate import device_allocator, install, installed
+from .config import options
+from .errors import ActivationError, ConfigError, OutOfMemoryError, UsageError
 
 __version__ = "0.1.0"
-__all__ = ["ConfigError", "OutOfMemoryError", "UsageError", "__version__"]
+__all__ = [
+    "ActivationError",
+    "ConfigError",
+    "OutOfMemoryError",
+    "UsageError",
+    "__version__",
+    "device_allocator",
+    "install",
+    "installed",
+    "options",
+]
 has_cuda_build: bool = _C.has_cuda

@@ -12,6 +12,7 @@ from .errors import ConfigError, UsageError
 # name -> (module, one-line help)
 COMMANDS = {
     "demo": ("supermem.demo", "train a small model with and without supermem; print memory and time"),
+    "run": ("supermem.run", "run a Python program with supermem's allocator installed"),
 }
 
 

@@ -22,3 +22,7 @@ class DeviceError(RuntimeError):
 
 class InvariantError(RuntimeError):
     """The allocator's invariant walker found corrupted bookkeeping: a bug in supermem."""
+
+
+class ActivationError(RuntimeError):
+    """supermem could not be swapped into PyTorch (e.g. CUDA was already initialised)."""

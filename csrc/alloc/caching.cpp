@@ -73,7 +73,7 @@ void* CachingAllocator::malloc(size_t nbytes, Stream stream) {
   if (nbytes == 0) return nullptr;
   Lock lk(mu_);
   if (!events_.empty() && captures_.empty()) process_events();
-  if (nbytes > kMaxRequest) throw_oom(nbytes, nbytes, 0);
+  if (nbytes > kMaxRequest) throw_oom(lk, nbytes, nbytes, 0);
   size_t size = round_size(nbytes);
   bool small = size <= kSmallBytes;
   Pool& pool = pool_for(stream);
@@ -207,7 +207,7 @@ Block* CachingAllocator::malloc_slow(Lock& lk, Pool& pool, bool small, Stream st
     }
   }
   if (opts_.debug >= 1) check_locked();
-  throw_oom(nbytes, size, evicted);
+  throw_oom(lk, nbytes, size, evicted);
 }
 
 Block* CachingAllocator::new_segment(Pool& pool, bool small, Stream stream, size_t size) {
@@ -330,30 +330,39 @@ size_t CachingAllocator::run_pressure_handlers(Lock& lk, size_t need) {
   return freed;
 }
 
-void CachingAllocator::throw_oom(size_t nbytes, size_t alloc_size, size_t evicted) {
+void CachingAllocator::throw_oom(Lock& lk, size_t nbytes, size_t alloc_size, size_t evicted) {
   ++stats_.num_ooms;
   trace_.push(TraceKind::oom, nullptr, alloc_size, 0);
   std::ostringstream m;
   m << "CUDA out of memory. ";
   if (nbytes > kMaxRequest) {
     m << "Tried to allocate more than 1EB memory.";
-    throw OutOfMemory(m.str(), nbytes);
+  } else {
+    size_t total = device_->total_bytes(), free = device_->free_bytes();
+    size_t allocated = stats_.allocated_bytes.s[kAll].current;
+    size_t reserved = stats_.reserved_bytes.s[kAll].current;
+    m << "Tried to allocate " << format_bytes(nbytes) << ". ";
+    if (device_->name() == "sim") m << "Simulated device";
+    else m << "GPU " << device_->index();
+    m << " has a total capacity of " << format_bytes(total) << " of which " << format_bytes(free)
+      << " is free.";
+    if (opts_.limit_bytes) m << " The supermem limit is " << format_bytes(opts_.limit_bytes) << ".";
+    m << " Of the allocated memory " << format_bytes(allocated) << " is allocated by PyTorch, and "
+      << format_bytes(reserved - allocated) << " is reserved by PyTorch but unallocated";
+    m << " (supermem: requested " << nbytes << " bytes, allocated " << allocated
+      << " bytes, reserved " << reserved << " bytes, evicted " << evicted << " bytes under pressure).";
   }
-  size_t total = device_->total_bytes(), free = device_->free_bytes();
-  size_t allocated = stats_.allocated_bytes.s[kAll].current;
-  size_t reserved = stats_.reserved_bytes.s[kAll].current;
-  m << "Tried to allocate " << format_bytes(nbytes) << ". ";
-  if (device_->name() == "sim") m << "Simulated device";
-  else m << "GPU " << device_->index();
-  m << " has a total capacity of " << format_bytes(total) << " of which " << format_bytes(free)
-    << " is free.";
-  if (opts_.limit_bytes)
-    m << " The supermem limit is " << format_bytes(opts_.limit_bytes) << ".";
-  m << " Of the allocated memory " << format_bytes(allocated) << " is allocated by PyTorch, and "
-    << format_bytes(reserved - allocated) << " is reserved by PyTorch but unallocated";
-  m << " (supermem: requested " << nbytes << " bytes, allocated " << allocated << " bytes, reserved "
-    << reserved << " bytes, evicted " << evicted << " bytes under pressure).";
-  throw OutOfMemory(m.str(), nbytes);
+  auto observers = oom_observers_;
+  std::string msg = m.str();
+  lk.unlock();  // observers may allocate, free or take the GIL
+  for (auto& obs : observers) {
+    try {
+      obs(nbytes, msg);
+    } catch (...) {
+      // An observer's failure must not replace the OOM the caller is about to see.
+    }
+  }
+  throw OutOfMemory(msg, nbytes);
 }
 
 // ---------------------------------------------------------------- everything else
@@ -421,6 +430,11 @@ int CachingAllocator::add_pressure_handler(PressureHandler handler) {
   std::lock_guard<std::mutex> g(mu_);
   handlers_.emplace_back(next_handler_id_, std::move(handler));
   return next_handler_id_++;
+}
+
+void CachingAllocator::add_oom_observer(OomObserver observer) {
+  std::lock_guard<std::mutex> g(mu_);
+  oom_observers_.push_back(std::move(observer));
 }
 
 void CachingAllocator::remove_pressure_handler(int id) {

@@ -33,6 +33,8 @@ struct AllocatorOptions {
 
 // Called under memory pressure with the allocator lock released; returns the bytes it freed.
 using PressureHandler = std::function<size_t(size_t need_bytes)>;
+// Called with the lock released just before an OutOfMemory is thrown (e.g. to write a snapshot).
+using OomObserver = std::function<void(size_t requested_bytes, const std::string& message)>;
 using PoolId = std::pair<uint64_t, uint64_t>;
 using StreamFilter = std::function<bool(Stream)>;
 
@@ -66,6 +68,7 @@ class CachingAllocator {
 
   int add_pressure_handler(PressureHandler handler);
   void remove_pressure_handler(int id);
+  void add_oom_observer(OomObserver observer);
 
   Stats stats();
   void reset_peak_stats();
@@ -94,7 +97,7 @@ class CachingAllocator {
   size_t run_pressure_handlers(Lock& lk, size_t need);
   void check_locked();
   std::string describe_bad_pointer(void* ptr);
-  [[noreturn]] void throw_oom(size_t nbytes, size_t alloc_size, size_t evicted);
+  [[noreturn]] void throw_oom(Lock& lk, size_t nbytes, size_t alloc_size, size_t evicted);
 
   DevicePtr device_;
   AllocatorOptions opts_;
@@ -107,6 +110,7 @@ class CachingAllocator {
   std::deque<std::pair<Event, Block*>> events_;            // outstanding record_stream events
   std::vector<Block*> deferred_;   // freed during a capture: events recorded once it ends
   std::vector<std::pair<int, PressureHandler>> handlers_;
+  std::vector<OomObserver> oom_observers_;
   int next_handler_id_ = 1;
   Stats stats_;
   TraceRing trace_;

@@ -1,0 +1,165 @@
+"""Swapping supermem's allocator into PyTorch, and keeping PyTorch's memory tools working.
+
+PyTorch lets an allocator be swapped only before CUDA is initialised, and once. After the swap,
+torch.cuda.memory_stats & co. would raise for a pluggable allocator; supermem answers them with
+its own numbers by replacing the torch._C functions they call (memory.py looks them up per call).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+from typing import Any
+
+import torch
+
+from . import _C, config
+from .allocator import CachingAllocator
+from .errors import ActivationError
+from .units import parse_bytes
+
+_HOOK_SETTERS = {  # CUDAPluggableAllocator setter -> key in _C.plugin_symbols
+    "set_init_fn": "init",
+    "set_reset_fn": "reset",
+    "set_memory_fraction_fn": "memory_fraction",
+    "set_base_alloc_fn": "base_alloc",
+    "set_record_stream_fn": "record_stream",
+    "set_begin_allocate_to_pool": "begin_allocate_to_pool",
+    "set_end_allocate_to_pool_fn": "end_allocate_to_pool",
+    "set_release_pool": "release_pool",
+}
+_keep_alive: list[Any] = []  # the pluggable allocator and the library handle live as long as the process
+_installed = False
+
+_TOO_LATE = (
+    "supermem must replace PyTorch's CUDA allocator before CUDA is initialised, but CUDA is already "
+    "in use in this process. Either set SUPERMEM=1 (or SUPERMEM_CONF=...) in the environment of the "
+    "unchanged script, run it with `supermem run script.py`, or call supermem.install() before the "
+    "first CUDA tensor or torch.cuda call (also before libraries that touch CUDA at import)."
+)
+
+
+def installed() -> bool:
+    """True once supermem's allocator serves PyTorch in this process."""
+    return _installed
+
+
+def device_allocator(device: int = 0) -> CachingAllocator | None:
+    """The allocator serving PyTorch on CUDA device `device`, or None (not installed / not yet used)."""
+    if not _installed:
+        return None
+    impl = _C.plugin_allocator(device, False)
+    return CachingAllocator.wrap(impl) if impl is not None else None
+
+
+def _limit_args(limit: Any) -> tuple[int, float]:
+    """(bytes, fraction of the card) from the `limit` option; fractions resolve per device."""
+    if limit is None:
+        return 0, 0.0
+    if isinstance(limit, float):
+        return 0, limit
+    if isinstance(limit, str) and limit.strip().endswith("%"):
+        return 0, float(limit.strip()[:-1]) / 100
+    return parse_bytes(limit), 0.0
+
+
+def install(conf: str | dict | None = None) -> bool:
+    """Swaps supermem's caching allocator into PyTorch. Call before CUDA is initialised.
+
+    conf: options as a SUPERMEM_CONF string ("limit:12GiB,trace:100000") or a dict; they update the
+    process's options (supermem.config.current()). Returns True when supermem serves CUDA memory,
+    False when there is nothing to swap (`allocator:native`, or a PyTorch build without CUDA).
+    Raises ActivationError when CUDA is already initialised, ConfigError for bad options.
+    """
+    global _installed
+    cfg = config.current()
+    if conf:
+        cfg.set(**(config.parse_conf(conf) if isinstance(conf, str) else conf))
+    if _installed:
+        return True
+    if cfg.allocator == "native":
+        return False
+    if not _C.has_cuda or not hasattr(torch._C, "_cuda_customAllocator"):
+        print(
+            "supermem: this PyTorch or supermem build has no CUDA; the allocator is not swapped",
+            file=sys.stderr,
+        )
+        return False
+    if torch.cuda.is_initialized():
+        raise ActivationError(_TOO_LATE)
+    limit_bytes, limit_fraction = _limit_args(cfg.limit)
+    _C.plugin_configure(limit_bytes, limit_fraction, cfg.passthrough, cfg.debug, cfg.trace)
+    symbols = _C.plugin_symbols
+    pluggable = torch.cuda.memory.CUDAPluggableAllocator(_C.__file__, symbols["malloc"], symbols["free"])
+    lib = ctypes.CDLL(_C.__file__)  # the already-loaded module: same handle, same globals
+    hooks = pluggable.allocator()
+    for setter, key in _HOOK_SETTERS.items():
+        getattr(hooks, setter)(ctypes.cast(getattr(lib, symbols[key]), ctypes.c_void_p).value)
+    try:
+        torch.cuda.memory.change_current_allocator(pluggable)
+    except RuntimeError as e:  # "Can't swap an already initialized allocator"
+        raise ActivationError(_TOO_LATE) from e
+    _keep_alive.extend([pluggable, lib])
+    _patch_torch()
+    _installed = True
+    return True
+
+
+def install_from_env() -> None:
+    """The zero-code path (SUPERMEM=1 / SUPERMEM_CONF): install with the environment's options."""
+    os.environ.setdefault("SUPERMEM", "1")  # child processes (spawn workers, torchrun) inherit it
+    install()
+
+
+# ---------------------------------------------------------------- torch.cuda.memory_* answers
+
+
+def _allocator(device: int | None) -> Any:
+    index = torch.cuda.current_device() if device is None else int(device)
+    return _C.plugin_allocator(index, True)
+
+
+def _memory_stats(device: int | None) -> dict:
+    return _allocator(device).nested_stats()
+
+
+def _reset_peak(device: int | None) -> None:
+    _allocator(device).reset_peak_stats()
+
+
+def _reset_accumulated(device: int | None) -> None:
+    _allocator(device).reset_accumulated_stats()
+
+
+def _memory_fraction(device: int | None) -> float:
+    impl = _allocator(device)
+    return impl.limit_bytes / impl.device.total_bytes if impl.limit_bytes else 1.0
+
+
+def _memory_snapshot(*args: Any, **kwargs: Any) -> dict:
+    """PyTorch's snapshot shape: segments of every device (with their blocks) and empty traces."""
+    segments, traces = [], []
+    for device in _C.plugin_devices():
+        for seg in _C.plugin_allocator(device, False).snapshot():
+            blocks = [dict(b, frames=[]) for b in seg["blocks"]]
+            allocated = sum(b["size"] for b in blocks if b["state"] == "active_allocated")
+            active = sum(b["size"] for b in blocks if b["state"] != "inactive")
+            segments.append(
+                dict(seg, device=device, allocated_size=allocated, active_size=active, blocks=blocks)
+            )
+        traces.append([])
+    return {"segments": segments, "device_traces": traces}
+
+
+def _patch_torch() -> None:
+    patches = {
+        "_cuda_memoryStats": _memory_stats,
+        "_cuda_resetPeakMemoryStats": _reset_peak,
+        "_cuda_resetAccumulatedMemoryStats": _reset_accumulated,
+        "_cuda_getMemoryFraction": _memory_fraction,
+        "_cuda_memorySnapshot": _memory_snapshot,
+    }
+    for name, fn in patches.items():
+        if hasattr(torch._C, name):
+            setattr(torch._C, name, fn)
