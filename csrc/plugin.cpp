@@ -1,17 +1,22 @@
-// The PyTorch plug-in. torch.cuda.memory.CUDAPluggableAllocator dlopens this very .so (the handle is
-// the one Python already loaded, so these entry points share the module's globals) and calls:
+// The PyTorch plug-in: extern "C" entry points in the shape CUDAPluggableAllocator expects
 //   supermem_malloc / supermem_free                  for every CUDA tensor
 //   supermem_init, _reset (empty_cache), _memory_fraction, _record_stream, _base_alloc,
 //   _begin_allocate_to_pool / _end_allocate_to_pool / _release_pool (CUDA graph capture)
-// Each is a thin shim over one CachingAllocator per device. OOM is thrown as c10::OutOfMemoryError
-// so Python sees torch.OutOfMemoryError. Nothing here is ever destroyed: tensors are freed during
-// interpreter shutdown, after static destructors could have run.
+// each a thin shim over one CachingAllocator per device, and TorchAllocator, a subclass of PyTorch's
+// CUDAPluggableAllocator wired to them, which also answers what the plain plug-in cannot: cacheInfo
+// (cudnn.benchmark) and checkPoolLiveAllocations (CUDA graph checks). OOM is thrown as
+// c10::OutOfMemoryError so Python sees torch.OutOfMemoryError. Nothing here is ever destroyed:
+// tensors are freed during interpreter shutdown, after static destructors could have run.
 #include "plugin.h"
 
-#ifdef SUPERMEM_WITH_CUDA
+#ifdef SUPERMEM_WITH_TORCH_CUDA
 
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAStream.h>
 #include <c10/util/Exception.h>
 #include <cuda_runtime_api.h>
+#include <pybind11/stl.h>
+#include <torch/csrc/cuda/CUDAPluggableAllocator.h>
 
 #include <array>
 #include <atomic>
@@ -19,6 +24,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <unordered_set>
 #include <utility>
 
 #include "alloc/caching.h"
@@ -73,6 +79,34 @@ void report(const char* where, const std::exception& e) {
   std::fprintf(stderr, "supermem: %s: %s\n", where, e.what());
 }
 
+// The allocator holding live block `ptr`, trying the current device first; nullptr if none.
+CachingAllocator* owner_of(void* ptr) {
+  int current = 0;
+  cudaGetDevice(&current);
+  Plugin& p = plugin();
+  for (int i = -1; i < kMaxDevices; ++i) {
+    if (i == current) continue;
+    CachingAllocator* a = p.fast[i < 0 ? current : i].load(std::memory_order_acquire);
+    if (a && a->owns(ptr)) return a;
+  }
+  return nullptr;
+}
+
+void free_on(int device, void* ptr) {
+  try {
+    allocator_for(device).free(ptr);
+  } catch (const std::exception& e) {  // called from tensor destructors: report, never throw
+    report("free", e);
+  }
+}
+
+// One deleter per device, so a DataPtr frees on its own device without a lookup.
+template <int... D>
+constexpr std::array<c10::DeleterFnPtr, sizeof...(D)> make_deleters(std::integer_sequence<int, D...>) {
+  return {[](void* p) { free_on(D, p); }...};
+}
+constexpr auto kDeleters = make_deleters(std::make_integer_sequence<int, kMaxDevices>{});
+
 using MempoolId = std::pair<unsigned long long, unsigned long long>;  // c10::cuda::MempoolId_t
 
 }  // namespace
@@ -93,12 +127,7 @@ SUPERMEM_EXPORT void* supermem_malloc(size_t size, int device, cudaStream_t stre
 }
 
 SUPERMEM_EXPORT void supermem_free(void* ptr, size_t, int device, cudaStream_t) {
-  // Called from tensor destructors: never throw, report instead.
-  try {
-    allocator_for(device).free(ptr);
-  } catch (const std::exception& e) {
-    report("free", e);
-  }
+  free_on(device, ptr);
 }
 
 SUPERMEM_EXPORT void supermem_init(int) {}
@@ -126,22 +155,8 @@ SUPERMEM_EXPORT void supermem_memory_fraction(double fraction, int device) {
 }
 
 SUPERMEM_EXPORT void supermem_record_stream(void* ptr, cudaStream_t stream) {
-  int current = 0;
-  cudaGetDevice(&current);
-  Plugin& p = plugin();
-  // The pointer usually belongs to the current device; try it first, then the others.
-  for (int i = -1; i < kMaxDevices; ++i) {
-    int d = i < 0 ? current : i;
-    if (i == current) continue;
-    CachingAllocator* a = p.fast[d].load(std::memory_order_acquire);
-    if (!a) continue;
-    try {
-      a->record_stream(ptr, reinterpret_cast<Stream>(stream));
-      return;
-    } catch (const UsageError&) {
-    }
-  }
-  std::fprintf(stderr, "supermem: record_stream: %p was not allocated by supermem\n", ptr);
+  if (CachingAllocator* a = owner_of(ptr)) a->record_stream(ptr, reinterpret_cast<Stream>(stream));
+  else std::fprintf(stderr, "supermem: record_stream: %p was not allocated by supermem\n", ptr);
 }
 
 SUPERMEM_EXPORT void* supermem_base_alloc(void* ptr, size_t* size) {
@@ -164,6 +179,66 @@ SUPERMEM_EXPORT void supermem_release_pool(int device, MempoolId id) {
 }
 
 namespace supermem {
+namespace {
+
+class TorchAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPluggableAllocator {
+ public:
+  TorchAllocator() : CUDAPluggableAllocator(supermem_malloc, supermem_free) {
+    set_init_fn(supermem_init);
+    set_reset_fn(supermem_reset);
+    set_memory_fraction_fn(supermem_memory_fraction);
+    set_base_alloc_fn(supermem_base_alloc);
+    set_record_stream_fn(supermem_record_stream);
+    set_begin_allocate_to_pool(supermem_begin_allocate_to_pool);
+    set_end_allocate_to_pool_fn(supermem_end_allocate_to_pool);
+    set_release_pool(supermem_release_pool);
+  }
+
+  static void delete_raw(void* ptr) {
+    if (!ptr) return;
+    if (CachingAllocator* a = owner_of(ptr)) a->free(ptr);
+    else std::fprintf(stderr, "supermem: raw_delete: %p was not allocated by supermem\n", ptr);
+  }
+
+  // As PyTorch's: the largest cached block, or more when *largest starts at 0 (the device's free
+  // memory). cudnn.benchmark sizes its workspace search with it.
+  void cacheInfo(c10::DeviceIndex device, size_t* largest) override {
+    CachingAllocator& a = allocator_for(device);
+    if (*largest == 0) *largest = a.device()->free_bytes();
+    *largest = std::max(*largest, a.largest_free_block());
+  }
+
+  // allocate / raw_alloc / raw_delete / recordStream go straight to supermem, skipping the base
+  // class's mutex and address map (supermem keeps its own).
+  c10::DataPtr allocate(size_t size) override {
+    c10::DeviceIndex device = c10::cuda::current_device();
+    void* p = supermem_malloc(size, device, c10::cuda::getCurrentCUDAStream(device).stream());
+    return {p, p, kDeleters[device], c10::Device(c10::DeviceType::CUDA, device)};
+  }
+  c10::DeleterFnPtr raw_deleter() const override { return &delete_raw; }
+  void* raw_alloc(size_t nbytes) override {
+    return raw_alloc_with_stream(nbytes, c10::cuda::getCurrentCUDAStream().stream());
+  }
+  void* raw_alloc_with_stream(size_t nbytes, cudaStream_t stream) override {
+    return supermem_malloc(nbytes, c10::cuda::current_device(), stream);
+  }
+  void raw_delete(void* ptr) override { delete_raw(ptr); }
+  void recordStream(const c10::DataPtr& ptr, c10::cuda::CUDAStream stream) override {
+    if (!ptr.get()) return;
+    allocator_for(ptr.device().index()).record_stream(ptr.get(), reinterpret_cast<Stream>(stream.stream()));
+  }
+
+  bool checkPoolLiveAllocations(c10::DeviceIndex device, c10::cuda::MempoolId_t id,
+                                const std::unordered_set<void*>& expected) override {
+    std::vector<void*> live = allocator_for(device).pool_live_blocks(id);
+    if (live.size() != expected.size()) return false;
+    for (void* p : live)
+      if (!expected.count(p)) return false;
+    return true;
+  }
+};
+
+}  // namespace
 
 void register_plugin(pybind11::module_& m) {
   namespace py = pybind11;
@@ -206,19 +281,15 @@ void register_plugin(pybind11::module_& m) {
       if (plugin().fast[d].load(std::memory_order_acquire)) out.push_back(d);
     return out;
   });
-  m.attr("plugin_symbols") = py::dict(
-      py::arg("malloc") = "supermem_malloc", py::arg("free") = "supermem_free",
-      py::arg("init") = "supermem_init", py::arg("reset") = "supermem_reset",
-      py::arg("memory_fraction") = "supermem_memory_fraction",
-      py::arg("record_stream") = "supermem_record_stream", py::arg("base_alloc") = "supermem_base_alloc",
-      py::arg("begin_allocate_to_pool") = "supermem_begin_allocate_to_pool",
-      py::arg("end_allocate_to_pool") = "supermem_end_allocate_to_pool",
-      py::arg("release_pool") = "supermem_release_pool");
+  m.def("plugin_install", []() {
+    // Fails (c10::Error: "Can't swap an already initialized allocator") once CUDA is initialised.
+    torch::cuda::CUDAPluggableAllocator::changeCurrentAllocator(std::make_shared<TorchAllocator>());
+  });
 }
 
 }  // namespace supermem
 
-#else  // no CUDA: nothing to plug in
+#else  // no CUDA build of torch: nothing to plug in
 
 namespace supermem {
 void register_plugin(pybind11::module_&) {}

@@ -1,9 +1,8 @@
-// The PyTorch plug-in: extern "C" entry points that torch.cuda.memory.CUDAPluggableAllocator loads
-// from this very .so, over one CachingAllocator per CUDA device. Built only with CUDA and torch.
+// The PyTorch plug-in (plugin.cpp): built only against a CUDA build of torch.
 #pragma once
 
 #include <pybind11/pybind11.h>
 
 namespace supermem {
-void register_plugin(pybind11::module_& m);  // adds _C.plugin_* functions (no-op without CUDA)
+void register_plugin(pybind11::module_& m);  // adds _C.plugin_* functions (none without CUDA torch)
 }

@@ -6,7 +6,7 @@
 Importing supermem never initialises CUDA.
 """
 
-import torch  # noqa: F401  (loads libc10, which supermem._C links against)
+import torch  # noqa: F401  (first: with a CUDA torch, supermem._C links its libraries)
 
 from . import _C
 from .activate import device_allocator, install, installed

@@ -1,13 +1,16 @@
 """Swapping supermem's allocator into PyTorch, and keeping PyTorch's memory tools working.
 
-PyTorch lets an allocator be swapped only before CUDA is initialised, and once. After the swap,
-torch.cuda.memory_stats & co. would raise for a pluggable allocator; supermem answers them with
-its own numbers by replacing the torch._C functions they call (memory.py looks them up per call).
+PyTorch lets an allocator be swapped only before CUDA is initialised, and once. supermem installs
+a C++ subclass of PyTorch's CUDAPluggableAllocator (csrc/plugin.cpp). torch.cuda.memory_stats & co.
+would raise for a pluggable allocator; supermem answers them with its own numbers by replacing the
+torch._C functions they call (memory.py looks them up per call). CUDA graph trees need allocator
+checkpointing, which supermem lacks: while installed, Inductor uses plain CUDA graphs instead.
 """
 
 from __future__ import annotations
 
-import ctypes
+import importlib.abc
+import importlib.util
 import os
 import sys
 from typing import Any
@@ -19,17 +22,6 @@ from .allocator import CachingAllocator
 from .errors import ActivationError
 from .units import parse_bytes
 
-_HOOK_SETTERS = {  # CUDAPluggableAllocator setter -> key in _C.plugin_symbols
-    "set_init_fn": "init",
-    "set_reset_fn": "reset",
-    "set_memory_fraction_fn": "memory_fraction",
-    "set_base_alloc_fn": "base_alloc",
-    "set_record_stream_fn": "record_stream",
-    "set_begin_allocate_to_pool": "begin_allocate_to_pool",
-    "set_end_allocate_to_pool_fn": "end_allocate_to_pool",
-    "set_release_pool": "release_pool",
-}
-_keep_alive: list[Any] = []  # the pluggable allocator and the library handle live as long as the process
 _installed = False
 
 _TOO_LATE = (
@@ -80,7 +72,7 @@ def install(conf: str | dict | None = None) -> bool:
         return True
     if cfg.allocator == "native":
         return False
-    if not _C.has_cuda or not hasattr(torch._C, "_cuda_customAllocator"):
+    if not hasattr(_C, "plugin_install") or not hasattr(torch._C, "_cuda_customAllocator"):
         print(
             "supermem: this PyTorch or supermem build has no CUDA; the allocator is not swapped",
             file=sys.stderr,
@@ -90,17 +82,10 @@ def install(conf: str | dict | None = None) -> bool:
         raise ActivationError(_TOO_LATE)
     limit_bytes, limit_fraction = _limit_args(cfg.limit)
     _C.plugin_configure(limit_bytes, limit_fraction, cfg.passthrough, cfg.debug, cfg.trace)
-    symbols = _C.plugin_symbols
-    pluggable = torch.cuda.memory.CUDAPluggableAllocator(_C.__file__, symbols["malloc"], symbols["free"])
-    lib = ctypes.CDLL(_C.__file__)  # the already-loaded module: same handle, same globals
-    hooks = pluggable.allocator()
-    for setter, key in _HOOK_SETTERS.items():
-        getattr(hooks, setter)(ctypes.cast(getattr(lib, symbols[key]), ctypes.c_void_p).value)
     try:
-        torch.cuda.memory.change_current_allocator(pluggable)
+        _C.plugin_install()
     except RuntimeError as e:  # "Can't swap an already initialized allocator"
         raise ActivationError(_TOO_LATE) from e
-    _keep_alive.extend([pluggable, lib])
     _patch_torch()
     _installed = True
     return True
@@ -152,8 +137,47 @@ def _memory_snapshot(*args: Any, **kwargs: Any) -> dict:
     return {"segments": segments, "device_traces": traces}
 
 
+def _no_checkpointing(*args: Any, **kwargs: Any) -> Any:
+    raise RuntimeError(
+        "supermem: CUDA graph trees need allocator checkpointing, which supermem does not provide; "
+        "supermem turns torch._inductor.config.triton.cudagraph_trees off so that "
+        "torch.compile(mode='reduce-overhead') uses plain CUDA graphs. Leave it off while supermem "
+        "is installed."
+    )
+
+
+class _InductorConfigHook(importlib.abc.MetaPathFinder):
+    """Sets triton.cudagraph_trees = False when torch._inductor.config is first imported (importing
+    it here would cost a second at every `import torch`)."""
+
+    name = "torch._inductor.config"
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if fullname != self.name:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        exec_module = spec.loader.exec_module
+
+        def exec_and_patch(module: Any) -> None:
+            exec_module(module)
+            module.triton.cudagraph_trees = False
+
+        spec.loader.exec_module = exec_and_patch
+        return spec
+
+
+def _plain_cuda_graphs_for_inductor() -> None:
+    if _InductorConfigHook.name in sys.modules:
+        sys.modules[_InductorConfigHook.name].triton.cudagraph_trees = False
+    else:
+        sys.meta_path.insert(0, _InductorConfigHook())
+
+
 def _patch_torch() -> None:
     patches = {
+        "_cuda_getCheckpointState": _no_checkpointing,
+        "_cuda_setCheckpointPoolState": _no_checkpointing,
         "_cuda_memoryStats": _memory_stats,
         "_cuda_resetPeakMemoryStats": _reset_peak,
         "_cuda_resetAccumulatedMemoryStats": _reset_accumulated,
@@ -163,3 +187,4 @@ def _patch_torch() -> None:
     for name, fn in patches.items():
         if hasattr(torch._C, name):
             setattr(torch._C, name, fn)
+    _plain_cuda_graphs_for_inductor()

@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <cstdio>
-#include <sstream>
 #include <stdexcept>
 
 namespace supermem {
@@ -65,6 +64,7 @@ CachingAllocator::~CachingAllocator() {
     delete s;
   }
   for (auto& [id, p] : private_pools_) delete p;
+  for (Block* b : spare_blocks_) delete b;
 }
 
 // ---------------------------------------------------------------- fast path
@@ -133,7 +133,7 @@ void CachingAllocator::split(Block* b, size_t size, bool small) {
   size_t remaining = b->size - size;
   bool should = !opts_.passthrough && (small ? remaining >= kMinBlockBytes : remaining > kSmallBytes);
   if (!should) return;
-  auto* rest = new Block;
+  Block* rest = new_block();
   rest->ptr = b->ptr + size;
   rest->size = remaining;
   rest->stream = b->stream;
@@ -144,6 +144,22 @@ void CachingAllocator::split(Block* b, size_t size, bool small) {
   b->next = rest;
   b->size = size;
   b->segment->pool->free_set(small).insert(rest);
+}
+
+Block* CachingAllocator::new_block() {
+  if (spare_blocks_.empty()) return new Block;
+  Block* b = spare_blocks_.back();
+  spare_blocks_.pop_back();
+  return b;
+}
+
+void CachingAllocator::recycle(Block* b) {
+  b->stream_uses.clear();
+  b->requested = 0;
+  b->pending_events = 0;
+  b->state = BlockState::free;
+  b->prev = b->next = nullptr;
+  spare_blocks_.push_back(b);
 }
 
 void CachingAllocator::free_block(Block* b) {
@@ -168,7 +184,7 @@ void CachingAllocator::free_block(Block* b) {
       if (b->next) b->next->prev = b;
     }
     b->size += n->size;
-    delete n;
+    recycle(n);
   }
   set.insert(b);
   bool whole = !b->prev && !b->next;
@@ -229,7 +245,7 @@ Block* CachingAllocator::new_segment(Pool& pool, bool small, Stream stream, size
   s->stream = stream;
   s->small = small;
   s->pool = &pool;
-  auto* b = new Block;
+  Block* b = new_block();
   b->ptr = s->base;
   b->size = got;
   b->stream = stream;
@@ -251,7 +267,7 @@ void CachingAllocator::release_segment(Segment* s) {
   stats_.segment.add(s->small, -1);
   trace_.push(TraceKind::segment_free, s->base, s->size, s->stream);
   segments_.erase(s->base);
-  delete b;
+  recycle(b);
   delete s;
 }
 
@@ -333,27 +349,25 @@ size_t CachingAllocator::run_pressure_handlers(Lock& lk, size_t need) {
 void CachingAllocator::throw_oom(Lock& lk, size_t nbytes, size_t alloc_size, size_t evicted) {
   ++stats_.num_ooms;
   trace_.push(TraceKind::oom, nullptr, alloc_size, 0);
-  std::ostringstream m;
-  m << "CUDA out of memory. ";
+  // Formatted with snprintf, not iostreams: no locale machinery on this path.
+  std::string m = "CUDA out of memory. ";
   if (nbytes > kMaxRequest) {
-    m << "Tried to allocate more than 1EB memory.";
+    m += "Tried to allocate more than 1EB memory.";
   } else {
     size_t total = device_->total_bytes(), free = device_->free_bytes();
     size_t allocated = stats_.allocated_bytes.s[kAll].current;
     size_t reserved = stats_.reserved_bytes.s[kAll].current;
-    m << "Tried to allocate " << format_bytes(nbytes) << ". ";
-    if (device_->name() == "sim") m << "Simulated device";
-    else m << "GPU " << device_->index();
-    m << " has a total capacity of " << format_bytes(total) << " of which " << format_bytes(free)
-      << " is free.";
-    if (opts_.limit_bytes) m << " The supermem limit is " << format_bytes(opts_.limit_bytes) << ".";
-    m << " Of the allocated memory " << format_bytes(allocated) << " is allocated by PyTorch, and "
-      << format_bytes(reserved - allocated) << " is reserved by PyTorch but unallocated";
-    m << " (supermem: requested " << nbytes << " bytes, allocated " << allocated
-      << " bytes, reserved " << reserved << " bytes, evicted " << evicted << " bytes under pressure).";
+    std::string where = device_->name() == "sim" ? "Simulated device" : "GPU " + std::to_string(device_->index());
+    m += "Tried to allocate " + format_bytes(nbytes) + ". " + where + " has a total capacity of " +
+         format_bytes(total) + " of which " + format_bytes(free) + " is free.";
+    if (opts_.limit_bytes) m += " The supermem limit is " + format_bytes(opts_.limit_bytes) + ".";
+    m += " Of the allocated memory " + format_bytes(allocated) + " is allocated by PyTorch, and " +
+         format_bytes(reserved - allocated) + " is reserved by PyTorch but unallocated (supermem: requested " +
+         std::to_string(nbytes) + " bytes, allocated " + std::to_string(allocated) + " bytes, reserved " +
+         std::to_string(reserved) + " bytes, evicted " + std::to_string(evicted) + " bytes under pressure).";
   }
   auto observers = oom_observers_;
-  std::string msg = m.str();
+  std::string msg = std::move(m);
   lk.unlock();  // observers may allocate, free or take the GIL
   for (auto& obs : observers) {
     try {
@@ -388,6 +402,32 @@ size_t CachingAllocator::allocation_size(void* ptr) {
   auto it = live_.find(static_cast<char*>(ptr));
   if (it == live_.end()) throw UsageError(describe_bad_pointer(ptr));
   return it->second->size;
+}
+
+bool CachingAllocator::owns(void* ptr) {
+  std::lock_guard<std::mutex> g(mu_);
+  return live_.count(static_cast<char*>(ptr)) > 0;
+}
+
+size_t CachingAllocator::largest_free_block() {
+  std::lock_guard<std::mutex> g(mu_);
+  size_t largest = 0;
+  for (auto& [base, s] : segments_)
+    for (Block* b = s->head; b; b = b->next)
+      if (b->state == BlockState::free) largest = std::max(largest, b->size);
+  return largest;
+}
+
+std::vector<void*> CachingAllocator::pool_live_blocks(PoolId id) {
+  std::lock_guard<std::mutex> g(mu_);
+  std::vector<void*> out;
+  auto it = private_pools_.find(id);
+  if (it == private_pools_.end()) return out;
+  for (auto& [base, s] : segments_)
+    if (s->pool == it->second)
+      for (Block* b = s->head; b; b = b->next)
+        if (b->state == BlockState::allocated) out.push_back(b->ptr);
+  return out;
 }
 
 void CachingAllocator::begin_allocate_to_pool(PoolId id, StreamFilter filter) {

@@ -61,6 +61,9 @@ class CachingAllocator {
   void record_stream(void* ptr, Stream stream);
   void empty_cache();
   size_t allocation_size(void* ptr);           // rounded size of a live block; throws UsageError
+  bool owns(void* ptr);                        // ptr is a live block of this allocator
+  size_t largest_free_block();                 // largest cached free block (any pool, any stream)
+  std::vector<void*> pool_live_blocks(PoolId id);  // allocated blocks of a private pool
 
   void begin_allocate_to_pool(PoolId id, StreamFilter filter);
   void end_allocate_to_pool(PoolId id);
@@ -87,6 +90,8 @@ class CachingAllocator {
   Block* take_free(Pool& pool, bool small, Stream stream, size_t size);
   Block* malloc_slow(Lock& lk, Pool& pool, bool small, Stream stream, size_t size, size_t nbytes);
   Block* new_segment(Pool& pool, bool small, Stream stream, size_t size);
+  Block* new_block();          // from spare_blocks_ when it can: no heap call on the fast path
+  void recycle(Block* b);
   void split(Block* b, size_t size, bool small);
   void free_block(Block* b);
   void release_segment(Segment* s);
@@ -109,6 +114,7 @@ class CachingAllocator {
   std::unordered_map<char*, Block*> live_;                 // allocated blocks by address
   std::deque<std::pair<Event, Block*>> events_;            // outstanding record_stream events
   std::vector<Block*> deferred_;   // freed during a capture: events recorded once it ends
+  std::vector<Block*> spare_blocks_;  // Block objects to reuse (split/merge churn)
   std::vector<std::pair<int, PressureHandler>> handlers_;
   std::vector<OomObserver> oom_observers_;
   int next_handler_id_ = 1;
