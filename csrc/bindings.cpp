@@ -178,6 +178,9 @@ PYBIND11_MODULE(_C, m) {
 #ifdef SUPERMEM_WITH_CUDA
   py::class_<CudaDevice, Device, std::shared_ptr<CudaDevice>>(m, "CudaDevice")
       .def(py::init<int>(), py::arg("index") = 0);
+  py::class_<PinnedHostDevice, Device, std::shared_ptr<PinnedHostDevice>>(m, "PinnedHostDevice")
+      .def(py::init([](int64_t capacity) { return std::make_shared<PinnedHostDevice>(checked_size(capacity)); }),
+           py::arg("capacity_bytes"));
   m.def("cuda_device_count", &cuda_device_count);
   m.attr("has_cuda") = true;
 #else
@@ -188,16 +191,18 @@ PYBIND11_MODULE(_C, m) {
   using CA = CachingAllocator;
   auto nogil = py::call_guard<py::gil_scoped_release>();
   py::class_<CA, std::shared_ptr<CA>>(m, "CachingAllocator")
-      .def(py::init([](DevicePtr dev, int64_t limit, bool passthrough, int debug, int64_t trace_capacity) {
+      .def(py::init([](DevicePtr dev, int64_t limit, bool passthrough, int debug, int64_t trace_capacity,
+                       int64_t segment_bytes) {
              AllocatorOptions o;
              o.limit_bytes = checked_size(limit);
              o.passthrough = passthrough;
              o.debug = debug;
              o.trace_capacity = checked_size(trace_capacity);
+             o.segment_bytes = checked_size(segment_bytes);
              return std::make_shared<CA>(std::move(dev), o);
            }),
            py::arg("device"), py::arg("limit_bytes") = 0, py::arg("passthrough") = false,
-           py::arg("debug") = 0, py::arg("trace_capacity") = 0)
+           py::arg("debug") = 0, py::arg("trace_capacity") = 0, py::arg("segment_bytes") = 0)
       .def("malloc", [](CA& a, int64_t n, uint64_t stream) {
              size_t size = checked_size(n);
              py::gil_scoped_release g;

@@ -2,27 +2,41 @@
 
     SUPERMEM=1 python train.py            # zero code change: supermem's allocator serves CUDA memory
     supermem.install("limit:12GiB")       # or in code, before the first CUDA tensor
+    with supermem.pool(budget="8GiB"):    # offload saved activations beyond the budget
+        loss = model(x).sum(); loss.backward()
 
-Importing supermem never initialises CUDA.
+Importing supermem never initialises CUDA. This module loads lazily: PyTorch imports
+supermem._autoload at every `import torch`, which must stay cheap and cannot fail.
 """
 
-import torch  # noqa: F401  (first: with a CUDA torch, supermem._C links its libraries)
-
-from . import _C
-from .activate import device_allocator, install, installed
-from .config import options
-from .errors import ActivationError, ConfigError, OutOfMemoryError, UsageError
+import importlib
+from typing import Any
 
 __version__ = "0.1.0"
-__all__ = [
-    "ActivationError",
-    "ConfigError",
-    "OutOfMemoryError",
-    "UsageError",
-    "__version__",
-    "device_allocator",
-    "install",
-    "installed",
-    "options",
-]
-has_cuda_build: bool = _C.has_cuda
+
+_LAZY = {  # public name -> module that defines it
+    "install": "activate",
+    "installed": "activate",
+    "device_allocator": "activate",
+    "options": "config",
+    "pool": "pool",
+    "Pool": "pool",
+    "ActivationError": "errors",
+    "ConfigError": "errors",
+    "OutOfMemoryError": "errors",
+    "UsageError": "errors",
+}
+__all__ = [*_LAZY, "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'supermem' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

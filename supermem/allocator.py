@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
+import torch  # noqa: F401  (first: with a CUDA torch, supermem._C links torch's libraries)
+
 from . import _C
 from .units import parse_bytes
 
@@ -51,6 +53,15 @@ if _C.has_cuda:
         def __repr__(self) -> str:
             return f"CudaDevice({self.index})"
 
+    class PinnedHostDevice(_C.PinnedHostDevice):
+        """Page-locked host memory (cudaHostAlloc) up to `capacity_bytes`, as a source."""
+
+        def __init__(self, capacity_bytes: int | str):
+            super().__init__(parse_bytes(capacity_bytes))
+
+        def __repr__(self) -> str:
+            return f"PinnedHostDevice(capacity_bytes={self.total_bytes})"
+
 
 class CachingAllocator:
     """PyTorch-style caching allocator over `source`.
@@ -60,6 +71,8 @@ class CachingAllocator:
     passthrough: no caching (one segment per block, returned on free), for sanitizers.
     debug: 1 walks the invariants after each slow-path call, 2 after every call.
     trace_capacity: events kept in the trace ring (0: off).
+    segment_bytes: smallest segment to ask the source for (0: PyTorch's sizes); large values make a
+        few big chunks that blocks are carved from (the pinned host pool uses this).
     """
 
     def __init__(
@@ -70,9 +83,11 @@ class CachingAllocator:
         passthrough: bool = False,
         debug: int = 0,
         trace_capacity: int = 0,
+        segment_bytes: int | str = 0,
     ):
         limit = 0 if limit_bytes is None else parse_bytes(limit_bytes, source.total_bytes)
-        self._impl = _C.CachingAllocator(source, limit, passthrough, debug, trace_capacity)
+        segment = parse_bytes(segment_bytes)
+        self._impl = _C.CachingAllocator(source, limit, passthrough, debug, trace_capacity, segment)
 
     @classmethod
     def wrap(cls, impl: _C.CachingAllocator) -> CachingAllocator:

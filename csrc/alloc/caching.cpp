@@ -234,7 +234,7 @@ Block* CachingAllocator::new_segment(Pool& pool, bool small, Stream stream, size
     if (limit && reserved + want > limit) return nullptr;
     return device_->segment_alloc(want, stream);
   };
-  size_t got = opts_.passthrough ? size : segment_size(size, small);
+  size_t got = opts_.passthrough ? size : std::max(segment_size(size, small), opts_.segment_bytes);
   void* p = try_alloc(got);
   if (!p && got != size) p = try_alloc(got = size);
   if (!p) return nullptr;

@@ -29,6 +29,7 @@ struct AllocatorOptions {
   bool passthrough = false;   // no caching: one segment per block, returned on free (sanitizers)
   int debug = 0;              // 1: invariant walk after each slow-path call; 2: after every call
   size_t trace_capacity = 0;  // ring buffer size in events; 0: tracing off
+  size_t segment_bytes = 0;   // >0: segments are at least this big (host pools: few, large chunks)
 };
 
 // Called under memory pressure with the allocator lock released; returns the bytes it freed.

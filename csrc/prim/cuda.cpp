@@ -34,11 +34,46 @@ class DeviceGuard {
   int prev_ = 0;
 };
 
+// Reusable events: creating one costs a driver call, recording a spare one does not.
+struct EventPool {
+  std::mutex mu;
+  std::vector<cudaEvent_t> spare;
+
+  Event record(Stream stream) {
+    cudaEvent_t e = nullptr;
+    {
+      std::lock_guard<std::mutex> l(mu);
+      if (!spare.empty()) {
+        e = spare.back();
+        spare.pop_back();
+      }
+    }
+    if (!e) check(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreate");
+    check(cudaEventRecord(e, reinterpret_cast<cudaStream_t>(stream)), "cudaEventRecord");
+    return e;
+  }
+  void release(Event e) {
+    std::lock_guard<std::mutex> l(mu);
+    spare.push_back(static_cast<cudaEvent_t>(e));
+  }
+};
+
+bool query_event(Event e) {
+  cudaError_t err = cudaEventQuery(static_cast<cudaEvent_t>(e));
+  if (err == cudaErrorNotReady) {
+    cudaGetLastError();
+    return false;
+  }
+  check(err, "cudaEventQuery");
+  return true;
+}
+
+void wait_event(Event e) { check(cudaEventSynchronize(static_cast<cudaEvent_t>(e)), "cudaEventSynchronize"); }
+
 }  // namespace
 
 struct CudaDevice::State {
-  std::mutex mu;
-  std::vector<cudaEvent_t> spare_events;
+  EventPool events;
 };
 
 int cuda_device_count() {
@@ -83,38 +118,13 @@ void CudaDevice::segment_free(void* ptr, size_t) {
 }
 
 Event CudaDevice::event_record(Stream stream) {
-  cudaEvent_t e = nullptr;
-  {
-    std::lock_guard<std::mutex> l(st_->mu);
-    if (!st_->spare_events.empty()) {
-      e = st_->spare_events.back();
-      st_->spare_events.pop_back();
-    }
-  }
   DeviceGuard g(index_);
-  if (!e) check(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreate");
-  check(cudaEventRecord(e, reinterpret_cast<cudaStream_t>(stream)), "cudaEventRecord");
-  return e;
+  return st_->events.record(stream);
 }
 
-bool CudaDevice::event_done(Event e) {
-  cudaError_t err = cudaEventQuery(static_cast<cudaEvent_t>(e));
-  if (err == cudaErrorNotReady) {
-    cudaGetLastError();
-    return false;
-  }
-  check(err, "cudaEventQuery");
-  return true;
-}
-
-void CudaDevice::event_wait(Event e) {
-  check(cudaEventSynchronize(static_cast<cudaEvent_t>(e)), "cudaEventSynchronize");
-}
-
-void CudaDevice::event_release(Event e) {
-  std::lock_guard<std::mutex> l(st_->mu);
-  st_->spare_events.push_back(static_cast<cudaEvent_t>(e));
-}
+bool CudaDevice::event_done(Event e) { return query_event(e); }
+void CudaDevice::event_wait(Event e) { wait_event(e); }
+void CudaDevice::event_release(Event e) { st_->events.release(e); }
 
 bool CudaDevice::capturing(Stream stream) {
   cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
@@ -138,6 +148,50 @@ size_t CudaDevice::free_bytes() {
   size_t free = 0, total = 0;
   check(cudaMemGetInfo(&free, &total), "cudaMemGetInfo");
   return free;
+}
+
+struct PinnedHostDevice::State {
+  EventPool events;
+  std::mutex mu;
+  size_t used = 0;
+};
+
+PinnedHostDevice::PinnedHostDevice(size_t capacity) : st_(new State), capacity_(capacity) {}
+
+PinnedHostDevice::~PinnedHostDevice() {}
+
+void* PinnedHostDevice::segment_alloc(size_t nbytes, Stream) {
+  {
+    std::lock_guard<std::mutex> l(st_->mu);
+    if (nbytes > capacity_ - st_->used) return nullptr;
+    st_->used += nbytes;
+  }
+  void* p = nullptr;
+  cudaError_t err = cudaHostAlloc(&p, nbytes, cudaHostAllocDefault);
+  if (err != cudaSuccess) {
+    cudaGetLastError();
+    std::lock_guard<std::mutex> l(st_->mu);
+    st_->used -= nbytes;
+    if (err == cudaErrorMemoryAllocation) return nullptr;
+    check(err, "cudaHostAlloc");
+  }
+  return p;
+}
+
+void PinnedHostDevice::segment_free(void* ptr, size_t nbytes) {
+  check(cudaFreeHost(ptr), "cudaFreeHost");
+  std::lock_guard<std::mutex> l(st_->mu);
+  st_->used -= nbytes;
+}
+
+Event PinnedHostDevice::event_record(Stream stream) { return st_->events.record(stream); }
+bool PinnedHostDevice::event_done(Event e) { return query_event(e); }
+void PinnedHostDevice::event_wait(Event e) { wait_event(e); }
+void PinnedHostDevice::event_release(Event e) { st_->events.release(e); }
+
+size_t PinnedHostDevice::free_bytes() {
+  std::lock_guard<std::mutex> l(st_->mu);
+  return capacity_ - st_->used;
 }
 
 std::string CudaDevice::name() const {

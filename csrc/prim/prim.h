@@ -99,6 +99,30 @@ class CudaDevice : public Device {
   int index_;
 };
 
+// Pinned (page-locked) host memory as a source, up to `capacity` bytes: cudaHostAlloc'd segments,
+// CUDA events (the streams that copy to and from it decide when a block may be reused).
+class PinnedHostDevice : public Device {
+ public:
+  explicit PinnedHostDevice(size_t capacity);
+  ~PinnedHostDevice() override;
+  void* segment_alloc(size_t nbytes, Stream stream) override;
+  void segment_free(void* ptr, size_t nbytes) override;
+  Event event_record(Stream stream) override;
+  bool event_done(Event e) override;
+  void event_wait(Event e) override;
+  void event_release(Event e) override;
+  bool capturing(Stream stream) override { return false; }
+  size_t total_bytes() override { return capacity_; }
+  size_t free_bytes() override;
+  int index() const override { return -1; }
+  std::string name() const override { return "pinned_host"; }
+
+ private:
+  struct State;
+  std::unique_ptr<State> st_;
+  size_t capacity_;
+};
+
 int cuda_device_count();  // 0 when there is no driver or no GPU; never throws
 #endif
 
