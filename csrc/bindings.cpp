@@ -215,6 +215,10 @@ PYBIND11_MODULE(_C, m) {
            py::arg("address"), nogil)
       .def("empty_cache", &CA::empty_cache, nogil)
       .def("nested_stats", &nested_stats)
+      .def_property_readonly("allocated_bytes", [](CA& a) {
+        py::gil_scoped_release g;
+        return a.stats().allocated_bytes.s[kAll].current;
+      })
       .def("reset_peak_stats", &CA::reset_peak_stats, nogil)
       .def("reset_accumulated_stats", &CA::reset_accumulated_stats, nogil)
       .def_property("limit_bytes", &CA::limit_bytes,

@@ -156,6 +156,11 @@ class CachingAllocator:
     def passthrough(self) -> bool:
         return self._impl.passthrough
 
+    @property
+    def allocated_bytes(self) -> int:
+        """Bytes in allocated blocks now (cheap: no stats dict)."""
+        return self._impl.allocated_bytes
+
     def nested_stats(self) -> dict:
         """Stats shaped like torch.cuda.memory_stats_as_nested_dict, plus a "supermem" section."""
         return self._impl.nested_stats()

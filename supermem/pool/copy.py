@@ -1,0 +1,127 @@
+"""The copy engine: moves tensors between a GPU and pinned host memory on two side streams (one per
+direction, so offload and prefetch run at once), ordered against the compute stream with events.
+
+Timing events around every copy measure the achieved bandwidth; a pair around every wait of the
+compute stream measures how long compute stalled for a copy. On CPU, copies are plain and timed
+with the host clock.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class CopyStats:
+    d2h_bytes: int = 0
+    h2d_bytes: int = 0
+    d2h_seconds: float = 0.0
+    h2d_seconds: float = 0.0
+    wait_seconds: float = 0.0  # compute stalled waiting for copies
+    pending: list = field(default_factory=list)  # (kind, nbytes, start, end) not yet read
+
+
+class CopyEngine:
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.stats = CopyStats()
+        if self.cuda:
+            self.d2h = torch.cuda.Stream(device)
+            self.h2d = torch.cuda.Stream(device)
+
+    @property
+    def stream_ids(self) -> tuple[int, ...]:
+        return (self.d2h.cuda_stream, self.h2d.cuda_stream) if self.cuda else ()
+
+    def to_host(self, src: torch.Tensor, dst: torch.Tensor) -> torch.cuda.Event | None:
+        """Starts copying `src` (device) into `dst` (host); returns the event that marks the end.
+        The caller may drop `src` at once: its block is not reused before the copy finished."""
+        if not self.cuda:
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            self._host_timed("d2h", dst.nbytes, t0)
+            return None
+        self.d2h.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.d2h):
+            start, end = _timing_event(), _timing_event()
+            start.record()
+            dst.copy_(src, non_blocking=True)
+            end.record()
+        src.record_stream(self.d2h)
+        self.stats.pending.append(("d2h", dst.nbytes, start, end))
+        return end
+
+    def to_device(self, src: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """Starts copying host `src` into a new device tensor shaped like `like` (a meta tensor).
+        Use the result only after `use(tensor, event)` on the consuming stream."""
+        if not self.cuda:
+            t0 = time.perf_counter()
+            out = torch.empty_strided(like.shape, like.stride(), dtype=like.dtype, device=self.device)
+            out.copy_(src)
+            self._host_timed("h2d", src.nbytes, t0)
+            return out, None
+        with torch.cuda.stream(self.h2d):  # allocated on the copy stream: no hazard with compute's blocks
+            out = torch.empty_strided(like.shape, like.stride(), dtype=like.dtype, device=self.device)
+            start, end = _timing_event(), _timing_event()
+            start.record()
+            out.copy_(src, non_blocking=True)
+            end.record()
+        self.stats.pending.append(("h2d", src.nbytes, start, end))
+        return out, end
+
+    def use(self, tensor: torch.Tensor, ready: torch.cuda.Event | None) -> None:
+        """Makes the current stream wait for `ready` before it uses `tensor` (timing the stall)."""
+        if ready is None:
+            return
+        compute = torch.cuda.current_stream(self.device)
+        before, after = _timing_event(), _timing_event()
+        before.record(compute)
+        compute.wait_event(ready)
+        after.record(compute)
+        tensor.record_stream(compute)
+        self.stats.pending.append(("wait", 0, before, after))
+
+    def wait(self, event: torch.cuda.Event | None) -> None:
+        """Blocks the host until `event` (e.g. an offload under memory pressure) has completed."""
+        if event is not None:
+            event.synchronize()
+
+    def collect(self, block: bool = False) -> CopyStats:
+        """Folds finished timings into the totals (all of them, after a sync, with block=True)."""
+        s = self.stats
+        if block and self.cuda:
+            torch.cuda.synchronize(self.device)
+        still = []
+        for kind, nbytes, start, end in s.pending:
+            if not end.query():
+                still.append((kind, nbytes, start, end))
+                continue
+            seconds = start.elapsed_time(end) / 1e3
+            if kind == "wait":
+                s.wait_seconds += seconds
+            elif kind == "d2h":
+                s.d2h_bytes += nbytes
+                s.d2h_seconds += seconds
+            else:
+                s.h2d_bytes += nbytes
+                s.h2d_seconds += seconds
+        s.pending = still
+        return s
+
+    def _host_timed(self, kind: str, nbytes: int, t0: float) -> None:
+        seconds = time.perf_counter() - t0
+        if kind == "d2h":
+            self.stats.d2h_bytes += nbytes
+            self.stats.d2h_seconds += seconds
+        else:
+            self.stats.h2d_bytes += nbytes
+            self.stats.h2d_seconds += seconds
+
+
+def _timing_event() -> torch.cuda.Event:
+    return torch.cuda.Event(enable_timing=True)
