@@ -38,6 +38,7 @@ class Entry:
         "nbytes",
         "shape",
         "stride",
+        "extent",
         "dtype",
         "tensor",
         "host",
@@ -45,29 +46,36 @@ class Entry:
         "state",
         "last_use",
         "key",
+        "source",
     )
 
     def __init__(self, pool: Pool, seq: int, tensor: torch.Tensor, key: tuple):
         self._pool = weakref.ref(pool)
         self.seq = seq  # pack order
-        self.nbytes = tensor.numel() * tensor.element_size()
         self.shape = tensor.shape
-        self.stride = tensor.stride() if _keeps_strides(tensor) else _contiguous_strides(tensor.shape)
+        self.stride = tensor.stride()
+        self.extent = storage_extent(tensor)
         self.dtype = tensor.dtype
+        self.nbytes = self.extent * tensor.element_size()
         self.tensor: torch.Tensor | None = tensor
         self.host: HostBlock | None = None
         self.event: torch.cuda.Event | None = None  # end of the copy in flight (either direction)
         self.state = State.RESIDENT
         self.last_use = 0
         self.key = key
+        self.source = weakref.ref(tensor)  # the saved tensor object, to recognise it when saved again
 
-    def host_view(self) -> torch.Tensor:
-        """The host copy, typed and shaped like the tensor."""
-        flat = self.host.tensor.view(self.dtype)
-        return flat.as_strided(self.shape, self.stride)
+    def host_span(self) -> torch.Tensor:
+        """The host copy of the tensor's storage span, flat and typed."""
+        return self.host.tensor.view(self.dtype)
 
-    def like(self) -> torch.Tensor:
-        return torch.empty_strided(self.shape, self.stride, dtype=self.dtype, device="meta")
+    def device_span(self) -> torch.Tensor:
+        """The device tensor's storage span, flat: what a copy moves."""
+        return self.tensor.as_strided((self.extent,), (1,))
+
+    def from_span(self, span: torch.Tensor) -> torch.Tensor:
+        """The tensor again, with its exact shape and strides, over a restored span."""
+        return span.as_strided(self.shape, self.stride)
 
     def __del__(self) -> None:
         pool = self._pool()
@@ -78,14 +86,11 @@ class Entry:
         return f"Entry(seq={self.seq}, {self.state.value}, {self.nbytes} bytes)"
 
 
-def _keeps_strides(t: torch.Tensor) -> bool:
-    """Dense layouts keep their strides on the way back; anything else comes back contiguous."""
-    return t.is_contiguous() or (t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last))
-
-
-def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
-    strides, acc = [], 1
-    for n in reversed(shape):
-        strides.append(acc)
-        acc *= max(n, 1)
-    return tuple(reversed(strides))
+def storage_extent(t: torch.Tensor) -> int:
+    """Elements from the tensor's first to its last element in storage. The pool moves this span,
+    not the elements one by one: the tensor comes back with its exact strides (elementwise kernels
+    take other code paths, with other rounding, for other layouts), expanded tensors move once,
+    and a span is one contiguous DMA."""
+    if t.numel() == 0:
+        return 0
+    return 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))

@@ -23,6 +23,7 @@ import psutil
 import torch
 
 from .. import events
+from ..errors import ConfigError
 from ..units import parse_bytes
 from .copy import CopyEngine
 from .entry import Entry, State
@@ -58,9 +59,11 @@ class Pool:
         if self.cuda and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         total = torch.cuda.get_device_properties(self.device).total_memory if self.cuda else None
-        self.budget_bytes = None if budget is None else parse_bytes(budget, total)
-        self.policy = make_policy(policy)
-        host_bytes = parse_bytes("50%" if host_limit is None else host_limit, psutil.virtual_memory().total)
+        self.budget_bytes = None if budget is None else _size("budget", budget, total)
+        self.policy = _checked("policy", make_policy, policy)
+        host_bytes = _size(
+            "host_limit", "50%" if host_limit is None else host_limit, psutil.virtual_memory().total
+        )
         self.host = HostPool(host_bytes, pinned=self.cuda and pinned_available())
         self.copies = CopyEngine(self.device)
         self.min_bytes = (1 << 20 if self.cuda else 0) if min_bytes is None else min_bytes
@@ -68,7 +71,7 @@ class Pool:
         self._entries: dict[int, weakref.ref[Entry]] = {}  # live entries by pack order
         self._seqs: list[int] = []  # pack order, with dead seqs compacted away now and then
         self._lru: dict[int, weakref.ref[Entry]] = {}  # resident entries, least recently used first
-        self._dedup: dict[tuple, weakref.ref[Entry]] = {}  # resident entries by tensor identity
+        self._dedup: dict[tuple, weakref.ref[Entry]] = {}  # live entries by tensor identity
         self._tick = 0
         self._baseline = 0
         self._resident_bytes = 0
@@ -114,6 +117,8 @@ class Pool:
     def _pack(self, t: torch.Tensor) -> Any:
         if t.device != self.device or t.numel() * t.element_size() < self.min_bytes or _alive_anyway(t):
             return t
+        if t.numel() == 0:
+            return t
         key = (t.untyped_storage().data_ptr(), t.storage_offset(), t.shape, t.stride(), t.dtype, t._version)
         with self._lock:
             if not self._entries:
@@ -121,7 +126,7 @@ class Pool:
             self._tick += 1
             same = self._dedup.get(key)
             same = same() if same is not None else None
-            if same is not None:  # saved twice: one entry
+            if same is not None and same.source() is t:  # saved twice: one entry
                 self._touch(same)
                 return same
             seq = self._tick
@@ -161,7 +166,7 @@ class Pool:
                 self._counters["host_full"] += 1
                 return False
             e.host = block
-            e.event = self.copies.to_host(e.tensor, e.host_view())
+            e.event = self.copies.to_host(e.device_span(), e.host_span())
             self._offloaded_bytes += e.nbytes
             self._counters["offloads"] += 1
             events.emit("offload", e.nbytes, e.tensor.data_ptr(), self._device_index(), e.seq, "activation")
@@ -173,7 +178,8 @@ class Pool:
         """Starts bringing an offloaded entry back (state restoring)."""
         if e.event is not None and self.cuda:  # the host copy may still be being written
             self.copies.h2d.wait_event(e.event)
-        e.tensor, e.event = self.copies.to_device(e.host_view(), e.like())
+        span, e.event = self.copies.to_device(e.host_span())
+        e.tensor = e.from_span(span)
         e.state = State.RESTORING if e.event is not None else State.RESIDENT
         self._add_resident(e)
         events.emit("prefetch", e.nbytes, e.tensor.data_ptr(), self._device_index(), e.seq, "activation")
@@ -229,6 +235,9 @@ class Pool:
         try:
             with self._lock:
                 self._entries.pop(e.seq, None)
+                ref = self._dedup.get(e.key)
+                if ref is not None and ref() in (e, None):
+                    del self._dedup[e.key]
                 if e.state in (State.RESIDENT, State.RESTORING):
                     self._drop_resident(e)
                 e.tensor = None
@@ -248,9 +257,6 @@ class Pool:
     def _drop_resident(self, e: Entry) -> None:
         self._resident_bytes -= e.nbytes
         self._lru.pop(e.seq, None)
-        ref = self._dedup.get(e.key)
-        if ref is not None and ref() is e:
-            del self._dedup[e.key]
         e.tensor = None
 
     def _touch(self, e: Entry) -> None:
@@ -350,6 +356,17 @@ class Pool:
             self._counters = dict.fromkeys(self._counters, 0)
             self._offloaded_bytes = self._prefetched_bytes = 0
             self._peak_resident_bytes = self._resident_bytes
+
+
+def _checked(name: str, parse: Any, value: Any) -> Any:
+    try:
+        return parse(value)
+    except ValueError as e:
+        raise ConfigError(f"bad pool option {name}={value!r}: {e}") from None
+
+
+def _size(name: str, value: Any, total: int | None) -> int:
+    return _checked(name, lambda v: parse_bytes(v, total), value)
 
 
 def _alive_anyway(t: torch.Tensor) -> bool:

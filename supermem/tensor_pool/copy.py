@@ -56,17 +56,16 @@ class CopyEngine:
         self.stats.pending.append(("d2h", dst.nbytes, start, end))
         return end
 
-    def to_device(self, src: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        """Starts copying host `src` into a new device tensor shaped like `like` (a meta tensor).
-        Use the result only after `use(tensor, event)` on the consuming stream."""
+    def to_device(self, src: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """Starts copying the flat host tensor `src` into a new flat device tensor. Use the result
+        only after `use(tensor, event)` on the consuming stream."""
         if not self.cuda:
             t0 = time.perf_counter()
-            out = torch.empty_strided(like.shape, like.stride(), dtype=like.dtype, device=self.device)
-            out.copy_(src)
+            out = src.clone()
             self._host_timed("h2d", src.nbytes, t0)
             return out, None
         with torch.cuda.stream(self.h2d):  # allocated on the copy stream: no hazard with compute's blocks
-            out = torch.empty_strided(like.shape, like.stride(), dtype=like.dtype, device=self.device)
+            out = torch.empty(src.shape, dtype=src.dtype, device=self.device)
             start, end = _timing_event(), _timing_event()
             start.record()
             out.copy_(src, non_blocking=True)
