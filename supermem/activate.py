@@ -92,9 +92,15 @@ def install(conf: str | dict | None = None) -> bool:
 
 
 def install_from_env() -> None:
-    """The zero-code path (SUPERMEM=1 / SUPERMEM_CONF): install with the environment's options."""
+    """The zero-code path (SUPERMEM=1 / SUPERMEM_CONF): install with the environment's options, and
+    the tensor pool for every backward when `pool` is set."""
     os.environ.setdefault("SUPERMEM", "1")  # child processes (spawn workers, torchrun) inherit it
     install()
+    cfg = config.current()
+    if cfg.pool != "off":
+        from .tensor_pool import activate_from_config
+
+        activate_from_config(cfg)
 
 
 # ---------------------------------------------------------------- torch.cuda.memory_* answers

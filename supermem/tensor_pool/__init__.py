@@ -6,7 +6,7 @@ from typing import Any
 
 from .pool import Pool
 
-__all__ = ["Pool", "pool"]
+__all__ = ["Pool", "activate_from_config", "pool"]
 
 _pools: dict[tuple, Pool] = {}
 
@@ -23,3 +23,22 @@ def pool(
     if key not in _pools:
         _pools[key] = Pool(budget, policy, host_limit, **kwargs)
     return _pools[key]
+
+
+def activate_from_config(cfg: Any) -> None:
+    """SUPERMEM_CONF=pool:lru,budget:...: the pool serves every backward of this thread. The Pool is
+    built at the first saved tensor, not here: this runs during `import torch`, before CUDA may be
+    touched."""
+    import torch
+
+    state: dict[str, Pool] = {}
+
+    def current() -> Pool:
+        if "pool" not in state:
+            state["pool"] = pool(cfg.budget, cfg.pool, cfg.host_limit)
+            state["pool"]._register_pressure_handler()
+        return state["pool"]
+
+    torch._C._autograd._push_saved_tensors_default_hooks(
+        lambda t: current()._pack(t), lambda packed: current()._unpack(packed)
+    )

@@ -96,11 +96,6 @@ class Pool:
         hooks, self._hooks = self._hooks, None
         hooks.__exit__(*exc)
 
-    def activate_globally(self) -> None:
-        """Use the pool for every backward in this thread from now on (SUPERMEM_CONF=pool:...)."""
-        self._register_pressure_handler()
-        torch._C._autograd._push_saved_tensors_default_hooks(self._pack, self._unpack)
-
     def _register_pressure_handler(self) -> None:
         if self._pressure_registered or not self.cuda:
             return
