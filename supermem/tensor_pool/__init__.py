@@ -6,9 +6,10 @@ from typing import Any
 
 from .pool import Pool
 
-__all__ = ["Pool", "activate_from_config", "pool"]
+__all__ = ["Pool", "activate_from_config", "global_pool", "pool"]
 
 _pools: dict[tuple, Pool] = {}
+_global: dict[str, Pool] = {}
 
 
 def pool(
@@ -31,14 +32,17 @@ def activate_from_config(cfg: Any) -> None:
     touched."""
     import torch
 
-    state: dict[str, Pool] = {}
-
     def current() -> Pool:
-        if "pool" not in state:
-            state["pool"] = pool(cfg.budget, cfg.pool, cfg.host_limit)
-            state["pool"]._register_pressure_handler()
-        return state["pool"]
+        if "pool" not in _global:
+            _global["pool"] = pool(cfg.budget, cfg.pool, cfg.host_limit)
+            _global["pool"]._register_pressure_handler()
+        return _global["pool"]
 
     torch._C._autograd._push_saved_tensors_default_hooks(
         lambda t: current()._pack(t), lambda packed: current()._unpack(packed)
     )
+
+
+def global_pool() -> Pool | None:
+    """The pool SUPERMEM_CONF activated (None before its first saved tensor, or when not set)."""
+    return _global.get("pool")
