@@ -46,6 +46,11 @@ def device_allocator(index: int = 0):
     if not supermem.installed():
         raise Skip("supermem is not installed in this process (a native dry run)")
     alloc = supermem.device_allocator(index)
+    if alloc is None:  # None until the device's first allocation
+        import torch
+
+        torch.zeros(1, device=f"cuda:{index}")
+        alloc = supermem.device_allocator(index)
     assert alloc is not None, f"supermem.device_allocator({index}) is None in a swapped process"
     return alloc
 
