@@ -64,11 +64,15 @@ EOF
 
 if wanted tests; then
   # shellcheck disable=SC2086  # PYTEST_ARGS is a list of words
-  stage tests "${T_TESTS:-270}" "$PY" -m pytest -q -rfEs --durations=12 --junitxml="$LOGS/junit.xml" \
+  stage tests "${T_TESTS:-270}" "$PY" -m pytest -v -rfEs --durations=12 --junitxml="$LOGS/junit.xml" \
     tests/gpu ${PYTEST_ARGS:-}
-  SUMMARY+=("         $(grep -E '[0-9]+ (passed|failed|skipped|error)' "$LOGS/tests.log" 2>/dev/null | tail -n 1)")
-  while IFS= read -r line; do SUMMARY+=("         $line"); done < <(
-    grep -E '^(FAILED|ERROR) ' "$LOGS/tests.log" 2>/dev/null | cut -c1-160 | head -n 40
+  counts=$(grep -E '[0-9]+ (passed|failed|skipped|error)' "$LOGS/tests.log" 2>/dev/null | tail -n 1)
+  SUMMARY+=("         ${counts:-(no pytest summary: killed by its time budget?)}")
+  # pytest's own list of failures; if it was killed before printing one, the verbose per-test lines
+  failed=$(grep -E '^(FAILED|ERROR) ' "$LOGS/tests.log" 2>/dev/null ||
+    grep -E '::.* (FAILED|ERROR)' "$LOGS/tests.log" 2>/dev/null)
+  while IFS= read -r line; do [[ -n $line ]] && SUMMARY+=("         $line"); done < <(
+    printf '%s\n' "$failed" | cut -c1-160 | head -n 40
   )
 fi
 
