@@ -18,7 +18,7 @@ import contextlib
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from . import runner, table
 
@@ -38,6 +38,7 @@ class Mode:
     saver: str  # a key of SAVERS
     budget: float | None = None  # pool: the fraction of the native row's peak allocated bytes
     table: str = "savers"  # "allocator" | "savers"
+    options: dict = field(default_factory=dict)  # extra spec keys for the saver, e.g. {"policy": "lru"}
 
 
 def modes(device: str, budgets: list[float]) -> list[Mode]:
@@ -198,7 +199,7 @@ def _run_model(model: str, chosen: list[Mode], args: argparse.Namespace) -> list
 
     def spec(m: Mode) -> dict:
         conf = args.conf if m.allocator == "supermem" else None
-        return {**base, "allocator": m.allocator, "conf": conf, "saver": m.saver}
+        return {**base, **m.options, "allocator": m.allocator, "conf": conf, "saver": m.saver}
 
     # Allocator rows are compared to 1%: run them interleaved `repeats` times and keep each one's best.
     alloc_modes = [m for m in chosen if m.table == "allocator"]
