@@ -54,7 +54,8 @@ fi
 import subprocess, sys, torch
 try:
     import supermem
-    version = f"supermem {supermem.__version__} (cuda build: {supermem.has_cuda_build})"
+    from supermem import _C
+    version = f"supermem {supermem.__version__} (cuda build: {_C.has_cuda})"
 except Exception as e:  # noqa: BLE001
     version = f"supermem import failed: {e}"
 gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"

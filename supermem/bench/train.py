@@ -77,7 +77,8 @@ def _pool(spec: dict) -> Callable[[], contextlib.AbstractContextManager]:
 
 
 # saver name -> (spec -> a context-manager factory entered around forward+backward). "checkpoint" also
-# sets model.checkpoint_blocks. A context whose `as` value has .stats() (the pool) is recorded per step.
+# sets model.checkpoint_blocks. When the `as` value has stats() (the pool: cumulative counters), they
+# are read over the timed steps (reset_stats() before, synchronize() after, when it has them).
 SAVERS = {"none": _no_saver, "checkpoint": _no_saver, "save_on_cpu": _save_on_cpu, "pool": _pool}
 
 
@@ -102,15 +103,15 @@ def measure(spec: dict) -> dict:
     opt = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
     saver = SAVERS[spec["saver"]](spec)
     amp = preset.bf16 and cuda
-    pool_stats: list[dict] = []
+    entered: list = []  # the saver's `as` value, when it keeps stats (the pool)
 
     def step() -> torch.Tensor:
         with saver() as ctx:
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
                 loss = loss_fn(model(x), y)
             loss.backward()
-        if hasattr(ctx, "stats"):
-            pool_stats.append(dict(ctx.stats()))
+        if hasattr(ctx, "stats") and not entered:
+            entered.append(ctx)
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss.detach()
@@ -122,24 +123,39 @@ def measure(spec: dict) -> dict:
         torch.cuda.reset_peak_memory_stats()
     for _ in range(spec["warmup"] - 1):
         step()
-    pool_stats.clear()
+    for ctx in entered:  # count the timed steps only
+        if hasattr(ctx, "synchronize"):
+            ctx.synchronize()
+        if hasattr(ctx, "reset_stats"):
+            ctx.reset_stats()
     times_ms = []
     for _ in range(spec["steps"]):
         times_ms.append(_timed(step, cuda))
-    loss = step()
     row = {
         "preset": preset.label,
         "step_ms": round(statistics.median(times_ms), 2),
         "step_ms_all": [round(t, 2) for t in times_ms],
-        "loss": float(loss),
     }
     if cuda:
         alloc, reserved = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
         row.update(peak_alloc_bytes=alloc, peak_reserved_bytes=reserved, frag=reserved / alloc)
-    if pool_stats:
-        numeric = [k for k, v in pool_stats[0].items() if isinstance(v, (int, float))]
-        row["pool"] = {k: statistics.fmean(s[k] for s in pool_stats) for k in numeric}  # per step
+    row["pool"] = _saver_stats(entered, spec["steps"])
+    row["loss"] = float(step())
     return row
+
+
+def _saver_stats(entered: list, steps: int) -> dict | None:
+    """The pool's stats over the timed steps (its counters are cumulative; bytes become per step)."""
+    if not entered:
+        return None
+    ctx = entered[0]
+    if hasattr(ctx, "synchronize"):
+        ctx.synchronize()
+    stats = {k: v for k, v in ctx.stats().items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    for key in ("offloaded_bytes", "prefetched_bytes"):
+        if key in stats:
+            stats[key + "_per_step"] = stats[key] / steps
+    return stats
 
 
 def _timed(step: Callable[[], object], cuda: bool) -> float:
@@ -265,7 +281,7 @@ def _print_tables(model: str, rows: list[dict], args: argparse.Namespace) -> Non
             ("x native", lambda r: r["step_x"], ".2f"),
             ("budget GiB", _gib("budget_bytes"), ".2f"),
             ("peak alloc GiB", _gib("peak_alloc_bytes"), ".2f"),
-            ("offloaded GiB", lambda r: r["pool"]["offloaded_bytes"] / GiB, ".2f"),
+            ("offloaded GiB/step", lambda r: r["pool"]["offloaded_bytes_per_step"] / GiB, ".2f"),
             ("copy GB/s d2h/h2d", lambda r: f"{r['pool']['d2h_gbps']:.1f}/{r['pool']['h2d_gbps']:.1f}", ""),
             ("hidden %", lambda r: 100 * r["pool"]["hidden_fraction"], ".0f"),
             ("note", _note, ""),

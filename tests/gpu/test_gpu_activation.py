@@ -183,12 +183,13 @@ def test_install_after_cuda_init_says_what_to_do():
     r = run_python(
         """
 import torch, supermem
+from supermem.errors import ActivationError
 torch.zeros(1, device="cuda")
 try:
     supermem.install()
     emit(raised=None)
 except Exception as e:
-    emit(raised=type(e).__name__, activation=isinstance(e, supermem.errors.ActivationError),
+    emit(raised=type(e).__name__, activation=isinstance(e, ActivationError),
          runtime=isinstance(e, RuntimeError), message=str(e), installed=supermem.installed(),
          still_works=torch.ones(10, device="cuda").sum().item(), backend=torch.cuda.get_allocator_backend())
 """
