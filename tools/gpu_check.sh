@@ -1,20 +1,23 @@
 #!/usr/bin/env bash
 # The GPU check in one call: build supermem, run tests/gpu, run the benchmarks, print a short summary.
 #
-#   tools/gpu_check.sh                      # everything, about 8 minutes on an H100
-#   STAGES=tests tools/gpu_check.sh         # any of install,tests,alloc,train (comma-separated)
-#   BENCH=alloc tools/gpu_check.sh          # benchmarks to run: alloc,train (default) or none
-#   PYTEST_ARGS="-k stats" TRAIN_ARGS="--model gpt" tools/gpu_check.sh
+#   tools/gpu_check.sh                      # everything, about 9 minutes on an H100
+#   STAGES=tests tools/gpu_check.sh         # any of install,tests,alloc,train,savers (comma-separated)
+#   BENCH=alloc tools/gpu_check.sh          # benchmarks: alloc,train,savers (default) or none
+#   PYTEST_ARGS="-k stats" TRAIN_ARGS="--model gpt" BUDGETS=1.0,0.75,0.6,0.5 tools/gpu_check.sh
 #
+# Benchmarks: alloc (torch.empty+del, native vs supermem), train (GPT-24 and ResNet-152 steps, native
+# vs supermem's allocator, 2 processes each), savers (checkpoint, save_on_cpu and supermem.pool at
+# BUDGETS of native's peak; default 0.75,0.5 to fit the deadline).
 # Logs, JSON rows and junit.xml go to $OUT (else a temp dir). Every stage has a time budget (seconds:
-# T_INSTALL T_TESTS T_ALLOC T_TRAIN) and the whole run a deadline (DEADLINE, default 540 s), so the
-# summary prints before a 10-minute limit; a stage that would start with < 30 s left is skipped.
+# T_INSTALL T_TESTS T_ALLOC T_TRAIN T_SAVERS) and the whole run a deadline (DEADLINE, default 540 s),
+# so the summary prints before a 10-minute limit; a stage that would start with < 30 s left is skipped.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
 PY=${PYTHON:-python3}
 LOGS=${OUT:-$(mktemp -d /tmp/gpu_check.XXXXXX)}
-BENCH=${BENCH:-alloc,train}
+BENCH=${BENCH:-alloc,train,savers}
 STAGES=${STAGES:-install,tests,$BENCH}
 DEADLINE=${DEADLINE:-540}
 mkdir -p "$LOGS"
@@ -84,9 +87,16 @@ if wanted alloc; then
 fi
 
 if wanted train; then
-  stage train "${T_TRAIN:-210}" "$PY" -m supermem bench train --model all --timeout 120 \
+  stage train "${T_TRAIN:-150}" "$PY" -m supermem bench train --model all --modes supermem --timeout 120 \
     --json "$LOGS/bench_train.json" ${TRAIN_ARGS:-}
   while IFS= read -r line; do SUMMARY+=("         $line"); done < <(grep -E '^target ' "$LOGS/train.log" 2>/dev/null)
+fi
+
+if wanted savers; then
+  stage savers "${T_SAVERS:-240}" "$PY" -m supermem bench train --model all --repeats 1 --timeout 120 \
+    --modes checkpoint,save_on_cpu,pool --budgets "${BUDGETS:-0.75,0.5}" \
+    --json "$LOGS/bench_savers.json" ${TRAIN_ARGS:-}
+  while IFS= read -r line; do SUMMARY+=("         $line"); done < <(grep -E '^savers ' "$LOGS/savers.log" 2>/dev/null)
 fi
 
 echo

@@ -294,6 +294,16 @@ def _print_tables(model: str, rows: list[dict], args: argparse.Namespace) -> Non
             + ", ".join(f"{k} {v[0]} ms / {v[1]} GiB" for k, v in ref.items())
         )
     _print_targets(label, native, rows)
+    if len(savers) > 1:  # one line per model for summaries (tools/gpu_check.sh greps "savers ")
+        parts = [
+            f"{r['config']} {_fmt(r.get('step_x'), '.2f')}x {_fmt(_peak_gib(r), '.2f')}GiB" for r in savers
+        ]
+        print(f"savers {label}: " + ", ".join(parts))
+
+
+def _peak_gib(r: dict) -> float | None:
+    peak = r.get("peak_alloc_bytes")
+    return None if peak is None else peak / GiB
 
 
 def _note(r: dict) -> str | None:
