@@ -13,6 +13,7 @@ from .errors import ConfigError, UsageError
 COMMANDS = {
     "demo": ("supermem.demo", "train a small model with and without supermem; print memory and time"),
     "run": ("supermem.run", "run a Python program with supermem's allocator installed"),
+    "bench": ("supermem.bench.cli", "benchmarks beside their native baseline: alloc, train"),
 }
 
 

@@ -1,0 +1,45 @@
+"""`supermem bench alloc|train`: benchmarks with their native baseline, each configuration in a fresh
+process. Prints tables (and "target ..." verdict lines) on stdout; --json PATH writes the rows."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from . import alloc, train
+
+BENCHES = {
+    "alloc": (alloc, "cost of torch.empty + del per pair, native vs supermem"),
+    "train": (train, "GPT-24 / ResNet-152 training steps: allocator and memory-saver rows"),
+}
+
+
+def _default_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"  # does not create a CUDA context
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    sub = p.add_subparsers(dest="bench", metavar="BENCH", required=True)
+    for name, (module, help_text) in BENCHES.items():
+        b = sub.add_parser(name, help=help_text, description=help_text)
+        b.add_argument("--device", choices=("cuda", "cpu"), default=None, help="default: cuda if available")
+        b.add_argument("--quick", action="store_true", help="tiny sizes and few steps (a smoke test)")
+        b.add_argument("--repeats", type=int, default=2, help="processes per compared config (default 2)")
+        b.add_argument("--conf", default=None, help="SUPERMEM_CONF-style options for the supermem rows")
+        b.add_argument("--timeout", type=float, default=300, help="seconds per process (default 300)")
+        b.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the rows as JSON")
+        module.add_arguments(b)
+
+
+def main(args: argparse.Namespace) -> int:
+    args.device = args.device or _default_device()
+    module, _ = BENCHES[args.bench]
+    result = module.run(args)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=1, default=str))
+        print(f"\nrows written to {args.json}")
+    return 0

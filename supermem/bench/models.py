@@ -1,0 +1,157 @@
+"""The benchmark models, defined here (no torchvision/transformers): a GPT and a bottleneck ResNet.
+
+Both can checkpoint each block (`model.checkpoint_blocks = True`), the pure-PyTorch memory saver the
+benchmarks compare against. `PRESETS` names the sizes the benchmarks and golden tests use; the full ones
+are the anchors of DESIGN.md (GPT-24 d1024 b8 T1024 bf16; ResNet-152 b64 224px fp32).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: causal self-attention (SDPA) and a 4x GELU MLP."""
+
+    def __init__(self, d: int, heads: int, dropout: float = 0.0):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(d)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+        self.ln2 = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, 4 * d)
+        self.fc2 = nn.Linear(4 * d, d)
+        self.heads = heads
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        qkv = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], is_causal=True)
+        x = x + self.drop(self.proj(a.transpose(1, 2).reshape(b, t, d)))
+        return x + self.drop(self.fc2(F.gelu(self.fc1(self.ln2(x)))))
+
+
+class GPT(nn.Module):
+    def __init__(self, layers=24, d=1024, heads=16, vocab=50304, ctx=1024, dropout=0.0):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.pos = nn.Embedding(ctx, d)
+        self.blocks = nn.ModuleList(Block(d, heads, dropout) for _ in range(layers))
+        self.ln = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.checkpoint_blocks = False
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.emb(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+        for b in self.blocks:
+            x = checkpoint(b, x, use_reentrant=False) if self.checkpoint_blocks else b(x)
+        return self.head(self.ln(x))
+
+
+class Bottleneck(nn.Module):
+    def __init__(self, cin: int, mid: int, stride: int = 1):
+        super().__init__()
+        cout = mid * 4
+        self.c1, self.b1 = nn.Conv2d(cin, mid, 1, bias=False), nn.BatchNorm2d(mid)
+        self.c2, self.b2 = nn.Conv2d(mid, mid, 3, stride, 1, bias=False), nn.BatchNorm2d(mid)
+        self.c3, self.b3 = nn.Conv2d(mid, cout, 1, bias=False), nn.BatchNorm2d(cout)
+        self.down = None
+        if stride != 1 or cin != cout:
+            self.down = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.relu(self.b1(self.c1(x)))
+        y = F.relu(self.b2(self.c2(y)))
+        y = self.b3(self.c3(y))
+        return F.relu(y + (x if self.down is None else self.down(x)))
+
+
+class ResNet(nn.Module):
+    """Bottleneck ResNet with stage depths `depths`: (3, 8, 36, 3) is ResNet-152 (3*sum+2 layers).
+    `width` is the first stage's bottleneck width (64 in ResNet; smaller for tests)."""
+
+    def __init__(self, depths=(3, 8, 36, 3), width=64, classes=1000):
+        super().__init__()
+        self.stem = nn.Sequential(
+            nn.Conv2d(3, width, 7, 2, 3, bias=False), nn.BatchNorm2d(width), nn.ReLU(), nn.MaxPool2d(3, 2, 1)
+        )
+        blocks, cin = [], width
+        for stage, n in enumerate(depths):
+            mid = width << stage
+            for i in range(n):
+                blocks.append(Bottleneck(cin, mid, 2 if i == 0 and stage > 0 else 1))
+                cin = mid * 4
+        self.blocks = nn.ModuleList(blocks)
+        self.fc = nn.Linear(cin, classes)
+        self.checkpoint_blocks = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        for b in self.blocks:
+            x = checkpoint(b, x, use_reentrant=False) if self.checkpoint_blocks else b(x)
+        return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A model at one size with its batch: `build()` makes the module, `batch(device, generator)` (x, y)."""
+
+    label: str
+    build: Callable[[], nn.Module]
+    batch: Callable[[torch.device, torch.Generator], tuple[torch.Tensor, torch.Tensor]]
+    bf16: bool  # train under bf16 autocast (on CUDA)
+
+
+def _tokens(b: int, t: int, vocab: int):
+    def make(device, gen):
+        idx = torch.randint(0, vocab, (b, t + 1), generator=gen)  # on CPU: independent of device RNG
+        return idx[:, :-1].contiguous().to(device), idx[:, 1:].contiguous().to(device)
+
+    return make
+
+
+def _images(b: int, px: int, classes: int):
+    def make(device, gen):
+        x = torch.randn(b, 3, px, px, generator=gen)
+        return x.to(device), torch.randint(0, classes, (b,), generator=gen).to(device)
+
+    return make
+
+
+PRESETS: dict[str, Preset] = {
+    "gpt": Preset("gpt24_d1024_b8_t1024_bf16", lambda: GPT(), _tokens(8, 1024, 50304), True),
+    "resnet": Preset(
+        "resnet152_b64_224px_fp32", lambda: ResNet((3, 8, 36, 3)), _images(64, 224, 1000), False
+    ),
+    # --quick: seconds on a CPU, for smoke tests of the harness
+    "gpt-quick": Preset(
+        "gpt2_d64_b2_t64", lambda: GPT(layers=2, d=64, heads=2, vocab=512, ctx=64), _tokens(2, 64, 512), True
+    ),
+    "resnet-quick": Preset(
+        "resnet14_w8_b2_32px", lambda: ResNet((1, 1, 1, 1), width=8, classes=10), _images(2, 32, 10), False
+    ),
+    # golden tests: small, but every kind of layer of the full models (dropout exercises the RNG)
+    "gpt-golden": Preset(
+        "gpt4_d256_b8_t128_bf16",
+        lambda: GPT(layers=4, d=256, heads=4, vocab=2048, ctx=128, dropout=0.1),
+        _tokens(8, 128, 2048),
+        True,
+    ),
+    "resnet-golden": Preset(
+        "resnet26_w16_b8_64px_fp32",
+        lambda: ResNet((2, 2, 2, 2), width=16, classes=100),
+        _images(8, 64, 100),
+        False,
+    ),
+}
+
+
+def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out.float().reshape(-1, out.shape[-1]), y.reshape(-1))

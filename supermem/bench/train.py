@@ -1,0 +1,336 @@
+"""`supermem bench train`: training steps of GPT-24 and ResNet-152 (models.PRESETS), one row per mode.
+
+Two tables per model, each with the native row of this run as its baseline:
+- allocator: native vs supermem's allocator. Step ms (median of timed steps, CUDA events), ratio,
+  peak allocated/reserved GiB and fragmentation = peak reserved / peak allocated.
+  Targets: step <= 1.01x native, fragmentation <= native's.
+- savers: what a user can do to use less memory: checkpoint every block and save_on_cpu (pure PyTorch,
+  native allocator), and supermem's tensor pool at budgets of native's peak (rows appear once
+  `supermem.pool` exists). Step ms, ratio, peak allocated, bytes offloaded, copy GB/s, % copy hidden.
+
+A new row is a `Mode`; a new way to save memory is an entry in `SAVERS` (worker side).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from . import runner, table
+
+GiB = 1 << 30
+STEP_TARGET = 1.01
+# DESIGN.md, H200, torch 2.11 (the anchors script): step ms, peak allocated GiB. Not this run.
+REFERENCE = {
+    "gpt": {"native": (61.1, 15.93), "checkpoint": (78.9, 9.36), "save_on_cpu": (516.8, 8.47)},
+    "resnet": {"native": (69.1, 11.25), "checkpoint": (113.7, 4.47), "save_on_cpu": (747.9, 1.65)},
+}
+
+
+@dataclass(frozen=True)
+class Mode:
+    name: str  # the row's label
+    allocator: str  # "native" | "supermem"
+    saver: str  # a key of SAVERS
+    budget: float | None = None  # pool: the fraction of the native row's peak allocated bytes
+    table: str = "savers"  # "allocator" | "savers"
+    options: dict = field(default_factory=dict)  # extra spec keys for the saver, e.g. {"policy": "lru"}
+
+
+def modes(device: str, budgets: list[float]) -> list[Mode]:
+    """The rows this machine can run, native first (the pool's budgets are fractions of its peak)."""
+    import supermem
+
+    cuda = device == "cuda"
+    out = [Mode("native", "native", "none", table="allocator")]
+    if cuda:
+        out.append(Mode("supermem", "supermem", "none", table="allocator"))
+    out.append(Mode("checkpoint", "native", "checkpoint"))
+    if cuda:
+        out.append(Mode("save_on_cpu", "native", "save_on_cpu"))
+    if cuda and hasattr(supermem, "pool"):
+        out += [Mode(f"pool {b:.0%}", "supermem", "pool", budget=b) for b in budgets]
+    return out
+
+
+# ---- worker side ---------------------------------------------------------------------------------
+
+
+def _no_saver(spec: dict) -> Callable[[], contextlib.AbstractContextManager]:
+    return contextlib.nullcontext
+
+
+def _save_on_cpu(spec: dict) -> Callable[[], contextlib.AbstractContextManager]:
+    import torch
+
+    return lambda: torch.autograd.graph.save_on_cpu(pin_memory=True)
+
+
+def _pool(spec: dict) -> Callable[[], contextlib.AbstractContextManager]:
+    import supermem
+
+    return lambda: supermem.pool(budget=spec["budget_bytes"], policy=spec.get("policy", "lru"))
+
+
+# saver name -> (spec -> a context-manager factory entered around forward+backward). "checkpoint" also
+# sets model.checkpoint_blocks. When the `as` value has stats() (the pool: cumulative counters), they
+# are read over the timed steps (reset_stats() before, synchronize() after, when it has them).
+SAVERS = {"none": _no_saver, "checkpoint": _no_saver, "save_on_cpu": _save_on_cpu, "pool": _pool}
+
+
+def measure(spec: dict) -> dict:
+    """Worker side: build the model, run warm-up then timed steps; step ms, peaks, pool stats."""
+    import torch
+
+    from .models import PRESETS, loss_fn
+
+    device = torch.device(spec["device"])
+    cuda = device.type == "cuda"
+    if cuda:  # as the anchors were measured
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+        torch.backends.cudnn.benchmark = False
+    preset = PRESETS[spec["preset"]]
+    torch.manual_seed(0)
+    with device:
+        model = preset.build()
+    model.checkpoint_blocks = spec["saver"] == "checkpoint"
+    x, y = preset.batch(device, torch.Generator().manual_seed(0))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
+    saver = SAVERS[spec["saver"]](spec)
+    amp = preset.bf16 and cuda
+    entered: list = []  # the saver's `as` value, when it keeps stats (the pool)
+
+    def step() -> torch.Tensor:
+        with saver() as ctx:
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
+                loss = loss_fn(model(x), y)
+            loss.backward()
+        if hasattr(ctx, "stats") and not entered:
+            entered.append(ctx)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    step()  # allocates gradients and optimizer state
+    sync()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    for _ in range(spec["warmup"] - 1):
+        step()
+    for ctx in entered:  # count the timed steps only
+        if hasattr(ctx, "synchronize"):
+            ctx.synchronize()
+        if hasattr(ctx, "reset_stats"):
+            ctx.reset_stats()
+    times_ms = []
+    for _ in range(spec["steps"]):
+        times_ms.append(_timed(step, cuda))
+    row = {
+        "preset": preset.label,
+        "step_ms": round(statistics.median(times_ms), 2),
+        "step_ms_all": [round(t, 2) for t in times_ms],
+    }
+    if cuda:
+        alloc, reserved = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
+        row.update(peak_alloc_bytes=alloc, peak_reserved_bytes=reserved, frag=reserved / alloc)
+    row["pool"] = _saver_stats(entered, spec["steps"])
+    row["loss"] = float(step())
+    return row
+
+
+def _saver_stats(entered: list, steps: int) -> dict | None:
+    """The pool's stats over the timed steps (its counters are cumulative; bytes become per step)."""
+    if not entered:
+        return None
+    ctx = entered[0]
+    if hasattr(ctx, "synchronize"):
+        ctx.synchronize()
+    stats = {k: v for k, v in ctx.stats().items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    for key in ("offloaded_bytes", "prefetched_bytes"):
+        if key in stats:
+            stats[key + "_per_step"] = stats[key] / steps
+    return stats
+
+
+def _timed(step: Callable[[], object], cuda: bool) -> float:
+    if not cuda:
+        t = time.perf_counter()
+        step()
+        return (time.perf_counter() - t) * 1e3
+    import torch
+
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    step()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end)
+
+
+# ---- parent side ---------------------------------------------------------------------------------
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", choices=("gpt", "resnet", "all"), default="all")
+    p.add_argument("--modes", default="", help="rows or savers to run, e.g. supermem,pool (default: all)")
+    p.add_argument("--steps", type=int, default=10, help="timed steps per process (default 10)")
+    p.add_argument(
+        "--warmup", type=int, default=3, help="steps before timing, the first included (default 3)"
+    )
+    p.add_argument(
+        "--budgets", default="1.0,0.75,0.6,0.5", help="pool budgets, fractions of native's peak allocated"
+    )
+
+
+def run(args: argparse.Namespace) -> dict:
+    if args.quick:
+        args.steps, args.warmup = 3, 2
+    budgets = [float(b) for b in args.budgets.split(",") if b]
+    wanted = set(filter(None, args.modes.split(",")))
+    chosen = [m for m in modes(args.device, budgets) if _selected(m, wanted)]
+    out = {"bench": "train", "device": args.device, "models": {}}
+    for model in ("gpt", "resnet") if args.model == "all" else (args.model,):
+        rows = _run_model(model, chosen, args)
+        out["models"][model] = rows
+        out.setdefault("env", rows[0].get("env"))
+        _print_tables(model, rows, args)
+    return out
+
+
+def _selected(m: Mode, wanted: set[str]) -> bool:
+    """--modes names rows ("supermem", "pool 75%") or savers ("pool"); native always runs (the baseline)."""
+    return not wanted or m.name == "native" or m.name in wanted or m.saver in wanted
+
+
+def _run_model(model: str, chosen: list[Mode], args: argparse.Namespace) -> list[dict]:
+    preset = model + ("-quick" if args.quick else "")
+    base = {"bench": "train", "preset": preset, "device": args.device, "steps": args.steps}
+    base["warmup"] = args.warmup
+
+    def spec(m: Mode) -> dict:
+        conf = args.conf if m.allocator == "supermem" else None
+        return {**base, **m.options, "allocator": m.allocator, "conf": conf, "saver": m.saver}
+
+    # Allocator rows are compared to 1%: run them interleaved `repeats` times and keep each one's best.
+    alloc_modes = [m for m in chosen if m.table == "allocator"]
+    runs: dict[str, list[dict]] = {m.name: [] for m in alloc_modes}
+    for _ in range(args.repeats):
+        for m in alloc_modes:
+            runs[m.name].append(runner.run(spec(m), args.timeout, f"{model} {m.name}"))
+    rows = {name: _best(rs) for name, rs in runs.items()}
+    native_peak = rows["native"].get("peak_alloc_bytes")
+    for m in chosen:
+        if m.name in rows:
+            continue
+        s = spec(m)
+        if m.budget is not None:
+            if not native_peak:
+                rows[m.name] = {"error": "no native peak to take the budget from"}
+                continue
+            s["budget_bytes"] = int(m.budget * native_peak)
+        rows[m.name] = runner.run(s, args.timeout, f"{model} {m.name}")
+        rows[m.name]["budget_bytes"] = s.get("budget_bytes")
+    out = []
+    for m in chosen:
+        row = rows[m.name]
+        row.update(config=m.name, allocator=m.allocator, table=m.table, budget=m.budget)
+        out.append(row)
+    return out
+
+
+def _best(rs: list[dict]) -> dict:
+    ok = [r for r in rs if "step_ms" in r]
+    best = dict(min(ok, key=lambda r: r["step_ms"]) if ok else rs[-1])
+    best["step_ms_runs"] = [r.get("step_ms") for r in rs]
+    return best
+
+
+def _gib(key: str) -> Callable[[dict], float]:
+    return lambda r: r[key] / GiB
+
+
+def _print_tables(model: str, rows: list[dict], args: argparse.Namespace) -> None:
+    native = next(r for r in rows if r["config"] == "native")
+    for r in rows:
+        r["step_x"] = table.ratio(r.get("step_ms"), native.get("step_ms"))
+    label = native.get("preset", model)
+    print(f"\n{label}: allocator (baseline: native, this run; best of {args.repeats} processes)")
+    columns = [
+        ("config", lambda r: r["config"], ""),
+        ("step ms", lambda r: r["step_ms"], ".1f"),
+        ("x native", lambda r: r["step_x"], ".3f"),
+        ("peak alloc GiB", _gib("peak_alloc_bytes"), ".2f"),
+        ("peak resv GiB", _gib("peak_reserved_bytes"), ".2f"),
+        ("frag", lambda r: r["frag"], ".3f"),
+        ("note", _note, ""),
+    ]
+    print(table.render(columns, [r for r in rows if r["table"] == "allocator"]))
+    savers = [native] + [r for r in rows if r["table"] == "savers"]
+    if len(savers) > 1:
+        print(f"\n{label}: memory savers (baseline: native, this run)")
+        columns = [
+            ("config", lambda r: r["config"], ""),
+            ("allocator", lambda r: r["allocator"], ""),
+            ("step ms", lambda r: r["step_ms"], ".1f"),
+            ("x native", lambda r: r["step_x"], ".2f"),
+            ("budget GiB", _gib("budget_bytes"), ".2f"),
+            ("peak alloc GiB", _gib("peak_alloc_bytes"), ".2f"),
+            ("offloaded GiB/step", lambda r: r["pool"]["offloaded_bytes_per_step"] / GiB, ".2f"),
+            ("copy GB/s d2h/h2d", lambda r: f"{r['pool']['d2h_gbps']:.1f}/{r['pool']['h2d_gbps']:.1f}", ""),
+            ("hidden %", lambda r: 100 * r["pool"]["hidden_fraction"], ".0f"),
+            ("note", _note, ""),
+        ]
+        print(table.render(columns, savers))
+    ref = REFERENCE.get(model)
+    if ref and not args.quick:
+        print(
+            "reference (DESIGN.md, H200, not this run): "
+            + ", ".join(f"{k} {v[0]} ms / {v[1]} GiB" for k, v in ref.items())
+        )
+    _print_targets(label, native, rows)
+    if len(savers) > 1:  # one line per model for summaries (tools/gpu_check.sh greps "savers ")
+        parts = [
+            f"{r['config']} {_fmt(r.get('step_x'), '.2f')}x {_fmt(_peak_gib(r), '.2f')}GiB" for r in savers
+        ]
+        print(f"savers {label}: " + ", ".join(parts))
+
+
+def _peak_gib(r: dict) -> float | None:
+    peak = r.get("peak_alloc_bytes")
+    return None if peak is None else peak / GiB
+
+
+def _note(r: dict) -> str | None:
+    if r.get("oom"):
+        return "OOM"
+    return r.get("error")
+
+
+def _print_targets(label: str, native: dict, rows: list[dict]) -> None:
+    for r in rows:
+        if r["config"] != "supermem":
+            continue
+        x = r.get("step_x")
+        ok = x is not None and x <= STEP_TARGET
+        print(f"target {label} step: supermem {_fmt(x, '.3f')}x native (<= {STEP_TARGET}x): {_met(ok, x)}")
+        f, nf = r.get("frag"), native.get("frag")
+        ok = f is not None and nf is not None and f <= nf
+        print(
+            f"target {label} frag: supermem {_fmt(f, '.3f')} vs native {_fmt(nf, '.3f')} (<=): {_met(ok, f)}"
+        )
+
+
+def _fmt(v: float | None, spec: str) -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def _met(ok: bool, value: float | None) -> str:
+    if value is None:
+        return "NO DATA"
+    return "met" if ok else "MISSED"
