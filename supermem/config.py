@@ -143,6 +143,13 @@ OPTIONS: tuple[Option, ...] = (
         "a file path",
         "When an OOM is raised, write a trace there (and an HTML report beside it).",
     ),
+    Option(
+        "control",
+        _bool,
+        True,
+        "true | false",
+        "Serve `supermem top` on a unix socket in a private per-user directory (no network port).",
+    ),
 )
 _BY_NAME = {o.name: o for o in OPTIONS}
 

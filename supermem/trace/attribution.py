@@ -150,10 +150,7 @@ class ModelScanner:
 class StackTable:
     """Interned Python stacks: frames (filename, line, name) and stacks (tuples of frame ids)."""
 
-    _SKIP_DIRS = tuple(
-        os.path.dirname(p) + os.sep
-        for p in (os.path.dirname(__file__), os.path.dirname(os.path.dirname(__file__)))
-    )
+    _SKIP_DIRS: tuple[str, ...] = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,)
 
     def __init__(self, max_depth: int = 32):
         self.max_depth = max_depth

@@ -30,3 +30,14 @@ def load(path: str | os.PathLike) -> Trace:
         "record one with `supermem trace -o run.smtrace -- python train.py` or "
         "torch.cuda.memory._dump_snapshot()"
     )
+
+
+def load_for_cli(path: str | os.PathLike) -> Trace:
+    """load() for the command line: a bad file is the user's mistake, so it becomes a UsageError, which
+    supermem's CLI prints as one line (no traceback)."""
+    from ..errors import UsageError
+
+    try:
+        return load(path)
+    except TraceFormatError as e:
+        raise UsageError(str(e)) from None

@@ -225,8 +225,9 @@ class Recorder:
                     _active = None
         return out
 
-    def attach_new(self) -> None:
-        """Starts recording allocators that appeared since the last call."""
+    def attach_new(self, keep_rings: bool = False) -> None:
+        """Starts recording allocators that appeared since the last call. keep_rings: leave their
+        rings as they are (a one-shot dump of an always-on ring) instead of starting them afresh."""
         pairs = self._explicit if self._explicit is not None else discover_allocators()
         with self._lock:
             used = {s.device for s in self.sources}
@@ -237,7 +238,9 @@ class Recorder:
                     device += 1
                 used.add(device)
                 prev = alloc.trace_capacity
-                if prev < self.capacity_events:
+                if keep_rings:
+                    pass
+                elif prev < self.capacity_events:
                     alloc.trace_capacity = self.capacity_events  # also empties the ring
                 else:
                     _drain_ring(alloc)  # events from before the recording are not part of it
@@ -254,7 +257,8 @@ class Recorder:
     def drain(self) -> None:
         """Moves events from the allocators' rings into the recorder (bounded by capacity_events)."""
         with self._lock:
-            self.attach_new()
+            if _active is self:
+                self.attach_new()
             for s in self.sources:
                 s.drain(self.capacity_events)
 
@@ -264,7 +268,14 @@ class Recorder:
             self.drain()
             trace = Trace()
             parts = [c for s in self.sources for c in s.chunks]
-            parts.append(self._pool_columns(trace))
+            pool = self._pool_columns(trace)
+            if any(s.dropped for s in self.sources):
+                # The allocators' windows lost their start: pool events from before it describe blocks
+                # the trace no longer has, so the trace starts where its oldest allocator event is.
+                start = min((int(s.chunks[0]["time_ns"][0]) for s in self.sources if s.chunks), default=0)
+                keep = pool["time_ns"] >= start
+                pool = {k: v[keep] for k, v in pool.items()}
+            parts.append(pool)
             trace.cols = concat_columns(parts)
             trace.sort()
             for s in self.sources:
@@ -342,6 +353,14 @@ class Recorder:
             from .report_html import write_report_files
 
             write_report_files(out)
+
+
+def one_shot_trace(allocators: list[Any] | None = None) -> Trace:
+    """What the allocators' always-on rings hold (option trace:N) plus their current segments, with no
+    recording in progress: the cheap mode's dump. Drains the rings; categories from a gc scan."""
+    rec = Recorder(allocators if allocators is not None else discover_allocators(), capacity_events=1 << 62)
+    rec.attach_new(keep_rings=True)
+    return rec.build()
 
 
 def _device_info(alloc: Any) -> dict[str, Any]:
