@@ -230,17 +230,17 @@ class ControlServer:
 
     def _answer(self, conn: socket.socket) -> None:
         _, uid, _ = _CRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
-        if uid != self.allowed_uid:
-            self.refused += 1
-            conn.sendall(json.dumps({"error": f"refused: uid {uid} is not the owner"}).encode() + b"\n")
-            return
         conn.settimeout(2.0)
-        req = b""
+        req = b""  # read the request even when refusing: closing on unread data resets the connection
         while not req.endswith(b"\n") and len(req) < 256:
             chunk = conn.recv(256)
             if not chunk:
                 break
             req += chunk
+        if uid != self.allowed_uid:
+            self.refused += 1
+            conn.sendall(json.dumps({"error": f"refused: uid {uid} is not the owner"}).encode() + b"\n")
+            return
         if req != REQUEST:
             conn.sendall(json.dumps({"error": f"unknown request {req[:40]!r}"}).encode() + b"\n")
             return

@@ -132,7 +132,25 @@ def _device_trace(trace: Trace, dev: int, frames, pool_events: bool, use_categor
     detail = c["detail"][idx].tolist()
     with_cat = {ALLOC, FREE_REQUESTED, FREE_COMPLETED}
     out = []
+    requested: set[int] = set()  # addresses with a free_requested awaiting its free_completed
     for i, a in enumerate(act.tolist()):
+        if a == FREE_REQUESTED:
+            requested.add(addr[i])
+        elif a == FREE_COMPLETED:
+            if addr[i] in requested:
+                requested.discard(addr[i])
+            else:  # PyTorch always logs the request first; its tools pair the two
+                out.append(
+                    {
+                        "action": "free_requested",
+                        "addr": addr[i],
+                        "size": size[i],
+                        "stream": stream[i],
+                        "time_us": t_us[i],
+                        "frames": frames(stack[i]),
+                        **({"category": trace.categories[cat[i]]} if use_categories else {}),
+                    }
+                )
         e = {
             "action": names[a],
             "addr": addr[i],
@@ -231,7 +249,13 @@ def from_torch_snapshot(snap: Any) -> Trace:
             trace.stacks.append(tuple(ids))
         return sid
 
-    rows = [(dev, e) for dev, entries in enumerate(traces) for e in entries if isinstance(e, dict)]
+    # "snapshot" entries only mark when a snapshot was taken: nothing to plot or replay
+    rows = [
+        (dev, e)
+        for dev, entries in enumerate(traces)
+        for e in entries
+        if isinstance(e, dict) and e.get("action") != "snapshot"
+    ]
     has_time = bool(rows) and all("time_us" in e for _, e in rows)
     cols = empty_columns(len(rows))
     rename = {"segment_map": "segment_alloc", "segment_unmap": "segment_free"}  # expandable segments
