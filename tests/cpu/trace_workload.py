@@ -69,7 +69,7 @@ class Workload:
         self.rng = random.Random(seed)
         self.ledger = Ledger()
         self.device = device
-        self.widths = [self.rng.choice([1 << 14, 1 << 16, 3 << 18]) for _ in range(layers)]
+        self.widths = [self.rng.choice([1 << 12, 1 << 14, 3 << 16]) for _ in range(layers)]
         self.act_bytes = [self.rng.choice([256 << 10, 3 << 20, 12 << 20]) for _ in range(layers)]
         self.live: dict[int, tuple[int, str]] = {}
         self.model = SimModel(alloc, self.widths)
