@@ -36,6 +36,7 @@ class DeviceReport:
     peak_bytes: int
     peak_time_s: float | None  # None: the peak is the state before the first event
     peak_reserved_bytes: int
+    active_at_peak_reserved_bytes: int  # what the blocks held when reserved peaked
     peak_by_category: dict[str, int]
     peak_blocks: list[dict[str, Any]]  # largest first: size, category, address, alloc_s, frames
     peak_other_blocks: int  # live at the peak but not listed
@@ -166,6 +167,11 @@ def _device(trace: Trace, dev: int, t0: int, t1: int, width: int, max_blocks: in
             }
         )
     dropped = int(trace.meta.get("dropped_events", {}).get(str(dev), 0))
+    if len(reserved_full) and int(reserved_full.max()) > s.initial_reserved:
+        rp = int(np.argmax(reserved_full))
+        peak_reserved, active_at_peak_reserved = int(reserved_full[rp]), int(s.active[rp])
+    else:
+        peak_reserved, active_at_peak_reserved = s.initial_reserved, s.initial_active
     return DeviceReport(
         device=dev,
         name=str(info.get("name", "")),
@@ -178,7 +184,8 @@ def _device(trace: Trace, dev: int, t0: int, t1: int, width: int, max_blocks: in
         reserved_known=s.reserved_known,
         peak_bytes=peak_bytes,
         peak_time_s=peak_time_s,
-        peak_reserved_bytes=int(max(reserved_full.max(initial=0), s.initial_reserved)),
+        peak_reserved_bytes=peak_reserved,
+        active_at_peak_reserved_bytes=active_at_peak_reserved,
         peak_by_category=dict(sorted(peak_by_category.items(), key=lambda kv: -kv[1])),
         peak_blocks=blocks,
         peak_other_blocks=len(rest),

@@ -112,7 +112,7 @@ class ModelScanner:
         self.optimizers = list(optimizers)
         self.find = find and not self.models and not self.optimizers
         self.full_scan_every = full_scan_every  # steps between scans of parameters and optimizer state
-        self.steps = 0
+        self._steps: dict[int, int] = {}  # id(optimizer) -> steps seen
         self._hooks: list[Any] = []
 
     def scan(self, gradients_only: bool = False) -> None:
@@ -123,22 +123,32 @@ class ModelScanner:
             self.obs.add_tensor(t, cat, now)
 
     def install_hooks(self) -> None:
-        """Gradients are scanned before every optimizer step (they are freed by zero_grad), parameters
-        and state after steps 1, 2 and every `full_scan_every`-th (Adam makes its state at step 1)."""
-        for opt in self.optimizers:
-            self._hooks.append(opt.register_step_pre_hook(lambda *_: self._before_step()))
-            self._hooks.append(opt.register_step_post_hook(lambda *_: self._after_step()))
+        """Gradients are observed before every optimizer step (zero_grad frees them), parameters and
+        state after steps 1, 2 and every `full_scan_every`-th (Adam makes its state at step 1). With
+        nothing given, PyTorch's global optimizer hooks cover optimizers created after the start."""
+        if self.find:
+            from torch.optim.optimizer import (
+                register_optimizer_step_post_hook,
+                register_optimizer_step_pre_hook,
+            )
 
-    def _before_step(self) -> None:
+            self._hooks.append(register_optimizer_step_pre_hook(lambda opt, *_: self.before_step(opt)))
+            self._hooks.append(register_optimizer_step_post_hook(lambda opt, *_: self.after_step(opt)))
+            return
+        for opt in self.optimizers:
+            self._hooks.append(opt.register_step_pre_hook(lambda o, *_: self.before_step(o)))
+            self._hooks.append(opt.register_step_post_hook(lambda o, *_: self.after_step(o)))
+
+    def before_step(self, opt: Any) -> None:
         now = time.monotonic_ns()
-        for t, cat in tensors_of((), self.optimizers, gradients_only=True):
+        for t, cat in tensors_of((), (opt,), gradients_only=True):
             self.obs.add_tensor(t, cat, now)
 
-    def _after_step(self) -> None:
-        self.steps += 1
-        if self.steps <= 2 or self.steps % self.full_scan_every == 0:
+    def after_step(self, opt: Any) -> None:
+        n = self._steps[id(opt)] = self._steps.get(id(opt), 0) + 1
+        if n <= 2 or n % self.full_scan_every == 0:
             now = time.monotonic_ns()
-            for t, cat in tensors_of((), self.optimizers):
+            for t, cat in tensors_of((), (opt,)):
                 self.obs.add_tensor(t, cat, now)
 
     def remove_hooks(self) -> None:

@@ -161,8 +161,13 @@ def _device_section(rep: Report, d: DeviceReport) -> str:
         ),
     ]
     if d.peak_reserved_bytes:
-        frag = 1 - max(d.active) / d.peak_reserved_bytes if d.active else 0
-        rows.append(("reserved but not active at peak reserved", f"{max(frag, 0) * 100:.1f}%"))
+        idle = d.peak_reserved_bytes - d.active_at_peak_reserved_bytes
+        rows.append(
+            (
+                "reserved but holding no block, when reserved peaked",
+                f"{format_bytes(idle)} ({idle / d.peak_reserved_bytes * 100:.1f}%)",
+            )
+        )
     if d.ooms:
         rows.append(("OOMs", str(len(d.ooms))))
     parts.append(
@@ -247,7 +252,7 @@ def _device_section(rep: Report, d: DeviceReport) -> str:
 def _pool_plot(rep: Report, d: DeviceReport, x_label) -> str:
     lanes = sorted(d.pool_bytes)
     n = len(d.active)
-    p = Plot(n, 1.0, "pool", y_label=lambda v: "", x_label=x_label, x_max=rep.span_s)
+    p = Plot(n, 1.0, "pool", x_label=x_label, x_max=rep.span_s, grid=False)
     lane_h = (H - TOP - 26) / len(lanes)
     for i, name in enumerate(lanes):
         vals = d.pool_bytes[name]

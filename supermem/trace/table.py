@@ -94,12 +94,6 @@ class Trace:
     def __len__(self) -> int:
         return len(self.cols["time_ns"])
 
-    def __getattr__(self, name: str) -> np.ndarray:
-        cols = self.__dict__.get("cols")
-        if cols is not None and name in cols:
-            return cols[name]
-        raise AttributeError(name)
-
     def action_id(self, name: str) -> int:
         """Index of an action name, appended if new."""
         try:

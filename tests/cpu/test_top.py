@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from supermem import cli, control
+from supermem import top as top_module
 from supermem.units import format_bytes
 
 CHILD = textwrap.dedent(
@@ -208,3 +209,20 @@ def test_a_failing_provider_does_not_blank_the_view():
         assert snap["providers"]["broken"] == {"error": "ZeroDivisionError: division by zero"}
     finally:
         control.unregister_provider("broken")
+
+
+def test_render_shows_every_section():
+    snap = {
+        "pid": 42,
+        "argv": ["train.py"],
+        "time_unix_s": 0,
+        "providers": {
+            "trace": {"recording_s": 12, "devices": [0], "pool_events": 7, "dropped_events": 0},
+            "mystery": {"x": 1},
+        },
+    }
+    text = top_module.render(snap)
+    assert "pid 42  train.py" in text
+    assert "no provider (supermem's allocator is not installed" in text
+    assert "TRACE   recording 12s, devices [0], pool events 7, dropped 0" in text
+    assert 'MYSTERY {"x": 1}' in text and "OOMS    0" in text

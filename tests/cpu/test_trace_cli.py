@@ -64,8 +64,13 @@ def test_trace_runs_the_script_and_writes_the_trace(tmp_path, script, capfd, exi
     live, peak = numbers(r.stdout)
     tr = load(out)
     assert tr.meta["argv"] == [str(script), "2", exit_with]
-    s = series(tr, 0, lifetimes(tr, 0))
+    lt = lifetimes(tr, 0)
+    s = series(tr, 0, lt)
     assert int(s.active[-1]) == live and int(s.active.max()) == peak
+    # the model and optimizer were made after the recording started and never named: gc finds them
+    # at the dump, PyTorch's global optimizer hooks saw each step's gradients
+    cats = {tr.categories[c] for c in lt.category}
+    assert {"parameter", "gradient", "optimizer_state", "activation"} <= cats
     assert (tmp_path / "run.html").exists() and (tmp_path / "run.png").exists()
 
 

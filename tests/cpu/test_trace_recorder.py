@@ -1,5 +1,8 @@
 """Recording a training-like run on a simulated device: events, categories, stacks, bounds, discovery."""
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -176,3 +179,14 @@ def test_events_subscription_is_removed_after_the_recording(tmp_path):
     with supermem.trace(tmp_path / "x.smtrace", allocators=[alloc]):
         assert events.enabled()
     assert not events.enabled()
+
+
+def test_importing_supermem_does_not_load_the_trace_tool():
+    code = (
+        "import sys, supermem;"
+        "assert 'supermem.trace' not in sys.modules and 'supermem.control' not in sys.modules;"
+        "r = supermem.trace('x.smtrace'); assert type(r).__name__ == 'Recorder' and r.path == 'x.smtrace';"
+        "print(callable(supermem.trace), supermem.trace.record is not None)"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout.split() == ["True", "True"], r.stderr
