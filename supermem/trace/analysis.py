@@ -36,7 +36,8 @@ class DeviceReport:
     peak_bytes: int
     peak_time_s: float | None  # None: the peak is the state before the first event
     peak_reserved_bytes: int
-    active_at_peak_reserved_bytes: int  # what the blocks held when reserved peaked
+    reserved_at_peak_bytes: int  # reserved when active memory peaked
+    max_idle_reserved_bytes: int  # the most reserved memory that held no block at any one time
     peak_by_category: dict[str, int]
     peak_blocks: list[dict[str, Any]]  # largest first: size, category, address, alloc_s, frames
     peak_other_blocks: int  # live at the peak but not listed
@@ -167,11 +168,12 @@ def _device(trace: Trace, dev: int, t0: int, t1: int, width: int, max_blocks: in
             }
         )
     dropped = int(trace.meta.get("dropped_events", {}).get(str(dev), 0))
-    if len(reserved_full) and int(reserved_full.max()) > s.initial_reserved:
-        rp = int(np.argmax(reserved_full))
-        peak_reserved, active_at_peak_reserved = int(reserved_full[rp]), int(s.active[rp])
-    else:
-        peak_reserved, active_at_peak_reserved = s.initial_reserved, s.initial_active
+    peak_reserved = int(max(reserved_full.max(initial=0), s.initial_reserved))
+    reserved_at_peak = s.initial_reserved
+    if peak_index >= 0:
+        reserved_at_peak = int(s.reserved[int(np.searchsorted(s.index, peak_index))])
+    idle = int((reserved_full - s.active).max(initial=0)) if len(reserved_full) else 0
+    idle = max(idle, s.initial_reserved - s.initial_active)
     return DeviceReport(
         device=dev,
         name=str(info.get("name", "")),
@@ -185,7 +187,8 @@ def _device(trace: Trace, dev: int, t0: int, t1: int, width: int, max_blocks: in
         peak_bytes=peak_bytes,
         peak_time_s=peak_time_s,
         peak_reserved_bytes=peak_reserved,
-        active_at_peak_reserved_bytes=active_at_peak_reserved,
+        reserved_at_peak_bytes=reserved_at_peak,
+        max_idle_reserved_bytes=idle,
         peak_by_category=dict(sorted(peak_by_category.items(), key=lambda kv: -kv[1])),
         peak_blocks=blocks,
         peak_other_blocks=len(rest),

@@ -160,14 +160,14 @@ def _device_section(rep: Report, d: DeviceReport) -> str:
             str(d.num_events) + (f" ({d.dropped_events} older ones overwritten)" if d.dropped_events else ""),
         ),
     ]
-    if d.peak_reserved_bytes:
-        idle = d.peak_reserved_bytes - d.active_at_peak_reserved_bytes
+    if d.reserved_at_peak_bytes:
+        idle = max(d.reserved_at_peak_bytes - d.peak_bytes, 0)
+        share = idle / d.reserved_at_peak_bytes * 100
         rows.append(
-            (
-                "reserved but holding no block, when reserved peaked",
-                f"{format_bytes(idle)} ({idle / d.peak_reserved_bytes * 100:.1f}%)",
-            )
+            ("reserved, holding no block, at the peak", f"{format_bytes(idle)} ({share:.1f}% of reserved)")
         )
+    if d.max_idle_reserved_bytes:
+        rows.append(("reserved, holding no block, at most", format_bytes(d.max_idle_reserved_bytes)))
     if d.ooms:
         rows.append(("OOMs", str(len(d.ooms))))
     parts.append(

@@ -79,16 +79,27 @@ class Plot:
     def y(self, v: float) -> float:
         return TOP + (H - TOP - BOTTOM) * (1 - min(v, self.y_max) / self.y_max)
 
+    def points(self, values: Sequence[float], reverse: bool = False) -> str:
+        """'x,y' pairs of a polyline through `values`, without the middle points of flat runs (they
+        change nothing drawn and are most of a memory series)."""
+        n = len(values)
+        keep = [
+            i for i in range(n) if i in (0, n - 1) or values[i] != values[i - 1] or values[i] != values[i + 1]
+        ]
+        if reverse:
+            keep.reverse()
+        return " ".join(f"{self.x(i):.1f},{self.y(values[i]):.1f}" for i in keep)
+
     def area(self, lower: Sequence[float], upper: Sequence[float], color: str, css: str, title: str) -> None:
-        top = " ".join(f"{self.x(i):.1f},{self.y(v):.1f}" for i, v in enumerate(upper))
-        bottom = " ".join(f"{self.x(i):.1f},{self.y(v):.1f}" for i, v in reversed(list(enumerate(lower))))
+        top = self.points(upper)
+        bottom = self.points(lower, reverse=True)
         self.parts.append(
             f'<polygon class="area {css}" fill="{color}" points="{top} {bottom}">'
             f"<title>{html.escape(title)}</title></polygon>"
         )
 
     def line(self, values: Sequence[float], color: str, css: str, dash: str = "") -> None:
-        pts = " ".join(f"{self.x(i):.1f},{self.y(v):.1f}" for i, v in enumerate(values))
+        pts = self.points(values)
         d = f' stroke-dasharray="{dash}"' if dash else ""
         self.parts.append(
             f'<polyline class="line {css}" fill="none" stroke="{color}" stroke-width="1.5"{d} '
@@ -107,10 +118,12 @@ class Plot:
             self.parts.append(f'<path class="bars {css}" fill="{color}" d="{"".join(out)}"/>')
 
     def marker(self, i: float, text: str, color: str = "#c00", css: str = "marker") -> None:
+        """A dashed vertical line, drawn under the data (a one-bin peak must stay visible)."""
         x = self.x(i)
-        self.parts.append(
+        self.parts.insert(
+            0,
             f'<line class="{css}" x1="{x:.1f}" x2="{x:.1f}" y1="{TOP}" y2="{H - BOTTOM}" stroke="{color}" '
-            f'stroke-dasharray="4 3"><title>{html.escape(text)}</title></line>'
+            f'stroke-dasharray="4 3"><title>{html.escape(text)}</title></line>',
         )
 
     def svg(self, label: str) -> str:
