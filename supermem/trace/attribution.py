@@ -119,8 +119,11 @@ class ModelScanner:
         if self.find:
             self.models, self.optimizers = find_models_and_optimizers()
         now = time.monotonic_ns()
-        for t, cat in tensors_of(self.models, self.optimizers, gradients_only):
-            self.obs.add_tensor(t, cat, now)
+        try:
+            for t, cat in tensors_of(self.models, self.optimizers, gradients_only):
+                self.obs.add_tensor(t, cat, now)
+        except RuntimeError:  # a dump from another thread (an OOM) raced a change of optimizer state
+            pass
 
     def install_hooks(self) -> None:
         """Gradients are observed before every optimizer step (zero_grad frees them), parameters and

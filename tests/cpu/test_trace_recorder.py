@@ -12,9 +12,11 @@ import supermem
 from supermem import events
 from supermem.errors import UsageError
 from supermem.trace import recorder
+from supermem.trace.analysis import analyze
 from supermem.trace.loader import load
 from supermem.trace.table import ALLOC
 from supermem.trace.timeline import lifetimes, series
+from supermem.trace.torch_snapshot import to_torch_snapshot
 
 
 @pytest.fixture
@@ -151,6 +153,10 @@ def test_discovery_registry_and_device_allocator_hook(monkeypatch, tmp_path):
             for d in (0, 1, 2)
         }
         assert sizes == {0: {1024}, 1: {3072}, 2: {5120}}
+        rep = analyze(tr)
+        assert [(d.device, d.peak_bytes) for d in rep.devices] == [(0, 1024), (1, 3072), (2, 5120)]
+        snap = to_torch_snapshot(tr)
+        assert len(snap["device_traces"]) == 3 and {s["device"] for s in snap["segments"]} == {0, 1, 2}
     finally:
         recorder.unregister_allocator(a0)
         recorder.unregister_allocator(late)
