@@ -143,6 +143,13 @@ OPTIONS: tuple[Option, ...] = (
         "a file path",
         "When an OOM is raised, write a trace there (and an HTML report beside it).",
     ),
+    Option(
+        "control",
+        _bool,
+        True,
+        "true | false",
+        "Serve `supermem top` on a unix socket in a private per-user directory (no network port).",
+    ),
 )
 _BY_NAME = {o.name: o for o in OPTIONS}
 
@@ -227,7 +234,8 @@ def markdown_table() -> str:
     rows = ["| option | values | default | what it does |", "| --- | --- | --- | --- |"]
     for o in OPTIONS:
         default = "—" if o.default is None else f"`{o.default}`"
-        rows.append(f"| `{o.name}` | {o.allowed} | {default} | {o.doc} |")
+        allowed = o.allowed.replace("|", "\\|")  # a bare | would split the cell
+        rows.append(f"| `{o.name}` | {allowed} | {default} | {o.doc} |")
     return "\n".join(rows)
 
 

@@ -1,0 +1,306 @@
+"""The control socket that `supermem top` reads: a unix socket served by a daemon thread.
+
+Where: `$XDG_RUNTIME_DIR/supermem/<pid>.sock`, or `/tmp/supermem-<uid>/<pid>.sock` without a usable
+XDG_RUNTIME_DIR. The directory is created 0700 and must be owned by this user with no group or other
+access (else the server refuses to start: another user could plant or read sockets there). No network
+port is opened. Each connection's peer uid is read with SO_PEERCRED and anyone but this process's
+user is refused, so even a socket made reachable by mistake serves nobody else.
+
+Protocol: the client sends one line ("snapshot\\n"); the server answers one JSON object and closes:
+    {"pid", "argv", "time_unix_s", "providers": {name: provider() or {"error": "..."}}}
+Providers are plain functions returning JSON-able dicts, registered by the parts that own the data:
+    control.register_provider("allocator", control.allocator_provider())   # allocated/reserved/limit
+    control.register_provider("pool", pool.status)      # entries_by_state, host_bytes, link rates
+    (the trace recorder registers "trace"; supermem.trace.oom.note_oom registers "ooms")
+Providers run on the server thread, so they must be thread-safe (the allocator's stats are).
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import socket
+import stat
+import struct
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+Provider = Callable[[], dict[str, Any]]
+
+_providers: dict[str, Provider] = {}
+_server: ControlServer | None = None
+_lock = threading.Lock()
+_started_unix_s = time.time()
+REQUEST = b"snapshot\n"
+_CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+
+
+def register_provider(name: str, fn: Provider) -> None:
+    """Adds (or replaces) a section of what `supermem top` shows."""
+    _providers[name] = fn
+
+
+def unregister_provider(name: str) -> None:
+    _providers.pop(name, None)
+
+
+def collect() -> dict[str, Any]:
+    """What the server answers: every provider's dict (an error entry for one that fails)."""
+    out: dict[str, Any] = {}
+    for name, fn in list(_providers.items()):
+        try:
+            out[name] = fn()
+        except Exception as e:  # one broken provider must not blank the whole view
+            out[name] = {"error": f"{type(e).__name__}: {e}"}
+    return {"pid": os.getpid(), "argv": list(sys.argv), "time_unix_s": time.time(), "providers": out}
+
+
+def process_status() -> dict[str, Any]:
+    """The built-in "process" provider."""
+    d: dict[str, Any] = {"uptime_s": time.time() - _started_unix_s, "threads": threading.active_count()}
+    try:
+        import psutil
+
+        p = psutil.Process()
+        d["rss_bytes"] = p.memory_info().rss
+        d["cpu_percent"] = p.cpu_percent(interval=None)
+    except Exception:
+        pass
+    return d
+
+
+def allocator_provider(allocators: list[Any] | None = None) -> Provider:
+    """A provider of allocated/reserved/limit per device: for the given (device, CachingAllocator)
+    pairs, or every allocator supermem.trace can discover."""
+
+    def provide() -> dict[str, Any]:
+        if allocators is None:
+            from .trace.recorder import discover_allocators
+
+            pairs = discover_allocators()
+        else:
+            pairs = allocators
+        devices = []
+        for device, a in pairs:
+            s = a.stats()
+            devices.append(
+                {
+                    "device": device,
+                    "name": a.device.name,
+                    "total_bytes": a.device.total_bytes,
+                    "limit_bytes": a.limit_bytes,
+                    "allocated_bytes": s["allocated_bytes"],
+                    "reserved_bytes": s["reserved_bytes"],
+                    "allocated_bytes_peak": s["allocated_bytes_peak"],
+                    "reserved_bytes_peak": s["reserved_bytes_peak"],
+                    "num_ooms": s["num_ooms"],
+                    "fragmentation": s["fragmentation"],
+                }
+            )
+        return {"devices": devices}
+
+    return provide
+
+
+# ---------------------------------------------------------------- where sockets live
+
+
+def socket_dir() -> Path:
+    """The per-user directory of control sockets (not created here)."""
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    if xdg:
+        try:
+            st = os.stat(xdg)
+            if stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid():
+                return Path(xdg) / "supermem"
+        except OSError:
+            pass
+    return Path(tempfile.gettempdir()) / f"supermem-{os.getuid()}"
+
+
+def private_dir(path: Path | None = None) -> Path:
+    """`path` (default socket_dir()) as a directory only this user can enter: created 0700 if absent;
+    PermissionError if it is a symlink, not a directory, someone else's, or open to group/others."""
+    path = path or socket_dir()
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        raise PermissionError(f"{path} is not a plain directory: supermem will not put its socket there")
+    if st.st_uid != os.getuid():
+        raise PermissionError(f"{path} belongs to uid {st.st_uid}, not {os.getuid()}: refusing to use it")
+    if st.st_mode & 0o077:
+        raise PermissionError(
+            f"{path} is open to other users (mode {stat.S_IMODE(st.st_mode):o}); make it 0700 or remove it"
+        )
+    return path
+
+
+def socket_path(pid: int | None = None) -> Path:
+    return socket_dir() / f"{os.getpid() if pid is None else pid}.sock"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def live_sockets() -> list[tuple[int, Path]]:
+    """(pid, socket) of running supermem processes of this user, most recent first; stale sockets
+    (their process is gone) are removed."""
+    d = socket_dir()
+    out = []
+    try:
+        entries = list(d.glob("*.sock"))
+    except OSError:
+        return []
+    for p in entries:
+        try:
+            pid = int(p.stem)
+        except ValueError:
+            continue
+        if _alive(pid):
+            out.append((p.stat().st_mtime, pid, p))
+        else:
+            try:
+                p.unlink()
+            except OSError:
+                pass
+    return [(pid, p) for _, pid, p in sorted(out, reverse=True)]
+
+
+# ---------------------------------------------------------------- server and client
+
+
+class ControlServer:
+    """Serves collect() on a unix socket to clients of uid `allowed_uid` (default: this user)."""
+
+    def __init__(self, path: Path | None = None, allowed_uid: int | None = None):
+        self.path = Path(path) if path else socket_path()
+        self.allowed_uid = os.getuid() if allowed_uid is None else allowed_uid
+        self.refused = 0
+        self.served = 0
+        self._sock: socket.socket | None = None
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> ControlServer:
+        if self.path.parent == socket_dir():
+            private_dir(self.path.parent)
+        try:
+            self.path.unlink()  # a stale socket of a dead process that had our pid
+        except FileNotFoundError:
+            pass
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old = os.umask(0o177)  # the socket file is born 0600: no window where others could connect
+        try:
+            s.bind(str(self.path))
+        finally:
+            os.umask(old)
+        s.listen(8)
+        self._sock = s
+        self._thread = threading.Thread(target=self._serve, name="supermem-control", daemon=True)
+        self._thread.start()
+        return self
+
+    def _serve(self) -> None:
+        sock = self._sock
+        while sock is not None and self._sock is sock:
+            try:
+                conn, _ = sock.accept()
+            except OSError:
+                return  # closed by stop()
+            with conn:
+                try:
+                    self._answer(conn)
+                except OSError:
+                    pass  # the client went away
+
+    def _answer(self, conn: socket.socket) -> None:
+        _, uid, _ = _CRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
+        conn.settimeout(2.0)
+        req = b""  # read the request even when refusing: closing on unread data resets the connection
+        while not req.endswith(b"\n") and len(req) < 256:
+            chunk = conn.recv(256)
+            if not chunk:
+                break
+            req += chunk
+        if uid != self.allowed_uid:
+            self.refused += 1
+            conn.sendall(json.dumps({"error": f"refused: uid {uid} is not the owner"}).encode() + b"\n")
+            return
+        if req != REQUEST:
+            conn.sendall(json.dumps({"error": f"unknown request {req[:40]!r}"}).encode() + b"\n")
+            return
+        conn.sendall(json.dumps(collect(), default=str).encode() + b"\n")
+        self.served += 1
+
+    def stop(self) -> None:
+        s, self._sock = self._sock, None
+        if s is not None:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            s.close()
+        try:
+            self.path.unlink()
+        except (FileNotFoundError, TypeError):
+            pass
+
+
+def start_server(allowed_uid: int | None = None) -> ControlServer:
+    """Starts this process's control server once (idempotent); it stops at exit."""
+    global _server
+    with _lock:
+        if _server is None or _server._sock is None:
+            register_provider("process", process_status)
+            _server = ControlServer(allowed_uid=allowed_uid).start()
+            atexit.register(_server.stop)
+        return _server
+
+
+def stop_server() -> None:
+    global _server
+    with _lock:
+        if _server is not None:
+            _server.stop()
+            _server = None
+
+
+def query(path: Path, timeout_s: float = 3.0) -> dict[str, Any]:
+    """One snapshot from the server at `path`. PermissionError if it refuses us."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(timeout_s)
+        s.connect(str(path))
+        try:
+            s.sendall(REQUEST)
+        except OSError:
+            pass  # a refusing server may have closed already; its answer is still readable
+        data = b""
+        while True:
+            chunk = s.recv(1 << 16)
+            if not chunk:
+                break
+            data += chunk
+    try:
+        out = json.loads(data)
+    except ValueError:
+        raise ConnectionError(f"{path}: the server sent no valid answer ({len(data)} bytes)") from None
+    if "error" in out and "providers" not in out:
+        if str(out["error"]).startswith("refused"):
+            raise PermissionError(f"{path}: {out['error']}")
+        raise ConnectionError(f"{path}: {out['error']}")
+    return out

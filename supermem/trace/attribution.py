@@ -1,0 +1,294 @@
+"""What each block is: categories and Python stacks, attached after the fact.
+
+The allocator knows addresses and sizes only. Other code knows what a tensor is: nn.Module parameters,
+their .grad, optimizer state, and the pool's events (which say "activation"). Each such fact is an
+observation "a tensor of category C (made at stack S) lived at address A at time T". When a trace is
+built, each observation is matched to the block lifetime at A that was live at T (the latest alloc
+at A before T), and its category and stack are written onto that lifetime's events and, if it is
+still live, onto its snapshot block. Virtual addresses are unique across devices (CUDA UVA, host
+mmaps), so matching needs no device.
+
+What is attributed:
+  parameter, gradient, optimizer_state: tensors of the modules and optimizers passed to trace(), or
+      found by a gc scan; scanned at start, at every dump, before each optimizer step (gradients) and
+      after the first steps (optimizer state is created lazily).
+  activation (or what the pool says): blocks named by pool events that carry an address.
+  everything else stays "unknown": temporaries, inputs, autograd buffers and workspaces.
+Not attributed: a gradient freed before the next optimizer step (e.g. accumulated into another
+buffer), and storages of tensors that are views into a block at an offset (the observation carries
+the storage's base address, which is the block's address for every storage the allocator made).
+"""
+
+from __future__ import annotations
+
+import collections
+import gc
+import os
+import sys
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+
+from .table import UNKNOWN_CATEGORY, Trace
+from .timeline import lifetimes
+
+Observation = tuple[int, int, str, int]  # (time_ns, address, category, stack id or -1)
+
+
+class Observations:
+    """A bounded log of observations (the oldest are dropped first)."""
+
+    def __init__(self, capacity: int = 1 << 20):
+        self.rows: collections.deque[Observation] = collections.deque(maxlen=capacity)
+
+    def add(self, address: int, category: str, stack: int = -1, time_ns: int | None = None) -> None:
+        if address:
+            self.rows.append((time.monotonic_ns() if time_ns is None else time_ns, address, category, stack))
+
+    def add_tensor(self, tensor: Any, category: str, now_ns: int, stack: int = -1) -> None:
+        try:
+            address = tensor.untyped_storage().data_ptr()
+        except (RuntimeError, AttributeError, NotImplementedError):  # sparse, meta, fake: no address
+            return
+        if address:
+            self.rows.append((now_ns, address, category, stack))
+
+
+def tensors_of(models: Iterable[Any], optimizers: Iterable[Any], gradients_only: bool = False):
+    """(tensor, category) for parameters, gradients and optimizer state."""
+    seen: set[int] = set()
+    for m in models:
+        for p in m.parameters():
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            if not gradients_only:
+                yield p, "parameter"
+            if p.grad is not None:
+                yield p.grad, "gradient"
+    for opt in optimizers:
+        for group in opt.param_groups:
+            for p in group["params"]:
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    if not gradients_only:
+                        yield p, "parameter"
+                    if p.grad is not None:
+                        yield p.grad, "gradient"
+        if gradients_only:
+            continue
+        for state in opt.state.values():
+            for v in state.values() if isinstance(state, dict) else ():
+                if hasattr(v, "untyped_storage") and v.numel() > 1:  # skip scalar `step` counters
+                    yield v, "optimizer_state"
+
+
+def find_models_and_optimizers() -> tuple[list[Any], list[Any]]:
+    """Every nn.Module and torch.optim.Optimizer alive in the process (one gc walk: ~10 ms per 10^5
+    objects; done at start and at dumps only)."""
+    import torch
+
+    models, optimizers = [], []
+    module, optimizer = torch.nn.Module, torch.optim.Optimizer
+    for obj in gc.get_objects():
+        cls = type(obj)  # not isinstance: that reads __class__, which some lazy module proxies warn on
+        if issubclass(cls, module):
+            models.append(obj)
+        elif issubclass(cls, optimizer):
+            optimizers.append(obj)
+    return models, optimizers
+
+
+class ModelScanner:
+    """Observes parameters, gradients and optimizer state of the given (or found) models/optimizers."""
+
+    def __init__(
+        self, obs: Observations, models=(), optimizers=(), find: bool = True, full_scan_every: int = 50
+    ):
+        self.obs = obs
+        self.models = list(models)
+        self.optimizers = list(optimizers)
+        self.find = find and not self.models and not self.optimizers
+        self.full_scan_every = full_scan_every  # steps between scans of parameters and optimizer state
+        self._steps: dict[int, int] = {}  # id(optimizer) -> steps seen
+        self._hooks: list[Any] = []
+
+    def scan(self, gradients_only: bool = False) -> None:
+        if self.find:
+            self.models, self.optimizers = find_models_and_optimizers()
+        now = time.monotonic_ns()
+        try:
+            for t, cat in tensors_of(self.models, self.optimizers, gradients_only):
+                self.obs.add_tensor(t, cat, now)
+        except RuntimeError:  # a dump from another thread (an OOM) raced a change of optimizer state
+            pass
+
+    def install_hooks(self) -> None:
+        """Gradients are observed before every optimizer step (zero_grad frees them), parameters and
+        state after steps 1, 2 and every `full_scan_every`-th (Adam makes its state at step 1). With
+        nothing given, PyTorch's global optimizer hooks cover optimizers created after the start."""
+        if self.find:
+            from torch.optim.optimizer import (
+                register_optimizer_step_post_hook,
+                register_optimizer_step_pre_hook,
+            )
+
+            self._hooks.append(register_optimizer_step_pre_hook(lambda opt, *_: self.before_step(opt)))
+            self._hooks.append(register_optimizer_step_post_hook(lambda opt, *_: self.after_step(opt)))
+            return
+        for opt in self.optimizers:
+            self._hooks.append(opt.register_step_pre_hook(lambda o, *_: self.before_step(o)))
+            self._hooks.append(opt.register_step_post_hook(lambda o, *_: self.after_step(o)))
+
+    def before_step(self, opt: Any) -> None:
+        now = time.monotonic_ns()
+        for t, cat in tensors_of((), (opt,), gradients_only=True):
+            self.obs.add_tensor(t, cat, now)
+
+    def after_step(self, opt: Any) -> None:
+        n = self._steps[id(opt)] = self._steps.get(id(opt), 0) + 1
+        if n <= 2 or n % self.full_scan_every == 0:
+            now = time.monotonic_ns()
+            for t, cat in tensors_of((), (opt,)):
+                self.obs.add_tensor(t, cat, now)
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+
+
+class StackTable:
+    """Interned Python stacks: frames (filename, line, name) and stacks (tuples of frame ids)."""
+
+    _SKIP_DIRS: tuple[str, ...] = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,)
+
+    def __init__(self, max_depth: int = 32):
+        self.max_depth = max_depth
+        self.frames: list[tuple[str, int, str]] = []
+        self.stacks: list[tuple[int, ...]] = []
+        self._frame_ids: dict[tuple[str, int, str], int] = {}
+        self._stack_ids: dict[tuple, int] = {}
+        try:
+            import torch
+
+            self._SKIP_DIRS = (*self._SKIP_DIRS, os.path.dirname(torch.__file__) + os.sep)
+        except ImportError:
+            pass
+
+    def capture(self, op_name: str = "", skip: int = 1) -> int:
+        """Id of the current Python stack (frames in torch and supermem omitted), innermost first,
+        with `op_name` as an innermost pseudo-frame."""
+        f = sys._getframe(skip)
+        key: list[Any] = [op_name]
+        while f is not None and len(key) <= self.max_depth:
+            code = f.f_code
+            if not code.co_filename.startswith(self._SKIP_DIRS):
+                key.append((code, f.f_lineno))
+            f = f.f_back
+        k = tuple(key)
+        sid = self._stack_ids.get(k)
+        if sid is None:
+            ids = []
+            if op_name:
+                ids.append(self._frame_id(("<op>", 0, op_name)))
+            ids.extend(self._frame_id((c.co_filename, line, c.co_name)) for c, line in key[1:])
+            sid = self._stack_ids[k] = len(self.stacks)
+            self.stacks.append(tuple(ids))
+        return sid
+
+    def _frame_id(self, frame: tuple[str, int, str]) -> int:
+        i = self._frame_ids.get(frame)
+        if i is None:
+            i = self._frame_ids[frame] = len(self.frames)
+            self.frames.append(frame)
+        return i
+
+
+def stack_mode(table: StackTable, obs: Observations):
+    """A TorchDispatchMode that observes the storage of every op output with the Python stack that
+    made it (category left unknown). Costs ~10-20 us per op: off unless stacks are asked for."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    class _StackMode(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            sid = -1
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                    if sid < 0:
+                        sid = table.capture(str(func), skip=2)
+                    obs.add_tensor(t, "unknown", time.monotonic_ns(), sid)
+            return out
+
+    return _StackMode()
+
+
+def apply(trace: Trace, rows: Iterable[Observation]) -> int:
+    """Writes observed categories and stacks onto the trace's events and final snapshot blocks.
+    Returns the number of block lifetimes that got a category or a stack."""
+    rows = list(rows)
+    if not rows:
+        return 0
+    o_time = np.fromiter((r[0] for r in rows), np.int64, len(rows))
+    o_addr = np.fromiter((r[1] for r in rows), np.int64, len(rows))
+    o_cat = np.fromiter((trace.category_id(r[2]) for r in rows), np.uint8, len(rows))
+    o_stack = np.fromiter((r[3] for r in rows), np.int32, len(rows))
+    t = trace.cols["time_ns"]
+    total = 0
+    for dev in trace.device_indices():
+        lt = lifetimes(trace, dev)
+        nl = len(lt)
+        if not nl:
+            continue
+        start_t = np.where(lt.start >= 0, t[np.maximum(lt.start, 0)], np.iinfo(np.int64).min)
+        end_t = np.where(lt.end >= 0, t[np.maximum(lt.end, 0)], np.iinfo(np.int64).max)
+        # Merge lifetime starts and observations by (address, time), lifetimes first on ties, then carry
+        # the last lifetime id forward: lifetime ids already increase in (address, time) order.
+        addr = np.concatenate([lt.address, o_addr])
+        when = np.concatenate([start_t, o_time])
+        kind = np.concatenate([np.zeros(nl, np.int8), np.ones(len(rows), np.int8)])
+        val = np.concatenate([np.arange(nl), np.full(len(rows), -1)])
+        order = np.lexsort((kind, when, addr))
+        carried = np.maximum.accumulate(val[order])
+        is_obs = kind[order] == 1
+        life = carried[is_obs]
+        obs_i = order[is_obs] - nl
+        ok = life >= 0
+        life, obs_i = life[ok], obs_i[ok]
+        ok = (lt.address[life] == o_addr[obs_i]) & (end_t[life] >= o_time[obs_i])
+        life, obs_i = life[ok], obs_i[ok]
+        if not len(life):
+            continue
+        cat = lt.category.copy()
+        stack = lt.stack.copy()
+        known = o_cat[obs_i] != UNKNOWN_CATEGORY
+        cat[life[known]] = o_cat[obs_i][known]  # the latest known category wins
+        with_stack = o_stack[obs_i] >= 0
+        first = np.full(nl, -1, np.int32)  # the earliest stack wins: later ones are in-place ops
+        first[life[with_stack][::-1]] = o_stack[obs_i][with_stack][::-1]
+        stack = np.where((stack < 0) & (first >= 0), first, stack)
+        changed = (cat != lt.category) | (stack != lt.stack)
+        total += int(changed.sum())
+        ev, evl = lt.event_index, lt.event_lifetime
+        trace.cols["category"][ev] = cat[evl]
+        trace.cols["stack"][ev] = stack[evl]
+        _annotate_snapshot(trace, dev, lt, cat, stack)
+    return total
+
+
+def _annotate_snapshot(trace: Trace, dev: int, lt, cat: np.ndarray, stack: np.ndarray) -> None:
+    live = np.flatnonzero(lt.end < 0)
+    by_addr = {int(lt.address[i]): i for i in live}
+    for seg in trace.device(dev)["segments"]:
+        for b in seg.get("blocks", []):
+            i = by_addr.get(b["address"])
+            if i is not None and b.get("state", "").startswith("active"):
+                if cat[i] != UNKNOWN_CATEGORY:
+                    b["category"] = trace.categories[int(cat[i])]
+                if stack[i] >= 0:
+                    b["stack"] = int(stack[i])

@@ -1,0 +1,42 @@
+"""`supermem report TRACE -o report.html`: the HTML report (and a PNG beside it) of a .smtrace file or a
+PyTorch snapshot pickle, plus a text summary on stdout."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+from .analysis import analyze, summary_text
+from .loader import load_for_cli as load
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("trace", help="a .smtrace file or a PyTorch memory snapshot pickle")
+    p.add_argument("-o", "--output", help="HTML file to write (default: TRACE with .html)")
+    p.add_argument("--png", help="PNG file to write (default: the HTML's name with .png)")
+    p.add_argument("--no-png", action="store_true", help="do not write a PNG")
+    p.add_argument("--width", type=int, default=1000, help="points per plotted series (default 1000)")
+    p.add_argument("--max-blocks", type=int, default=500, help="blocks listed at the peak (default 500)")
+    p.add_argument("-q", "--quiet", action="store_true", help="no summary on stdout")
+
+
+def main(args: argparse.Namespace) -> int:
+    from .png_report import write_png
+    from .report_html import write_report
+
+    t0 = time.perf_counter()
+    src = Path(args.trace)
+    trace = load(src)
+    rep = analyze(trace, width=max(10, args.width), max_blocks=max(0, args.max_blocks), source=src.name)
+    html_path = Path(args.output) if args.output else src.with_suffix(".html")
+    write_report(rep, html_path)
+    written = [str(html_path)]
+    if not args.no_png:
+        png_path = Path(args.png) if args.png else html_path.with_suffix(".png")
+        write_png(rep, png_path)
+        written.append(str(png_path))
+    if not args.quiet:
+        print(summary_text(rep))
+        print(f"wrote {', '.join(written)} in {time.perf_counter() - t0:.2f} s")
+    return 0

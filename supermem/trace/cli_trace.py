@@ -1,0 +1,76 @@
+"""`supermem trace -o run.smtrace -- python train.py args`: runs a Python program with a recording on
+and writes the trace when it ends (also when it fails: an OOM's trace is the useful one).
+
+The program runs in a child Python (`python -m supermem.trace.run_script`), which installs supermem's
+allocator when the installed supermem offers `supermem.install`, starts the recording, and runs the
+script as __main__ (runpy), so its sys.argv, exit code and exceptions are its own."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from ..errors import UsageError
+from .recorder import DEFAULT_CAPACITY_EVENTS
+
+_PYTHON = re.compile(r"^python[0-9.]*$")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "-o", "--output", default="supermem.smtrace", help="trace to write (default supermem.smtrace)"
+    )
+    p.add_argument(
+        "--capacity",
+        type=int,
+        default=DEFAULT_CAPACITY_EVENTS,
+        help=f"events kept per device, newest win (default {DEFAULT_CAPACITY_EVENTS})",
+    )
+    p.add_argument("--stacks", action="store_true", help="record the Python stack of each tensor (slower)")
+    p.add_argument(
+        "--report", action="store_true", help="also write the HTML report and PNG beside the trace"
+    )
+    p.add_argument("command", nargs=argparse.REMAINDER, help="-- python train.py args (or -- train.py args)")
+
+
+def child_argv(command: list[str], output: str, capacity: int, stacks: bool) -> list[str]:
+    """The child's command line for `command` (python [-m mod | -c code | script.py] args...)."""
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command:
+        raise UsageError("nothing to run: give the program after --, e.g. supermem trace -- python train.py")
+    if _PYTHON.match(os.path.basename(command[0])):
+        python, rest = command[0], command[1:]
+    elif command[0].endswith(".py"):
+        python, rest = sys.executable, command
+    else:
+        raise UsageError(
+            "supermem trace runs Python programs (`-- python train.py` or `-- train.py`), "
+            f"not {command[0]!r}; "
+            "for other launchers wrap the training code in `with supermem.trace('run.smtrace'):`"
+        )
+    if not rest:
+        raise UsageError("no script given to python: supermem trace -- python train.py args")
+    out = [python, "-m", "supermem.trace.run_script", "--output", output, "--capacity", str(capacity)]
+    if stacks:
+        out.append("--stacks")
+    return [*out, "--", *rest]
+
+
+def main(args: argparse.Namespace) -> int:
+    argv = child_argv(args.command, str(Path(args.output).resolve()), args.capacity, args.stacks)
+    rc = subprocess.call(argv)
+    out = Path(args.output)
+    if not out.exists():
+        print(f"supermem trace: the program ended (exit {rc}) without writing {out}", file=sys.stderr)
+        return rc or 1
+    if args.report:
+        from .report_html import write_report_files
+
+        files = write_report_files(out)
+        print(f"supermem trace: report {files['html']}", file=sys.stderr)
+    return rc

@@ -1,0 +1,388 @@
+"""Recording: allocator trace rings + pool events + observations -> a Trace, written as .smtrace.
+
+Cost model. While recording, each allocator event costs one push into the C++ ring (a mutex and a
+40-byte store, no Python); pool events cost one deque append in Python; optimizer hooks read the
+gradients' addresses once per step. Nothing is drained while the program runs: the rings are
+drained when a trace is dumped (stop, dump(), OOM), at ~0.7 us per event. Memory is bounded by
+`capacity_events` per device (~50 bytes per event in the ring plus ~50 once drained) and as many
+pool events: a recording keeps the newest events, like PyTorch's _record_memory_history.
+"""
+
+from __future__ import annotations
+
+import collections
+import gc
+import os
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .. import events
+from ..errors import UsageError
+from . import attribution, format
+from .table import ALLOCATOR_ACTIONS, Trace, concat_columns, empty_columns
+
+DEFAULT_CAPACITY_EVENTS = 1_000_000
+
+_registered: list[tuple[int, Any]] = []
+_active: Recorder | None = None
+_lock = threading.Lock()
+
+
+def register_allocator(alloc: Any, device: int | None = None) -> None:
+    """Makes a CachingAllocator visible to recordings (for allocators that supermem.device_allocator
+    does not serve, e.g. simulated devices). `device`: the index to file its events under."""
+    with _lock:
+        if any(a is alloc for _, a in _registered):
+            return
+        _registered.append((alloc.device.index if device is None else device, alloc))
+    if _active is not None:
+        _active.attach_new()
+
+
+def unregister_allocator(alloc: Any) -> None:
+    with _lock:
+        _registered[:] = [(d, a) for d, a in _registered if a is not alloc]
+
+
+def discover_allocators() -> list[tuple[int, Any]]:
+    """(device index, CachingAllocator) for every allocator supermem serves: those registered, then
+    supermem.device_allocator(i) for each CUDA device when that function exists (it is absent until
+    the allocator is installed; None for a device it does not serve)."""
+    import supermem
+
+    with _lock:
+        out = list(_registered)
+    get = getattr(supermem, "device_allocator", None)
+    if get is not None and getattr(supermem, "has_cuda_build", False):
+        import torch
+
+        for i in range(torch.cuda.device_count()):
+            a = get(i)
+            if a is not None and not any(a is x for _, x in out):
+                out.append((i, a))
+    return out
+
+
+def active() -> Recorder | None:
+    """The recording in progress, if any."""
+    return _active
+
+
+def _drain_ring(alloc: Any) -> list[tuple]:
+    impl = getattr(alloc, "_impl", None)
+    if impl is not None:
+        return impl.drain_trace()  # raw tuples: skips building a NamedTuple per event
+    return [tuple(e) for e in alloc.drain_trace()]
+
+
+def ring_columns(raw: list[tuple], device: int) -> dict[str, np.ndarray]:
+    """Columns from drained ring tuples (time_ns, action, address, size, stream, tag)."""
+    n = len(raw)
+    cols = empty_columns(n)
+    if not n:
+        return cols
+    ids = {a: i for i, a in enumerate(ALLOCATOR_ACTIONS)}
+    annotate = ids["annotate"]  # a kind newer than this table: kept as a marker, not lost
+    was_enabled = gc.isenabled()
+    gc.disable()  # 10^6 tuples otherwise trigger many useless collections
+    try:
+        t, act, addr, size, stream, tag = zip(*raw, strict=True)
+        cols["time_ns"] = np.array(t, np.int64)
+        cols["action"] = np.fromiter((ids.get(a, annotate) for a in act), np.uint8, n)
+        cols["device"][:] = device
+        cols["address"] = np.array(addr, np.uint64).view(np.int64)
+        cols["size"] = np.array(size, np.uint64).view(np.int64)
+        cols["stream"] = np.array(stream, np.uint64).view(np.int64)
+        cols["tag"] = np.array(tag, np.uint64).view(np.int64)
+    finally:
+        if was_enabled:
+            gc.enable()
+    return cols
+
+
+@dataclass
+class _Source:
+    """One allocator being recorded, and what has been drained from it (bounded)."""
+
+    device: int
+    alloc: Any
+    prev_capacity: int
+    dropped_at_start: int
+    chunks: collections.deque = field(default_factory=collections.deque)
+    count: int = 0
+    dropped_here: int = 0  # drained events discarded to stay within capacity
+
+    def drain(self, capacity: int) -> None:
+        cols = ring_columns(_drain_ring(self.alloc), self.device)
+        if len(cols["time_ns"]):
+            self.chunks.append(cols)
+            self.count += len(cols["time_ns"])
+        while self.count > capacity:
+            extra = self.count - capacity
+            oldest = self.chunks[0]
+            n = len(oldest["time_ns"])
+            if n <= extra:
+                self.chunks.popleft()
+                self.count -= n
+                self.dropped_here += n
+            else:
+                self.chunks[0] = {k: v[extra:] for k, v in oldest.items()}
+                self.count -= extra
+                self.dropped_here += extra
+
+    @property
+    def dropped(self) -> int:
+        return max(0, self.alloc.trace_dropped - self.dropped_at_start) + self.dropped_here
+
+
+class Recorder:
+    """Records allocator and pool events of this process. One at a time; see supermem.trace()."""
+
+    def __init__(
+        self,
+        allocators: list[Any] | None = None,
+        *,
+        capacity_events: int = DEFAULT_CAPACITY_EVENTS,
+        stacks: bool = False,
+        model: Any = None,
+        optimizer: Any = None,
+        find_models: bool = True,
+        path: str | os.PathLike | None = None,
+        report: bool = False,
+    ):
+        """See supermem.trace.record. `path`/`report`: what leaving a `with` block writes."""
+        if capacity_events <= 0:
+            raise UsageError(f"capacity_events must be > 0, got {capacity_events}")
+        self.capacity_events = capacity_events
+        self._explicit = None if allocators is None else _as_pairs(allocators)
+        self.sources: list[_Source] = []
+        self.pool_events: collections.deque[events.Event] = collections.deque(maxlen=capacity_events)
+        self.obs = attribution.Observations()
+        self.scanner = attribution.ModelScanner(self.obs, _as_list(model), _as_list(optimizer), find_models)
+        self.stack_table = attribution.StackTable() if stacks else None
+        self._stack_mode = None
+        self._lock = threading.RLock()
+        self.started_ns = 0
+        self.started_unix_s = 0.0
+        self.pool_events_seen = 0
+        self.path = path
+        self.report = report
+
+    # ---------------------------------------------------------------- lifecycle
+
+    def start(self) -> Recorder:
+        global _active
+        with _lock:
+            if _active is not None:
+                raise UsageError("a supermem trace is already recording in this process; stop it first")
+            _active = self
+        self.started_ns = time.monotonic_ns()
+        self.started_unix_s = time.time()
+        self.attach_new()
+        events.subscribe(self._on_event)
+        self.scanner.scan()
+        self.scanner.install_hooks()
+        if self.stack_table is not None:
+            self._stack_mode = attribution.stack_mode(self.stack_table, self.obs)
+            self._stack_mode.__enter__()
+        try:
+            from .. import control
+
+            control.register_provider("trace", self.status)
+        except ImportError:
+            pass
+        return self
+
+    def stop(self, path: str | os.PathLike | None = None) -> Path | None:
+        """Ends the recording; writes the trace to `path` first if given."""
+        global _active
+        try:
+            out = self.dump(path) if path is not None else None
+        finally:
+            if self._stack_mode is not None:
+                self._stack_mode.__exit__(None, None, None)
+                self._stack_mode = None
+            self.scanner.remove_hooks()
+            events.unsubscribe(self._on_event)
+            for s in self.sources:
+                if s.alloc.trace_capacity != s.prev_capacity:
+                    s.alloc.trace_capacity = s.prev_capacity
+            try:
+                from .. import control
+
+                control.unregister_provider("trace")
+            except ImportError:
+                pass
+            with _lock:
+                if _active is self:
+                    _active = None
+        return out
+
+    def attach_new(self, keep_rings: bool = False) -> None:
+        """Starts recording allocators that appeared since the last call. keep_rings: leave their
+        rings as they are (a one-shot dump of an always-on ring) instead of starting them afresh."""
+        pairs = self._explicit if self._explicit is not None else discover_allocators()
+        with self._lock:
+            used = {s.device for s in self.sources}
+            for device, alloc in pairs:
+                if any(s.alloc is alloc for s in self.sources):
+                    continue
+                while device in used:  # two allocators filed under one index (e.g. a simulated device 0)
+                    device += 1
+                used.add(device)
+                prev = alloc.trace_capacity
+                if keep_rings:
+                    pass
+                elif prev < self.capacity_events:
+                    alloc.trace_capacity = self.capacity_events  # also empties the ring
+                else:
+                    _drain_ring(alloc)  # events from before the recording are not part of it
+                self.sources.append(_Source(device, alloc, prev, alloc.trace_dropped))
+
+    def _on_event(self, ev: events.Event) -> None:
+        self.pool_events.append(ev)
+        self.pool_events_seen += 1
+        if ev.address and ev.category != "unknown":
+            self.obs.add(ev.address, ev.category, time_ns=ev.time_ns)
+
+    # ---------------------------------------------------------------- output
+
+    def drain(self) -> None:
+        """Moves events from the allocators' rings into the recorder (bounded by capacity_events)."""
+        with self._lock:
+            if _active is self:
+                self.attach_new()
+            for s in self.sources:
+                s.drain(self.capacity_events)
+
+    def build(self) -> Trace:
+        """The trace so far (recording continues)."""
+        with self._lock:
+            self.drain()
+            trace = Trace()
+            parts = [c for s in self.sources for c in s.chunks]
+            pool = self._pool_columns(trace)
+            if any(s.dropped for s in self.sources):
+                # The allocators' windows lost their start: pool events from before it describe blocks
+                # the trace no longer has, so the trace starts where its oldest allocator event is.
+                start = min((int(s.chunks[0]["time_ns"][0]) for s in self.sources if s.chunks), default=0)
+                keep = pool["time_ns"] >= start
+                pool = {k: v[keep] for k, v in pool.items()}
+            parts.append(pool)
+            trace.cols = concat_columns(parts)
+            trace.sort()
+            for s in self.sources:
+                d = trace.device(s.device)
+                d.update(_device_info(s.alloc))
+            if self.stack_table is not None:
+                trace.frames = list(self.stack_table.frames)
+                trace.stacks = list(self.stack_table.stacks)
+            self.scanner.scan()  # what is live now: parameters, gradients, optimizer state
+            attributed = attribution.apply(trace, self.obs.rows)
+            trace.meta = self._meta(attributed)
+            return trace
+
+    def dump(self, path: str | os.PathLike) -> Path:
+        """Writes the trace so far to `path` (.smtrace); recording continues."""
+        path = Path(path)
+        format.write(self.build(), path)
+        return path
+
+    def status(self) -> dict[str, Any]:
+        """For `supermem top`: what this recording holds."""
+        return {
+            "devices": [s.device for s in self.sources],
+            "ring_events_capacity": self.capacity_events,
+            "drained_events": sum(s.count for s in self.sources),
+            "dropped_events": sum(s.dropped for s in self.sources),
+            "pool_events": self.pool_events_seen,
+            "recording_s": (time.monotonic_ns() - self.started_ns) / 1e9,
+        }
+
+    def _pool_columns(self, trace: Trace) -> dict[str, np.ndarray]:
+        evs = list(self.pool_events)
+        cols = empty_columns(len(evs))
+        for i, e in enumerate(evs):
+            cols["time_ns"][i] = e.time_ns
+            cols["action"][i] = trace.action_id(e.action)
+            cols["device"][i] = e.device
+            cols["address"][i] = e.address
+            cols["size"][i] = e.nbytes
+            cols["tag"][i] = e.tag
+            cols["category"][i] = trace.category_id(e.category)
+            cols["detail"][i] = trace.string_id(e.detail)
+        return cols
+
+    def _meta(self, attributed: int) -> dict[str, Any]:
+        import torch
+
+        import supermem
+
+        return {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "argv": list(sys.argv),
+            "created_unix_s": time.time(),
+            "started_unix_s": self.started_unix_s,
+            "started_ns": self.started_ns,
+            "clock": "CLOCK_MONOTONIC",
+            "supermem_version": supermem.__version__,
+            "torch_version": torch.__version__,
+            "capacity_events": self.capacity_events,
+            "dropped_events": {str(s.device): s.dropped for s in self.sources},
+            "pool_events_dropped": max(0, self.pool_events_seen - len(self.pool_events)),
+            "stacks": self.stack_table is not None,
+            "attributed_lifetimes": attributed,
+        }
+
+    # ---------------------------------------------------------------- context manager
+
+    def __enter__(self) -> Recorder:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        out = self.stop(self.path)
+        if out is not None and self.report:
+            from .report_html import write_report_files
+
+            write_report_files(out)
+
+
+def one_shot_trace(allocators: list[Any] | None = None) -> Trace:
+    """What the allocators' always-on rings hold (option trace:N) plus their current segments, with no
+    recording in progress: the cheap mode's dump. Drains the rings; categories from a gc scan."""
+    rec = Recorder(allocators if allocators is not None else discover_allocators(), capacity_events=1 << 62)
+    rec.attach_new(keep_rings=True)
+    return rec.build()
+
+
+def _device_info(alloc: Any) -> dict[str, Any]:
+    segments = alloc.snapshot()
+    dev = alloc.device
+    return {
+        "name": dev.name,
+        "total_bytes": dev.total_bytes,
+        "limit_bytes": alloc.limit_bytes,
+        "segments": segments,
+        "stats": {k: v for k, v in alloc.stats().items() if isinstance(v, (int, float))},
+    }
+
+
+def _as_list(x: Any) -> list[Any]:
+    if x is None:
+        return []
+    return list(x) if isinstance(x, (list, tuple)) else [x]
+
+
+def _as_pairs(allocators: list[Any]) -> list[tuple[int, Any]]:
+    out = []
+    for i, a in enumerate(allocators):
+        out.append(a if isinstance(a, tuple) else (i, a))
+    return out

@@ -1,0 +1,58 @@
+"""The child of `supermem trace`: `python -m supermem.trace.run_script --output F [--capacity N]
+[--stacks] -- (script.py | -m module | -c code) args...`. Records while the program runs as __main__."""
+
+from __future__ import annotations
+
+import argparse
+import runpy
+import sys
+import traceback
+
+import supermem
+
+from . import recorder
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--" not in argv:
+        print("usage: python -m supermem.trace.run_script --output F -- script.py args", file=sys.stderr)
+        return 2
+    cut = argv.index("--")
+    p = argparse.ArgumentParser(prog="supermem.trace.run_script")
+    p.add_argument("--output", required=True)
+    p.add_argument("--capacity", type=int, default=recorder.DEFAULT_CAPACITY_EVENTS)
+    p.add_argument("--stacks", action="store_true")
+    opts = p.parse_args(argv[:cut])
+    program = argv[cut + 1 :]
+    install = getattr(supermem, "install", None)  # the allocator swap, where this supermem has it
+    if install is not None:
+        install()
+    rec = recorder.Recorder(capacity_events=opts.capacity, stacks=opts.stacks).start()
+    rc = 0
+    try:
+        if program[0] == "-m":
+            sys.argv = program[1:]
+            runpy.run_module(program[1], run_name="__main__", alter_sys=True)
+        elif program[0] == "-c":
+            sys.argv = ["-c", *program[2:]]
+            exec(compile(program[1], "<string>", "exec"), {"__name__": "__main__"})
+        else:
+            sys.argv = program
+            runpy.run_path(program[0], run_name="__main__")
+    except SystemExit as e:
+        rc = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if not isinstance(e.code, int) and e.code is not None:
+            print(e.code, file=sys.stderr)
+    except BaseException:
+        traceback.print_exc()
+        rc = 1
+    finally:
+        path = rec.stop(opts.output)
+        n = sum(s.count for s in rec.sources) + len(rec.pool_events)
+        print(f"supermem trace: wrote {path} ({n} events, {len(rec.sources)} allocator(s))", file=sys.stderr)
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,228 @@
+"""`supermem top` against a live CPU process, and the control socket's access rules."""
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from supermem import cli, control
+from supermem import top as top_module
+from supermem.units import format_bytes
+
+CHILD = textwrap.dedent(
+    """
+    import json, sys
+    from supermem import cli, control
+    from supermem.allocator import CachingAllocator, SimulatedDevice
+    from supermem.trace import oom
+    a = CachingAllocator(SimulatedDevice("4GiB"), limit_bytes="1GiB")
+    blocks = [a.malloc(1 << 20) for _ in range(3)] + [a.malloc(12 << 20)]
+    control.register_provider("allocator", control.allocator_provider([(0, a)]))
+    control.register_provider("pool", lambda: {
+        "entries_by_state": {"resident": 5, "on_host": 2}, "bytes_by_state": {"on_host": 3 << 20},
+        "host_bytes": 3 << 20, "host_limit_bytes": 1 << 30,
+        "link": {"d2h_bytes_per_s": 12.5e9, "h2d_bytes_per_s": 11e9}})
+    oom.note_oom(0, 2 << 30, "CUDA out of memory. (test)")
+    srv = control.start_server()
+    print(json.dumps({"socket": str(srv.path), **a.stats()}), flush=True)
+    sys.stdin.read()  # live until the test closes our stdin
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def runtime_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("xdg")
+    os.chmod(d, 0o700)
+    mp = pytest.MonkeyPatch()
+    mp.setenv("XDG_RUNTIME_DIR", str(d))  # our own socket directory: other sessions' sockets stay out
+    yield d
+    mp.undo()
+
+
+def start_child():
+    p = subprocess.Popen(
+        [sys.executable, "-c", CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    return p, json.loads(p.stdout.readline())
+
+
+def stop_child(p):
+    if p.poll() is None:
+        p.stdin.close()
+        p.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def child(runtime_dir):
+    p, info = start_child()
+    yield p, info
+    stop_child(p)
+
+
+def top(*args):
+    return subprocess.run(
+        [sys.executable, "-m", "supermem", "top", *args], capture_output=True, text=True, timeout=60
+    )
+
+
+def top_here(capsys, *args):
+    """`supermem top` in this process (the client side; the server is the child)."""
+    rc = cli.main(["top", *args])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_top_shows_a_live_process(child, runtime_dir):
+    p, info = child
+    r = top(str(p.pid), "--once")  # once as a real command
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    assert f"pid {p.pid}" in out
+    dev = next(line for line in out.splitlines() if line.startswith("0 sim"))
+    assert format_bytes(info["allocated_bytes"]) in dev and info["allocated_bytes"] == 15 << 20
+    assert format_bytes(info["reserved_bytes"]) in dev
+    assert "1.00 GiB" in dev  # the limit
+    assert "resident 5" in out and "on_host 2 (3.00 MiB)" in out
+    assert "3.00 MiB on host of 1.00 GiB" in out
+    assert "d2h 12.5 GB/s" in out and "h2d 11.0 GB/s" in out
+    assert "OOMS    1" in out and "asked 2.00 GiB" in out
+    # the socket is private: its directory 0700, the socket 0600, both ours
+    sock = info["socket"]
+    assert os.path.dirname(sock) == str(runtime_dir / "supermem")
+    assert os.stat(os.path.dirname(sock)).st_mode & 0o777 == 0o700
+    assert os.stat(sock).st_mode & 0o777 == 0o600
+
+
+def test_top_without_pid_finds_the_process_and_json_has_every_provider(child, capsys):
+    p, _ = child
+    rc, out, err = top_here(capsys, "--once")
+    assert rc == 0 and f"pid {p.pid}" in out, err
+    rc, out, _ = top_here(capsys, "--json")
+    snap = json.loads(out)
+    assert snap["pid"] == p.pid
+    assert set(snap["providers"]) == {"process", "allocator", "pool", "ooms"}
+    assert snap["providers"]["process"]["rss_bytes"] > 0
+
+
+def test_live_mode_redraws_until_interrupted(child):
+    p, _ = child
+    q = subprocess.Popen(
+        [sys.executable, "-m", "supermem", "top", str(p.pid), "--interval", "0.2"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    time.sleep(2.5)
+    q.send_signal(2)  # Ctrl-C
+    out, _ = q.communicate(timeout=30)
+    assert q.returncode == 0
+    assert out.count("\x1b[H\x1b[2J") >= 2 and out.count(f"pid {p.pid}") >= 2
+
+
+def test_socket_goes_away_with_the_process(runtime_dir, child, capsys):
+    p, info = start_child()  # a second process: the most recent one is the default
+    rc, out, _ = top_here(capsys, "--once")
+    assert rc == 0 and f"pid {p.pid}" in out
+    stop_child(p)
+    assert not os.path.exists(info["socket"])
+    rc, _, err = top_here(capsys, str(p.pid), "--once")
+    assert rc == 2 and "no supermem control socket" in err
+    other, _ = child
+    stop_child(other)
+    rc, _, err = top_here(capsys, "--once")
+    assert rc == 2 and "no running supermem process" in err
+
+
+def test_other_users_are_refused(tmp_path):
+    srv = control.ControlServer(tmp_path / "t.sock", allowed_uid=os.getuid() + 1).start()
+    try:
+        with pytest.raises(PermissionError, match="refused"):
+            control.query(srv.path)
+        assert srv.refused == 1 and srv.served == 0
+    finally:
+        srv.stop()
+    srv = control.ControlServer(tmp_path / "u.sock").start()
+    try:
+        assert control.query(srv.path)["pid"] == os.getpid()
+        with socket.socket(socket.AF_UNIX) as s:  # a request that is not the protocol's
+            s.connect(str(srv.path))
+            s.sendall(b"GET / HTTP/1.0\n")
+            assert b"unknown request" in s.recv(1000)
+    finally:
+        srv.stop()
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to act as another user")
+def test_a_real_other_user_is_refused_by_peer_credentials():
+    d = Path(tempfile.mkdtemp(prefix="supermem-test-"))  # under /tmp, reachable by "nobody"
+    os.chmod(d, 0o755)
+    srv = control.ControlServer(d / "s.sock").start()
+    os.chmod(srv.path, 0o666)  # as if the file mode had been got wrong: the uid check must still hold
+    try:
+        pid = os.fork()
+        if pid == 0:  # the child becomes user "nobody" and asks
+            code = 3
+            try:
+                os.setgid(65534)
+                os.setuid(65534)
+                control.query(srv.path)
+                code = 1  # answered: the check failed
+            except PermissionError as e:
+                code = 0 if "refused: uid 65534" in str(e) else 2
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert srv.refused == 1 and srv.served == 0
+    finally:
+        srv.stop()
+        shutil.rmtree(d, ignore_errors=True)
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def test_socket_directory_must_be_private(tmp_path):
+    d = tmp_path / "shared"
+    d.mkdir(mode=0o755)
+    os.chmod(d, 0o755)
+    with pytest.raises(PermissionError, match="open to other users"):
+        control.private_dir(d)
+    link = tmp_path / "link"
+    link.symlink_to(tmp_path)
+    with pytest.raises(PermissionError, match="not a plain directory"):
+        control.private_dir(link)
+    fresh = control.private_dir(tmp_path / "fresh")
+    assert os.stat(fresh).st_mode & 0o777 == 0o700
+
+
+def test_a_failing_provider_does_not_blank_the_view():
+    control.register_provider("broken", lambda: 1 / 0)
+    try:
+        snap = control.collect()
+        assert snap["providers"]["broken"] == {"error": "ZeroDivisionError: division by zero"}
+    finally:
+        control.unregister_provider("broken")
+
+
+def test_render_shows_every_section():
+    snap = {
+        "pid": 42,
+        "argv": ["train.py"],
+        "time_unix_s": 0,
+        "providers": {
+            "trace": {"recording_s": 12, "devices": [0], "pool_events": 7, "dropped_events": 0},
+            "mystery": {"x": 1},
+        },
+    }
+    text = top_module.render(snap)
+    assert "pid 42  train.py" in text
+    assert "no provider (supermem's allocator is not installed" in text
+    assert "TRACE   recording 12s, devices [0], pool events 7, dropped 0" in text
+    assert 'MYSTERY {"x": 1}' in text and "OOMS    0" in text
