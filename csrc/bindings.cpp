@@ -131,11 +131,11 @@ PressureHandler pressure_handler_from_py(py::function fn) {
 }
 
 OomObserver oom_observer_from_py(py::function fn) {
-  return [f = hold(std::move(fn))](size_t requested, const std::string& message) {
+  return [f = hold(std::move(fn))](int device, size_t requested, const std::string& message) {
     if (!Py_IsInitialized()) return;
     py::gil_scoped_acquire g;
     try {
-      (*f)(requested, message);
+      (*f)(device, requested, message);
     } catch (py::error_already_set& e) {
       e.discard_as_unraisable("supermem OOM observer");
     }

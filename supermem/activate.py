@@ -80,14 +80,23 @@ def install(conf: str | dict | None = None) -> bool:
         return False
     if torch.cuda.is_initialized():
         raise ActivationError(_TOO_LATE)
+    from .trace import oom
+
     limit_bytes, limit_fraction = _limit_args(cfg.limit)
-    _C.plugin_configure(limit_bytes, limit_fraction, cfg.passthrough, cfg.debug, cfg.trace)
+    ring = oom.ring_events_for_config()  # the `trace` option, or a small always-on ring for OOM snapshots
+    _C.plugin_configure(limit_bytes, limit_fraction, cfg.passthrough, cfg.debug, ring)
     try:
         _C.plugin_install()
     except RuntimeError as e:  # "Can't swap an already initialized allocator"
         raise ActivationError(_TOO_LATE) from e
+    _C.plugin_add_oom_observer(oom.on_oom)  # records it for `top`; writes the oom_snapshot trace
     _patch_torch()
     _installed = True
+    if cfg.control:
+        from . import control
+
+        control.start_server()
+        control.register_provider("allocator", control.allocator_provider())
     return True
 
 

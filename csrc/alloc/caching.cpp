@@ -371,7 +371,7 @@ void CachingAllocator::throw_oom(Lock& lk, size_t nbytes, size_t alloc_size, siz
   lk.unlock();  // observers may allocate, free or take the GIL
   for (auto& obs : observers) {
     try {
-      obs(nbytes, msg);
+      obs(device_->index(), nbytes, msg);
     } catch (...) {
       // An observer's failure must not replace the OOM the caller is about to see.
     }

@@ -83,6 +83,7 @@ class Pool:
         self._peak_resident_bytes = 0
         self._hooks: Any = None
         self._pressure_registered = False
+        _serve_to_top(self)
 
     # ------------------------------------------------------------------ activation
 
@@ -351,6 +352,42 @@ class Pool:
             self._counters = dict.fromkeys(self._counters, 0)
             self._offloaded_bytes = self._prefetched_bytes = 0
             self._peak_resident_bytes = self._resident_bytes
+
+
+_live_pools: weakref.WeakSet[Pool] = weakref.WeakSet()
+
+
+def _serve_to_top(pool: Pool) -> None:
+    """Lists the pool in the control server's "pool" section (what `supermem top` shows)."""
+    from .. import config, control
+
+    _live_pools.add(pool)
+    if config.current().control:
+        control.start_server()
+        control.register_provider("pool", _top_view)
+
+
+def _top_view() -> dict[str, Any]:
+    entries: dict[str, int] = {}
+    nbytes: dict[str, int] = {}
+    host = host_limit = d2h = h2d = 0
+    for p in list(_live_pools):
+        s = p.stats()
+        for state, n in s["entries_by_state"].items():
+            entries[state] = entries.get(state, 0) + n
+            nbytes[state] = nbytes.get(state, 0) + s[f"{state}_bytes"]
+        host += s["host_reserved_bytes"]
+        host_limit += p.host.allocator.device.total_bytes
+        d2h += s["d2h_gbps"] * 1e9
+        h2d += s["h2d_gbps"] * 1e9
+    link = {"d2h_bytes_per_s": d2h, "h2d_bytes_per_s": h2d}
+    return {
+        "entries_by_state": entries,
+        "bytes_by_state": nbytes,
+        "host_bytes": host,
+        "host_limit_bytes": host_limit,
+        "link": link,
+    }
 
 
 def _checked(name: str, parse: Any, value: Any) -> Any:
