@@ -72,7 +72,7 @@ CachingAllocator::~CachingAllocator() {
 void* CachingAllocator::malloc(size_t nbytes, Stream stream) {
   if (nbytes == 0) return nullptr;
   Lock lk(mu_);
-  if (!events_.empty() && captures_.empty()) process_events();
+  if ((!events_.empty() || !deferred_.empty()) && captures_.empty()) process_events();
   if (nbytes > kMaxRequest) throw_oom(nbytes, nbytes, 0);
   size_t size = round_size(nbytes);
   bool small = size <= kSmallBytes;
