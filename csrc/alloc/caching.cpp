@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <exception>
 #include <sstream>
 #include <stdexcept>
 
@@ -319,13 +320,15 @@ size_t CachingAllocator::run_pressure_handlers(Lock& lk, size_t need) {
   ++stats_.num_pressure_calls;
   lk.unlock();
   size_t freed = 0;
+  std::exception_ptr error;
   try {
     for (auto& [id, h] : handlers) freed += h(need);
   } catch (...) {
-    lk.lock();
-    throw;
+    error = std::current_exception();
   }
+  handlers.clear();  // unlocked: dropping a removed handler's last reference may re-enter us
   lk.lock();
+  if (error) std::rethrow_exception(error);
   stats_.pressure_freed_bytes += freed;
   return freed;
 }
@@ -424,10 +427,15 @@ int CachingAllocator::add_pressure_handler(PressureHandler handler) {
 }
 
 void CachingAllocator::remove_pressure_handler(int id) {
+  PressureHandler removed;  // destroyed after the lock is released: its destructor may re-enter us
   std::lock_guard<std::mutex> g(mu_);
-  handlers_.erase(std::remove_if(handlers_.begin(), handlers_.end(),
-                                 [&](auto& h) { return h.first == id; }),
-                  handlers_.end());
+  for (auto it = handlers_.begin(); it != handlers_.end(); ++it) {
+    if (it->first == id) {
+      removed = std::move(it->second);
+      handlers_.erase(it);
+      break;
+    }
+  }
 }
 
 Stats CachingAllocator::stats() {
