@@ -28,6 +28,18 @@ size_t checked_size(int64_t nbytes) {
   return static_cast<size_t>(nbytes);
 }
 
+// A malloc size from Python. Past int64 it is still a size, just more than any device has: the
+// allocator answers with its "more than 1EB" OOM, as PyTorch does, rather than a TypeError.
+size_t request_size(py::handle n) {
+  auto v = py::reinterpret_steal<py::object>(PyNumber_Index(n.ptr()));
+  if (!v) throw py::error_already_set();
+  int overflow = 0;
+  long long x = PyLong_AsLongLongAndOverflow(v.ptr(), &overflow);
+  if (overflow > 0) return SIZE_MAX;
+  if (overflow < 0 || x < 0) throw UsageError("supermem: nbytes must be >= 0, got " + std::string(py::str(v)));
+  return static_cast<size_t>(x);
+}
+
 void* as_ptr(uint64_t address) { return reinterpret_cast<void*>(address); }
 
 // A Python callable kept alive by C++ and released with the GIL held (skipped at interpreter exit).
@@ -165,8 +177,8 @@ PYBIND11_MODULE(_C, m) {
            }),
            py::arg("device"), py::arg("limit_bytes") = 0, py::arg("passthrough") = false,
            py::arg("debug") = 0, py::arg("trace_capacity") = 0)
-      .def("malloc", [](CA& a, int64_t n, uint64_t stream) {
-             size_t size = checked_size(n);
+      .def("malloc", [](CA& a, py::object n, uint64_t stream) {
+             size_t size = request_size(n);
              py::gil_scoped_release g;
              return reinterpret_cast<uint64_t>(a.malloc(size, stream));
            }, py::arg("nbytes"), py::arg("stream") = 0)
