@@ -204,13 +204,19 @@ PYBIND11_MODULE(_C, m) {
              auto f = hold(std::move(fn));
              return a.add_pressure_handler([f](size_t need) -> size_t {
                py::gil_scoped_acquire g;
+               py::object r;
                try {
-                 py::object r = (*f)(need);
+                 r = (*f)(need);
                  return r.is_none() ? 0 : r.cast<size_t>();
                } catch (py::error_already_set& e) {
                  e.discard_as_unraisable("supermem pressure handler");
-                 return 0;
+               } catch (const py::cast_error&) {  // a bad return is a handler error too, not malloc's
+                 std::string msg = "supermem pressure handler returned " + std::string(py::repr(r)) +
+                                   "; expected the bytes it freed (an int >= 0) or None";
+                 PyErr_SetString(PyExc_TypeError, msg.c_str());
+                 py::error_already_set().discard_as_unraisable("supermem pressure handler");
                }
+               return 0;
              });
            }, py::arg("handler"))
       .def("remove_pressure_handler", &CA::remove_pressure_handler, py::arg("handler_id"), nogil)
