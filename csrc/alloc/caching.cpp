@@ -487,7 +487,9 @@ std::string CachingAllocator::describe_bad_pointer(void* ptr) {
       }
     }
   }
-  return "supermem: " + hex(p) + " was not allocated by this allocator (foreign pointer)";
+  // Also what a double free looks like once the block's segment went back to the device.
+  return "supermem: " + hex(p) + " was not allocated by this allocator (foreign pointer), or its " +
+         "block was freed already (double free) and its memory returned to the device";
 }
 
 void CachingAllocator::check() {
