@@ -29,6 +29,18 @@ size_t checked_size(int64_t nbytes) {
   return static_cast<size_t>(nbytes);
 }
 
+// A malloc size from Python. Past int64 it is still a size, just more than any device has: the
+// allocator answers with its "more than 1EB" OOM, as PyTorch does, rather than a TypeError.
+size_t request_size(py::handle n) {
+  auto v = py::reinterpret_steal<py::object>(PyNumber_Index(n.ptr()));
+  if (!v) throw py::error_already_set();
+  int overflow = 0;
+  long long x = PyLong_AsLongLongAndOverflow(v.ptr(), &overflow);
+  if (overflow > 0) return SIZE_MAX;
+  if (overflow < 0 || x < 0) throw UsageError("supermem: nbytes must be >= 0, got " + std::string(py::str(v)));
+  return static_cast<size_t>(x);
+}
+
 void* as_ptr(uint64_t address) { return reinterpret_cast<void*>(address); }
 
 py::dict stat_dict(const Stat& s) {
@@ -118,13 +130,17 @@ PressureHandler pressure_handler_from_py(py::function fn) {
   return [f = hold(std::move(fn))](size_t need) -> size_t {
     if (!Py_IsInitialized()) return 0;
     py::gil_scoped_acquire g;
+    py::object r;
     try {
-      py::object r = (*f)(need);
+      r = (*f)(need);
       return r.is_none() ? 0 : r.cast<size_t>();
     } catch (py::error_already_set& e) {
       e.discard_as_unraisable("supermem pressure handler");
-    } catch (const std::exception& e) {
-      PyErr_WarnEx(PyExc_RuntimeWarning, e.what(), 1);
+    } catch (const py::cast_error&) {  // a bad return is a handler error too, not malloc's
+      std::string msg = "supermem pressure handler returned " + std::string(py::repr(r)) +
+                        "; expected the bytes it freed (an int >= 0) or None";
+      PyErr_SetString(PyExc_TypeError, msg.c_str());
+      py::error_already_set().discard_as_unraisable("supermem pressure handler");
     }
     return 0;
   };
@@ -203,8 +219,8 @@ PYBIND11_MODULE(_C, m) {
            }),
            py::arg("device"), py::arg("limit_bytes") = 0, py::arg("passthrough") = false,
            py::arg("debug") = 0, py::arg("trace_capacity") = 0, py::arg("segment_bytes") = 0)
-      .def("malloc", [](CA& a, int64_t n, uint64_t stream) {
-             size_t size = checked_size(n);
+      .def("malloc", [](CA& a, py::object n, uint64_t stream) {
+             size_t size = request_size(n);
              py::gil_scoped_release g;
              return reinterpret_cast<uint64_t>(a.malloc(size, stream));
            }, py::arg("nbytes"), py::arg("stream") = 0)

@@ -1,5 +1,8 @@
 import pytest
 
+# Helpers that hold assertions: let pytest explain their failures too.
+pytest.register_assert_rewrite("conformance", "fuzz_model", "live_blocks")
+
 
 def pytest_addoption(parser):
     parser.addoption("--slow", action="store_true", help="run tests marked slow (10^6-op fuzz)")

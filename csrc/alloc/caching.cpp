@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <exception>
 #include <stdexcept>
 
 namespace supermem {
@@ -72,7 +73,7 @@ CachingAllocator::~CachingAllocator() {
 void* CachingAllocator::malloc(size_t nbytes, Stream stream) {
   if (nbytes == 0) return nullptr;
   Lock lk(mu_);
-  if (!events_.empty() && captures_.empty()) process_events();
+  if ((!events_.empty() || !deferred_.empty()) && captures_.empty()) process_events();
   if (nbytes > kMaxRequest) throw_oom(lk, nbytes, nbytes, 0);
   size_t size = round_size(nbytes);
   bool small = size <= kSmallBytes;
@@ -335,13 +336,15 @@ size_t CachingAllocator::run_pressure_handlers(Lock& lk, size_t need) {
   ++stats_.num_pressure_calls;
   lk.unlock();
   size_t freed = 0;
+  std::exception_ptr error;
   try {
     for (auto& [id, h] : handlers) freed += h(need);
   } catch (...) {
-    lk.lock();
-    throw;
+    error = std::current_exception();
   }
+  handlers.clear();  // unlocked: dropping a removed handler's last reference may re-enter us
   lk.lock();
+  if (error) std::rethrow_exception(error);
   stats_.pressure_freed_bytes += freed;
   return freed;
 }
@@ -478,10 +481,15 @@ void CachingAllocator::add_oom_observer(OomObserver observer) {
 }
 
 void CachingAllocator::remove_pressure_handler(int id) {
+  PressureHandler removed;  // destroyed after the lock is released: its destructor may re-enter us
   std::lock_guard<std::mutex> g(mu_);
-  handlers_.erase(std::remove_if(handlers_.begin(), handlers_.end(),
-                                 [&](auto& h) { return h.first == id; }),
-                  handlers_.end());
+  for (auto it = handlers_.begin(); it != handlers_.end(); ++it) {
+    if (it->first == id) {
+      removed = std::move(it->second);
+      handlers_.erase(it);
+      break;
+    }
+  }
 }
 
 Stats CachingAllocator::stats() {
@@ -533,7 +541,9 @@ std::string CachingAllocator::describe_bad_pointer(void* ptr) {
       }
     }
   }
-  return "supermem: " + hex(p) + " was not allocated by this allocator (foreign pointer)";
+  // Also what a double free looks like once the block's segment went back to the device.
+  return "supermem: " + hex(p) + " was not allocated by this allocator (foreign pointer), or its " +
+         "block was freed already (double free) and its memory returned to the device";
 }
 
 void CachingAllocator::check() {

@@ -1,0 +1,173 @@
+"""Byte sizes (supermem.units) and the strict SUPERMEM_CONF parser (supermem.config)."""
+
+import pytest
+
+from supermem import config
+from supermem.errors import ConfigError
+from supermem.units import format_bytes, parse_bytes
+
+KiB, MiB, GiB, TiB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (0, 0),
+        (12345, 12345),
+        ("0", 0),
+        ("1048576", MiB),
+        ("64KiB", 64 * KiB),
+        ("64kib", 64 * KiB),
+        ("64K", 64 * KiB),
+        ("1.5GiB", 3 * GiB // 2),
+        (" 12 GiB ", 12 * GiB),
+        ("8g", 8 * GiB),
+        ("2TiB", 2 * TiB),
+        ("512MB", 512 * 1000**2),
+        ("3kb", 3000),
+        ("7b", 7),
+    ],
+)
+def test_parse_bytes_accepts_sizes(text, expected):
+    assert parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [("60%", 600), ("100%", 1000), ("0.5%", 5), (0.25, 250), (1.0, 1000), ("12KiB", 12 * KiB)],
+)
+def test_parse_bytes_resolves_fractions_against_the_total(value, expected):
+    assert parse_bytes(value, total_bytes=1000) == expected
+
+
+@pytest.mark.parametrize(
+    ("value", "total", "message"),
+    [
+        (-1, None, ">= 0"),
+        (True, None, "expected a size"),
+        ("", None, "is not a size"),
+        ("GiB", None, "is not a size"),
+        ("-1", None, "is not a size"),
+        ("1e3", None, "is not a size"),
+        ("12 parsecs", None, "is not a size"),
+        ("1..5GiB", None, "is not a size"),
+        ("50%", None, "needs a known device capacity"),
+        ("0%", 1000, r"must be in \(0, 100\]"),
+        ("101%", 1000, r"must be in \(0, 100\]"),
+        ("abc%", 1000, r"must be in \(0, 100\]"),
+        (1.5, 1000, r"fraction in \(0, 1\]"),
+        (0.0, 1000, r"fraction in \(0, 1\]"),
+        (0.5, None, r"fraction in \(0, 1\]"),
+    ],
+)
+def test_parse_bytes_rejects_bad_forms(value, total, message):
+    with pytest.raises(ValueError, match=message):
+        parse_bytes(value, total_bytes=total)
+
+
+@pytest.mark.parametrize(
+    ("n", "expected"),
+    [
+        (0, "0 bytes"),
+        (1023, "1023 bytes"),
+        (KiB, "1.00 KiB"),
+        (3 * GiB // 2, "1.50 GiB"),
+        (5 * TiB, "5.00 TiB"),
+    ],
+)
+def test_format_bytes(n, expected):
+    assert format_bytes(n) == expected
+
+
+@pytest.mark.parametrize("n", [1, 511, 4096, 3 * MiB + 17, 40 * GiB])
+def test_format_then_parse_is_close(n):
+    assert abs(parse_bytes(format_bytes(n).replace(" bytes", "")) - n) <= n * 0.005
+
+
+def test_parse_conf_good_strings():
+    assert config.parse_conf("") == {}
+    assert config.parse_conf(" , ,") == {}
+    assert config.parse_conf("limit:12GiB,pool:lru") == {"limit": "12GiB", "pool": "lru"}
+    assert config.parse_conf(" limit : 80% , debug:2 ") == {"limit": "80%", "debug": 2}
+    assert config.parse_conf("limit:0.8,passthrough:on,trace:4096") == {
+        "limit": 0.8,
+        "passthrough": True,
+        "trace": 4096,
+    }
+    assert config.parse_conf("allocator:NATIVE,passthrough:0") == {
+        "allocator": "native",
+        "passthrough": False,
+    }
+    assert config.parse_conf("oom_snapshot:/tmp/a:b.pickle") == {"oom_snapshot": "/tmp/a:b.pickle"}
+
+
+BAD_VALUES = {
+    "allocator": "cub",
+    "limit": "lots",
+    "passthrough": "maybe",
+    "trace": "-1",
+    "debug": "3",
+    "pool": "fifo",
+    "budget": "1.5",
+    "host_limit": "150%",
+    "control": "sometimes",
+}
+
+
+def test_every_option_has_a_bad_value_case():
+    untested = {o.name for o in config.OPTIONS} - set(BAD_VALUES) - {"oom_snapshot"}  # any path goes
+    assert not untested
+
+
+@pytest.mark.parametrize("key", list(BAD_VALUES))
+def test_bad_value_names_the_key_and_the_allowed_values(key):
+    option = next(o for o in config.OPTIONS if o.name == key)
+    with pytest.raises(ConfigError) as info:
+        config.parse_conf(f"{key}:{BAD_VALUES[key]}")
+    message = str(info.value)
+    assert repr(key) in message
+    assert option.allowed in message
+
+
+@pytest.mark.parametrize(("text", "key"), [("limt:12GiB", "limt"), (":12GiB", ""), ("Pool:lru", "Pool")])
+def test_unknown_key_lists_the_known_ones(text, key):
+    with pytest.raises(ConfigError) as info:
+        config.parse_conf(text)
+    message = str(info.value)
+    assert repr(key) in message
+    assert all(o.name in message for o in config.OPTIONS)
+
+
+@pytest.mark.parametrize("text", ["limit", "limit:", "limit: ", "pool:lru,pool=lru"])
+def test_item_that_is_not_key_value_is_refused(text):
+    with pytest.raises(ConfigError, match="is not key:value"):
+        config.parse_conf(text)
+
+
+def test_key_given_twice_is_refused():
+    with pytest.raises(ConfigError, match="'limit' is given twice"):
+        config.parse_conf("limit:1GiB,pool:lru,limit:2GiB")
+
+
+def test_config_errors_are_value_errors():
+    assert issubclass(ConfigError, ValueError)
+
+
+def test_env_and_options_override():
+    cfg = config.from_env({"SUPERMEM_CONF": "pool:lru,budget:8GiB"})
+    assert cfg.pool == "lru" and cfg.budget == "8GiB" and cfg.debug == 0
+    cfg.set(debug="1")
+    assert cfg.debug == 1
+    with pytest.raises(ConfigError, match="'debug'"):
+        cfg.set(debug="9")
+    assert cfg.debug == 1
+
+
+def test_options_context_restores_and_rejects_bad_values(monkeypatch):
+    monkeypatch.setattr(config, "_current", config.Config())
+    with config.options(pool="lru", budget="60%") as cfg:
+        assert cfg.pool == "lru" and cfg.budget == "60%"
+    assert config.current().pool == "off" and config.current().budget is None
+    with pytest.raises(ConfigError, match="'pool'"), config.options(pool="mru"):
+        pass
+    assert config.current().pool == "off"
