@@ -7,11 +7,12 @@ import argparse
 import json
 from pathlib import Path
 
-from . import alloc, train
+from . import alloc, trace, train
 
 BENCHES = {
     "alloc": (alloc, "cost of torch.empty + del per pair, native vs supermem"),
     "train": (train, "GPT-24 / ResNet-152 training steps: allocator and memory-saver rows"),
+    "trace": (trace, "what recording a trace costs a training step; writes the trace (and report)"),
 }
 
 

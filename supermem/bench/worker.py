@@ -29,9 +29,9 @@ def _environment(cuda: bool) -> dict:
 def measure(spec: dict) -> dict:
     import torch
 
-    from . import alloc, train
+    from . import alloc, trace, train
 
-    fn = {"alloc": alloc.measure, "train": train.measure}[spec["bench"]]
+    fn = {"alloc": alloc.measure, "train": train.measure, "trace": trace.measure}[spec["bench"]]
     cuda = spec["device"] == "cuda"
     row: dict = {}
     try:

@@ -1,0 +1,97 @@
+"""`supermem bench trace`: what recording a trace costs a training step, and the trace itself.
+
+One fresh process with supermem's allocator trains GPT-24 (or ResNet-152) in interleaved rounds:
+steps without a recording (the baseline) and steps inside `supermem.trace(...)`. Overhead is the
+ratio of the median step times. The last recording is written to --out (run.smtrace, and with
+--report the HTML and PNG report beside it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from pathlib import Path
+
+from . import runner
+
+
+def measure(spec: dict) -> dict:
+    import torch
+
+    import supermem
+
+    from .models import PRESETS, loss_fn
+    from .train import _timed
+
+    device = torch.device(spec["device"])
+    cuda = device.type == "cuda"
+    preset = PRESETS[spec["preset"]]
+    torch.manual_seed(0)
+    with device:
+        model = preset.build()
+    x, y = preset.batch(device, torch.Generator().manual_seed(0))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
+
+    def step() -> None:
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=preset.bf16 and cuda):
+            loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    for _ in range(3):
+        step()
+    out = Path(spec["out"])
+    out.mkdir(parents=True, exist_ok=True)
+    plain, traced, events = [], [], 0
+    for r in range(spec["rounds"]):
+        plain += [_timed(step, cuda) for _ in range(spec["steps"])]
+        last = r == spec["rounds"] - 1
+        rec = supermem.trace(
+            str(out / "run.smtrace"), model=model, optimizer=opt, report=spec["report"] and last
+        )
+        with rec:
+            traced += [_timed(step, cuda) for _ in range(spec["steps"])]
+        events = rec.status()["drained_events"]
+    base, with_trace = statistics.median(plain), statistics.median(traced)
+    return {
+        "preset": preset.label,
+        "plain_ms": round(base, 2),
+        "traced_ms": round(with_trace, 2),
+        "overhead": with_trace / base - 1,
+        "events": events,
+        "files": sorted(p.name for p in out.iterdir()),
+    }
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", choices=("gpt", "resnet"), default="gpt")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved plain/traced rounds (default 3)")
+    p.add_argument("--steps", type=int, default=8, help="timed steps per round and mode (default 8)")
+    p.add_argument("--out", type=Path, default=Path("trace-bench"), help="where run.smtrace goes")
+    p.add_argument("--report", action="store_true", help="also write the HTML/PNG report of the last round")
+
+
+def run(args: argparse.Namespace) -> dict:
+    preset = f"{args.model}-quick" if args.quick else args.model
+    spec = {
+        "bench": "trace",
+        "allocator": "supermem" if args.device == "cuda" else "native",
+        "device": args.device,
+        "preset": preset,
+        "rounds": args.rounds,
+        "steps": args.steps,
+        "out": str(args.out.resolve()),
+        "report": args.report,
+    }
+    row = runner.run(spec, args.timeout, f"trace {preset}")
+    if "error" in row:
+        print(f"trace bench failed: {row['error']}")
+        return {"rows": [row]}
+    print(f"\ntrace overhead: {row['preset']}, {args.device} (baseline: untraced steps, same process)")
+    print(
+        f"untraced {row['plain_ms']:.2f} ms/step, traced {row['traced_ms']:.2f} ms/step: "
+        f"{100 * row['overhead']:+.2f}% (target < 3%)"
+    )
+    print(f"files in {args.out}: {', '.join(row['files'])}")
+    return {"rows": [row]}
