@@ -2,6 +2,7 @@
 It does nothing unless SUPERMEM (not "0") or SUPERMEM_CONF is set, and never initialises CUDA."""
 
 import os
+import sys
 
 
 def wanted(environ: dict | None = None) -> bool:
@@ -10,7 +11,18 @@ def wanted(environ: dict | None = None) -> bool:
 
 
 def hook() -> None:
-    if wanted():
-        from .activate import install_from_env
+    if not wanted():
+        return
+    from .activate import install_from_env
+    from .errors import ConfigError
 
+    try:
         install_from_env()
+    except ConfigError as e:
+        # A user mistake: stop with the message, not a traceback. SystemExit passes through torch's
+        # `except Exception` around entry points, whichever version of torch this is.
+        print(
+            f"supermem: bad SUPERMEM_CONF ({os.environ.get('SUPERMEM_CONF', '')!r}): ConfigError: {e}",
+            file=sys.stderr,
+        )
+        raise SystemExit(2) from None

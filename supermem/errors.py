@@ -1,11 +1,9 @@
 """supermem's exceptions. The OOM error is a torch.OutOfMemoryError, so code that catches PyTorch's
-OOM (or matches "CUDA out of memory.") handles supermem's too."""
+OOM (or matches "CUDA out of memory.") handles supermem's too.
 
-import torch
-
-
-class OutOfMemoryError(torch.OutOfMemoryError):
-    """The allocator could not find memory after releasing its cache and asking the pool to evict."""
+The classes that do not need torch come first: `import torch` runs supermem's autoload hook, which
+needs ConfigError while this module may still be importing torch (python -m supermem imports it first).
+"""
 
 
 class UsageError(ValueError):
@@ -26,3 +24,10 @@ class InvariantError(RuntimeError):
 
 class ActivationError(RuntimeError):
     """supermem could not be swapped into PyTorch (e.g. CUDA was already initialised)."""
+
+
+import torch  # noqa: E402
+
+
+class OutOfMemoryError(torch.OutOfMemoryError):
+    """The allocator could not find memory after releasing its cache and asking the pool to evict."""
