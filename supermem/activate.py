@@ -37,12 +37,20 @@ def installed() -> bool:
     return _installed
 
 
+_wrappers: dict[int, CachingAllocator] = {}
+
+
 def device_allocator(device: int = 0) -> CachingAllocator | None:
-    """The allocator serving PyTorch on CUDA device `device`, or None (not installed / not yet used)."""
+    """The allocator serving PyTorch on CUDA device `device`, or None (not installed / not yet used).
+    The same object every time for a device."""
     if not _installed:
         return None
-    impl = _C.plugin_allocator(device, False)
-    return CachingAllocator.wrap(impl) if impl is not None else None
+    if device not in _wrappers:
+        impl = _C.plugin_allocator(device, False)
+        if impl is None:
+            return None
+        _wrappers[device] = CachingAllocator.wrap(impl)
+    return _wrappers[device]
 
 
 def _limit_args(limit: Any) -> tuple[int, float]:

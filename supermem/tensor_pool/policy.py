@@ -23,10 +23,14 @@ class Policy:
         """Lower scores leave first."""
         raise NotImplementedError
 
+    def order(self, candidates: Iterable[Candidate]) -> list[Candidate]:
+        """All candidates, first to leave first."""
+        return sorted(candidates, key=self.score)
+
     def choose(self, candidates: Iterable[Candidate], need_bytes: int) -> list[Candidate]:
         """The lowest-scored candidates whose sizes add up to at least `need_bytes` (or all of them)."""
         chosen, total = [], 0
-        for entry in sorted(candidates, key=self.score):
+        for entry in self.order(candidates):
             if total >= need_bytes:
                 break
             chosen.append(entry)

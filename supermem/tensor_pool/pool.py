@@ -7,9 +7,9 @@ during backward, entries about to be needed are prefetched back (H2D stream) as 
 budget has room, so copies hide behind compute. With supermem's allocator installed, the pool is
 also its pressure handler: before an OOM is raised, it offloads synchronously.
 
-Budget: device bytes for everything on the device (model state measured at the start of each
-forward, plus the activations the pool keeps). On CPU, where there is no device, it is the bytes
-of saved tensors the pool keeps.
+Budget: device bytes for everything on the device (parameters, gradients, temporaries and the
+activations the pool keeps), measured from the allocator as the step runs. On CPU, where there is no
+device, it is the bytes of saved tensors the pool keeps.
 """
 
 from __future__ import annotations
@@ -73,7 +73,6 @@ class Pool:
         self._lru: dict[int, weakref.ref[Entry]] = {}  # resident entries, least recently used first
         self._dedup: dict[tuple, weakref.ref[Entry]] = {}  # live entries by tensor identity
         self._tick = 0
-        self._baseline = 0
         self._resident_bytes = 0
         self._counters = dict.fromkeys(
             ("packed", "offloads", "prefetches", "sync_restores", "host_full", "pressure_calls"), 0
@@ -117,8 +116,6 @@ class Pool:
             return t
         key = (t.untyped_storage().data_ptr(), t.storage_offset(), t.shape, t.stride(), t.dtype, t._version)
         with self._lock:
-            if not self._entries:
-                self._baseline = self._device_allocated()
             self._tick += 1
             same = self._dedup.get(key)
             same = same() if same is not None else None
@@ -148,11 +145,12 @@ class Pool:
     # ------------------------------------------------------------------ moving entries
 
     def _fit_budget(self) -> None:
-        allowance = self._allowance()
-        if allowance is None or self._resident_bytes <= allowance:
+        if self.budget_bytes is None:
             return
-        for victim in self.policy.choose(self._resident_entries(), self._resident_bytes - allowance):
-            self._offload(victim)
+        over = self._used_bytes() - self.budget_bytes
+        if over > 0:
+            for victim in self.policy.choose(self._resident_entries(), over):
+                self._offload(victim)
 
     def _offload(self, e: Entry) -> bool:
         """Moves a resident entry to host memory; False when host memory is full."""
@@ -192,8 +190,7 @@ class Pool:
 
     def _prefetch_before(self, e: Entry) -> None:
         """Prefetches the entries saved just before `e`: backward needs them next."""
-        allowance = self._allowance()
-        room = (allowance - self._resident_bytes) if allowance is not None else None
+        room = None if self.budget_bytes is None else self.budget_bytes - self._used_bytes()
         pos = bisect.bisect_left(self._seqs, e.seq)
         started = 0
         for seq in reversed(self._seqs[max(0, pos - PREFETCH_SCAN) : pos]):
@@ -214,15 +211,19 @@ class Pool:
             started += 1
 
     def _on_pressure(self, need_bytes: int) -> int:
-        """The allocator is about to fail: offload least recently used entries and wait for the copies."""
+        """The allocator is about to fail: offload entries, least recently used first, waiting for
+        each copy, until the device really has `need_bytes` more free (an entry that something else
+        still references frees nothing when it leaves)."""
         with self._lock:
             self._counters["pressure_calls"] += 1
-            freed = 0
-            for victim in self.policy.choose(self._resident_entries(), need_bytes):
+            before, freed = self._used_bytes(), 0
+            for victim in self.policy.order(self._resident_entries()):
                 if self._offload(victim):
                     self.copies.wait(victim.event)
-                    freed += victim.nbytes
-            return freed
+                    freed = before - self._used_bytes()
+                    if freed >= need_bytes:
+                        break
+            return max(freed, 0)
 
     # ------------------------------------------------------------------ bookkeeping
 
@@ -270,14 +271,11 @@ class Pool:
                 out.append(x)
         return out
 
-    def _allowance(self) -> int | None:
-        if self.budget_bytes is None:
-            return None
-        return max(0, self.budget_bytes - self._baseline)
-
-    def _device_allocated(self) -> int:
+    def _used_bytes(self) -> int:
+        """What the budget counts: bytes allocated on the device now (cheap with supermem's allocator,
+        a stats call with PyTorch's), or on CPU the bytes of resident entries."""
         if not self.cuda:
-            return 0
+            return self._resident_bytes
         from ..activate import device_allocator
 
         alloc = device_allocator(self.device.index)
@@ -329,7 +327,6 @@ class Pool:
                 "entries_by_state": count,
                 "peak_resident_bytes": self._peak_resident_bytes,
                 "budget_bytes": self.budget_bytes,
-                "baseline_bytes": self._baseline,
                 "offloaded_bytes": self._offloaded_bytes,
                 "prefetched_bytes": self._prefetched_bytes,
                 **self._counters,

@@ -245,8 +245,12 @@ def apply(trace: Trace, rows: Iterable[Observation]) -> int:
         nl = len(lt)
         if not nl:
             continue
-        start_t = np.where(lt.start >= 0, t[np.maximum(lt.start, 0)], np.iinfo(np.int64).min)
-        end_t = np.where(lt.end >= 0, t[np.maximum(lt.end, 0)], np.iinfo(np.int64).max)
+        if len(t):
+            start_t = np.where(lt.start >= 0, t[np.maximum(lt.start, 0)], np.iinfo(np.int64).min)
+            end_t = np.where(lt.end >= 0, t[np.maximum(lt.end, 0)], np.iinfo(np.int64).max)
+        else:  # no events, only the final snapshot's blocks: each lived through the whole recording
+            start_t = np.full(nl, np.iinfo(np.int64).min)
+            end_t = np.full(nl, np.iinfo(np.int64).max)
         # Merge lifetime starts and observations by (address, time), lifetimes first on ties, then carry
         # the last lifetime id forward: lifetime ids already increase in (address, time) order.
         addr = np.concatenate([lt.address, o_addr])

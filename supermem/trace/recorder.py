@@ -65,9 +65,14 @@ def discover_allocators() -> list[tuple[int, Any]]:
 
         for i in range(torch.cuda.device_count()):
             a = get(i)
-            if a is not None and not any(a is x for _, x in out):
+            if a is not None and not any(_same(a, x) for _, x in out):
                 out.append((i, a))
     return out
+
+
+def _same(a: Any, b: Any) -> bool:
+    """One allocator, even through two Python wrappers of it."""
+    return getattr(a, "_impl", a) is getattr(b, "_impl", b)
 
 
 def active() -> Recorder | None:
@@ -232,7 +237,7 @@ class Recorder:
         with self._lock:
             used = {s.device for s in self.sources}
             for device, alloc in pairs:
-                if any(s.alloc is alloc for s in self.sources):
+                if any(_same(s.alloc, alloc) for s in self.sources):
                     continue
                 while device in used:  # two allocators filed under one index (e.g. a simulated device 0)
                     device += 1

@@ -10,6 +10,7 @@ from trace_workload import EXPECTED_CATEGORY, Workload, make_allocator, sim_tens
 
 import supermem
 from supermem import events
+from supermem.allocator import CachingAllocator, SimulatedDevice
 from supermem.errors import UsageError
 from supermem.trace import recorder
 from supermem.trace.analysis import analyze
@@ -196,3 +197,26 @@ def test_importing_supermem_does_not_load_the_trace_tool():
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0 and r.stdout.split() == ["True", "True"], r.stderr
+
+
+def test_a_recording_without_events_still_lists_the_live_blocks(tmp_path):
+    """Parameters allocated before the recording and no event during it: the trace is the final
+    state, with the parameters attributed."""
+    alloc = make_allocator()
+    w = Workload(alloc, layers=3)
+    with supermem.trace(tmp_path / "quiet.smtrace", allocators=[alloc], model=w.model, optimizer=w.opt):
+        pass
+    lt = lifetimes(load(tmp_path / "quiet.smtrace"), 0)
+    params = {p.untyped_storage().data_ptr() for p in w.model.parameters()}
+    assert params <= set(lt.address.tolist())
+
+
+def test_discovered_allocators_are_attached_once(tmp_path, monkeypatch):
+    """The same allocator found twice (two wrappers of one C++ object) is one source, not two."""
+    alloc = CachingAllocator(SimulatedDevice("64MiB"))
+    twin = CachingAllocator.wrap(alloc._impl)
+    monkeypatch.setattr(supermem.trace.recorder, "discover_allocators", lambda: [(0, alloc), (0, twin)])
+    rec = supermem.trace(tmp_path / "once.smtrace", model=[], optimizer=[])
+    with rec:
+        alloc.free(alloc.malloc(4096))
+    assert rec.status()["devices"] == [0]
