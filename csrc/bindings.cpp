@@ -235,6 +235,7 @@ PYBIND11_MODULE(_C, m) {
         py::gil_scoped_release g;
         return a.stats().allocated_bytes.s[kAll].current;
       })
+      .def("take_watermark", &CA::take_watermark, nogil)
       .def("reset_peak_stats", &CA::reset_peak_stats, nogil)
       .def("reset_accumulated_stats", &CA::reset_accumulated_stats, nogil)
       .def_property("limit_bytes", &CA::limit_bytes,

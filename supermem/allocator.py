@@ -187,6 +187,11 @@ class CachingAllocator:
         out["fragmentation"] = 1 - own["largest_free_block_bytes"] / cached if cached else 0.0
         return out
 
+    def take_watermark(self) -> int:
+        """Highest allocated bytes since the last call; restarts from the current value. Separate from
+        the peak stats, so the tensor pool can watch each step's peak without resetting the user's."""
+        return self._impl.take_watermark()
+
     def reset_peak_stats(self) -> None:
         self._impl.reset_peak_stats()
 

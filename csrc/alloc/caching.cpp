@@ -86,6 +86,7 @@ void* CachingAllocator::malloc(size_t nbytes, Stream stream) {
   b->requested = nbytes;
   live_.emplace(b->ptr, b);
   stats_.allocated_bytes.add(small, b->size);
+  watermark_ = std::max(watermark_, stats_.allocated_bytes.s[kAll].current);
   stats_.requested_bytes.add(small, nbytes);
   stats_.active_bytes.add(small, b->size);
   stats_.allocation.add(small, 1);
@@ -495,6 +496,13 @@ void CachingAllocator::remove_pressure_handler(int id) {
 Stats CachingAllocator::stats() {
   std::lock_guard<std::mutex> g(mu_);
   return stats_;
+}
+
+size_t CachingAllocator::take_watermark() {
+  std::lock_guard<std::mutex> g(mu_);
+  size_t w = watermark_;
+  watermark_ = stats_.allocated_bytes.s[kAll].current;
+  return w;
 }
 
 void CachingAllocator::reset_peak_stats() {

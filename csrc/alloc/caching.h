@@ -75,6 +75,7 @@ class CachingAllocator {
   void add_oom_observer(OomObserver observer);
 
   Stats stats();
+  size_t take_watermark();  // highest allocated bytes since the last call (then restarts at the current)
   void reset_peak_stats();
   void reset_accumulated_stats();
   size_t limit_bytes();
@@ -120,6 +121,7 @@ class CachingAllocator {
   std::vector<OomObserver> oom_observers_;
   int next_handler_id_ = 1;
   Stats stats_;
+  int64_t watermark_ = 0;  // like the allocated peak, but the tensor pool's own (user peaks untouched)
   TraceRing trace_;
 };
 

@@ -8,8 +8,11 @@ budget has room, so copies hide behind compute. With supermem's allocator instal
 also its pressure handler: before an OOM is raised, it offloads synchronously.
 
 Budget: device bytes for everything on the device (parameters, gradients, temporaries and the
-activations the pool keeps), measured from the allocator as the step runs. On CPU, where there is no
-device, it is the bytes of saved tensors the pool keeps.
+activations the pool keeps), measured from the allocator as the step runs. Between the pool's moves
+the step allocates transients it cannot see coming (the loss, say); with supermem's allocator the pool
+reads each step's true peak and lowers its working target by the overshoot, so after a step or two
+the peak settles at the budget. On CPU, where there is no device, the budget is the bytes of saved
+tensors the pool keeps.
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ class Pool:
         if self.cuda and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         total = torch.cuda.get_device_properties(self.device).total_memory if self.cuda else None
+        self._device_total = total
         self.budget_bytes = None if budget is None else _size("budget", budget, total)
         self.policy = _checked("policy", make_policy, policy)
         host_bytes = _size(
@@ -74,6 +78,8 @@ class Pool:
         self._dedup: dict[tuple, weakref.ref[Entry]] = {}  # live entries by tensor identity
         self._tick = 0
         self._resident_bytes = 0
+        self._margin = 0  # learned: how far a step's peak rises above what the pool sees (bytes)
+        self._largest_entry = 0
         self._counters = dict.fromkeys(
             ("packed", "offloads", "prefetches", "sync_restores", "host_full", "pressure_calls"), 0
         )
@@ -116,6 +122,8 @@ class Pool:
             return t
         key = (t.untyped_storage().data_ptr(), t.storage_offset(), t.shape, t.stride(), t.dtype, t._version)
         with self._lock:
+            if not self._entries:
+                self._learn_margin()  # a new step begins: the last one's peak is known
             self._tick += 1
             same = self._dedup.get(key)
             same = same() if same is not None else None
@@ -124,6 +132,7 @@ class Pool:
                 return same
             seq = self._tick
             e = Entry(self, seq, t, key)
+            self._largest_entry = max(self._largest_entry, e.nbytes)
             self._entries[seq] = weakref.ref(e)
             self._seqs.append(seq)
             self._dedup[key] = weakref.ref(e)
@@ -147,13 +156,14 @@ class Pool:
     def _fit_budget(self) -> None:
         if self.budget_bytes is None:
             return
-        over = self._used_bytes() - self.budget_bytes
+        over = self._used_bytes() - self._target()
         if over > 0:
             for victim in self.policy.choose(self._resident_entries(), over):
                 self._offload(victim)
 
     def _offload(self, e: Entry) -> bool:
-        """Moves a resident entry to host memory; False when host memory is full."""
+        """Moves a resident entry (or one being restored: its copy is dropped) to host memory; False
+        when host memory is full."""
         if e.host is None:
             block = self.host.take(e.nbytes)
             if block is None:
@@ -190,7 +200,7 @@ class Pool:
 
     def _prefetch_before(self, e: Entry) -> None:
         """Prefetches the entries saved just before `e`: backward needs them next."""
-        room = None if self.budget_bytes is None else self.budget_bytes - self._used_bytes()
+        room = self._target() - self._used_bytes()
         pos = bisect.bisect_left(self._seqs, e.seq)
         started = 0
         for seq in reversed(self._seqs[max(0, pos - PREFETCH_SCAN) : pos]):
@@ -198,13 +208,9 @@ class Pool:
             x = ref() if ref is not None else None
             if x is None or x.state not in (State.OFFLOADING, State.ON_HOST):
                 continue
-            if room is None:
-                if started >= 2:  # no budget: offloads happen under pressure; look two ahead
-                    break
-            elif x.nbytes > room:
+            if x.nbytes > room:
                 break
-            else:
-                room -= x.nbytes
+            room -= x.nbytes
             self._restore(x)
             self._counters["prefetches"] += 1
             self._prefetched_bytes += x.nbytes
@@ -217,7 +223,8 @@ class Pool:
         with self._lock:
             self._counters["pressure_calls"] += 1
             before, freed = self._used_bytes(), 0
-            for victim in self.policy.order(self._resident_entries()):
+            # Prefetched entries not used yet go last: they come back soonest.
+            for victim in self.policy.order(self._resident_entries()) + self._restoring_entries():
                 if self._offload(victim):
                     self.copies.wait(victim.event)
                     freed = before - self._used_bytes()
@@ -262,6 +269,9 @@ class Pool:
         if e.seq in self._lru:  # move to the most recently used end
             self._lru[e.seq] = self._lru.pop(e.seq)
 
+    def _restoring_entries(self) -> list[Entry]:
+        return [x for ref in self._lru.values() if (x := ref()) is not None and x.state is State.RESTORING]
+
     def _resident_entries(self) -> list[Entry]:
         """Resident entries, least recently used first (in-flight restores excluded)."""
         out = []
@@ -271,14 +281,41 @@ class Pool:
                 out.append(x)
         return out
 
+    def _target(self) -> int:
+        """Device bytes the pool aims at: the budget less the learned margin; with no budget, the
+        allocator's limit (or the card) less room for the largest entry, so prefetch never causes an
+        OOM. On CPU: the budget (or no bound)."""
+        if self.budget_bytes is not None:
+            return max(0, self.budget_bytes - self._margin)
+        if not self.cuda:
+            return 1 << 62
+        alloc = self._supermem_allocator()
+        cap = (alloc.limit_bytes if alloc is not None else 0) or torch.cuda.get_device_properties(
+            self.device
+        ).total_memory
+        return cap - 2 * self._largest_entry
+
+    def _learn_margin(self) -> None:
+        """Raises (or lowers) the margin by how far the last step's peak missed the budget."""
+        alloc = self._supermem_allocator() if self.budget_bytes is not None else None
+        if alloc is not None:
+            peak = alloc.take_watermark()
+            if self._counters["packed"]:
+                self._margin = min(self.budget_bytes, max(0, self._margin + peak - self.budget_bytes))
+
+    def _supermem_allocator(self) -> Any:
+        if not self.cuda:
+            return None
+        from ..activate import device_allocator
+
+        return device_allocator(self.device.index)
+
     def _used_bytes(self) -> int:
         """What the budget counts: bytes allocated on the device now (cheap with supermem's allocator,
         a stats call with PyTorch's), or on CPU the bytes of resident entries."""
         if not self.cuda:
             return self._resident_bytes
-        from ..activate import device_allocator
-
-        alloc = device_allocator(self.device.index)
+        alloc = self._supermem_allocator()
         return alloc.allocated_bytes if alloc is not None else torch.cuda.memory_allocated(self.device)
 
     def _device_index(self) -> int:
@@ -327,6 +364,7 @@ class Pool:
                 "entries_by_state": count,
                 "peak_resident_bytes": self._peak_resident_bytes,
                 "budget_bytes": self.budget_bytes,
+                "margin_bytes": self._margin,
                 "offloaded_bytes": self._offloaded_bytes,
                 "prefetched_bytes": self._prefetched_bytes,
                 **self._counters,
