@@ -78,7 +78,8 @@ class Pool:
         self._dedup: dict[tuple, weakref.ref[Entry]] = {}  # live entries by tensor identity
         self._tick = 0
         self._resident_bytes = 0
-        self._margin = 0  # learned: how far a step's peak rises above what the pool sees (bytes)
+        self._margin = 0  # learned: how far a step's peak rises above the most the pool saw (bytes)
+        self._seen_peak = 0  # the most device memory the pool saw in use during this step
         self._largest_entry = 0
         self._counters = dict.fromkeys(
             ("packed", "offloads", "prefetches", "sync_restores", "host_full", "pressure_calls"), 0
@@ -296,12 +297,15 @@ class Pool:
         return cap - 2 * self._largest_entry
 
     def _learn_margin(self) -> None:
-        """Raises (or lowers) the margin by how far the last step's peak missed the budget."""
+        """The margin is the last step's spike: its true peak above the most the pool saw. Transients
+        the pool cannot see (the loss, workspaces) are a property of the model, not of the target,
+        so this settles in one step and does not oscillate."""
         alloc = self._supermem_allocator() if self.budget_bytes is not None else None
         if alloc is not None:
             peak = alloc.take_watermark()
-            if self._counters["packed"]:
-                self._margin = min(self.budget_bytes, max(0, self._margin + peak - self.budget_bytes))
+            if self._seen_peak:
+                self._margin = min(self.budget_bytes, max(0, peak - self._seen_peak))
+        self._seen_peak = 0
 
     def _supermem_allocator(self) -> Any:
         if not self.cuda:
@@ -316,7 +320,9 @@ class Pool:
         if not self.cuda:
             return self._resident_bytes
         alloc = self._supermem_allocator()
-        return alloc.allocated_bytes if alloc is not None else torch.cuda.memory_allocated(self.device)
+        used = alloc.allocated_bytes if alloc is not None else torch.cuda.memory_allocated(self.device)
+        self._seen_peak = max(self._seen_peak, used)
+        return used
 
     def _device_index(self) -> int:
         return self.device.index if self.cuda else -1
