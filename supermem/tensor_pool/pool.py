@@ -175,6 +175,8 @@ class Pool:
             self._offloaded_bytes += e.nbytes
             self._counters["offloads"] += 1
             events.emit("offload", e.nbytes, e.tensor.data_ptr(), self._device_index(), e.seq, "activation")
+        else:  # offloaded before: the host copy is complete (restores wait for it); drop the device copy
+            e.event = None
         self._drop_resident(e)
         e.state = State.OFFLOADING if e.event is not None else State.ON_HOST
         return True
