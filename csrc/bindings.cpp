@@ -64,10 +64,12 @@ py::dict stat_array(const StatArray& a) {
 py::dict nested_stats(CachingAllocator& a) {
   Stats s;
   std::vector<SegmentInfo> segs;
+  size_t limit = 0;
   {
-    py::gil_scoped_release nogil;
+    py::gil_scoped_release nogil;  // never wait for the allocator lock while holding the GIL
     s = a.stats();
     segs = a.snapshot();
+    limit = a.limit_bytes();
   }
   uint64_t cached = 0, largest = 0;
   for (auto& seg : segs)
@@ -95,7 +97,7 @@ py::dict nested_stats(CachingAllocator& a) {
   d["supermem"] = py::dict(py::arg("cached_free_bytes") = cached, py::arg("largest_free_block_bytes") = largest,
                            py::arg("num_pressure_calls") = s.num_pressure_calls,
                            py::arg("pressure_freed_bytes") = s.pressure_freed_bytes,
-                           py::arg("limit_bytes") = a.limit_bytes());
+                           py::arg("limit_bytes") = limit);
   return d;
 }
 
@@ -238,8 +240,16 @@ PYBIND11_MODULE(_C, m) {
       .def("take_watermark", &CA::take_watermark, nogil)
       .def("reset_peak_stats", &CA::reset_peak_stats, nogil)
       .def("reset_accumulated_stats", &CA::reset_accumulated_stats, nogil)
-      .def_property("limit_bytes", &CA::limit_bytes,
-                    [](CA& a, int64_t v) { a.set_limit_bytes(checked_size(v)); })
+      .def_property("limit_bytes",
+                    [](CA& a) {
+                      py::gil_scoped_release g;
+                      return a.limit_bytes();
+                    },
+                    [](CA& a, int64_t v) {
+                      size_t limit = checked_size(v);
+                      py::gil_scoped_release g;
+                      a.set_limit_bytes(limit);
+                    })
       .def("check", [](CA& a) {
              try {
                a.check();
@@ -248,10 +258,14 @@ PYBIND11_MODULE(_C, m) {
              }
            }, nogil)
       .def("add_pressure_handler", [](CA& a, py::function fn) {
-             return a.add_pressure_handler(pressure_handler_from_py(std::move(fn)));
+             PressureHandler h = pressure_handler_from_py(std::move(fn));
+             py::gil_scoped_release g;
+             return a.add_pressure_handler(std::move(h));
            }, py::arg("handler"))
       .def("add_oom_observer", [](CA& a, py::function fn) {
-             a.add_oom_observer(oom_observer_from_py(std::move(fn)));
+             OomObserver o = oom_observer_from_py(std::move(fn));
+             py::gil_scoped_release g;
+             a.add_oom_observer(std::move(o));
            }, py::arg("observer"))
       .def("remove_pressure_handler", &CA::remove_pressure_handler, py::arg("handler_id"), nogil)
       .def("begin_allocate_to_pool", [](CA& a, PoolId id, std::vector<uint64_t> streams) {

@@ -18,16 +18,17 @@ void TraceRing::set_capacity(size_t capacity) {
 }
 
 void TraceRing::push(TraceKind kind, const void* addr, size_t size, Stream stream, uint64_t tag) {
-  if (capacity_ == 0) return;
+  if (capacity_.load(std::memory_order_relaxed) == 0) return;
   TraceEvent ev{now_ns(), reinterpret_cast<uint64_t>(addr), size, stream, tag, kind};
   std::lock_guard<std::mutex> g(mu_);
-  if (capacity_ == 0) return;
-  if (size_ == capacity_) {  // overwrite the oldest
+  size_t capacity = capacity_.load(std::memory_order_relaxed);
+  if (capacity == 0) return;
+  if (size_ == capacity) {  // overwrite the oldest
     buf_[head_] = ev;
-    head_ = (head_ + 1) % capacity_;
+    head_ = (head_ + 1) % capacity;
     ++dropped_;
   } else {
-    buf_[(head_ + size_) % capacity_] = ev;
+    buf_[(head_ + size_) % capacity] = ev;
     ++size_;
   }
 }
@@ -36,7 +37,8 @@ std::vector<TraceEvent> TraceRing::drain() {
   std::lock_guard<std::mutex> g(mu_);
   std::vector<TraceEvent> out;
   out.reserve(size_);
-  for (size_t i = 0; i < size_; ++i) out.push_back(buf_[(head_ + i) % capacity_]);
+  size_t capacity = capacity_.load(std::memory_order_relaxed);
+  for (size_t i = 0; i < size_; ++i) out.push_back(buf_[(head_ + i) % capacity]);
   head_ = size_ = 0;
   return out;
 }

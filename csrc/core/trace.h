@@ -2,6 +2,7 @@
 // overwritten and counted in `dropped`; Python drains it (drain() empties it).
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <mutex>
 #include <vector>
@@ -41,17 +42,18 @@ class TraceRing {
  public:
   explicit TraceRing(size_t capacity = 0) { set_capacity(capacity); }
 
-  bool enabled() const { return capacity_ != 0; }
+  bool enabled() const { return capacity_.load(std::memory_order_relaxed) != 0; }
   void set_capacity(size_t capacity);
   void push(TraceKind kind, const void* addr, size_t size, Stream stream, uint64_t tag = 0);
   std::vector<TraceEvent> drain();  // oldest first
   uint64_t dropped() const { return dropped_; }
-  size_t capacity() const { return capacity_; }
+  size_t capacity() const { return capacity_.load(std::memory_order_relaxed); }
 
  private:
   std::mutex mu_;
   std::vector<TraceEvent> buf_;
-  size_t capacity_ = 0, head_ = 0, size_ = 0;  // head_: index of the oldest event
+  std::atomic<size_t> capacity_{0};  // read without the lock on every push (the off check)
+  size_t head_ = 0, size_ = 0;       // head_: index of the oldest event
   uint64_t dropped_ = 0;
 };
 
