@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test lint build clean
+.PHONY: demo test lint build sanitize clean
 
 $(BIN)/pip:
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,9 @@ lint: $(VENV)/.deps
 
 test: build lint
 	$(BIN)/pytest -q
+
+sanitize: $(VENV)/.deps   # the allocator suites under ASan + UBSan (also run by .ci/run)
+	PYTHON=$(BIN)/python tools/sanitize.sh
 
 clean:
 	rm -rf build $(VENV) supermem/_C*.so
