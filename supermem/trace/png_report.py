@@ -56,16 +56,24 @@ def _panel(c: Canvas, rep: Report, d: DeviceReport, y_top: int) -> None:
     cats = list(d.by_category.items())
     colors = [hex_color(color_of(k, i)) for i, (k, _) in enumerate(cats)]
     reserved_color = hex_color(RESERVED_COLOR)
+    totals = [sum(vals[i] for _, vals in cats) for i in range(n)]
+
+    def bins(x: int) -> range:
+        """The bins pixel column x covers (there are more bins than columns)."""
+        lo = min(n - 1, (x - x0) * n // (x1 - x0))
+        return range(lo, max(lo + 1, min(n, (x + 1 - x0) * n // (x1 - x0))))
+
     prev_r = None
     for x in range(x0, x1):
-        i = min(n - 1, (x - x0) * n // (x1 - x0)) if n else 0
+        # The column shows its tallest bin: sampling one bin per column would drop narrow peaks.
+        i = max(bins(x), key=totals.__getitem__) if n else 0
         base = 0
         for (_, vals), col in zip(cats, colors, strict=True):
             top = base + vals[i]
             if vals[i]:
                 c.fill_rect(x, ypix(top), x + 1, ypix(base), col)
             base = top
-        r = ypix(d.reserved[i]) if n else y1
+        r = ypix(max(d.reserved[j] for j in bins(x))) if n else y1
         if prev_r is not None:
             c.line(x - 1, prev_r, x, r, reserved_color)
         prev_r = r
@@ -89,9 +97,8 @@ def _panel(c: Canvas, rep: Report, d: DeviceReport, y_top: int) -> None:
     if d.pool_bytes:
         c.text(8, ys + 2, "POOL")
         for x in range(x0, x1):
-            i = min(n - 1, (x - x0) * n // (x1 - x0))
             for name, vals in d.pool_bytes.items():
-                if vals[i] > 0:
+                if any(vals[j] > 0 for j in bins(x)):
                     col = (
                         (225, 87, 89)
                         if name == "offload"
