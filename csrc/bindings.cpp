@@ -189,7 +189,6 @@ PYBIND11_MODULE(_C, m) {
       .def(py::init([](int64_t capacity) { return std::make_shared<SimDevice>(checked_size(capacity)); }),
            py::arg("capacity_bytes"))
       .def("hold_events", &SimDevice::hold_events, py::arg("hold"))
-      .def("set_capturing", &SimDevice::set_capturing, py::arg("stream"), py::arg("on"))
       .def_property_readonly("used_bytes", &SimDevice::used_bytes)
       .def_property_readonly("live_events", &SimDevice::live_events);
 

@@ -126,16 +126,6 @@ bool CudaDevice::event_done(Event e) { return query_event(e); }
 void CudaDevice::event_wait(Event e) { wait_event(e); }
 void CudaDevice::event_release(Event e) { st_->events.release(e); }
 
-bool CudaDevice::capturing(Stream stream) {
-  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-  cudaError_t err = cudaStreamIsCapturing(reinterpret_cast<cudaStream_t>(stream), &status);
-  if (err != cudaSuccess) {  // e.g. the legacy stream while another stream captures globally
-    cudaGetLastError();
-    return true;
-  }
-  return status != cudaStreamCaptureStatusNone;
-}
-
 size_t CudaDevice::total_bytes() {
   DeviceGuard g(index_);
   size_t free = 0, total = 0;

@@ -34,9 +34,6 @@ class Device {
   // Gives the event back (to a pool of reusable events).
   virtual void event_release(Event e) = 0;
 
-  // True while `stream` (or, for the legacy default stream, any stream) is capturing a graph.
-  virtual bool capturing(Stream stream) = 0;
-
   virtual size_t total_bytes() = 0;  // capacity of the device
   virtual size_t free_bytes() = 0;   // what segment_alloc could still hand out, roughly
   virtual int index() const = 0;     // device ordinal (0 for the simulated device)
@@ -58,14 +55,12 @@ class SimDevice : public Device {
   bool event_done(Event e) override;
   void event_wait(Event e) override;
   void event_release(Event e) override;
-  bool capturing(Stream stream) override;
   size_t total_bytes() override { return capacity_; }
   size_t free_bytes() override;
   int index() const override { return 0; }
   std::string name() const override { return "sim"; }
 
   void hold_events(bool hold);             // see above
-  void set_capturing(Stream s, bool on);   // pretend `s` is capturing a graph
   size_t used_bytes();
   size_t live_events();
 
@@ -87,7 +82,6 @@ class CudaDevice : public Device {
   bool event_done(Event e) override;
   void event_wait(Event e) override;
   void event_release(Event e) override;
-  bool capturing(Stream stream) override;
   size_t total_bytes() override;
   size_t free_bytes() override;
   int index() const override { return index_; }
@@ -111,7 +105,6 @@ class PinnedHostDevice : public Device {
   bool event_done(Event e) override;
   void event_wait(Event e) override;
   void event_release(Event e) override;
-  bool capturing(Stream stream) override { return false; }
   size_t total_bytes() override { return capacity_; }
   size_t free_bytes() override;
   int index() const override { return -1; }

@@ -2,7 +2,6 @@
 #include <sys/mman.h>
 
 #include <mutex>
-#include <set>
 #include <unordered_set>
 #include <vector>
 
@@ -22,7 +21,6 @@ struct SimDevice::State {
   bool hold = false;
   std::vector<SimEvent*> held;        // events recorded while holding
   std::unordered_set<SimEvent*> live; // events not yet released
-  std::set<Stream> capturing;
 };
 
 SimDevice::SimDevice(size_t capacity) : st_(new State), capacity_(capacity) {}
@@ -77,11 +75,6 @@ void SimDevice::event_release(Event e) {
   delete se;
 }
 
-bool SimDevice::capturing(Stream s) {
-  std::lock_guard<std::mutex> g(st_->mu);
-  return st_->capturing.count(s) > 0;
-}
-
 size_t SimDevice::free_bytes() {
   std::lock_guard<std::mutex> g(st_->mu);
   return capacity_ - st_->used;
@@ -95,11 +88,6 @@ void SimDevice::hold_events(bool hold) {
       if (e) e->done = true;
     st_->held.clear();
   }
-}
-
-void SimDevice::set_capturing(Stream s, bool on) {
-  std::lock_guard<std::mutex> g(st_->mu);
-  if (on) st_->capturing.insert(s); else st_->capturing.erase(s);
 }
 
 size_t SimDevice::used_bytes() {
