@@ -5,9 +5,9 @@
     on_host     only the host copy exists
     restoring   a host -> device copy is in flight into a new device tensor
 
-Invariants (Pool.check): every live entry is in exactly one state;
-resident + offloading + on_host + restoring == tracked (counts and bytes); an entry holds a device
-tensor iff it is resident or restoring, and a host block iff it was ever offloaded.
+Invariants (Pool.check): an entry holds a device tensor iff it is resident or restoring, and a host
+block whenever it is off the device; the pool's resident-bytes counter equals the bytes of entries
+holding a device tensor; the LRU list names live entries only; the host pool's own invariants hold.
 """
 
 from __future__ import annotations
