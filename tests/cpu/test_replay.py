@@ -2,6 +2,7 @@
 
 import json
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -71,7 +72,9 @@ def test_cli_and_tools_replay_agree(run, capsys):
     assert cli.main(["replay", *args]) == 0
     text = capsys.readouterr().out
     assert "OOMs                        0  -> fits" in text
-    r = subprocess.run([str(REPO / "tools" / "replay"), *args], capture_output=True, text=True)
+    r = subprocess.run(
+        [sys.executable, str(REPO / "tools" / "replay"), *args], capture_output=True, text=True
+    )
     assert r.returncode == 0, r.stderr
     assert r.stdout == text
 
