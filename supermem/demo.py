@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .cli_args import positive_int
 from .tensor_pool import Pool
 from .units import format_bytes
 
@@ -58,7 +59,7 @@ SIZES = {  # layers, d, heads, vocab, seq, batch
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--steps", type=int, default=6, help="timed training steps per run (default 6)")
+    p.add_argument("--steps", type=positive_int, default=6, help="timed training steps per run (default 6)")
     p.add_argument("--budget", default=None, help="pool budget (default: 60%% of the plain run's peak)")
     p.add_argument("--device", choices=("cuda", "cpu"), default=None, help="default: cuda when available")
 

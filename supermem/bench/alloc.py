@@ -11,6 +11,7 @@ import argparse
 import random
 import time
 
+from ..cli_args import positive_int
 from . import runner, table
 
 SIZES = (512, 4096, 65536, 1 << 20, 3 * (1 << 20) + 17, 1 << 24)
@@ -55,9 +56,11 @@ def measure(spec: dict) -> dict:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "--rounds", type=int, default=20, help="passes over the 2000 sizes per timing (default 20)"
+        "--rounds", type=positive_int, default=20, help="passes over the 2000 sizes per timing (default 20)"
     )
-    p.add_argument("--inner", type=int, default=5, help="timings per process; the best counts (default 5)")
+    p.add_argument(
+        "--inner", type=positive_int, default=5, help="timings per process; the best counts (default 5)"
+    )
 
 
 def run(args: argparse.Namespace) -> dict:

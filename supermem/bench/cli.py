@@ -7,6 +7,7 @@ import argparse
 import json
 from pathlib import Path
 
+from ..cli_args import positive_float, positive_int
 from . import alloc, trace, train
 
 BENCHES = {
@@ -28,9 +29,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         b = sub.add_parser(name, help=help_text, description=help_text)
         b.add_argument("--device", choices=("cuda", "cpu"), default=None, help="default: cuda if available")
         b.add_argument("--quick", action="store_true", help="tiny sizes and few steps (a smoke test)")
-        b.add_argument("--repeats", type=int, default=2, help="processes per compared config (default 2)")
+        b.add_argument(
+            "--repeats", type=positive_int, default=2, help="processes per compared config (default 2)"
+        )
         b.add_argument("--conf", default=None, help="SUPERMEM_CONF-style options for the supermem rows")
-        b.add_argument("--timeout", type=float, default=300, help="seconds per process (default 300)")
+        b.add_argument(
+            "--timeout", type=positive_float, default=300, help="seconds per process (default 300)"
+        )
         b.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the rows as JSON")
         module.add_arguments(b)
 

@@ -12,6 +12,7 @@ import argparse
 import statistics
 from pathlib import Path
 
+from ..cli_args import positive_int
 from . import runner
 
 
@@ -66,8 +67,10 @@ def measure(spec: dict) -> dict:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", choices=("gpt", "resnet"), default="gpt")
-    p.add_argument("--rounds", type=int, default=3, help="interleaved plain/traced rounds (default 3)")
-    p.add_argument("--steps", type=int, default=8, help="timed steps per round and mode (default 8)")
+    p.add_argument(
+        "--rounds", type=positive_int, default=3, help="interleaved plain/traced rounds (default 3)"
+    )
+    p.add_argument("--steps", type=positive_int, default=8, help="timed steps per round and mode (default 8)")
     p.add_argument("--out", type=Path, default=Path("trace-bench"), help="where run.smtrace goes")
     p.add_argument("--report", action="store_true", help="also write the HTML/PNG report of the last round")
 
