@@ -26,12 +26,12 @@ _LAZY = {  # public name -> module that defines it
     "OutOfMemoryError": "errors",
     "UsageError": "errors",
 }
-__all__ = [*_LAZY, "__version__", "has_cuda_build", "trace"]
+__all__ = [*_LAZY, "__version__", "checkpoint", "has_cuda_build", "trace"]
 
 
 def __getattr__(name: str) -> Any:
-    if name == "trace":  # a callable module: supermem.trace("run.smtrace") and supermem.trace.load(...)
-        return importlib.import_module(".trace", __name__)
+    if name in ("trace", "checkpoint"):  # modules: supermem.trace("x.smtrace"), supermem.checkpoint.binomial
+        return importlib.import_module(f".{name}", __name__)
     if name == "has_cuda_build":  # supermem._C has the CUDA device and the PyTorch plug-in
         from . import _C
 

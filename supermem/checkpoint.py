@@ -1,0 +1,258 @@
+"""Divide-and-conquer (binomial) checkpointing for long chains of blocks: Griewank's revolve schedule.
+
+    y = supermem.checkpoint.binomial(model.blocks, x, checkpoints="log")   # nn.Sequential or a list
+    y = supermem.checkpoint.binomial(step_fn, x, steps=1000, checkpoints=8)  # one block applied n times
+
+Forward runs every block once without keeping its activations and holds at most `checkpoints` block
+boundaries (besides the input). Backward reverses the chain by recursive splits: rebuild the boundary
+at the split point from the nearest held one, reverse the right part with one boundary fewer, then the
+left part. With s = checkpoints + 1 boundaries (the input counts) and the smallest t such that
+C(s + t, s) >= n, the split leaves a left part of min(n - C(s - 1, t - 1), C(s, t - 1)) blocks; this
+is Griewank's optimal schedule: the backward advances min over schedules of blocks in total (the
+forward sweep already holds the first splits, so those cost nothing), about t extra forwards per block.
+
+Each block is rebuilt with the CPU and CUDA RNG state and the autocast state of the original forward,
+and module buffers (BatchNorm running stats) are restored after each rebuild, so gradients and
+buffers are bitwise those of plain training. The boundaries held across forward and backward are packed
+by the saved-tensor hooks in force, so a supermem.pool around the step can offload them.
+Limits: every block maps one tensor to one tensor; parameters are found on nn.Module blocks (a plain
+function's closed-over tensors get no gradient: wrap it in a Module).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from .errors import UsageError
+
+Block = Callable[[torch.Tensor], torch.Tensor]
+
+
+def binomial(
+    blocks: Sequence[Block] | Block,
+    x: torch.Tensor,
+    checkpoints: int | str = "log",
+    *,
+    steps: int | None = None,
+) -> torch.Tensor:
+    """Runs `blocks` in order on `x` (or the one block `blocks` `steps` times) with O(checkpoints)
+    memory for the chain's activations and the fewest recomputations for that memory.
+
+    checkpoints: boundaries held besides `x` (an int >= 0), or "log" for about log2(n).
+    """
+    chain = _blocks(blocks, steps)
+    n = len(chain)
+    if not isinstance(x, torch.Tensor):
+        raise UsageError(f"binomial: x must be a tensor, got {type(x).__name__}")
+    k = _checkpoints(checkpoints, n)
+    params = _params(chain)
+    if n == 0:
+        return x
+    if not torch.is_grad_enabled() or not (x.requires_grad or params):
+        for block in chain:
+            x = _call(block, x)
+        return x
+    return _Chain.apply(_Schedule(chain, k, params), x, *params)
+
+
+def split(length: int, free: int) -> int:
+    """The left part's length when a chain of `length` blocks is reversed holding its input and `free`
+    more boundaries: the optimal split (see the module docstring), the largest one when several are."""
+    if length < 2:
+        raise ValueError("a chain of fewer than 2 blocks has no split")
+    if free == 0:
+        return length - 1  # nothing to hold: rebuild each boundary from the input
+    snaps, t = free + 1, 0
+    while math.comb(snaps + t, snaps) < length:
+        t += 1
+    right_most = math.comb(free + t - 1, free)  # what `free` boundaries reverse in t - 1 sweeps
+    left_most = math.comb(snaps + t - 1, snaps)  # what `snaps` boundaries reverse in t - 1 sweeps
+    return max(1, min(length - right_most, left_most, length - 1))
+
+
+def _blocks(blocks: Sequence[Block] | Block, steps: int | None) -> list[Block]:
+    if steps is not None:
+        if not callable(blocks):
+            raise UsageError("binomial: steps= takes one block (a callable), applied `steps` times")
+        if not isinstance(steps, int) or steps < 0:
+            raise UsageError(f"binomial: steps must be an int >= 0, got {steps!r}")
+        return [blocks] * steps
+    if callable(blocks) and not isinstance(blocks, (torch.nn.Sequential, torch.nn.ModuleList)):
+        raise UsageError("binomial: a single block needs steps=n (or pass a sequence of blocks)")
+    chain = list(blocks)
+    for i, b in enumerate(chain):
+        if not callable(b):
+            raise UsageError(f"binomial: block {i} is not callable ({type(b).__name__})")
+    return chain
+
+
+def _checkpoints(checkpoints: int | str, n: int) -> int:
+    if checkpoints == "log":
+        return max(1, math.ceil(math.log2(max(n, 2))))
+    if isinstance(checkpoints, bool) or not isinstance(checkpoints, int) or checkpoints < 0:
+        raise UsageError(f"binomial: checkpoints must be an int >= 0 or 'log', got {checkpoints!r}")
+    return checkpoints
+
+
+def _params(chain: list[Block]) -> list[torch.Tensor]:
+    seen: dict[int, torch.Tensor] = {}
+    for b in chain:
+        if isinstance(b, torch.nn.Module):
+            for p in b.parameters():
+                if p.requires_grad:
+                    seen.setdefault(id(p), p)
+    return list(seen.values())
+
+
+def _call(block: Block, x: torch.Tensor) -> torch.Tensor:
+    y = block(x)
+    if not isinstance(y, torch.Tensor):
+        raise UsageError(f"binomial: a block returned {type(y).__name__}; blocks map a tensor to a tensor")
+    return y
+
+
+class _State:
+    """The RNG and autocast state a block ran under, to rebuild it bitwise."""
+
+    def __init__(self, device: torch.device, autocast: list | None = None):
+        self.cpu_rng = torch.get_rng_state()
+        self.cuda_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+        self.autocast = autocast or [
+            (dt, torch.is_autocast_enabled(dt), torch.get_autocast_dtype(dt)) for dt in ("cpu", "cuda")
+        ]
+
+    def restore_rng(self, device: torch.device) -> None:
+        torch.set_rng_state(self.cpu_rng)
+        if self.cuda_rng is not None:
+            torch.cuda.set_rng_state(self.cuda_rng, device)
+
+    def autocast_contexts(self) -> list[Any]:
+        return [torch.autocast(dt, dtype=dtype, enabled=on) for dt, on, dtype in self.autocast]
+
+
+class _Held:
+    """A boundary held from forward to backward, packed by the saved-tensor hooks in force (a
+    supermem.pool may offload it) and released as soon as the backward has used it."""
+
+    def __init__(self, x: torch.Tensor, state: _State):
+        hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        self.unpack = hooks[1] if hooks else None
+        self.payload = hooks[0](x) if hooks else x
+        self.state = state
+
+    def take(self) -> tuple[torch.Tensor, _State]:
+        x = self.unpack(self.payload) if self.unpack else self.payload
+        self.payload = None
+        return x, self.state
+
+
+class _Schedule:
+    """One call's chain, its checkpoint count and parameters, and the bookkeeping of a backward."""
+
+    def __init__(self, chain: list[Block], checkpoints: int, params: list[torch.Tensor]):
+        self.chain = chain
+        self.checkpoints = checkpoints
+        self.params = params
+        self.index = {id(p): i for i, p in enumerate(params)}
+        self.own = [_params([b]) for b in chain]  # each block's parameters, once each
+        self.advances = 0  # blocks rebuilt without grad during backward (tests compare it to the optimum)
+
+    def sweep(self, x: torch.Tensor) -> torch.Tensor:
+        """The forward: every block once, holding the boundaries the backward's first splits need."""
+        self.start = _State(x.device)
+        self.held: dict[int, _Held] = {}
+        stops, i, j, free = set(), 0, len(self.chain), self.checkpoints
+        while j - i > 1 and free > 0:  # the right-most descent of the reverse recursion
+            i, free = i + split(j - i, free), free - 1
+            stops.add(i)
+        for k, block in enumerate(self.chain):
+            if k in stops:
+                self.held[k] = _Held(x, _State(x.device))
+            x = _call(block, x)
+        return x
+
+    def reverse(self, x: torch.Tensor, grad_y: torch.Tensor) -> tuple[Any, list[Any]]:
+        outer = _State(x.device)
+        self.grads: list[torch.Tensor | None] = [None] * len(self.params)
+        try:
+            gx = self._reverse(0, len(self.chain), self.checkpoints, x, self.start, grad_y)
+        finally:
+            outer.restore_rng(x.device)  # backward must not move the program's RNG streams
+        return gx, self.grads
+
+    def _reverse(self, i: int, j: int, free: int, x_i: torch.Tensor, s_i: _State, grad_j: Any) -> Any:
+        while j - i > 1:
+            m = i + split(j - i, free)
+            held = self.held.pop(m, None)
+            x_m, s_m = held.take() if held else self._advance(i, m, x_i, s_i)
+            grad_j = self._reverse(m, j, max(free - 1, 0), x_m, s_m, grad_j)
+            del x_m, s_m
+            j = m
+        return self._backward_block(i, x_i, s_i, grad_j)
+
+    def _advance(self, i: int, m: int, x: torch.Tensor, state: _State) -> tuple[torch.Tensor, _State]:
+        state.restore_rng(x.device)
+        with torch.no_grad():
+            for k in range(i, m):
+                saved = self._buffers(k)
+                x = self._rerun(k, x, state)
+                _restore(saved)
+                self.advances += 1
+        return x, _State(x.device, state.autocast)
+
+    def _backward_block(self, k: int, x: torch.Tensor, state: _State, grad: Any) -> Any:
+        state.restore_rng(x.device)
+        inp = x.detach().requires_grad_(k > 0 or x.requires_grad)
+        saved = self._buffers(k)
+        with torch.enable_grad():
+            y = self._rerun(k, inp, state)
+        wrt = ([inp] if inp.requires_grad else []) + self.own[k]
+        got = torch.autograd.grad(y, wrt, grad, allow_unused=True) if y.requires_grad and wrt else ()
+        _restore(saved)  # after the grad: the block's backward may read what its forward saved
+        for p, g in zip(self.own[k], got[len(wrt) - len(self.own[k]) :]):
+            if g is not None:
+                slot = self.index[id(p)]
+                prev = self.grads[slot]
+                self.grads[slot] = g if prev is None else prev + g
+        return got[0] if inp.requires_grad and got else None
+
+    def _buffers(self, k: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Block k's buffers and their values, to undo what a rebuild changes (BatchNorm's running stats)."""
+        block = self.chain[k]
+        return [(b, b.clone()) for b in block.buffers()] if isinstance(block, torch.nn.Module) else []
+
+    def _rerun(self, k: int, x: torch.Tensor, state: _State) -> torch.Tensor:
+        """Block k again, under the autocast state of the original forward."""
+        contexts = state.autocast_contexts()
+        for c in contexts:
+            c.__enter__()
+        try:
+            return _call(self.chain[k], x)
+        finally:
+            for c in reversed(contexts):
+                c.__exit__(None, None, None)
+
+
+def _restore(saved: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    with torch.no_grad():
+        for b, value in saved:
+            b.copy_(value)
+
+
+class _Chain(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, schedule: _Schedule, x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
+        ctx.schedule = schedule
+        ctx.save_for_backward(x)
+        return schedule.sweep(x)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable  # gradients of gradients would be silently wrong
+    def backward(ctx: Any, grad_y: torch.Tensor) -> tuple[Any, ...]:
+        (x,) = ctx.saved_tensors
+        gx, grads = ctx.schedule.reverse(x, grad_y)
+        return (None, gx, *grads)
