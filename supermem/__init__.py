@@ -16,8 +16,8 @@ __version__ = "0.1.0"
 
 _LAZY = {  # public name -> module that defines it
     "install": "activate",
-    "installed": "activate",
-    "device_allocator": "activate",
+    "installed": "registry",
+    "device_allocator": "registry",
     "options": "config",
     "pool": "tensor_pool",
     "Pool": "tensor_pool",

@@ -15,14 +15,12 @@ import os
 import sys
 from typing import Any
 
-import torch
-
-from . import _C, config
-from .allocator import CachingAllocator
+from . import config, registry
 from .errors import ActivationError
 from .units import parse_bytes
 
-_installed = False
+# No torch, _C or allocator import here: PyTorch's autoload hook imports this module while
+# `import torch` is still running, perhaps started by another supermem module (see registry.py).
 
 _TOO_LATE = (
     "supermem must replace PyTorch's CUDA allocator before CUDA is initialised, but CUDA is already "
@@ -30,27 +28,34 @@ _TOO_LATE = (
     "unchanged script, run it with `supermem run script.py`, or call supermem.install() before the "
     "first CUDA tensor or torch.cuda call (also before libraries that touch CUDA at import)."
 )
+_said_no_cuda = False
+
+installed = registry.installed
+device_allocator = registry.device_allocator
 
 
-def installed() -> bool:
-    """True once supermem's allocator serves PyTorch in this process."""
-    return _installed
+class PluginSource:
+    """The PyTorch plug-in's per-device allocators (csrc/plugin.cpp), as registry.DeviceSource."""
 
+    def __init__(self, limit_bytes: int, limit_fraction: float, passthrough: bool, debug: int):
+        self._options = (limit_bytes, limit_fraction, passthrough, debug)
 
-_wrappers: dict[int, CachingAllocator] = {}
+    def devices(self) -> list[int]:
+        from . import _C
 
+        return list(_C.plugin_devices())
 
-def device_allocator(device: int = 0) -> CachingAllocator | None:
-    """The allocator serving PyTorch on CUDA device `device`, or None (not installed / not yet used).
-    The same object every time for a device."""
-    if not _installed:
-        return None
-    if device not in _wrappers:
+    def allocator(self, device: int) -> Any:
+        from . import _C
+        from .allocator import CachingAllocator
+
         impl = _C.plugin_allocator(device, False)
-        if impl is None:
-            return None
-        _wrappers[device] = CachingAllocator.wrap(impl)
-    return _wrappers[device]
+        return None if impl is None else CachingAllocator.wrap(impl)
+
+    def set_new_ring_events(self, n: int) -> None:
+        from . import _C
+
+        _C.plugin_configure(*self._options, n)
 
 
 def _limit_args(limit: Any) -> tuple[int, float]:
@@ -68,43 +73,49 @@ def install(conf: str | dict | None = None) -> bool:
     """Swaps supermem's caching allocator into PyTorch. Call before CUDA is initialised.
 
     conf: options as a SUPERMEM_CONF string ("limit:12GiB,trace:100000") or a dict; they update the
-    process's options (supermem.config.current()). Returns True when supermem serves CUDA memory,
-    False when there is nothing to swap (`allocator:native`, or a PyTorch build without CUDA).
-    Raises ActivationError when CUDA is already initialised, ConfigError for bad options.
+    process's options (supermem.config.current()), all or none. Returns True when supermem serves
+    CUDA memory, False when there is nothing to swap (`allocator:native`, or a PyTorch build without
+    CUDA). Raises ActivationError when CUDA is already initialised, ConfigError for bad options.
     """
-    global _installed
+    global _said_no_cuda
     cfg = config.current()
     if conf:
         cfg.set(**(config.parse_conf(conf) if isinstance(conf, str) else conf))
-    if _installed:
+    import torch  # under SUPERMEM=1 this may run the autoload hook, which installs: look after it
+
+    if registry.installed():
         return True
     if cfg.allocator == "native":
         return False
+    from . import _C
+
     if not hasattr(_C, "plugin_install") or not hasattr(torch._C, "_cuda_customAllocator"):
-        print(
-            "supermem: this PyTorch or supermem build has no CUDA; the allocator is not swapped",
-            file=sys.stderr,
-        )
+        if not _said_no_cuda:
+            _said_no_cuda = True
+            print(
+                "supermem: this PyTorch or supermem build has no CUDA; the allocator is not swapped",
+                file=sys.stderr,
+            )
         return False
     if torch.cuda.is_initialized():
         raise ActivationError(_TOO_LATE)
     from .trace import oom
 
-    limit_bytes, limit_fraction = _limit_args(cfg.limit)
-    ring = oom.ring_events_for_config()  # the `trace` option, or a small always-on ring for OOM snapshots
-    _C.plugin_configure(limit_bytes, limit_fraction, cfg.passthrough, cfg.debug, ring)
+    source = PluginSource(*_limit_args(cfg.limit), cfg.passthrough, cfg.debug)
+    # the `trace` option, or a small always-on ring for OOM snapshots
+    registry.set_device_source(source, oom.ring_events_for_config())
     try:
         _C.plugin_install()
     except RuntimeError as e:  # "Can't swap an already initialized allocator"
+        registry.set_device_source(None)
         raise ActivationError(_TOO_LATE) from e
     _C.plugin_add_oom_observer(oom.on_oom)  # records it for `top`; writes the oom_snapshot trace
     _patch_torch()
-    _installed = True
     if cfg.control:
         from . import control
 
-        control.start_server()
-        control.register_provider("allocator", control.allocator_provider())
+        if control.start_server() is not None:
+            control.register_provider("allocator", control.allocator_provider())
     return True
 
 
@@ -113,17 +124,38 @@ def install_from_env() -> None:
     the tensor pool for every backward when `pool` is set."""
     os.environ.setdefault("SUPERMEM", "1")  # child processes (spawn workers, torchrun) inherit it
     install()
-    cfg = config.current()
-    if cfg.pool != "off":
-        from .tensor_pool import activate_from_config
+    if config.current().pool != "off":
+        _pool_every_backward()
 
-        activate_from_config(cfg)
+
+def _pool_every_backward() -> None:
+    """SUPERMEM_CONF=pool:...: the pool serves every backward of this thread. tensor_pool is imported
+    at the first saved tensor, not now: this runs inside `import torch`, which tensor_pool itself may
+    have started, and the Pool must not touch CUDA before the program does."""
+    import torch
+
+    made: list[Any] = []
+
+    def env_pool() -> Any:
+        if not made:
+            from .tensor_pool import env_pool
+
+            made.append(env_pool(config.current()))
+        return made[0]
+
+    torch._C._autograd._push_saved_tensors_default_hooks(
+        lambda t: env_pool()._pack(t), lambda packed: env_pool()._unpack(packed)
+    )
 
 
 # ---------------------------------------------------------------- torch.cuda.memory_* answers
 
 
 def _allocator(device: int | None) -> Any:
+    import torch
+
+    from . import _C
+
     index = torch.cuda.current_device() if device is None else int(device)
     return _C.plugin_allocator(index, True)
 
@@ -147,6 +179,8 @@ def _memory_fraction(device: int | None) -> float:
 
 def _memory_snapshot(*args: Any, **kwargs: Any) -> dict:
     """PyTorch's snapshot shape: segments of every device (with their blocks) and empty traces."""
+    from . import _C
+
     segments, traces = [], []
     for device in _C.plugin_devices():
         for seg in _C.plugin_allocator(device, False).snapshot():
@@ -198,6 +232,8 @@ def _plain_cuda_graphs_for_inductor() -> None:
 
 
 def _patch_torch() -> None:
+    import torch
+
     patches = {
         "_cuda_getCheckpointState": _no_checkpointing,
         "_cuda_setCheckpointPoolState": _no_checkpointing,

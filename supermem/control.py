@@ -31,6 +31,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from . import registry
+
 Provider = Callable[[], dict[str, Any]]
 
 _providers: dict[str, Provider] = {}
@@ -80,12 +82,7 @@ def allocator_provider(allocators: list[Any] | None = None) -> Provider:
     pairs, or every allocator supermem.trace can discover."""
 
     def provide() -> dict[str, Any]:
-        if allocators is None:
-            from .trace.recorder import discover_allocators
-
-            pairs = discover_allocators()
-        else:
-            pairs = allocators
+        pairs = registry.allocators() if allocators is None else allocators
         devices = []
         for device, a in pairs:
             s = a.stats()

@@ -1,9 +1,12 @@
 """supermem's exceptions. The OOM error is a torch.OutOfMemoryError, so code that catches PyTorch's
 OOM (or matches "CUDA out of memory.") handles supermem's too.
 
-The classes that do not need torch come first: `import torch` runs supermem's autoload hook, which
-needs ConfigError while this module may still be importing torch (python -m supermem imports it first).
+This module does not import torch: `import torch` runs supermem's autoload hook, which needs
+ConfigError, and may have been started by this very module. The torch subclass is made on first use.
 """
+
+import threading
+from typing import Any
 
 
 class UsageError(ValueError):
@@ -26,8 +29,20 @@ class ActivationError(RuntimeError):
     """supermem could not be swapped into PyTorch (e.g. CUDA was already initialised)."""
 
 
-import torch  # noqa: E402
+_lock = threading.Lock()
 
 
-class OutOfMemoryError(torch.OutOfMemoryError):
-    """The allocator could not find memory after releasing its cache and asking the pool to evict."""
+def __getattr__(name: str) -> Any:
+    if name != "OutOfMemoryError":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    with _lock:
+        if name not in globals():
+            import torch
+
+            class OutOfMemoryError(torch.OutOfMemoryError):
+                """The allocator could not find memory after releasing its cache and asking the pool
+                to evict."""
+
+            OutOfMemoryError.__module__, OutOfMemoryError.__qualname__ = __name__, name
+            globals()[name] = OutOfMemoryError
+    return globals()[name]

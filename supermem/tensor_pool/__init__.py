@@ -6,7 +6,7 @@ from typing import Any
 
 from .pool import Pool
 
-__all__ = ["Pool", "activate_from_config", "global_pool", "pool"]
+__all__ = ["Pool", "env_pool", "global_pool", "pool"]
 
 _pools: dict[tuple, Pool] = {}
 _global: dict[str, Pool] = {}
@@ -26,21 +26,13 @@ def pool(
     return _pools[key]
 
 
-def activate_from_config(cfg: Any) -> None:
-    """SUPERMEM_CONF=pool:lru,budget:...: the pool serves every backward of this thread. The Pool is
-    built at the first saved tensor, not here: this runs during `import torch`, before CUDA may be
-    touched."""
-    import torch
-
-    def current() -> Pool:
-        if "pool" not in _global:
-            _global["pool"] = pool(cfg.budget, cfg.pool, cfg.host_limit)
-            _global["pool"]._register_pressure_handler()
-        return _global["pool"]
-
-    torch._C._autograd._push_saved_tensors_default_hooks(
-        lambda t: current()._pack(t), lambda packed: current()._unpack(packed)
-    )
+def env_pool(cfg: Any) -> Pool:
+    """The pool SUPERMEM_CONF asks for (pool:lru,budget:...), made at its first use: supermem.activate
+    sends every saved tensor here, and the Pool is built at the first one, when CUDA may be touched."""
+    if "pool" not in _global:
+        _global["pool"] = pool(cfg.budget, cfg.pool, cfg.host_limit)
+        _global["pool"]._register_pressure_handler()
+    return _global["pool"]
 
 
 def global_pool() -> Pool | None:

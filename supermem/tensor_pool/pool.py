@@ -106,7 +106,7 @@ class Pool:
     def _register_pressure_handler(self) -> None:
         if self._pressure_registered or not self.cuda:
             return
-        from ..activate import installed
+        from ..registry import installed
 
         if installed():
             from .. import _C
@@ -312,7 +312,7 @@ class Pool:
     def _supermem_allocator(self) -> Any:
         if not self.cuda:
             return None
-        from ..activate import device_allocator
+        from ..registry import device_allocator
 
         return device_allocator(self.device.index)
 

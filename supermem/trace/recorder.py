@@ -23,14 +23,13 @@ from typing import Any
 
 import numpy as np
 
-from .. import events
+from .. import control, events, registry
 from ..errors import UsageError
 from . import attribution, format
 from .table import ALLOCATOR_ACTIONS, Trace, concat_columns, empty_columns
 
 DEFAULT_CAPACITY_EVENTS = 1_000_000
 
-_registered: list[tuple[int, Any]] = []
 _active: Recorder | None = None
 _lock = threading.Lock()
 
@@ -38,41 +37,16 @@ _lock = threading.Lock()
 def register_allocator(alloc: Any, device: int | None = None) -> None:
     """Makes a CachingAllocator visible to recordings (for allocators that supermem.device_allocator
     does not serve, e.g. simulated devices). `device`: the index to file its events under."""
-    with _lock:
-        if any(a is alloc for _, a in _registered):
-            return
-        _registered.append((alloc.device.index if device is None else device, alloc))
-    if _active is not None:
-        _active.attach_new()
+    registry.register(alloc, device)
 
 
 def unregister_allocator(alloc: Any) -> None:
-    with _lock:
-        _registered[:] = [(d, a) for d, a in _registered if a is not alloc]
+    registry.unregister(alloc)
 
 
 def discover_allocators() -> list[tuple[int, Any]]:
-    """(device index, CachingAllocator) for every allocator supermem serves: those registered, then
-    supermem.device_allocator(i) for each CUDA device when that function exists (it is absent until
-    the allocator is installed; None for a device it does not serve)."""
-    import supermem
-
-    with _lock:
-        out = list(_registered)
-    get = getattr(supermem, "device_allocator", None)
-    if get is not None and getattr(supermem, "has_cuda_build", False):
-        import torch
-
-        for i in range(torch.cuda.device_count()):
-            a = get(i)
-            if a is not None and not any(_same(a, x) for _, x in out):
-                out.append((i, a))
-    return out
-
-
-def _same(a: Any, b: Any) -> bool:
-    """One allocator, even through two Python wrappers of it."""
-    return getattr(a, "_impl", a) is getattr(b, "_impl", b)
+    """(device index, CachingAllocator) for every allocator supermem serves (see supermem.registry)."""
+    return registry.allocators()
 
 
 def active() -> Recorder | None:
@@ -120,12 +94,16 @@ class _Source:
     alloc: Any
     prev_capacity: int
     dropped_at_start: int
+    since_ns: int  # events before this time (an allocator's ring from before the recording) are not kept
     chunks: collections.deque = field(default_factory=collections.deque)
     count: int = 0
     dropped_here: int = 0  # drained events discarded to stay within capacity
 
     def drain(self, capacity: int) -> None:
         cols = ring_columns(_drain_ring(self.alloc), self.device)
+        if self.since_ns and len(cols["time_ns"]) and cols["time_ns"][0] < self.since_ns:
+            keep = cols["time_ns"] >= self.since_ns
+            cols = {k: v[keep] for k, v in cols.items()}
         if len(cols["time_ns"]):
             self.chunks.append(cols)
             self.count += len(cols["time_ns"])
@@ -190,19 +168,20 @@ class Recorder:
             _active = self
         self.started_ns = time.monotonic_ns()
         self.started_unix_s = time.time()
-        self.attach_new()
+        if self._explicit is None:
+            # Device allocators are made at a device's first CUDA tensor, often after this: they are
+            # born with a ring this large and join the recording when the registry finds them.
+            registry.set_recording_ring_events(self.capacity_events)
+        self.attach_new(fresh=True)
+        if self._explicit is None:
+            registry.subscribe(self._on_new_allocator)
         events.subscribe(self._on_event)
         self.scanner.scan()
         self.scanner.install_hooks()
         if self.stack_table is not None:
             self._stack_mode = attribution.stack_mode(self.stack_table, self.obs)
             self._stack_mode.__enter__()
-        try:
-            from .. import control
-
-            control.register_provider("trace", self.status)
-        except ImportError:
-            pass
+        control.register_provider("trace", self.status)
         return self
 
     def stop(self, path: str | os.PathLike | None = None) -> Path | None:
@@ -216,40 +195,46 @@ class Recorder:
                 self._stack_mode = None
             self.scanner.remove_hooks()
             events.unsubscribe(self._on_event)
+            if self._explicit is None:
+                registry.unsubscribe(self._on_new_allocator)
+                registry.set_recording_ring_events(0)
             for s in self.sources:
                 if s.alloc.trace_capacity != s.prev_capacity:
                     s.alloc.trace_capacity = s.prev_capacity
-            try:
-                from .. import control
-
-                control.unregister_provider("trace")
-            except ImportError:
-                pass
+            control.unregister_provider("trace")
             with _lock:
                 if _active is self:
                     _active = None
         return out
 
-    def attach_new(self, keep_rings: bool = False) -> None:
+    def attach_new(self, keep_rings: bool = False, fresh: bool = False) -> None:
         """Starts recording allocators that appeared since the last call. keep_rings: leave their
-        rings as they are (a one-shot dump of an always-on ring) instead of starting them afresh."""
+        rings as they are (a one-shot dump of an always-on ring). fresh: at the recording's start,
+        empty their rings (else events from before the start are filtered out when drained)."""
         pairs = self._explicit if self._explicit is not None else discover_allocators()
+        for device, alloc in pairs:
+            self._attach(device, alloc, keep_rings, fresh)
+
+    def _on_new_allocator(self, device: int, alloc: Any) -> None:
+        """The registry found an allocator (e.g. a device's, made at its first CUDA tensor)."""
+        self._attach(device, alloc, keep_rings=False, fresh=False)
+
+    def _attach(self, device: int, alloc: Any, keep_rings: bool, fresh: bool) -> None:
         with self._lock:
+            if any(registry.same(s.alloc, alloc) for s in self.sources):
+                return
             used = {s.device for s in self.sources}
-            for device, alloc in pairs:
-                if any(_same(s.alloc, alloc) for s in self.sources):
-                    continue
-                while device in used:  # two allocators filed under one index (e.g. a simulated device 0)
-                    device += 1
-                used.add(device)
-                prev = alloc.trace_capacity
-                if keep_rings:
-                    pass
-                elif prev < self.capacity_events:
-                    alloc.trace_capacity = self.capacity_events  # also empties the ring
-                else:
-                    _drain_ring(alloc)  # events from before the recording are not part of it
-                self.sources.append(_Source(device, alloc, prev, alloc.trace_dropped))
+            while device in used:  # two allocators filed under one index (e.g. a simulated device 0)
+                device += 1
+            prev = registry.ring_events_at_rest(alloc)
+            if keep_rings:
+                pass
+            elif alloc.trace_capacity < self.capacity_events:
+                alloc.trace_capacity = self.capacity_events  # also empties the ring
+            elif fresh:
+                _drain_ring(alloc)  # events from before the recording are not part of it
+            since_ns = 0 if keep_rings else self.started_ns
+            self.sources.append(_Source(device, alloc, prev, alloc.trace_dropped, since_ns))
 
     def _on_event(self, ev: events.Event) -> None:
         self.pool_events.append(ev)
@@ -263,7 +248,7 @@ class Recorder:
         """Moves events from the allocators' rings into the recorder (bounded by capacity_events)."""
         with self._lock:
             if _active is self:
-                self.attach_new()
+                self.attach_new()  # also those no one has looked for since they were made
             for s in self.sources:
                 s.drain(self.capacity_events)
 
@@ -302,6 +287,8 @@ class Recorder:
 
     def status(self) -> dict[str, Any]:
         """For `supermem top`: what this recording holds."""
+        if self._explicit is None:
+            registry.allocators()  # devices first used since the last look join (see _on_new_allocator)
         return {
             "devices": [s.device for s in self.sources],
             "ring_events_capacity": self.capacity_events,

@@ -1,9 +1,12 @@
 """Activation paths that need no GPU: the torch.backends hook and `supermem run` on a CPU build."""
 
 import os
+import pkgutil
 import subprocess
 import sys
 import textwrap
+
+import pytest
 
 
 def run(args, env=None, cwd=None):
@@ -52,3 +55,90 @@ def test_importing_supermem_stays_lazy():
     r = run([sys.executable, "-c", code])
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "['supermem']"
+
+
+# ---------------------------------------------------------------- every order a user has (issue 8.1)
+
+# Under SUPERMEM=1 `import torch` runs supermem's hook; a script that also calls the API may do so
+# before, after or instead of importing torch. install() is False on a CPU build, never an error.
+ORDERS = {
+    "install_then_torch": "import supermem; r = supermem.install(); import torch; print('ok', r)",
+    "pool_then_torch": "import supermem; supermem.pool(budget='1GiB'); import torch; print('ok', 0)",
+    "torch_then_install": "import torch, supermem; r = supermem.install(); print('ok', r)",
+    "allocator_module_first": "import supermem.allocator, torch, supermem; print('ok', supermem.installed())",
+    "trace_then_torch": "import supermem; r = supermem.trace('x.smtrace'); import torch; print('ok', 0)",
+}
+SWITCHES = {
+    "SUPERMEM=1": {"SUPERMEM": "1"},
+    "SUPERMEM_CONF": {"SUPERMEM_CONF": "limit:1GiB"},
+    "pool_conf": {"SUPERMEM_CONF": "pool:lru,budget:1GiB"},
+}
+
+
+@pytest.mark.parametrize("switch", SWITCHES)
+@pytest.mark.parametrize("order", ORDERS)
+def test_the_api_works_in_every_import_order_with_the_switch_on(order, switch, tmp_path):
+    r = run([sys.executable, "-c", ORDERS[order]], env=SWITCHES[switch], cwd=tmp_path)
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    ok, result = r.stdout.split()
+    assert ok == "ok" and result in ("0", "False"), r.stdout  # CPU build: nothing swapped
+
+
+@pytest.mark.parametrize("switch", SWITCHES)
+def test_supermem_run_with_the_switch_on_runs_the_script(switch, tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("import supermem, torch\nprint('ran', supermem.install())\n")
+    r = run([sys.executable, "-m", "supermem", "run", str(script)], env=SWITCHES[switch])
+    assert r.returncode == 0 and r.stdout.split() == ["ran", "False"], r.stdout + r.stderr
+
+
+def _modules() -> list[str]:
+    import supermem
+
+    names = ["supermem"]
+    for m in pkgutil.walk_packages(supermem.__path__, "supermem."):
+        if not m.name.endswith("__main__"):
+            names.append(m.name)
+    return names
+
+
+# The modules PyTorch's hook needs while `import torch` may be half done: none may import torch itself
+# (a module that did would be half-initialised when the hook asks for it).
+GROUND_FLOOR = [
+    "supermem",
+    "supermem._autoload",
+    "supermem.activate",
+    "supermem.config",
+    "supermem.control",
+    "supermem.errors",
+    "supermem.registry",
+    "supermem.units",
+    "supermem.trace.oom",
+]
+
+
+def test_every_module_imports_alone_with_the_switch_on_and_the_ground_floor_without_torch():
+    """No import circle: each module, first in a fresh process, with the hook on (pool too)."""
+    code = "import importlib, sys; importlib.import_module(sys.argv[1]); print('torch' in sys.modules)"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SUPERMEM")}
+    env.update(SUPERMEM="1", SUPERMEM_CONF="pool:lru")
+    procs = {
+        name: subprocess.Popen(
+            [sys.executable, "-c", code, name],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for name in _modules()
+    }
+    failed, loads_torch = {}, []
+    for name, p in procs.items():
+        out, err = p.communicate(timeout=300)
+        if p.returncode != 0:
+            failed[name] = err.strip().splitlines()[-1:]
+        elif out.split() == ["True"]:
+            loads_torch.append(name)
+    assert not failed, failed
+    assert len(procs) > 30
+    assert not set(GROUND_FLOOR) & set(loads_torch), sorted(set(GROUND_FLOOR) & set(loads_torch))

@@ -9,7 +9,7 @@ import torch
 from trace_workload import EXPECTED_CATEGORY, Workload, make_allocator, sim_tensor
 
 import supermem
-from supermem import events
+from supermem import events, registry
 from supermem.allocator import CachingAllocator, SimulatedDevice
 from supermem.errors import UsageError
 from supermem.trace import recorder
@@ -129,38 +129,102 @@ def test_the_trace_is_written_when_the_block_raises(tmp_path):
     assert recorder.active() is None
 
 
-def test_discovery_registry_and_device_allocator_hook(monkeypatch, tmp_path):
-    a0, a1 = make_allocator(), make_allocator()
-    monkeypatch.setattr(supermem, "has_cuda_build", True, raising=False)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    # supermem.device_allocator does not exist in this build: discovery must work without it
-    assert not hasattr(supermem, "device_allocator") or True
-    monkeypatch.delattr(supermem, "device_allocator", raising=False)
+class SimPlugin:
+    """A registry.DeviceSource that behaves like the PyTorch plug-in: a device's allocator is made at
+    its first allocation, with the trace ring configured at that moment."""
+
+    def __init__(self):
+        self.ring_events = 0
+        self.made: dict[int, CachingAllocator] = {}
+
+    def devices(self):
+        return sorted(self.made)
+
+    def allocator(self, device):
+        a = self.made.get(device)
+        return None if a is None else CachingAllocator.wrap(a._impl)  # a new wrapper, as activate's
+
+    def set_new_ring_events(self, n):
+        self.ring_events = n
+
+    def malloc(self, device, nbytes):
+        if device not in self.made:
+            self.made[device] = CachingAllocator(SimulatedDevice("64MiB"), trace_capacity=self.ring_events)
+        return self.made[device].malloc(nbytes)
+
+    def free(self, device, address):
+        self.made[device].free(address)
+
+
+@pytest.fixture
+def plugin():
+    p = SimPlugin()
+    registry.set_device_source(p, ring_events=16)  # as with the option trace:16
+    yield p
+    registry.set_device_source(None)
+
+
+def alloc_sizes(tr, device):
+    return sorted(tr.cols["size"][(tr.cols["device"] == device) & (tr.cols["action"] == ALLOC)].tolist())
+
+
+def test_discovery_lists_registered_then_device_allocators(plugin):
     assert recorder.discover_allocators() == []
-    monkeypatch.setattr(supermem, "device_allocator", lambda i: a1 if i == 1 else None, raising=False)
+    a0 = make_allocator()
     recorder.register_allocator(a0, device=0)
     try:
-        assert recorder.discover_allocators() == [(0, a0), (1, a1)]
-        with supermem.trace(tmp_path / "d.smtrace"):  # no allocators given: discovered
-            a0.free(a0.malloc(1000))
-            a1.free(a1.malloc(3000))
-            late = make_allocator()
-            recorder.register_allocator(late, device=0)  # filed under the next free index
-            late.malloc(5000)
-        tr = load(tmp_path / "d.smtrace")
-        assert tr.device_indices() == [0, 1, 2]
-        sizes = {
-            d: set(tr.cols["size"][(tr.cols["device"] == d) & (tr.cols["action"] == ALLOC)].tolist())
-            for d in (0, 1, 2)
-        }
-        assert sizes == {0: {1024}, 1: {3072}, 2: {5120}}
-        rep = analyze(tr)
-        assert [(d.device, d.peak_bytes) for d in rep.devices] == [(0, 1024), (1, 3072), (2, 5120)]
-        snap = to_torch_snapshot(tr)
-        assert len(snap["device_traces"]) == 3 and {s["device"] for s in snap["segments"]} == {0, 1, 2}
+        assert recorder.discover_allocators() == [(0, a0)]
+        plugin.malloc(1, 512)
+        found = recorder.discover_allocators()
+        assert [d for d, _ in found] == [0, 1] and found[1][1]._impl is plugin.made[1]._impl
+        assert supermem.device_allocator(1) is found[1][1]  # one wrapper per device, every time
+        assert supermem.device_allocator(2) is None
     finally:
         recorder.unregister_allocator(a0)
-        recorder.unregister_allocator(late)
+    assert [d for d, _ in recorder.discover_allocators()] == [1]
+
+
+def test_device_allocators_made_after_the_recording_starts_are_recorded(plugin, tmp_path):
+    """`supermem trace -- python train.py`: the recording starts before the first CUDA tensor, so
+    every device allocator is made during it (issue 8.2: they recorded nothing)."""
+    plugin.malloc(0, 1000)  # device 0 is in use before; device 1 is first used during the recording
+    with supermem.trace(tmp_path / "late.smtrace", model=[], optimizer=[]) as rec:
+        for n in range(1, 41):  # more events than the options' ring (16) holds
+            plugin.free(0, plugin.malloc(0, 512 * n))
+            plugin.free(1, plugin.malloc(1, 512 * n))
+        assert rec.status()["devices"] == [0, 1]
+    tr = load(tmp_path / "late.smtrace")
+    assert alloc_sizes(tr, 0) == [512 * n for n in range(1, 41)]
+    assert alloc_sizes(tr, 1) == [512 * n for n in range(1, 41)]
+    assert tr.meta["dropped_events"] == {"0": 0, "1": 0}
+    # afterwards: rings back to the options' size, and allocators made later get that size too
+    assert [plugin.made[d].trace_capacity for d in (0, 1)] == [16, 16]
+    plugin.malloc(2, 512)
+    assert plugin.made[2].trace_capacity == 16
+
+
+def test_an_allocator_registered_during_the_recording_joins_it_without_its_past(tmp_path):
+    with_past = CachingAllocator(SimulatedDevice("64MiB"), trace_capacity=1000)
+    with_past.free(with_past.malloc(1000))  # before the recording: not part of it
+    a0 = make_allocator()
+    with supermem.trace(tmp_path / "d.smtrace", allocators=None, model=[], optimizer=[]):
+        recorder.register_allocator(a0, device=0)
+        a0.free(a0.malloc(1000))
+        recorder.register_allocator(with_past, device=0)  # filed under the next free index
+        with_past.free(with_past.malloc(3000))
+        late = make_allocator()  # a ring of 0: sized by the recording when registered
+        recorder.register_allocator(late, device=0)
+        late.malloc(5000)
+    for a in (a0, with_past, late):
+        recorder.unregister_allocator(a)
+    tr = load(tmp_path / "d.smtrace")
+    assert tr.device_indices() == [0, 1, 2]
+    assert [alloc_sizes(tr, d) for d in (0, 1, 2)] == [[1024], [3072], [5120]]
+    assert with_past.trace_capacity == 1000 and late.trace_capacity == 0
+    rep = analyze(tr)
+    assert [(d.device, d.peak_bytes) for d in rep.devices] == [(0, 1024), (1, 3072), (2, 5120)]
+    snap = to_torch_snapshot(tr)
+    assert len(snap["device_traces"]) == 3 and {s["device"] for s in snap["segments"]} == {0, 1, 2}
 
 
 def test_stacks_name_the_python_line_that_made_a_tensor(tmp_path):
@@ -215,7 +279,7 @@ def test_discovered_allocators_are_attached_once(tmp_path, monkeypatch):
     """The same allocator found twice (two wrappers of one C++ object) is one source, not two."""
     alloc = CachingAllocator(SimulatedDevice("64MiB"))
     twin = CachingAllocator.wrap(alloc._impl)
-    monkeypatch.setattr(supermem.trace.recorder, "discover_allocators", lambda: [(0, alloc), (0, twin)])
+    monkeypatch.setattr(registry, "allocators", lambda: [(0, alloc), (0, twin)])
     rec = supermem.trace(tmp_path / "once.smtrace", model=[], optimizer=[])
     with rec:
         alloc.free(alloc.malloc(4096))

@@ -284,3 +284,70 @@ emit(ok=True)
         "core dumped",
     ):
         assert bad not in r.stderr, r.describe()
+
+
+# ---------------------------------------------------------------- issue 8.1 and 8.2: the user's order
+
+
+@pytest.mark.parametrize(
+    "env", [{"SUPERMEM": "1"}, {"SUPERMEM_CONF": "pool:lru,budget:1GiB"}], ids=["SUPERMEM=1", "pool"]
+)
+@pytest.mark.parametrize("first", ["install", "pool"])
+def test_the_api_before_import_torch_with_the_switch_on(env, first):
+    call = "supermem.install()" if first == "install" else "supermem.pool(budget='1GiB')"
+    r = run_python(
+        f"""
+import supermem
+{call}
+import torch
+m = torch.nn.Linear(256, 256).cuda()
+m(torch.randn(8, 256, device="cuda")).sum().backward()
+emit(installed=supermem.installed(), backend=torch.cuda.get_allocator_backend())
+""",
+        env=env,
+    )
+    assert r.rc == 0, r.describe()
+    assert r.json() == {"installed": True, "backend": "pluggable"}, r.describe()
+
+
+# Ordinary: the recording starts before the first CUDA tensor, so the device allocator is made during it.
+TRACED = """
+import torch
+xs = [torch.randn(1 << n, device="cuda") for n in range(10, 20)]
+y = sum(x.sum() for x in xs)
+del xs
+m = torch.nn.Linear(512, 512).cuda()
+for _ in range(3):
+    m(torch.randn(64, 512, device="cuda")).square().mean().backward()
+print("done", float(y))
+"""
+
+
+def _allocator_events(path: Path) -> int:
+    from supermem.trace.loader import load
+    from supermem.trace.table import ALLOC
+
+    tr = load(path)
+    return int(((tr.cols["action"] == ALLOC) & (tr.cols["device"] == 0)).sum())
+
+
+def test_trace_context_entered_before_the_first_cuda_tensor_records_it(tmp_path):
+    out = tmp_path / "ctx.smtrace"
+    code = f"import supermem\nwith supermem.trace({str(out)!r}):\n" + textwrap.indent(TRACED, "    ")
+    r = run_python(code, env={"SUPERMEM": "1"})  # supermem's allocator serves CUDA: its events are recorded
+    assert r.rc == 0 and out.exists(), r.describe()
+    assert _allocator_events(out) >= 10, r.describe()
+
+
+@pytest.mark.parametrize("env", [{}, {"SUPERMEM": "1"}], ids=["plain", "SUPERMEM=1"])
+def test_supermem_trace_of_a_plain_script_records_its_allocations(tmp_path, env):
+    path = tmp_path / "train.py"
+    path.write_text(TRACED)
+    out = tmp_path / "run.smtrace"
+    r = run_command(
+        [sys.executable, "-m", "supermem", "trace", "-o", str(out), "--", sys.executable, str(path)],
+        env=env,
+        cwd=tmp_path,
+    )
+    assert r.rc == 0 and "done" in r.stdout and out.exists(), r.describe()
+    assert _allocator_events(out) >= 10, r.describe()
