@@ -2,8 +2,10 @@
 
 Where: `$XDG_RUNTIME_DIR/supermem/<pid>.sock`, or `/tmp/supermem-<uid>/<pid>.sock` without a usable
 XDG_RUNTIME_DIR. The directory is created 0700 and must be owned by this user with no group or other
-access (else the server refuses to start: another user could plant or read sockets there). No network
-port is opened. Each connection's peer uid is read with SO_PEERCRED and anyone but this process's
+access (else the server does not start: another user could plant or read sockets there). No network
+port is opened. The server is optional: when it cannot start (a planted directory, a path too long for
+AF_UNIX, ...) supermem says so once on stderr and the program goes on without `supermem top`.
+Each connection's peer uid is read with SO_PEERCRED and anyone but this process's
 user is refused, so even a socket made reachable by mistake serves nobody else.
 
 Protocol: the client sends one line ("snapshot\\n"); the server answers one JSON object and closes:
@@ -12,7 +14,9 @@ Providers are plain functions returning JSON-able dicts, registered by the parts
     control.register_provider("allocator", control.allocator_provider())   # allocated/reserved/limit
     control.register_provider("pool", pool.status)      # entries_by_state, host_bytes, link rates
     (the trace recorder registers "trace"; supermem.trace.oom.note_oom registers "ooms")
-Providers run on the server thread, so they must be thread-safe (the allocator's stats are).
+Each connection is answered on a thread of its own, so a client that stalls delays nobody else.
+Providers run on those threads, so they must be thread-safe (the allocator's stats are).
+A forked child owns nothing of its parent's server: it neither answers on it nor removes it at exit.
 """
 
 from __future__ import annotations
@@ -37,7 +41,9 @@ Provider = Callable[[], dict[str, Any]]
 
 _providers: dict[str, Provider] = {}
 _server: ControlServer | None = None
+_failed: str | None = None  # why the server could not start (said once; not retried)
 _lock = threading.Lock()
+MAX_CLIENTS = 8  # connections answered at once; more are closed at once
 _started_unix_s = time.time()
 REQUEST = b"snapshot\n"
 _CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
@@ -204,9 +210,12 @@ class ControlServer:
         old = os.umask(0o177)  # the socket file is born 0600: no window where others could connect
         try:
             s.bind(str(self.path))
+            s.listen(8)
+        except OSError:
+            s.close()
+            raise
         finally:
             os.umask(old)
-        s.listen(8)
         self._sock = s
         self._thread = threading.Thread(target=self._serve, name="supermem-control", daemon=True)
         self._thread.start()
@@ -214,16 +223,25 @@ class ControlServer:
 
     def _serve(self) -> None:
         sock = self._sock
+        slots = threading.BoundedSemaphore(MAX_CLIENTS)
         while sock is not None and self._sock is sock:
             try:
                 conn, _ = sock.accept()
             except OSError:
                 return  # closed by stop()
+            if not slots.acquire(blocking=False):
+                conn.close()  # too many stalled clients: refuse rather than queue behind them
+                continue
+            threading.Thread(target=self._answer_and_close, args=(conn, slots), daemon=True).start()
+
+    def _answer_and_close(self, conn: socket.socket, slots: threading.BoundedSemaphore) -> None:
+        try:
             with conn:
-                try:
-                    self._answer(conn)
-                except OSError:
-                    pass  # the client went away
+                self._answer(conn)
+        except OSError:
+            pass  # the client went away or stalled past the timeout
+        finally:
+            slots.release()
 
     def _answer(self, conn: socket.socket) -> None:
         _, uid, _ = _CRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
@@ -258,14 +276,18 @@ class ControlServer:
             pass
 
 
-def start_server(allowed_uid: int | None = None) -> ControlServer:
-    """Starts this process's control server once (idempotent); it stops at exit."""
-    global _server
+def start_server(allowed_uid: int | None = None) -> ControlServer | None:
+    """Starts this process's control server once (idempotent); it stops at exit. None when it cannot
+    start: the reason goes to stderr once and the program goes on without `supermem top`."""
+    global _server, _failed
     with _lock:
-        if _server is None or _server._sock is None:
+        if _server is None and _failed is None:
             register_provider("process", process_status)
-            _server = ControlServer(allowed_uid=allowed_uid).start()
-            atexit.register(_server.stop)
+            try:
+                _server = ControlServer(allowed_uid=allowed_uid).start()
+            except OSError as e:  # PermissionError from private_dir, "AF_UNIX path too long", ...
+                _failed = str(e)
+                print(f"supermem: `supermem top` is off for this process: {e}", file=sys.stderr)
         return _server
 
 
@@ -275,6 +297,20 @@ def stop_server() -> None:
         if _server is not None:
             _server.stop()
             _server = None
+
+
+def _forget_server_in_child() -> None:
+    """After fork: the socket and its path belong to the parent. Close our copy of the descriptor
+    (no shutdown: that would stop the parent's socket too) and start afresh if asked."""
+    global _server, _lock
+    _lock = threading.Lock()  # another thread may have held it at the fork
+    if _server is not None and _server._sock is not None:
+        _server._sock.close()
+    _server = None
+
+
+atexit.register(stop_server)
+os.register_at_fork(after_in_child=_forget_server_in_child)
 
 
 def query(path: Path, timeout_s: float = 3.0) -> dict[str, Any]:

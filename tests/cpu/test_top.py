@@ -226,3 +226,113 @@ def test_render_shows_every_section():
     assert "no provider (supermem's allocator is not installed" in text
     assert "TRACE   recording 12s, devices [0], pool events 7, dropped 0" in text
     assert 'MYSTERY {"x": 1}' in text and "OOMS    0" in text
+
+
+# ---------------------------------------------------------------- the server is optional (issue 8.10, 8.13)
+
+
+@pytest.fixture
+def fresh_server(tmp_path, monkeypatch):
+    """No server yet, sockets under tmp_path/tmp (as TMPDIR would give) and the failure not yet said."""
+    control.stop_server()
+    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    monkeypatch.setattr(control, "_failed", None)
+    yield tmp_path / "tmp" / f"supermem-{os.getuid()}"
+    control.stop_server()
+
+
+def _plant(kind: str, where: Path) -> None:
+    if kind == "mode 777":
+        where.mkdir()
+        os.chmod(where, 0o777)
+    elif kind == "symlink":
+        (where.parent / "elsewhere").mkdir(mode=0o700)
+        where.symlink_to(where.parent / "elsewhere")
+    elif kind == "file":
+        where.write_text("")
+    elif kind == "other owner":
+        if os.getuid() != 0:
+            pytest.skip("needs root to make a directory another user's")
+        where.mkdir(mode=0o700)
+        os.chown(where, 65534, 65534)
+
+
+PLANTED = ["mode 777", "symlink", "file", "other owner"]
+
+
+@pytest.mark.parametrize("kind", PLANTED)
+def test_a_planted_socket_directory_turns_the_server_off_with_one_warning(kind, fresh_server, capsys):
+    _plant(kind, fresh_server)
+    assert control.start_server() is None and control.start_server() is None
+    err = capsys.readouterr().err
+    assert err.count("supermem: `supermem top` is off") == 1, err
+    assert str(fresh_server) in err and "Traceback" not in err
+
+
+def test_a_socket_path_too_long_for_af_unix_turns_the_server_off(fresh_server, monkeypatch, capsys):
+    deep = fresh_server.parent / ("d" * 200)
+    deep.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(deep))
+    assert control.start_server() is None
+    assert "supermem: `supermem top` is off" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kind", [*PLANTED, "long TMPDIR"])
+def test_pool_install_and_import_torch_go_on_without_the_server(kind, tmp_path):
+    tmp = tmp_path / ("d" * 200 if kind == "long TMPDIR" else "tmp")
+    tmp.mkdir()
+    if kind != "long TMPDIR":
+        _plant(kind, tmp / f"supermem-{os.getuid()}")
+    code = textwrap.dedent(
+        """
+        import supermem
+        supermem.install()
+        import torch
+        p = supermem.pool(budget="1GiB")
+        x = torch.ones(1000, requires_grad=True)
+        with p:
+            (x * x).sum().backward()
+        print("ok", float(x.grad.sum()))
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SUPERMEM", "XDG_RUNTIME_DIR"))}
+    env.update(TMPDIR=str(tmp), SUPERMEM="1")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.split() == ["ok", "2000.0"], r.stderr
+    assert r.stderr.count("`supermem top` is off") == 1, r.stderr
+
+
+def test_a_slow_client_does_not_block_others(tmp_path):
+    srv = control.ControlServer(tmp_path / "s.sock").start()
+    silent = [socket.socket(socket.AF_UNIX) for _ in range(3)]
+    try:
+        for s in silent:  # connect and never send: the server must not wait on them in turn
+            s.connect(str(srv.path))
+        t0 = time.monotonic()
+        assert control.query(srv.path, timeout_s=1.0)["pid"] == os.getpid()
+        assert time.monotonic() - t0 < 1.0
+    finally:
+        for s in silent:
+            s.close()
+        srv.stop()
+
+
+def test_a_forked_child_leaves_the_parents_server_alone(tmp_path):
+    code = textwrap.dedent(
+        """
+        import os, sys
+        from supermem import control
+        srv = control.start_server()
+        pid = os.fork()
+        if pid == 0:
+            sys.exit(0)  # a normal exit: atexit handlers run in the child
+        os.waitpid(pid, 0)
+        print(srv.path.exists(), control.query(srv.path)["pid"] == os.getpid())
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SUPERMEM", "XDG_RUNTIME_DIR"))}
+    env["TMPDIR"] = str(tmp_path)
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.split() == ["True", "True"], r.stdout + r.stderr
