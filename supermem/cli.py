@@ -22,19 +22,24 @@ COMMANDS = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser; with `command`, only that subcommand's module is imported (others import torch,
+    and `supermem run` must set the environment before torch's import runs supermem's hook)."""
     parser = argparse.ArgumentParser(prog="supermem", description="A GPU memory manager for PyTorch.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, (module, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
-        mod = importlib.import_module(module)
-        mod.add_arguments(p)
-        p.set_defaults(_main=mod.main)
+        if command in (None, name):
+            mod = importlib.import_module(module)
+            mod.add_arguments(p)
+            p.set_defaults(_main=mod.main)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    command = next((a for a in argv if not a.startswith("-")), None)
+    args = build_parser(command if command in COMMANDS else None).parse_args(argv)
     try:
         return int(args._main(args) or 0)
     except (ConfigError, UsageError, FileNotFoundError) as e:  # user mistakes: a message, no traceback

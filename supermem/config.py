@@ -181,6 +181,17 @@ def parse_conf(text: str) -> dict[str, Any]:
     return out
 
 
+def merge_conf(base: str, override: str) -> str:
+    """`base` with the items of `override` replacing those of the same key ("limit:2GiB,trace:64" and
+    "limit:1GiB" -> "limit:1GiB,trace:64"): each key once. Both are validated first."""
+    parse_conf(base), parse_conf(override)
+    items = {}
+    for text in (base, override):
+        for item in filter(None, (part.strip() for part in text.split(","))):
+            items[item.partition(":")[0].strip()] = item
+    return ",".join(items.values())
+
+
 class Config:
     """The options in force: defaults, then SUPERMEM_CONF, then `options(...)` overrides."""
 

@@ -142,3 +142,51 @@ def test_every_module_imports_alone_with_the_switch_on_and_the_ground_floor_with
     assert not failed, failed
     assert len(procs) > 30
     assert not set(GROUND_FLOOR) & set(loads_torch), sorted(set(GROUND_FLOOR) & set(loads_torch))
+
+
+# ---------------------------------------------------------------- supermem run (issue 8.12)
+
+
+def test_supermem_run_shows_the_programs_own_traceback_and_exits_1(tmp_path):
+    for exc in ("ValueError('boom')", "FileNotFoundError('data.csv')"):
+        script = tmp_path / "train.py"
+        script.write_text(f"def load():\n    raise {exc}\n\nload()\n")
+        r = run([sys.executable, "-m", "supermem", "run", str(script)])
+        assert r.returncode == 1, r.stderr
+        tb = r.stderr[r.stderr.index("Traceback (most recent call last):") :].splitlines()
+        # as `python train.py` shows it: the program's frames only, then the exception
+        assert tb[1:4] == [f'  File "{script}", line 4, in <module>', "    load()", tb[3]], tb
+        assert tb[3] == f'  File "{script}", line 2, in load', tb
+        assert tb[-1] in ("ValueError: boom", "FileNotFoundError: data.csv"), tb
+        assert "supermem run: error" not in r.stderr
+
+
+def test_supermem_run_conf_overrides_the_same_key_in_supermem_conf_for_children_too(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import os, subprocess, sys
+            from supermem import config
+            print("conf", os.environ["SUPERMEM_CONF"], config.current().limit, config.current().trace)
+            child = "import torch; from supermem import config; print('child', config.current().limit)"
+            sys.exit(subprocess.call([sys.executable, "-c", child]))
+            """
+        )
+    )
+    cmd = [sys.executable, "-m", "supermem", "run", "--conf", "limit:1GiB", str(script)]
+    r = run(cmd, env={"SUPERMEM_CONF": "limit:2GiB,trace:64"})
+    assert r.returncode == 0, r.stdout + r.stderr
+    conf_line, child_line = r.stdout.splitlines()
+    _, conf, limit, trace = conf_line.split()
+    assert sorted(conf.split(",")) == ["limit:1GiB", "trace:64"] and (limit, trace) == ("1GiB", "64")
+    assert child_line == "child 1GiB"
+
+
+def test_supermem_run_of_a_missing_module_is_one_clear_line(tmp_path):
+    r = run([sys.executable, "-m", "supermem", "run", "-m", "no_such_module_xyz"], cwd=tmp_path)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip().splitlines() == ["supermem run: error: no module named 'no_such_module_xyz'"]
+    (tmp_path / "here_mod.py").write_text("import sys; print('mod', sys.argv[1:]); sys.exit(4)\n")
+    r = run([sys.executable, "-m", "supermem", "run", "-m", "here_mod", "x"], cwd=tmp_path)
+    assert r.returncode == 4 and r.stdout.split() == ["mod", "['x']"], r.stderr

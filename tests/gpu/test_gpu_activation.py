@@ -351,3 +351,17 @@ def test_supermem_trace_of_a_plain_script_records_its_allocations(tmp_path, env)
     )
     assert r.rc == 0 and "done" in r.stdout and out.exists(), r.describe()
     assert _allocator_events(out) >= 10, r.describe()
+
+
+def test_run_conf_wins_over_supermem_conf_for_the_installed_allocator(tmp_path):
+    path = script(
+        tmp_path,
+        """
+import supermem, torch
+x = torch.ones(1, device="cuda")
+emit(limit=supermem.device_allocator(0).limit_bytes)
+""",
+    )
+    cmd = [sys.executable, "-m", "supermem", "run", "--conf", "limit:1GiB", str(path)]
+    r = run_command(cmd, env={"SUPERMEM_CONF": "limit:2GiB"})
+    assert r.rc == 0 and r.json() == {"limit": 1 << 30}, r.describe()
