@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -42,10 +43,10 @@ def _bool(text: Any) -> bool:
 
 def _int_range(lo: int, hi: int) -> Callable[[Any], int]:
     def parse(text: Any) -> int:
-        try:
-            v = int(str(text).strip())
-        except ValueError:
-            raise ValueError(f"{text!r} is not an integer") from None
+        t = str(text).strip()
+        if not re.fullmatch(r"[+-]?[0-9]+", t):  # int() would also take "1_000" and non-ASCII digits
+            raise ValueError(f"{text!r} is not an integer")
+        v = int(t)
         if not lo <= v <= hi:
             raise ValueError(f"{v} is out of range [{lo}, {hi}]")
         return v
@@ -209,8 +210,9 @@ class Config:
         return dict(self._values)
 
     def set(self, **values: Any) -> None:
-        for k, v in values.items():
-            self._values[k] = parse_option(k, v)
+        """Sets every value, or none when one is bad (ConfigError)."""
+        parsed = {k: parse_option(k, v) for k, v in values.items()}
+        self._values.update(parsed)
 
 
 def from_env(environ: os._Environ | dict | None = None) -> Config:

@@ -1,6 +1,7 @@
 """Byte sizes: parsing ("8GiB", "512MB", "60%") and formatting."""
 
 import re
+from fractions import Fraction
 
 _UNITS = {
     "": 1,
@@ -18,7 +19,15 @@ _UNITS = {
     "tb": 1000**4,
     "tib": 1 << 40,
 }
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?)\s*([a-zA-Z]*)\s*$")
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*$", re.ASCII)
+MAX_BYTES = 2**63 - 1  # what the allocator's sizes (and PyTorch's) can hold
+
+
+def _checked(n: int, value: object) -> int:
+    if n > MAX_BYTES:
+        shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:30] + "..."
+        raise ValueError(f"{shown} is too large: a size is at most 2**63-1 bytes")
+    return n
 
 
 def parse_bytes(value: int | str, total_bytes: int | None = None) -> int:
@@ -29,7 +38,7 @@ def parse_bytes(value: int | str, total_bytes: int | None = None) -> int:
     if isinstance(value, int):
         if value < 0:
             raise ValueError(f"a size must be >= 0, got {value}")
-        return value
+        return _checked(value, value)
     if isinstance(value, float):
         if total_bytes is not None and 0 < value <= 1:
             return int(value * total_bytes)
@@ -50,7 +59,8 @@ def parse_bytes(value: int | str, total_bytes: int | None = None) -> int:
         raise ValueError(
             f"{text!r} is not a size: use bytes (1048576), a unit (64KiB, 8GiB, 512MB) or a percentage"
         )
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    # exact decimal arithmetic: a float would turn 400 digits into inf (OverflowError) and round others
+    return _checked(int(Fraction(m.group(1)) * _UNITS[m.group(2).lower()]), text)
 
 
 def format_bytes(n: int | float) -> str:

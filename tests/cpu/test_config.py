@@ -171,3 +171,75 @@ def test_options_context_restores_and_rejects_bad_values(monkeypatch):
     with pytest.raises(ConfigError, match="'pool'"), config.options(pool="mru"):
         pass
     assert config.current().pool == "off"
+
+
+# ---------------------------------------------------------------- issue 8.15: numbers and all-or-nothing
+
+HUGE = "9" * 400
+
+
+@pytest.mark.parametrize(
+    "value",
+    [HUGE, HUGE + "GiB", "1" + "0" * 300 + ".5TiB", f"{HUGE}.0", 2**63, 10**400, "8388608TiB", str(2**63)],
+)
+def test_sizes_beyond_2_63_are_value_errors_naming_the_value(value):
+    with pytest.raises(ValueError, match="too large") as e:
+        parse_bytes(value)
+    assert str(value)[:12] in str(e.value)
+    assert type(e.value) is not OverflowError
+
+
+def test_the_largest_size_and_exact_decimals_are_kept():
+    assert parse_bytes(str(2**63 - 1)) == 2**63 - 1
+    assert parse_bytes(2**63 - 1) == 2**63 - 1
+    assert parse_bytes("0.1KiB") == 102  # exact decimal, floored: float would give the same here...
+    assert parse_bytes("4503599627370497.5") == 4503599627370497  # ...but not here (2**52 + 1.5)
+
+
+@pytest.mark.parametrize(("text", "expected"), [(".5GiB", GiB // 2), (".25", 0), ("1.GiB", GiB)])
+def test_a_leading_or_trailing_point_is_a_number(text, expected):
+    assert parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize(
+    "conf", [f"limit:{HUGE}", f"budget:{HUGE}GiB", "limit:1e400", f"trace:{HUGE}", "host_limit:1e400%"]
+)
+def test_huge_values_in_supermem_conf_are_config_errors(conf):
+    with pytest.raises(ConfigError, match=conf.partition(":")[0]):
+        config.parse_conf(conf)
+
+
+def test_a_huge_supermem_conf_stops_import_torch_with_a_message(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SUPERMEM")}
+    env["SUPERMEM_CONF"] = f"limit:{HUGE}GiB"
+    r = subprocess.run([sys.executable, "-c", "import torch"], env=env, capture_output=True, text=True)
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "too large" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("text", ["1_000", "٢", " 1e3"])
+def test_integer_options_take_plain_ascii_digits(text):
+    with pytest.raises(ConfigError, match="'trace'"):
+        config.parse_option("trace", text)
+
+
+def test_set_options_and_install_apply_all_or_nothing(monkeypatch):
+    monkeypatch.setattr(config, "_current", config.Config())
+    cfg = config.current()
+    before = cfg.as_dict()
+    with pytest.raises(ConfigError, match="'debug'"):
+        cfg.set(pool="lru", budget="1GiB", debug=99)
+    assert cfg.as_dict() == before
+    with pytest.raises(ConfigError, match="'budget'"), config.options(pool="lru", budget=HUGE):
+        pass
+    assert config.current().as_dict() == before
+    import supermem
+
+    with pytest.raises(ConfigError, match="'limit'"):
+        supermem.install({"pool": "lru", "trace": 100, "limit": HUGE})
+    with pytest.raises(ConfigError, match="'limit'"):
+        supermem.install(f"pool:lru,trace:100,limit:{HUGE}")
+    assert config.current().as_dict() == before
