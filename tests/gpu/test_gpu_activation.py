@@ -365,3 +365,15 @@ emit(limit=supermem.device_allocator(0).limit_bytes)
     cmd = [sys.executable, "-m", "supermem", "run", "--conf", "limit:1GiB", str(path)]
     r = run_command(cmd, env={"SUPERMEM_CONF": "limit:2GiB"})
     assert r.rc == 0 and r.json() == {"limit": 1 << 30}, r.describe()
+
+
+def test_a_planted_socket_directory_does_not_stop_training(tmp_path):
+    """issue 8.10: the control server is optional; install() (here via SUPERMEM=1) warns once."""
+    import os
+
+    planted = tmp_path / f"supermem-{os.getuid()}"
+    planted.mkdir()
+    os.chmod(planted, 0o777)
+    r = run_python(UNCHANGED, env={"SUPERMEM": "1", "TMPDIR": str(tmp_path), "XDG_RUNTIME_DIR": ""})
+    assert r.rc == 0 and r.json()["backend"] == "pluggable", r.describe()
+    assert r.stderr.count("`supermem top` is off") == 1, r.describe()
