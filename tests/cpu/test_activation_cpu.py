@@ -1,10 +1,12 @@
 """Activation paths that need no GPU: the torch.backends hook and `supermem run` on a CPU build."""
 
+import ast
 import os
 import pkgutil
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -190,3 +192,67 @@ def test_supermem_run_of_a_missing_module_is_one_clear_line(tmp_path):
     (tmp_path / "here_mod.py").write_text("import sys; print('mod', sys.argv[1:]); sys.exit(4)\n")
     r = run([sys.executable, "-m", "supermem", "run", "-m", "here_mod", "x"], cwd=tmp_path)
     assert r.returncode == 4 and r.stdout.split() == ["mod", "['x']"], r.stderr
+
+
+def _import_graph(root: Path) -> dict[str, set[str]]:
+    """module -> the supermem modules it imports anywhere in its code (function-level imports too:
+    a lazy import hides a circle from the module-alone test, not from the design)."""
+    files = {}
+    for p in root.rglob("*.py"):
+        parts = list(p.relative_to(root.parent).with_suffix("").parts)
+        files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = p
+    graph = {}
+    for mod, path in files.items():
+        package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or "" if node.level == 0 else package.rsplit(".", node.level - 1)[0]
+                if node.level and node.module:
+                    base += "." + node.module
+                names = [base] + [f"{base}.{a.name}" for a in node.names]
+            else:
+                continue
+            for name in names:
+                while name not in files and "." in name:
+                    name = name.rpartition(".")[0]
+                if name in files and name != "supermem" and not mod.startswith(name + "."):
+                    deps.add(name)  # (a package's own __init__ and its ancestors are not edges)
+        graph[mod] = deps - {mod}
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan)."""
+    index, low, stack, out = {}, {}, [], []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while not comp or comp[-1] != v:
+                comp.append(stack.pop())
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_the_package_has_no_import_circles():
+    import supermem
+
+    cycles = _cycles(_import_graph(Path(supermem.__file__).parent))
+    # Inside the tensor pool, entry <-> pool is one idea split over two files (not activation's concern).
+    assert [c for c in cycles if not all(m.startswith("supermem.tensor_pool.") for m in c)] == []
