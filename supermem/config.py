@@ -149,7 +149,8 @@ OPTIONS: tuple[Option, ...] = (
         _bool,
         True,
         "true | false",
-        "Serve `supermem top` on a unix socket in a private per-user directory (no network port).",
+        "Serve `supermem top` on a unix socket in a private per-user directory (no network port); "
+        "where that is unsafe or impossible, one warning and the program runs on without it.",
     ),
 )
 _BY_NAME = {o.name: o for o in OPTIONS}
