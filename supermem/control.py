@@ -135,6 +135,12 @@ def private_dir(path: Path | None = None) -> Path:
         os.mkdir(path, 0o700)
     except FileExistsError:
         pass
+    return checked_private(path)
+
+
+def checked_private(path: Path) -> Path:
+    """`path` if it is a plain directory of this user closed to others, else PermissionError: a client
+    (`supermem top`) reads sockets only from such a directory, as the server writes them only there."""
     st = os.lstat(path)
     if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
         raise PermissionError(f"{path} is not a plain directory: supermem will not put its socket there")
@@ -164,11 +170,10 @@ def _alive(pid: int) -> bool:
 def live_sockets() -> list[tuple[int, Path]]:
     """(pid, socket) of running supermem processes of this user, most recent first; stale sockets
     (their process is gone) are removed."""
-    d = socket_dir()
     out = []
     try:
-        entries = list(d.glob("*.sock"))
-    except OSError:
+        entries = list(checked_private(socket_dir()).glob("*.sock"))
+    except FileNotFoundError:
         return []
     for p in entries:
         try:

@@ -24,6 +24,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def find_socket(pid: int | None):
+    try:
+        control.checked_private(control.socket_dir())
+    except FileNotFoundError:
+        pass  # no process has served yet: said below
+    except PermissionError as e:
+        raise UsageError(f"{e}; not reading sockets from it") from None
     if pid is not None:
         path = control.socket_path(pid)
         if not path.exists():

@@ -336,3 +336,18 @@ def test_a_forked_child_leaves_the_parents_server_alone(tmp_path):
     env["TMPDIR"] = str(tmp_path)
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and r.stdout.split() == ["True", "True"], r.stdout + r.stderr
+
+
+def test_top_reads_no_socket_from_a_directory_others_can_write(tmp_path, monkeypatch, capsys):
+    """A directory open to other users may hold their sockets (and feed top their data): top refuses it,
+    and removes nothing from it."""
+    planted = tmp_path / "supermem"
+    planted.mkdir()
+    os.chmod(planted, 0o777)
+    stale = planted / "999999999.sock"  # no such process: a private directory's stale socket is removed
+    stale.write_text("")
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    os.chmod(tmp_path, 0o700)
+    assert cli.main(["top", "--once"]) == 2
+    assert "open to other users" in capsys.readouterr().err
+    assert stale.exists()
