@@ -18,6 +18,7 @@
 #include <utility>
 #include <vector>
 
+#include "../core/fork.h"
 #include "../core/trace.h"
 #include "../core/types.h"
 #include "../prim/prim.h"
@@ -109,6 +110,7 @@ class CachingAllocator {
   DevicePtr device_;
   AllocatorOptions opts_;
   std::mutex mu_;
+  ForkRegistration fork_{&mu_, ForkLevel::allocator};  // a forked child gets it unlocked
   Pool default_pool_;
   std::map<PoolId, Pool*> private_pools_;
   std::vector<std::pair<PoolId, StreamFilter>> captures_;  // graph captures routing allocations
