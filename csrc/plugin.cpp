@@ -244,6 +244,11 @@ void register_plugin(pybind11::module_& m) {
   namespace py = pybind11;
   m.def("plugin_configure", [](size_t limit_bytes, double limit_fraction, bool passthrough, int debug,
                                size_t trace_capacity) {
+    // Checked now, not at the first CUDA malloc (where a failure would read as an allocation error).
+    TraceRing::check_capacity(trace_capacity);
+    if (!(limit_fraction >= 0 && limit_fraction <= 1))
+      throw UsageError("supermem: limit_fraction must be in [0, 1], got " + std::to_string(limit_fraction));
+    if (debug < 0 || debug > 2) throw UsageError("supermem: debug must be 0, 1 or 2, got " + std::to_string(debug));
     Plugin& p = plugin();
     std::lock_guard<std::mutex> g(p.mu);
     p.opts.base.limit_bytes = limit_bytes;

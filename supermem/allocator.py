@@ -85,6 +85,11 @@ class CachingAllocator:
         trace_capacity: int = 0,
         segment_bytes: int | str = 0,
     ):
+        if not isinstance(source, _C.Device):  # checked first: the limit may be a fraction of it
+            raise TypeError(
+                "CachingAllocator needs a supermem device (SimulatedDevice, CudaDevice, PinnedHostDevice), "
+                f"got {source!r}"
+            )
         limit = 0 if limit_bytes is None else parse_bytes(limit_bytes, source.total_bytes)
         segment = parse_bytes(segment_bytes)
         self._impl = _C.CachingAllocator(source, limit, passthrough, debug, trace_capacity, segment)

@@ -42,6 +42,7 @@ std::string format_bytes(size_t n) {
 
 CachingAllocator::CachingAllocator(DevicePtr device, AllocatorOptions options)
     : device_(std::move(device)), opts_(options), trace_(options.trace_capacity) {
+  if (!device_) throw UsageError("supermem: CachingAllocator needs a device, got none");
   live_.reserve(4096);
 }
 
