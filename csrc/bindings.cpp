@@ -127,9 +127,9 @@ py::dict nested_stats(CachingAllocator& a) {
   d["allocation"] = stat_array(s.allocation);
   d["segment"] = stat_array(s.segment);
   d["active"] = stat_array(s.active);
-  StatArray zero;  // PyTorch reports these; supermem never keeps inactive split blocks apart
-  d["inactive_split"] = stat_array(zero);
-  d["inactive_split_bytes"] = stat_array(zero);
+  d["inactive_split"] = stat_array(s.inactive_split);
+  d["inactive_split_bytes"] = stat_array(s.inactive_split_bytes);
+  // With no max_split_size (PyTorch's default) nothing is oversize, and max_split_size reads -1.
   d["oversize_allocations"] = stat_dict(Stat{});
   d["oversize_segments"] = stat_dict(Stat{});
   d["num_alloc_retries"] = s.num_alloc_retries;
@@ -313,6 +313,8 @@ PYBIND11_MODULE(_C, m) {
         py::gil_scoped_release g;
         return a.stats().allocated_bytes.s[kAll].current;
       })
+      .def("set_memory_fraction", &CA::set_memory_fraction, py::arg("fraction"), nogil)
+      .def("memory_fraction", &CA::memory_fraction, nogil)
       .def("take_watermark", &CA::take_watermark, nogil)
       .def("reset_peak_stats", &CA::reset_peak_stats, nogil)
       .def("reset_accumulated_stats", &CA::reset_accumulated_stats, nogil)
@@ -403,6 +405,8 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("device", &CA::device)
       .def_property_readonly("passthrough", [](CA& a) { return a.options().passthrough; });
 
+  m.def("format_size", [](py::handle n) { return format_size(int_arg(n, "nbytes", kMaxWord)); }, py::arg("nbytes"),
+        "A size as PyTorch's OOM messages write it (\"1.50 GiB\").");
   m.attr("trace_kinds") = py::cast(std::vector<std::string>(std::begin(kTraceNames), std::end(kTraceNames)));
   register_plugin(m);
 }

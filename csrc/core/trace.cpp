@@ -21,8 +21,8 @@ void TraceRing::check_capacity(size_t capacity) {
   if (capacity > host_bytes / sizeof(TraceEvent))
     throw UsageError("supermem: a trace ring of " + std::to_string(capacity) + " events needs " +
                      (capacity > SIZE_MAX / sizeof(TraceEvent) ? std::string("more than 16 EiB")
-                                                               : format_bytes(capacity * sizeof(TraceEvent))) +
-                     ", more than this host's memory (" + format_bytes(host_bytes) + ")");
+                                                               : format_size(capacity * sizeof(TraceEvent))) +
+                     ", more than this host's memory (" + format_size(host_bytes) + ")");
 }
 
 void TraceRing::set_capacity(size_t capacity) {
