@@ -120,6 +120,10 @@ using namespace supermem;
 SUPERMEM_EXPORT void* supermem_malloc(size_t size, int device, cudaStream_t stream) {
   try {
     return allocator_for(device).malloc(size, reinterpret_cast<Stream>(stream));
+  } catch (const pybind11::error_already_set&) {
+    // KeyboardInterrupt / SystemExit from a pressure handler: PyTorch's bindings catch this type and
+    // restore the Python exception (their pybind11's error_already_set has the same layout).
+    throw;
   } catch (const OutOfMemory& e) {
     throw c10::OutOfMemoryError({__func__, __FILE__, static_cast<uint32_t>(__LINE__)}, e.msg);
   } catch (const std::exception& e) {
