@@ -13,12 +13,12 @@ import argparse
 import os
 import sys
 
+import torch
+from torch import nn
+
 import supermem
 
 supermem.install()  # before the first CUDA tensor
-
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
 
 CHECKPOINTS = (10, 100, 500, 1000)
 WARMUP_STEP = 100
