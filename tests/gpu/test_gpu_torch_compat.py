@@ -27,7 +27,9 @@ import re, torch
 GiB, MiB = 1 << 30, 1 << 20
 import supermem
 swapped = supermem.installed()
-has_accelerator_stats = hasattr(torch, "accelerator") and hasattr(torch.accelerator, "memory_stats")
+ACCELERATOR_API = ("memory_stats", "memory_allocated", "memory_reserved", "max_memory_allocated",
+                   "max_memory_reserved", "reset_peak_memory_stats", "empty_cache")
+has_accelerator_stats = all(hasattr(getattr(torch, "accelerator", None), n) for n in ACCELERATOR_API)
 def empty(n):
     return torch.empty(n, dtype=torch.uint8, device="cuda")
 """
