@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test lint build sanitize clean
+.PHONY: demo test lint build sanitize tsan clean
 
 $(BIN)/pip:
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +31,9 @@ test: build lint
 
 sanitize: $(VENV)/.deps   # the allocator suites under ASan + UBSan (also run by .ci/run)
 	PYTHON=$(BIN)/python tools/sanitize.sh
+
+tsan: $(VENV)/.deps   # the threaded suites (threads, fork, OOM handlers) under ThreadSanitizer (also run by .ci/run)
+	PYTHON=$(BIN)/python tools/tsan.sh
 
 clean:
 	rm -rf build $(VENV) supermem/_C*.so

@@ -24,9 +24,53 @@ void raise_py(const char* name, const char* msg) {
   PyErr_SetString(cls.ptr(), msg);
 }
 
-size_t checked_size(int64_t nbytes) {
-  if (nbytes < 0) throw UsageError("supermem: nbytes must be >= 0, got " + std::to_string(nbytes));
-  return static_cast<size_t>(nbytes);
+constexpr uint64_t kMaxSize = INT64_MAX;  // sizes and counts: what the stats (int64) can hold
+constexpr uint64_t kMaxWord = UINT64_MAX;  // addresses, streams, tags
+
+std::string short_repr(py::handle v) {
+  std::string r = py::repr(v);
+  return r.size() > 40 ? r.substr(0, 20) + "..." + r.substr(r.size() - 10) + " (" + std::to_string(r.size()) + " digits)" : r;
+}
+
+// An integer argument from Python, checked here so the user sees its name and range instead of pybind's
+// overload listing: TypeError for anything but an int (bool included), UsageError when out of range.
+uint64_t int_arg(py::handle v, const char* name, uint64_t max) {
+  if (PyBool_Check(v.ptr()) || !PyIndex_Check(v.ptr()))
+    throw py::type_error(std::string("supermem: ") + name + " must be an int, got " + short_repr(v) + " (" +
+                         Py_TYPE(v.ptr())->tp_name + ")");
+  auto i = py::reinterpret_steal<py::object>(PyNumber_Index(v.ptr()));
+  if (!i) throw py::error_already_set();
+  int overflow = 0;
+  long long x = PyLong_AsLongLongAndOverflow(i.ptr(), &overflow);
+  if (x == -1 && PyErr_Occurred()) throw py::error_already_set();
+  uint64_t u = static_cast<uint64_t>(x);
+  bool ok = overflow == 0 ? x >= 0 : overflow > 0;
+  if (ok && overflow > 0) {
+    u = PyLong_AsUnsignedLongLong(i.ptr());
+    if (PyErr_Occurred()) PyErr_Clear(), ok = false;  // past 2**64
+  }
+  if (!ok || u > max)
+    throw UsageError(std::string("supermem: ") + name + " must be an int >= 0 and <= " +
+                     (max == kMaxSize ? "2**63 - 1" : max == kMaxWord ? "2**64 - 1" : std::to_string(max)) +
+                     ", got " + short_repr(i));
+  return u;
+}
+
+bool bool_arg(py::handle v, const char* name) {
+  if (!PyBool_Check(v.ptr()))
+    throw py::type_error(std::string("supermem: ") + name + " must be True or False, got " + short_repr(v));
+  return v.ptr() == Py_True;
+}
+
+// Resizes a trace ring; the host failing to allocate it is a MemoryError naming the size asked for.
+void set_trace_capacity(TraceRing& ring, size_t capacity) {
+  try {
+    ring.set_capacity(capacity);
+  } catch (const std::bad_alloc&) {
+    std::string msg = "supermem: cannot allocate a trace ring of " + std::to_string(capacity) + " events";
+    PyErr_SetString(PyExc_MemoryError, msg.c_str());
+    throw py::error_already_set();
+  }
 }
 
 // A malloc size from Python. Past int64 it is still a size, just more than any device has: the
@@ -83,9 +127,9 @@ py::dict nested_stats(CachingAllocator& a) {
   d["allocation"] = stat_array(s.allocation);
   d["segment"] = stat_array(s.segment);
   d["active"] = stat_array(s.active);
-  StatArray zero;  // PyTorch reports these; supermem never keeps inactive split blocks apart
-  d["inactive_split"] = stat_array(zero);
-  d["inactive_split_bytes"] = stat_array(zero);
+  d["inactive_split"] = stat_array(s.inactive_split);
+  d["inactive_split_bytes"] = stat_array(s.inactive_split_bytes);
+  // With no max_split_size (PyTorch's default) nothing is oversize, and max_split_size reads -1.
   d["oversize_allocations"] = stat_dict(Stat{});
   d["oversize_segments"] = stat_dict(Stat{});
   d["num_alloc_retries"] = s.num_alloc_retries;
@@ -137,6 +181,8 @@ PressureHandler pressure_handler_from_py(py::function fn) {
       r = (*f)(need);
       return r.is_none() ? 0 : r.cast<size_t>();
     } catch (py::error_already_set& e) {
+      // Ctrl-C and sys.exit() are the user's, not the handler's: they reach the caller of malloc.
+      if (e.matches(PyExc_KeyboardInterrupt) || e.matches(PyExc_SystemExit)) throw;
       e.discard_as_unraisable("supermem pressure handler");
     } catch (const py::cast_error&) {  // a bad return is a handler error too, not malloc's
       std::string msg = "supermem pressure handler returned " + std::string(py::repr(r)) +
@@ -186,7 +232,9 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("name", &Device::name);
 
   py::class_<SimDevice, Device, std::shared_ptr<SimDevice>>(m, "SimDevice")
-      .def(py::init([](int64_t capacity) { return std::make_shared<SimDevice>(checked_size(capacity)); }),
+      .def(py::init([](py::handle capacity) {
+             return std::make_shared<SimDevice>(int_arg(capacity, "capacity_bytes", kMaxSize));
+           }),
            py::arg("capacity_bytes"))
       .def("hold_events", &SimDevice::hold_events, py::arg("hold"))
       .def_property_readonly("used_bytes", &SimDevice::used_bytes)
@@ -194,9 +242,14 @@ PYBIND11_MODULE(_C, m) {
 
 #ifdef SUPERMEM_WITH_CUDA
   py::class_<CudaDevice, Device, std::shared_ptr<CudaDevice>>(m, "CudaDevice")
-      .def(py::init<int>(), py::arg("index") = 0);
+      .def(py::init([](py::handle index) {
+             return std::make_shared<CudaDevice>(static_cast<int>(int_arg(index, "CUDA device index", INT32_MAX)));
+           }),
+           py::arg("index") = 0);
   py::class_<PinnedHostDevice, Device, std::shared_ptr<PinnedHostDevice>>(m, "PinnedHostDevice")
-      .def(py::init([](int64_t capacity) { return std::make_shared<PinnedHostDevice>(checked_size(capacity)); }),
+      .def(py::init([](py::handle capacity) {
+             return std::make_shared<PinnedHostDevice>(int_arg(capacity, "capacity_bytes", kMaxSize));
+           }),
            py::arg("capacity_bytes"));
   m.def("cuda_device_count", &cuda_device_count);
   m.attr("has_cuda") = true;
@@ -208,34 +261,60 @@ PYBIND11_MODULE(_C, m) {
   using CA = CachingAllocator;
   auto nogil = py::call_guard<py::gil_scoped_release>();
   py::class_<CA, std::shared_ptr<CA>>(m, "CachingAllocator")
-      .def(py::init([](DevicePtr dev, int64_t limit, bool passthrough, int debug, int64_t trace_capacity,
-                       int64_t segment_bytes) {
+      .def(py::init([](py::handle device, py::handle limit, py::handle passthrough, py::handle debug,
+                       py::handle trace_capacity, py::handle segment_bytes) {
+             // None would become a null device and crash at the first malloc.
+             if (device.is_none() || !py::isinstance<Device>(device))
+               throw py::type_error("supermem: device must be a supermem device (SimulatedDevice, CudaDevice, "
+                                    "PinnedHostDevice), got " + short_repr(device));
              AllocatorOptions o;
-             o.limit_bytes = checked_size(limit);
-             o.passthrough = passthrough;
-             o.debug = debug;
-             o.trace_capacity = checked_size(trace_capacity);
-             o.segment_bytes = checked_size(segment_bytes);
-             return std::make_shared<CA>(std::move(dev), o);
+             o.limit_bytes = int_arg(limit, "limit_bytes", kMaxSize);
+             o.passthrough = bool_arg(passthrough, "passthrough");
+             o.debug = static_cast<int>(int_arg(debug, "debug", 2));
+             o.trace_capacity = int_arg(trace_capacity, "trace_capacity", kMaxSize);
+             o.segment_bytes = int_arg(segment_bytes, "segment_bytes", kMaxSize);
+             auto dev = device.cast<DevicePtr>();
+             try {
+               return std::make_shared<CA>(std::move(dev), o);
+             } catch (const std::bad_alloc&) {  // only the trace ring is big enough to fail
+               std::string msg = "supermem: cannot allocate a trace ring of " + std::to_string(o.trace_capacity) +
+                                 " events";
+               PyErr_SetString(PyExc_MemoryError, msg.c_str());
+               throw py::error_already_set();
+             }
            }),
            py::arg("device"), py::arg("limit_bytes") = 0, py::arg("passthrough") = false,
            py::arg("debug") = 0, py::arg("trace_capacity") = 0, py::arg("segment_bytes") = 0)
-      .def("malloc", [](CA& a, py::object n, uint64_t stream) {
+      .def("malloc", [](CA& a, py::handle n, py::handle stream) {
              size_t size = request_size(n);
+             Stream s = int_arg(stream, "stream", kMaxWord);
              py::gil_scoped_release g;
-             return reinterpret_cast<uint64_t>(a.malloc(size, stream));
+             return reinterpret_cast<uint64_t>(a.malloc(size, s));
            }, py::arg("nbytes"), py::arg("stream") = 0)
-      .def("free", [](CA& a, uint64_t addr) { a.free(as_ptr(addr)); }, py::arg("address"), nogil)
-      .def("record_stream", [](CA& a, uint64_t addr, uint64_t s) { a.record_stream(as_ptr(addr), s); },
-           py::arg("address"), py::arg("stream"), nogil)
-      .def("allocation_size", [](CA& a, uint64_t addr) { return a.allocation_size(as_ptr(addr)); },
-           py::arg("address"), nogil)
+      .def("free", [](CA& a, py::handle addr) {
+             void* p = as_ptr(int_arg(addr, "address", kMaxWord));
+             py::gil_scoped_release g;
+             a.free(p);
+           }, py::arg("address"))
+      .def("record_stream", [](CA& a, py::handle addr, py::handle stream) {
+             void* p = as_ptr(int_arg(addr, "address", kMaxWord));
+             Stream s = int_arg(stream, "stream", kMaxWord);
+             py::gil_scoped_release g;
+             a.record_stream(p, s);
+           }, py::arg("address"), py::arg("stream"))
+      .def("allocation_size", [](CA& a, py::handle addr) {
+             void* p = as_ptr(int_arg(addr, "address", kMaxWord));
+             py::gil_scoped_release g;
+             return a.allocation_size(p);
+           }, py::arg("address"))
       .def("empty_cache", &CA::empty_cache, nogil)
       .def("nested_stats", &nested_stats)
       .def_property_readonly("allocated_bytes", [](CA& a) {
         py::gil_scoped_release g;
         return a.stats().allocated_bytes.s[kAll].current;
       })
+      .def("set_memory_fraction", &CA::set_memory_fraction, py::arg("fraction"), nogil)
+      .def("memory_fraction", &CA::memory_fraction, nogil)
       .def("take_watermark", &CA::take_watermark, nogil)
       .def("reset_peak_stats", &CA::reset_peak_stats, nogil)
       .def("reset_accumulated_stats", &CA::reset_accumulated_stats, nogil)
@@ -244,8 +323,8 @@ PYBIND11_MODULE(_C, m) {
                       py::gil_scoped_release g;
                       return a.limit_bytes();
                     },
-                    [](CA& a, int64_t v) {
-                      size_t limit = checked_size(v);
+                    [](CA& a, py::handle v) {
+                      size_t limit = int_arg(v, "limit_bytes", kMaxSize);
                       py::gil_scoped_release g;
                       a.set_limit_bytes(limit);
                     })
@@ -308,19 +387,26 @@ PYBIND11_MODULE(_C, m) {
              }
              return out;
            })
-      .def("push_trace", [](CA& a, const std::string& kind, uint64_t addr, uint64_t size, uint64_t stream,
-                            uint64_t tag) {
+      .def("push_trace", [](CA& a, const std::string& kind, py::handle addr, py::handle size, py::handle stream,
+                            py::handle tag) {
+             void* p = as_ptr(int_arg(addr, "address", kMaxWord));
+             uint64_t n = int_arg(size, "size", kMaxWord), s = int_arg(stream, "stream", kMaxWord);
+             uint64_t t = int_arg(tag, "tag", kMaxWord);
              for (size_t k = 0; k < size_t(TraceKind::count_); ++k)
-               if (kind == kTraceNames[k]) return a.trace().push(TraceKind(k), as_ptr(addr), size, stream, tag);
+               if (kind == kTraceNames[k]) return a.trace().push(TraceKind(k), p, n, s, t);
              throw UsageError("supermem: unknown trace event kind '" + kind + "'");
            }, py::arg("kind"), py::arg("address") = 0, py::arg("size") = 0, py::arg("stream") = 0,
            py::arg("tag") = 0)
       .def_property("trace_capacity", [](CA& a) { return a.trace().capacity(); },
-                    [](CA& a, int64_t n) { a.trace().set_capacity(checked_size(n)); })
+                    [](CA& a, py::handle n) {
+                      set_trace_capacity(a.trace(), int_arg(n, "trace_capacity", kMaxSize));
+                    })
       .def_property_readonly("trace_dropped", [](CA& a) { return a.trace().dropped(); })
       .def_property_readonly("device", &CA::device)
       .def_property_readonly("passthrough", [](CA& a) { return a.options().passthrough; });
 
+  m.def("format_size", [](py::handle n) { return format_size(int_arg(n, "nbytes", kMaxWord)); }, py::arg("nbytes"),
+        "A size as PyTorch's OOM messages write it (\"1.50 GiB\").");
   m.attr("trace_kinds") = py::cast(std::vector<std::string>(std::begin(kTraceNames), std::end(kTraceNames)));
   register_plugin(m);
 }

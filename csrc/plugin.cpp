@@ -4,7 +4,8 @@
 //   _begin_allocate_to_pool / _end_allocate_to_pool / _release_pool (CUDA graph capture)
 // each a thin shim over one CachingAllocator per device, and TorchAllocator, a subclass of PyTorch's
 // CUDAPluggableAllocator wired to them, which also answers what the plain plug-in cannot: cacheInfo
-// (cudnn.benchmark) and checkPoolLiveAllocations (CUDA graph checks). OOM is thrown as
+// (cudnn.benchmark), checkPoolLiveAllocations (CUDA graph checks) and the memory stats
+// (getDeviceStats / resetPeakStats / resetAccumulatedStats: torch.cuda.* and torch.accelerator.*). OOM is thrown as
 // c10::OutOfMemoryError so Python sees torch.OutOfMemoryError. Nothing here is ever destroyed:
 // tensors are freed during interpreter shutdown, after static destructors could have run.
 #include "plugin.h"
@@ -119,6 +120,10 @@ using namespace supermem;
 SUPERMEM_EXPORT void* supermem_malloc(size_t size, int device, cudaStream_t stream) {
   try {
     return allocator_for(device).malloc(size, reinterpret_cast<Stream>(stream));
+  } catch (const pybind11::error_already_set&) {
+    // KeyboardInterrupt / SystemExit from a pressure handler: PyTorch's bindings catch this type and
+    // restore the Python exception (their pybind11's error_already_set has the same layout).
+    throw;
   } catch (const OutOfMemory& e) {
     throw c10::OutOfMemoryError({__func__, __FILE__, static_cast<uint32_t>(__LINE__)}, e.msg);
   } catch (const std::exception& e) {
@@ -147,8 +152,7 @@ SUPERMEM_EXPORT void supermem_reset() {
 
 SUPERMEM_EXPORT void supermem_memory_fraction(double fraction, int device) {
   try {
-    CachingAllocator& a = allocator_for(device);
-    a.set_limit_bytes(static_cast<size_t>(fraction * a.device()->total_bytes()));
+    allocator_for(device).set_memory_fraction(fraction);  // 0 is a limit of 0 bytes, as in PyTorch
   } catch (const std::exception& e) {
     report("set_per_process_memory_fraction", e);
   }
@@ -228,6 +232,39 @@ class TorchAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPlu
     allocator_for(ptr.device().index()).record_stream(ptr.get(), reinterpret_cast<Stream>(stream.stream()));
   }
 
+  // torch.cuda.memory_stats and torch.accelerator.memory_stats (and C++ callers) all ask this, and
+  // PyTorch turns the struct into the dict: the key set is native's by construction.
+  c10::CachingDeviceAllocator::DeviceStats getDeviceStats(c10::DeviceIndex device) override {
+    Stats s = allocator_for(device).stats();
+    c10::CachingDeviceAllocator::DeviceStats d;
+    auto copy = [](const StatArray& from, c10::CachingDeviceAllocator::StatArray& to) {
+      for (size_t i = 0; i < 3; ++i) {  // StatType: AGGREGATE, SMALL_POOL, LARGE_POOL, as kAll/kSmall/kLarge
+        to[i].current = from.s[i].current;
+        to[i].peak = from.s[i].peak;
+        to[i].allocated = from.s[i].allocated;
+        to[i].freed = from.s[i].freed;
+      }
+    };
+    copy(s.allocation, d.allocation);
+    copy(s.segment, d.segment);
+    copy(s.active, d.active);
+    copy(s.inactive_split, d.inactive_split);
+    copy(s.allocated_bytes, d.allocated_bytes);
+    copy(s.reserved_bytes, d.reserved_bytes);
+    copy(s.active_bytes, d.active_bytes);
+    copy(s.inactive_split_bytes, d.inactive_split_bytes);
+    copy(s.requested_bytes, d.requested_bytes);
+    d.num_alloc_retries = s.num_alloc_retries;
+    d.num_ooms = s.num_ooms;
+    d.num_sync_all_streams = s.num_sync_all_streams;
+    d.num_device_alloc = s.num_device_alloc;
+    d.num_device_free = s.num_device_free;
+    d.max_split_size = -1;  // PyTorch's default (no max_split_size_mb): SIZE_MAX read as int64; nothing oversize
+    return d;
+  }
+  void resetPeakStats(c10::DeviceIndex device) override { allocator_for(device).reset_peak_stats(); }
+  void resetAccumulatedStats(c10::DeviceIndex device) override { allocator_for(device).reset_accumulated_stats(); }
+
   bool checkPoolLiveAllocations(c10::DeviceIndex device, c10::cuda::MempoolId_t id,
                                 const std::unordered_set<void*>& expected) override {
     std::vector<void*> live = allocator_for(device).pool_live_blocks(id);
@@ -244,6 +281,11 @@ void register_plugin(pybind11::module_& m) {
   namespace py = pybind11;
   m.def("plugin_configure", [](size_t limit_bytes, double limit_fraction, bool passthrough, int debug,
                                size_t trace_capacity) {
+    // Checked now, not at the first CUDA malloc (where a failure would read as an allocation error).
+    TraceRing::check_capacity(trace_capacity);
+    if (!(limit_fraction >= 0 && limit_fraction <= 1))
+      throw UsageError("supermem: limit_fraction must be in [0, 1], got " + std::to_string(limit_fraction));
+    if (debug < 0 || debug > 2) throw UsageError("supermem: debug must be 0, 1 or 2, got " + std::to_string(debug));
     Plugin& p = plugin();
     std::lock_guard<std::mutex> g(p.mu);
     p.opts.base.limit_bytes = limit_bytes;

@@ -160,21 +160,8 @@ def _allocator(device: int | None) -> Any:
     return _C.plugin_allocator(index, True)
 
 
-def _memory_stats(device: int | None) -> dict:
-    return _allocator(device).nested_stats()
-
-
-def _reset_peak(device: int | None) -> None:
-    _allocator(device).reset_peak_stats()
-
-
-def _reset_accumulated(device: int | None) -> None:
-    _allocator(device).reset_accumulated_stats()
-
-
 def _memory_fraction(device: int | None) -> float:
-    impl = _allocator(device)
-    return impl.limit_bytes / impl.device.total_bytes if impl.limit_bytes else 1.0
+    return _allocator(device).memory_fraction()  # what set_per_process_memory_fraction set, 0.0 included
 
 
 def _memory_snapshot(*args: Any, **kwargs: Any) -> dict:
@@ -237,9 +224,6 @@ def _patch_torch() -> None:
     patches = {
         "_cuda_getCheckpointState": _no_checkpointing,
         "_cuda_setCheckpointPoolState": _no_checkpointing,
-        "_cuda_memoryStats": _memory_stats,
-        "_cuda_resetPeakMemoryStats": _reset_peak,
-        "_cuda_resetAccumulatedMemoryStats": _reset_accumulated,
         "_cuda_getMemoryFraction": _memory_fraction,
         "_cuda_memorySnapshot": _memory_snapshot,
     }

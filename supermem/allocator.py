@@ -85,6 +85,11 @@ class CachingAllocator:
         trace_capacity: int = 0,
         segment_bytes: int | str = 0,
     ):
+        if not isinstance(source, _C.Device):  # checked first: the limit may be a fraction of it
+            raise TypeError(
+                "CachingAllocator needs a supermem device (SimulatedDevice, CudaDevice, PinnedHostDevice), "
+                f"got {source!r}"
+            )
         limit = 0 if limit_bytes is None else parse_bytes(limit_bytes, source.total_bytes)
         segment = parse_bytes(segment_bytes)
         self._impl = _C.CachingAllocator(source, limit, passthrough, debug, trace_capacity, segment)
@@ -147,6 +152,15 @@ class CachingAllocator:
     @limit_bytes.setter
     def limit_bytes(self, value: int | str | None) -> None:
         self._impl.limit_bytes = 0 if value is None else parse_bytes(value, self.device.total_bytes)
+
+    def set_memory_fraction(self, fraction: float) -> None:
+        """As torch.cuda.set_per_process_memory_fraction: new segments only up to `fraction` (in [0, 1]) of
+        the device's capacity; 0 allows none. Cached blocks stay usable. `limit_bytes = None` lifts it."""
+        self._impl.set_memory_fraction(fraction)
+
+    def memory_fraction(self) -> float:
+        """The fraction last set, else limit_bytes / capacity, else 1.0 (get_per_process_memory_fraction)."""
+        return self._impl.memory_fraction()
 
     @property
     def device(self) -> _C.Device:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The allocator core under AddressSanitizer + UndefinedBehaviorSanitizer: builds supermem._C with
 # -fsanitize=address,undefined in a scratch copy of the tree and runs the allocator suites there.
-#   tools/sanitize.sh [pytest args]        (default: the conformance, fuzz, thread and OOM tests)
+#   tools/sanitize.sh [pytest args]        (default: the conformance, fuzz, thread, OOM and input tests)
 # Needs the project's .venv (make build). Leak checking is off: Python itself "leaks" at exit.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -19,7 +19,8 @@ export UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1
 export PYTHONPATH="$work"
 "$py" -c "import supermem._C as c, sys; assert c.__file__.startswith('$work'), c.__file__"  # the sanitized build
 tests=(tests/cpu/test_conformance.py tests/cpu/test_fuzz.py tests/cpu/test_threads.py tests/cpu/test_oom.py
-       tests/cpu/test_streams.py tests/cpu/test_pools.py tests/cpu/test_pool.py)
+       tests/cpu/test_streams.py tests/cpu/test_pools.py tests/cpu/test_pool.py tests/cpu/test_core_inputs.py
+       tests/cpu/test_torch_compat.py tests/cpu/test_fork.py)
 (($#)) && tests=("$@")
 # ASan's quarantine holds freed memory by design, so the pool's RSS-growth check does not apply here.
 "$py" -m pytest -q -p no:cacheprovider "${tests[@]}" -k "not host_memory_growth"

@@ -29,19 +29,19 @@ std::string hex(const void* p) {
 
 }  // namespace
 
-std::string format_bytes(size_t n) {
-  const char* units[] = {"bytes", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"};
-  double v = static_cast<double>(n);
-  int u = 0;
-  while (v >= 1024 && u < 6) v /= 1024, ++u;
+std::string format_size(size_t n) {
   char buf[48];
-  if (u == 0) std::snprintf(buf, sizeof buf, "%zu bytes", n);
-  else std::snprintf(buf, sizeof buf, "%.2f %s", v, units[u]);
+  if (n <= 1024) std::snprintf(buf, sizeof buf, "%zu bytes", n);
+  else if (n <= (size_t(1) << 20)) std::snprintf(buf, sizeof buf, "%.2f KiB", n / 1024.0);
+  else if (n <= (size_t(1) << 30)) std::snprintf(buf, sizeof buf, "%.2f MiB", n / 1048576.0);
+  else std::snprintf(buf, sizeof buf, "%.2f GiB", n / 1073741824.0);
   return buf;
 }
 
 CachingAllocator::CachingAllocator(DevicePtr device, AllocatorOptions options)
-    : device_(std::move(device)), opts_(options), trace_(options.trace_capacity) {
+    : device_(std::move(device)), opts_(options), limited_(options.limit_bytes > 0),
+      trace_(options.trace_capacity) {
+  if (!device_) throw UsageError("supermem: CachingAllocator needs a device, got none");
   live_.reserve(4096);
 }
 
@@ -81,7 +81,17 @@ void* CachingAllocator::malloc(size_t nbytes, Stream stream) {
   Block* b = take_free(pool, small, stream, size);
   bool slow = !b;
   if (slow) b = malloc_slow(lk, pool, small, stream, size, nbytes);
-  split(b, size, small);
+  bool was_split = b->prev || b->next;  // an inactive split block until now
+  Block* rest = split(b, size, small);
+  if (rest && was_split) {  // the inactive block shrinks by what is handed out
+    stats_.inactive_split_bytes.add(small, -static_cast<int64_t>(b->size));
+  } else if (rest) {  // a whole segment's block splits: its remainder is a new inactive split block
+    stats_.inactive_split.add(small, 1);
+    stats_.inactive_split_bytes.add(small, rest->size);
+  } else if (was_split) {  // the whole inactive block becomes active
+    stats_.inactive_split.add(small, -1);
+    stats_.inactive_split_bytes.add(small, -static_cast<int64_t>(b->size));
+  }
   b->state = BlockState::allocated;
   b->requested = nbytes;
   live_.emplace(b->ptr, b);
@@ -131,10 +141,10 @@ Block* CachingAllocator::take_free(Pool& pool, bool small, Stream stream, size_t
   return b;
 }
 
-void CachingAllocator::split(Block* b, size_t size, bool small) {
+Block* CachingAllocator::split(Block* b, size_t size, bool small) {
   size_t remaining = b->size - size;
   bool should = !opts_.passthrough && (small ? remaining >= kMinBlockBytes : remaining > kSmallBytes);
-  if (!should) return;
+  if (!should) return nullptr;
   Block* rest = new_block();
   rest->ptr = b->ptr + size;
   rest->size = remaining;
@@ -146,6 +156,7 @@ void CachingAllocator::split(Block* b, size_t size, bool small) {
   b->next = rest;
   b->size = size;
   b->segment->pool->free_set(small).insert(rest);
+  return rest;
 }
 
 Block* CachingAllocator::new_block() {
@@ -173,9 +184,12 @@ void CachingAllocator::free_block(Block* b) {
   b->stream_uses.clear();
   trace_.push(TraceKind::free_completed, b->ptr, b->size, b->stream);
   auto& set = s->pool->free_set(small);
+  int64_t split_blocks = 0, split_bytes = 0;  // net change of the inactive split stats
   for (Block* n : {b->prev, b->next}) {  // coalesce with free neighbours
     if (!n || n->state != BlockState::free) continue;
     set.erase(n);
+    --split_blocks;  // a free neighbour is always an inactive split block
+    split_bytes -= static_cast<int64_t>(n->size);
     if (n == b->prev) {
       b->ptr = n->ptr;
       b->prev = n->prev;
@@ -188,6 +202,9 @@ void CachingAllocator::free_block(Block* b) {
     b->size += n->size;
     recycle(n);
   }
+  if (b->prev || b->next) ++split_blocks, split_bytes += static_cast<int64_t>(b->size);
+  if (split_blocks) stats_.inactive_split.add(small, split_blocks);
+  if (split_bytes) stats_.inactive_split_bytes.add(small, split_bytes);
   set.insert(b);
   bool whole = !b->prev && !b->next;
   bool pool_gone = s->pool != &default_pool_ && s->pool->users == 0;
@@ -233,7 +250,7 @@ Block* CachingAllocator::new_segment(Pool& pool, bool small, Stream stream, size
   size_t reserved = stats_.reserved_bytes.s[kAll].current;
   // Prefer PyTorch's segment sizes; under a tight limit or a full device fall back to the exact size.
   auto try_alloc = [&](size_t want) -> void* {
-    if (limit && reserved + want > limit) return nullptr;
+    if (limited_ && reserved + want > limit) return nullptr;
     return device_->segment_alloc(want, stream);
   };
   size_t got = opts_.passthrough ? size : std::max(segment_size(size, small), opts_.segment_bytes);
@@ -322,7 +339,7 @@ void CachingAllocator::process_events() {
 void CachingAllocator::sync_events() {
   for (Block* b : deferred_) insert_events(b);
   deferred_.clear();
-  if (!events_.empty()) ++stats_.num_sync_all_streams;
+  ++stats_.num_sync_all_streams;  // as PyTorch counts synchronize_and_free_events: every call
   while (!events_.empty()) {
     auto [e, b] = events_.front();
     events_.pop_front();
@@ -362,11 +379,11 @@ void CachingAllocator::throw_oom(Lock& lk, size_t nbytes, size_t alloc_size, siz
     size_t allocated = stats_.allocated_bytes.s[kAll].current;
     size_t reserved = stats_.reserved_bytes.s[kAll].current;
     std::string where = device_->name() == "sim" ? "Simulated device" : "GPU " + std::to_string(device_->index());
-    m += "Tried to allocate " + format_bytes(nbytes) + ". " + where + " has a total capacity of " +
-         format_bytes(total) + " of which " + format_bytes(free) + " is free.";
-    if (opts_.limit_bytes) m += " The supermem limit is " + format_bytes(opts_.limit_bytes) + ".";
-    m += " Of the allocated memory " + format_bytes(allocated) + " is allocated by PyTorch, and " +
-         format_bytes(reserved - allocated) + " is reserved by PyTorch but unallocated (supermem: requested " +
+    m += "Tried to allocate " + format_size(nbytes) + ". " + where + " has a total capacity of " +
+         format_size(total) + " of which " + format_size(free) + " is free.";
+    if (limited_) m += " The supermem limit is " + format_size(opts_.limit_bytes) + ".";
+    m += " Of the allocated memory " + format_size(allocated) + " is allocated by PyTorch, and " +
+         format_size(reserved - allocated) + " is reserved by PyTorch but unallocated (supermem: requested " +
          std::to_string(nbytes) + " bytes, allocated " + std::to_string(allocated) + " bytes, reserved " +
          std::to_string(reserved) + " bytes, evicted " + std::to_string(evicted) + " bytes under pressure).";
   }
@@ -507,16 +524,12 @@ size_t CachingAllocator::take_watermark() {
 
 void CachingAllocator::reset_peak_stats() {
   std::lock_guard<std::mutex> g(mu_);
-  for (StatArray* a : {&stats_.allocated_bytes, &stats_.reserved_bytes, &stats_.active_bytes,
-                       &stats_.requested_bytes, &stats_.allocation, &stats_.segment, &stats_.active})
-    a->reset_peak();
+  for (StatArray* a : all_stat_arrays()) a->reset_peak();
 }
 
 void CachingAllocator::reset_accumulated_stats() {
   std::lock_guard<std::mutex> g(mu_);
-  for (StatArray* a : {&stats_.allocated_bytes, &stats_.reserved_bytes, &stats_.active_bytes,
-                       &stats_.requested_bytes, &stats_.allocation, &stats_.segment, &stats_.active})
-    a->reset_totals();
+  for (StatArray* a : all_stat_arrays()) a->reset_totals();
   stats_.num_alloc_retries = stats_.num_ooms = stats_.num_sync_all_streams = 0;
   stats_.num_device_alloc = stats_.num_device_free = 0;
   stats_.num_pressure_calls = stats_.pressure_freed_bytes = 0;
@@ -530,7 +543,27 @@ size_t CachingAllocator::limit_bytes() {
 void CachingAllocator::set_limit_bytes(size_t limit) {
   std::lock_guard<std::mutex> g(mu_);
   opts_.limit_bytes = limit;
+  limited_ = limit > 0;
+  fraction_ = -1;
   if (limit && static_cast<size_t>(stats_.reserved_bytes.s[kAll].current) > limit) release_cached();
+}
+
+void CachingAllocator::set_memory_fraction(double fraction) {
+  if (!(fraction >= 0 && fraction <= 1))  // also NaN
+    throw UsageError("supermem: a memory fraction must be in [0, 1], got " + std::to_string(fraction));
+  size_t limit = static_cast<size_t>(fraction * static_cast<double>(device_->total_bytes()));
+  std::lock_guard<std::mutex> g(mu_);
+  // As PyTorch's setMemoryFraction: a limit on new segments (0 allows none); the cache stays.
+  opts_.limit_bytes = limit;
+  limited_ = true;
+  fraction_ = fraction;
+}
+
+double CachingAllocator::memory_fraction() {
+  size_t total = device_->total_bytes();
+  std::lock_guard<std::mutex> g(mu_);
+  if (fraction_ >= 0) return fraction_;
+  return limited_ && total ? static_cast<double>(opts_.limit_bytes) / static_cast<double>(total) : 1.0;
 }
 
 std::string CachingAllocator::describe_bad_pointer(void* ptr) {
@@ -545,7 +578,7 @@ std::string CachingAllocator::describe_bad_pointer(void* ptr) {
                  " is a " + (b->state == BlockState::pending ? "pending" : "free") + " block";
         if (p > b->ptr && p < b->ptr + b->size)
           return "supermem: " + hex(p) + " points inside the block at " + hex(b->ptr) + " (" +
-                 format_bytes(b->size) + "); pass the address malloc returned";
+                 format_size(b->size) + "); pass the address malloc returned";
       }
     }
   }
@@ -561,7 +594,7 @@ void CachingAllocator::check() {
 
 void CachingAllocator::check_locked() {
   auto fail = [](const std::string& what) { throw std::logic_error("supermem invariant violated: " + what); };
-  int64_t reserved = 0, allocated = 0, pending = 0, cached = 0;
+  int64_t reserved = 0, allocated = 0, pending = 0, cached = 0, split_free = 0, split_free_bytes = 0;
   size_t n_free = 0, n_live = 0;
   for (auto& [base, s] : segments_) {
     if (s->base != base || s->head->ptr != s->base || s->head->prev) fail("segment head at " + hex(base));
@@ -580,6 +613,7 @@ void CachingAllocator::check_locked() {
           cached += b->size;
           if (!in_set) fail("free block " + hex(b->ptr) + " missing from its free set");
           if (b->next && b->next->state == BlockState::free) fail("uncoalesced free blocks at " + hex(b->ptr));
+          if (b->prev || b->next) ++split_free, split_free_bytes += b->size;
           break;
         case BlockState::allocated:
           ++n_live;
@@ -603,6 +637,9 @@ void CachingAllocator::check_locked() {
   if (allocated != stats_.allocated_bytes.s[kAll].current) fail("allocated stat != sum of allocated blocks");
   if (allocated + pending != stats_.active_bytes.s[kAll].current) fail("active stat != allocated + pending");
   if (reserved != allocated + pending + cached) fail("reserved != allocated + pending + cached free");
+  if (split_free != stats_.inactive_split.s[kAll].current) fail("inactive_split stat != free blocks of split segments");
+  if (split_free_bytes != stats_.inactive_split_bytes.s[kAll].current)
+    fail("inactive_split_bytes stat != bytes of free blocks of split segments");
 }
 
 std::vector<SegmentInfo> CachingAllocator::snapshot() {

@@ -10,6 +10,7 @@
 // (4) throw OutOfMemory carrying requested, allocated, reserved and evicted bytes.
 #pragma once
 
+#include <array>
 #include <deque>
 #include <functional>
 #include <map>
@@ -18,6 +19,7 @@
 #include <utility>
 #include <vector>
 
+#include "../core/fork.h"
 #include "../core/trace.h"
 #include "../core/types.h"
 #include "../prim/prim.h"
@@ -80,6 +82,10 @@ class CachingAllocator {
   void reset_accumulated_stats();
   size_t limit_bytes();
   void set_limit_bytes(size_t limit);  // 0: no limit; a lower limit than reserved frees the cache
+  // torch.cuda.set_per_process_memory_fraction: new segments only up to fraction * capacity (0: none);
+  // throws UsageError outside [0, 1]. memory_fraction: the fraction set, else limit / capacity, else 1.
+  void set_memory_fraction(double fraction);
+  double memory_fraction();
   void check();                        // throws std::logic_error naming the broken invariant
   std::vector<SegmentInfo> snapshot();
   TraceRing& trace() { return trace_; }
@@ -88,13 +94,18 @@ class CachingAllocator {
 
  private:
   using Lock = std::unique_lock<std::mutex>;
+  std::array<StatArray*, 9> all_stat_arrays() {
+    return {&stats_.allocated_bytes, &stats_.reserved_bytes, &stats_.active_bytes, &stats_.requested_bytes,
+            &stats_.allocation,      &stats_.segment,        &stats_.active,       &stats_.inactive_split,
+            &stats_.inactive_split_bytes};
+  }
   Pool& pool_for(Stream stream);
   Block* take_free(Pool& pool, bool small, Stream stream, size_t size);
   Block* malloc_slow(Lock& lk, Pool& pool, bool small, Stream stream, size_t size, size_t nbytes);
   Block* new_segment(Pool& pool, bool small, Stream stream, size_t size);
   Block* new_block();          // from spare_blocks_ when it can: no heap call on the fast path
   void recycle(Block* b);
-  void split(Block* b, size_t size, bool small);
+  Block* split(Block* b, size_t size, bool small);  // the free remainder, or nullptr if not split
   void free_block(Block* b);
   void release_segment(Segment* s);
   bool release_cached();  // frees every wholly free segment it may; false when a capture forbids it
@@ -108,7 +119,10 @@ class CachingAllocator {
 
   DevicePtr device_;
   AllocatorOptions opts_;
+  bool limited_;         // opts_.limit_bytes applies (a fraction of 0 makes a real limit of 0 bytes)
+  double fraction_ = -1; // the memory fraction last set; -1: none (the limit came as bytes)
   std::mutex mu_;
+  ForkRegistration fork_{&mu_, ForkLevel::allocator};  // a forked child gets it unlocked
   Pool default_pool_;
   std::map<PoolId, Pool*> private_pools_;
   std::vector<std::pair<PoolId, StreamFilter>> captures_;  // graph captures routing allocations

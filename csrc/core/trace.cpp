@@ -1,6 +1,9 @@
 #include "trace.h"
 
+#include <unistd.h>
+
 #include <chrono>
+#include <cstdio>
 
 namespace supermem {
 
@@ -10,10 +13,25 @@ int64_t now_ns() {
       .count();
 }
 
+void TraceRing::check_capacity(size_t capacity) {
+  // A ring larger than the host's RAM could only be paged to death; refusing it gives a clear error
+  // where overcommit would otherwise decide (and a size * capacity overflow is impossible past here).
+  long pages = sysconf(_SC_PHYS_PAGES), page_bytes = sysconf(_SC_PAGESIZE);
+  size_t host_bytes = pages > 0 && page_bytes > 0 ? size_t(pages) * size_t(page_bytes) : SIZE_MAX;
+  if (capacity > host_bytes / sizeof(TraceEvent))
+    throw UsageError("supermem: a trace ring of " + std::to_string(capacity) + " events needs " +
+                     (capacity > SIZE_MAX / sizeof(TraceEvent) ? std::string("more than 16 EiB")
+                                                               : format_size(capacity * sizeof(TraceEvent))) +
+                     ", more than this host's memory (" + format_size(host_bytes) + ")");
+}
+
 void TraceRing::set_capacity(size_t capacity) {
+  check_capacity(capacity);
+  // Allocate first, swap under the lock: a failed allocation leaves the ring as it was.
+  std::unique_ptr<TraceEvent[]> fresh(capacity ? new TraceEvent[capacity] : nullptr);
   std::lock_guard<std::mutex> g(mu_);
+  buf_.swap(fresh);
   capacity_ = capacity;
-  buf_.assign(capacity, TraceEvent{});
   head_ = size_ = 0;
 }
 

@@ -4,9 +4,11 @@
 
 #include <atomic>
 #include <cstdint>
+#include <memory>
 #include <mutex>
 #include <vector>
 
+#include "fork.h"
 #include "types.h"
 
 namespace supermem {
@@ -43,7 +45,11 @@ class TraceRing {
   explicit TraceRing(size_t capacity = 0) { set_capacity(capacity); }
 
   bool enabled() const { return capacity_.load(std::memory_order_relaxed) != 0; }
+  // Empties the ring and resizes it. All or nothing: on failure the ring is as it was. Throws
+  // UsageError when the ring could never fit in this host's memory (check_capacity), and
+  // std::bad_alloc when it could but the memory is not there now.
   void set_capacity(size_t capacity);
+  static void check_capacity(size_t capacity);
   void push(TraceKind kind, const void* addr, size_t size, Stream stream, uint64_t tag = 0);
   std::vector<TraceEvent> drain();  // oldest first
   uint64_t dropped() const { return dropped_; }
@@ -51,7 +57,8 @@ class TraceRing {
 
  private:
   std::mutex mu_;
-  std::vector<TraceEvent> buf_;
+  ForkRegistration fork_{&mu_, ForkLevel::trace};
+  std::unique_ptr<TraceEvent[]> buf_;  // capacity_ events; untouched (uncommitted) until written
   std::atomic<size_t> capacity_{0};  // read without the lock on every push (the off check)
   size_t head_ = 0, size_ = 0;       // head_: index of the oldest event
   uint64_t dropped_ = 0;

@@ -15,6 +15,7 @@
 //   stats.reserved    == sum(segment.size)
 //   stats.allocated   == sum(b.size | allocated)
 //   stats.reserved    == stats.allocated + pending_bytes + cached_free_bytes
+//   stats.inactive_split(_bytes) == count (bytes) of free blocks in segments split in several blocks
 #pragma once
 
 #include <cstddef>
@@ -100,6 +101,9 @@ struct StatArray {
 struct Stats {
   StatArray allocated_bytes, reserved_bytes, active_bytes, requested_bytes;
   StatArray allocation, segment, active;  // counts of blocks / segments
+  // Free blocks that share their segment with other blocks (cached, but not returnable to the device
+  // as they are), counted as PyTorch counts them: updated on split, shrink, free and merge.
+  StatArray inactive_split, inactive_split_bytes;
   int64_t num_alloc_retries = 0, num_ooms = 0, num_sync_all_streams = 0;
   int64_t num_device_alloc = 0, num_device_free = 0, num_pressure_calls = 0;
   int64_t pressure_freed_bytes = 0;
@@ -127,6 +131,8 @@ struct DeviceError : std::exception {
   const char* what() const noexcept override { return msg.c_str(); }
 };
 
-std::string format_bytes(size_t n);  // "1.50 GiB"
+// "1.50 GiB": exactly as PyTorch's format_size (c10/cuda/CUDACachingAllocator.cpp) writes sizes in its OOM
+// messages, which tools parse: up to 1024 in bytes, then KiB, MiB, and GiB from 1 GiB + 1 on.
+std::string format_size(size_t n);
 
 }  // namespace supermem

@@ -5,6 +5,7 @@
 #include <mutex>
 #include <vector>
 
+#include "../core/fork.h"
 #include "prim.h"
 
 namespace supermem {
@@ -37,6 +38,7 @@ class DeviceGuard {
 // Reusable events: creating one costs a driver call, recording a spare one does not.
 struct EventPool {
   std::mutex mu;
+  ForkRegistration fork{&mu, ForkLevel::device};
   std::vector<cudaEvent_t> spare;
 
   Event record(Stream stream) {
@@ -143,6 +145,7 @@ size_t CudaDevice::free_bytes() {
 struct PinnedHostDevice::State {
   EventPool events;
   std::mutex mu;
+  ForkRegistration fork{&mu, ForkLevel::device};
   size_t used = 0;
 };
 

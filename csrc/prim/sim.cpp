@@ -5,6 +5,7 @@
 #include <unordered_set>
 #include <vector>
 
+#include "../core/fork.h"
 #include "prim.h"
 
 namespace supermem {
@@ -17,6 +18,7 @@ struct SimEvent {
 
 struct SimDevice::State {
   std::mutex mu;
+  ForkRegistration fork{&mu, ForkLevel::device};
   size_t used = 0;
   bool hold = false;
   std::vector<SimEvent*> held;        // events recorded while holding

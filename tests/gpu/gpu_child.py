@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import sys
 import time
 import traceback
@@ -103,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.native:
         import supermem
 
-        supermem.install(args.conf or None)
+        forced = os.environ.get("SUPERMEM_TEST_EXTRA_CONF")  # see gpu_harness.child_env
+        supermem.install(",".join(filter(None, [args.conf, forced])) or None)
     module = importlib.import_module(args.module)
     for name in args.names:
         print(BEGIN + name, flush=True)
