@@ -90,8 +90,8 @@ class CachingAllocator:
                 "CachingAllocator needs a supermem device (SimulatedDevice, CudaDevice, PinnedHostDevice), "
                 f"got {source!r}"
             )
-        limit = 0 if limit_bytes is None else parse_bytes(limit_bytes, source.total_bytes)
-        segment = parse_bytes(segment_bytes)
+        limit = 0 if limit_bytes is None else _size_arg("limit_bytes", limit_bytes, source.total_bytes)
+        segment = _size_arg("segment_bytes", segment_bytes)
         self._impl = _C.CachingAllocator(source, limit, passthrough, debug, trace_capacity, segment)
 
     @classmethod
@@ -151,7 +151,9 @@ class CachingAllocator:
 
     @limit_bytes.setter
     def limit_bytes(self, value: int | str | None) -> None:
-        self._impl.limit_bytes = 0 if value is None else parse_bytes(value, self.device.total_bytes)
+        self._impl.limit_bytes = (
+            0 if value is None else _size_arg("limit_bytes", value, self.device.total_bytes)
+        )
 
     def set_memory_fraction(self, fraction: float) -> None:
         """As torch.cuda.set_per_process_memory_fraction: new segments only up to `fraction` (in [0, 1]) of
@@ -239,3 +241,11 @@ class CachingAllocator:
 
     def __repr__(self) -> str:
         return f"CachingAllocator({self.device!r}, limit_bytes={self.limit_bytes})"
+
+
+def _size_arg(name: str, value: int | str, total_bytes: int | None = None) -> int:
+    """parse_bytes, with the argument named in its error."""
+    try:
+        return parse_bytes(value, total_bytes)
+    except ValueError as e:
+        raise ValueError(f"{name}: {e}") from None
