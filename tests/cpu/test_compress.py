@@ -1,0 +1,212 @@
+"""ReLU compression on CPU (supermem.compress's torch reference, which the GPU tests hold the kernels
+to): lossless round trips, and a format checked against independent numpy computations."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from supermem import _C
+from supermem.compress import (
+    BLOCK_ELEMS,
+    Packed,
+    relu_mask_pack,
+    relu_mask_unpack,
+    relu_pack,
+    relu_unpack,
+)
+from supermem.errors import UsageError
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+INT = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
+SIZES = [0, 1, 7, 31, 32, 33, 1023, 2047, 2048, 2049, 4097, 3 * 2048 * 8 + 5]
+DENSITIES = [0.0, 1e-6, 0.3, 0.5, 1.0]
+# Bits of special values: +0, -0, +inf, -inf, quiet NaN, NaN with a payload, negative NaN, the smallest
+# subnormal, its negative, 1.0, the largest finite value.
+SPECIAL_BITS = {
+    torch.float32: [0, 0x80000000, 0x7F800000, 0xFF800000, 0x7FC00000, 0x7F800001, 0xFFC00123, 1, 0x80000001,
+                    0x3F800000, 0x7F7FFFFF],
+    torch.float16: [0, 0x8000, 0x7C00, 0xFC00, 0x7E00, 0x7C01, 0xFE12, 1, 0x8001, 0x3C00, 0x7BFF],
+    torch.bfloat16: [0, 0x8000, 0x7F80, 0xFF80, 0x7FC0, 0x7F81, 0xFFC3, 1, 0x8001, 0x3F80, 0x7F7F],
+}  # fmt: skip
+
+
+def sparse(n, density, dtype, seed=0):
+    """n random normals (never 0.0) with about (1 - density) of them set to +0.0."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g).abs() + 0.5
+    return torch.where(torch.rand(n, generator=g) < density, x, 0.0).to(dtype)
+
+
+def from_bits(bits, dtype):
+    signed = [b - (1 << 32) if b >= 1 << 31 else b for b in bits] if dtype == torch.float32 else None
+    if signed is None:
+        signed = [b - (1 << 16) if b >= 1 << 15 else b for b in bits]
+    return torch.tensor(signed, dtype=INT[dtype]).view(dtype)
+
+
+def words(t):
+    """The elements as unsigned integers (numpy), for bitwise comparisons."""
+    a = t.detach().contiguous().view(INT[t.dtype]).numpy()
+    return a.astype(np.uint32 if a.dtype == np.int32 else np.uint16)
+
+
+def bitwise_equal(a, b):
+    return a.dtype == b.dtype and a.shape == b.shape and np.array_equal(words(a), words(b))
+
+
+def memory_order(t):
+    """t's elements in the order they sit in memory (t dense)."""
+    order = sorted(range(t.dim()), key=t.stride, reverse=True)
+    return t.permute(order).reshape(-1)
+
+
+def check_format(packed, x):
+    """Packed's buffers against numpy: packbits for the bitmap, per-block sums for the offsets."""
+    w = words(memory_order(x) if x.numel() else x.reshape(-1))
+    n = w.size
+    nonzero = w != 0
+    nwords = math.ceil(n / 32)
+    expect_bitmap = np.packbits(np.pad(nonzero, (0, nwords * 32 - n)), bitorder="little")
+    assert np.array_equal(packed.bitmap.numpy(), expect_bitmap)
+    nblocks = math.ceil(n / BLOCK_ELEMS)
+    counts = [int(nonzero[b * BLOCK_ELEMS : (b + 1) * BLOCK_ELEMS].sum()) for b in range(nblocks)]
+    assert packed.offsets.tolist() == [0] + list(np.cumsum(counts, dtype=np.int64))
+    assert np.array_equal(words(packed.values), w[nonzero])
+    nnz = int(nonzero.sum())
+    assert packed.nnz == nnz
+    assert packed.nbytes == 4 * nwords + nnz * x.element_size() + 8 * (nblocks + 1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("density", DENSITIES)
+def test_round_trip_and_format(dtype, n, density):
+    x = sparse(n, density, dtype, seed=n)
+    packed = relu_pack(x)
+    check_format(packed, x)
+    y = relu_unpack(packed)
+    assert bitwise_equal(y, x) and y.device == x.device and y.stride() == x.stride()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_special_values_round_trip_bitwise(dtype):
+    special = from_bits(SPECIAL_BITS[dtype], dtype)
+    x = special.repeat(300)[torch.randperm(300 * special.numel(), generator=torch.Generator().manual_seed(1))]
+    packed = relu_pack(x)
+    check_format(packed, x)
+    # Only +0.0 is dropped: -0.0, NaNs, infinities and subnormals are kept as they are.
+    assert packed.nnz == (x.numel() // special.numel()) * (special.numel() - 1)
+    assert bitwise_equal(relu_unpack(packed), x)
+
+
+@pytest.mark.parametrize("shape", [(), (1,), (3, 5), (2, 3, 4, 5), (64, 1, 33), (0, 4), (1, 1, 1)])
+def test_shapes(shape):
+    x = sparse(math.prod(shape), 0.5, torch.float32, seed=3).reshape(shape)
+    packed = relu_pack(x)
+    assert packed.shape == x.shape and packed.dtype == x.dtype and packed.device == x.device
+    y = relu_unpack(packed)
+    assert y.shape == x.shape and bitwise_equal(y, x)
+
+
+def layouts(dtype):
+    """name -> (a view of a 2x8x9x10 tensor, whether its elements are dense in memory)."""
+    base = sparse(2 * 8 * 9 * 10, 0.4, dtype, seed=4).reshape(2, 8, 9, 10)
+    return {
+        "transpose": (base.reshape(16, 90).t(), True),
+        "channels_last": (base.contiguous(memory_format=torch.channels_last), True),
+        "storage_offset": (base.reshape(-1)[3:], True),  # dense but not 16-byte aligned
+        "permuted": (base.permute(3, 1, 0, 2), True),
+        "gaps": (base[:, ::2, :, 1:], False),
+        "expanded": (base[0, 0, 0].expand(7, 10), False),
+    }
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name", list(layouts(torch.float32)))
+def test_non_contiguous_input(name, dtype):
+    x, dense = layouts(dtype)[name]
+    packed = relu_pack(x)
+    y = relu_unpack(packed)
+    assert bitwise_equal(y, x)
+    if dense:  # packed in memory order, no copy; unpacked with the same strides
+        assert y.stride() == x.stride()
+        check_format(packed, x)
+    else:  # copied contiguous first
+        assert y.is_contiguous()
+        check_format(packed, x.contiguous())
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n", [0, 1, 15, 16, 17, 31, 33, 1000, 4097])
+def test_mask_is_greater_than_zero(dtype, n):
+    special = from_bits(SPECIAL_BITS[dtype], dtype)
+    x = torch.cat([sparse(n, 0.5, dtype, seed=n) * torch.where(torch.rand(n) < 0.5, 1.0, -1.0).to(dtype),
+                   special])  # fmt: skip
+    packed = relu_mask_pack(x)
+    assert packed.nbytes == 4 * math.ceil(x.numel() / 32)
+    expect = np.packbits(np.pad((x > 0).numpy(), (0, packed.nbytes * 8 - x.numel())), bitorder="little")
+    assert np.array_equal(packed.bitmap.numpy(), expect)
+    mask = relu_mask_unpack(packed)
+    assert mask.dtype == torch.bool and torch.equal(mask, x > 0)
+
+
+def test_mask_keeps_layout():
+    x = sparse(4 * 6 * 5 * 7, 0.5, torch.bfloat16, seed=5).reshape(4, 6, 5, 7) - 0.5
+    x = x.contiguous(memory_format=torch.channels_last)
+    mask = relu_mask_unpack(relu_mask_pack(x))
+    assert mask.stride() == x.stride() and torch.equal(mask, x > 0)
+
+
+def test_packed_size_tracks_density():
+    n = 1 << 16
+    sizes = [relu_pack(sparse(n, d, torch.bfloat16)).nbytes for d in (0.0, 0.3, 1.0)]
+    assert sizes[0] == n // 8 + 8 * (n // BLOCK_ELEMS + 1)  # bitmap + offsets only
+    assert sizes[0] < sizes[1] < sizes[2]
+    assert sizes[2] > 2 * n  # all values kept, plus the bitmap
+
+
+def test_requires_grad_input_and_exact_flag_on_cpu():
+    x = sparse(100, 0.5, torch.float32).requires_grad_()
+    packed = relu_pack(x, exact=False)  # CPU packs are always exact
+    assert packed.values.numel() == packed.nnz and packed.compact() is packed
+    y = relu_unpack(packed)
+    assert not y.requires_grad and bitwise_equal(y, x)
+
+
+BAD_INPUTS = {
+    "float64": torch.ones(4, dtype=torch.float64),
+    "int32": torch.ones(4, dtype=torch.int32),
+    "bool": torch.ones(4, dtype=torch.bool),
+    "complex64": torch.ones(4, dtype=torch.complex64),
+    "sparse": torch.ones(4).to_sparse(),
+    "list": [1.0, 0.0],
+    "None": None,
+}
+CLEAR_ERROR = "float32, float16 and bfloat16|dense CPU and CUDA|takes a torch"
+
+
+@pytest.mark.parametrize("name", list(BAD_INPUTS))
+def test_bad_input_is_a_clear_error(name):
+    for fn in (relu_pack, relu_mask_pack):
+        with pytest.raises(UsageError, match=CLEAR_ERROR):
+            fn(BAD_INPUTS[name])
+
+
+def test_unpack_rejects_other_objects_and_corrupt_packs():
+    with pytest.raises(UsageError, match="what relu_pack returned"):
+        relu_unpack(torch.zeros(3))
+    with pytest.raises(UsageError, match="what relu_mask_pack returned"):
+        relu_mask_unpack(relu_pack(torch.zeros(3)))
+    packed = relu_pack(sparse(5000, 0.5, torch.float32))
+    bad = Packed(packed.bitmap, packed.offsets, packed.values[:-1], packed.dtype, packed.shape, packed.stride)
+    with pytest.raises(UsageError, match="inconsistent"):
+        relu_unpack(bad)
+
+
+def test_kernel_constants_match():
+    """The kernels and this reference share a block size (two languages, one number)."""
+    assert isinstance(_C.has_relu_kernels, bool)
+    if _C.has_relu_kernels:
+        assert _C.relu_block_elems == BLOCK_ELEMS
