@@ -1,7 +1,11 @@
 """ReLU compression on CPU (supermem.compress's torch reference, which the GPU tests hold the kernels
 to): lossless round trips, and a format checked against independent numpy computations."""
 
+import json
 import math
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -174,3 +178,26 @@ def test_kernel_constants_match():
     assert isinstance(_C.has_relu_kernels, bool)
     if _C.has_relu_kernels:
         assert _C.relu_block_elems == BLOCK_ELEMS
+
+
+def test_bench_relu_quick_cpu(tmp_path):
+    out = tmp_path / "rows.json"
+    cmd = [sys.executable, "-m", "supermem", "bench", "relu", "--quick", "--device", "cpu", "--sizes", "1"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SUPERMEM")}
+    r = subprocess.run(cmd + ["--json", str(out)], capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["op"] for r in rows[:4]] == ["copy", "pack", "pack+sync", "unpack"]
+    assert len(rows) == 4 * 2 * 2  # ops x densities x dtypes
+    for row in rows:
+        assert row["us"] > 0 and row["x_copy"] > 0
+        if row["op"] != "copy":  # packed within 1% of n/8 + nnz x itemsize at 1 MiB
+            assert row["lossless"] and 1 < row["x_ideal"] < 1.01
+    assert "x copy" in r.stdout and "copy" in r.stdout
+
+
+def test_bench_relu_rejects_bad_sizes():
+    cmd = [sys.executable, "-m", "supermem", "bench", "relu", "--device", "cpu", "--sizes", "16,abc"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "expected a positive integer, got 'abc'" in r.stderr
+    assert "Traceback" not in r.stderr
