@@ -44,7 +44,7 @@ _FORMATS = {
 }
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False, repr=False)
 class Packed:
     """A tensor as bitmap + offsets + values (the format in csrc/kernels/relu_pack.h)."""
 
@@ -73,6 +73,9 @@ class Packed:
         """Nonzero elements (reads one number from the device: a host sync on CUDA)."""
         return int(self.offsets[-1])
 
+    def __repr__(self) -> str:
+        return f"Packed({_describe(self.dtype, self.shape, self.device)}, nbytes={self.nbytes})"
+
     def compact(self) -> Packed:
         """This, with the values buffer trimmed to nnz elements (after relu_pack(exact=False))."""
         nnz = self.nnz
@@ -81,7 +84,7 @@ class Packed:
         return dataclasses.replace(self, values=self.values[:nnz].clone())
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False, repr=False)
 class PackedMask:
     """The bitmap of a tensor's elements > 0: 1 bit per element, as in Packed.bitmap."""
 
@@ -100,6 +103,9 @@ class PackedMask:
     @property
     def nbytes(self) -> int:
         return self.bitmap.nbytes
+
+    def __repr__(self) -> str:
+        return f"PackedMask({_describe(torch.bool, self.shape, self.device)}, nbytes={self.nbytes})"
 
 
 def relu_pack(t: torch.Tensor, *, exact: bool = True) -> Packed:
@@ -189,6 +195,10 @@ def _flat(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
         return permuted.view(-1), t.stride()
     c = t.contiguous()
     return c.view(-1), c.stride()
+
+
+def _describe(dtype: torch.dtype, shape: torch.Size, device: torch.device) -> str:
+    return f"{str(dtype).removeprefix('torch.')}{list(shape)} on {device}"
 
 
 def _num_blocks(n: int) -> int:

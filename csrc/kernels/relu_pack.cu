@@ -5,8 +5,8 @@
 // device-wide exclusive scan turns the counts into offsets; (3) the same warps read their block
 // again and write the nonzeros at offsets[block] + their rank, staged through shared memory so the
 // global writes are contiguous. Unpack is one pass: each warp loads its block's 64 bitmap words
-// once, ranks each lane's elements with a warp prefix sum of popcounts, reads the block's values
-// coalesced and writes 16-byte vectors. All indices are int64: tensors past 2^31 elements work.
+// once, ranks each lane's elements with a warp prefix sum of popcounts, loads its values and
+// writes 16-byte vectors. All indices are int64: tensors past 2^31 elements work.
 #include <cub/device/device_scan.cuh>
 
 #include <climits>
@@ -195,43 +195,49 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// Unpack: dst gets the values where the bitmap is set and 0 elsewhere.
+// Unpack: dst gets the values where the bitmap is set and 0 elsewhere. Everything a lane needs to
+// find its values is in registers (the bitmap words) or one load (the block's offset), so the
+// value loads of kUnroll steps are all in flight before the first store.
 template <typename W, bool kAligned>
 __global__ void __launch_bounds__(kThreads)
     unpack_kernel(const uint32_t* __restrict__ bitmap, const int64_t* __restrict__ offsets,
                   const W* __restrict__ values, int64_t n, W* __restrict__ dst, int64_t nblocks) {
   using L = Layout<W>;
-  __shared__ W stage[kWarpsPerCta][L::kChunk];
   const int lane = threadIdx.x % 32;
   const int64_t block = int64_t(blockIdx.x) * kWarpsPerCta + threadIdx.x / 32;
   if (block >= nblocks) return;
-  W* mine = stage[threadIdx.x / 32];
   const int64_t first = block * kBlockElems;
   const int64_t nwords = (n + 31) / 32;
-  // The block's 64 bitmap words, loaded once: word k is register k / 32 of lane k % 32.
+  // The block's 64 bitmap words, loaded once: word k is register k / 32 of lane k % 32. Words past
+  // the bitmap read as 0, so steps past n load nothing and store nothing.
   const int64_t w0 = first / 32;
   const uint32_t lo = (w0 + lane < nwords) ? bitmap[w0 + lane] : 0u;
   const uint32_t hi = (w0 + 32 + lane < nwords) ? bitmap[w0 + 32 + lane] : 0u;
-  int64_t in = offsets[block];
-  for (int s = 0; s < L::kSteps; ++s) {
-    const int64_t step_first = first + s * L::kChunk;
-    if (step_first >= n) break;  // the same for every lane
-    // Step s covers block words s*kVec .. s*kVec+kVec-1, never straddling a register (32 % kVec == 0).
-    const int k = s * L::kVec + lane / L::kLanesPerWord;
-    const uint32_t word = __shfl_sync(kFullMask, s * L::kVec < 32 ? lo : hi, k % 32);
-    const uint32_t m = (word >> ((lane % L::kLanesPerWord) * L::kVec)) & ((1u << L::kVec) - 1u);
-    const int c = __popc(m);
-    const int incl = warp_inclusive_sum(c, lane);
-    const int total = __shfl_sync(kFullMask, incl, 31);
-    for (int j = lane; j < total; j += 32) mine[j] = values[in + j];
-    __syncwarp();
-    int pos = incl - c;
-    Vec<W> v;
+  int64_t in = offsets[block];  // values before this step
+  for (int s0 = 0; s0 < L::kSteps; s0 += kUnroll) {
+    Vec<W> v[kUnroll];
 #pragma unroll
-    for (int j = 0; j < L::kVec; ++j) v.w[j] = ((m >> j) & 1u) ? mine[pos++] : W(0);
-    store_vec<W, kAligned>(dst, step_first + lane * L::kVec, n, v);
-    __syncwarp();  // the stage is rewritten next step
-    in += total;
+    for (int u = 0; u < kUnroll; ++u) {
+      // Step s covers block words s*kVec .. s*kVec+kVec-1: never straddling a register (32 % kVec == 0).
+      const int s = s0 + u;
+      const int k = s * L::kVec + lane / L::kLanesPerWord;
+      const uint32_t word = __shfl_sync(kFullMask, s * L::kVec < 32 ? lo : hi, k % 32);
+      const uint32_t m = (word >> ((lane % L::kLanesPerWord) * L::kVec)) & ((1u << L::kVec) - 1u);
+      const int c = __popc(m);
+      const int incl = warp_inclusive_sum(c, lane);
+      const W* mine = values + in + (incl - c);  // this lane's first value
+      int r = 0;
+#pragma unroll
+      for (int j = 0; j < L::kVec; ++j) {
+        const bool set = (m >> j) & 1u;
+        v[u].w[j] = set ? mine[r] : W(0);
+        r += set;
+      }
+      in += __shfl_sync(kFullMask, incl, 31);
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u)
+      store_vec<W, kAligned>(dst, first + (s0 + u) * L::kChunk + lane * L::kVec, n, v[u]);
   }
 }
 

@@ -74,6 +74,7 @@ def test_shapes(shape):
     x = sparse(math.prod(shape), 0.5, torch.float32, seed=3).reshape(shape)
     packed = relu_pack(x)
     assert packed.shape == x.shape and packed.dtype == x.dtype and packed.device == x.device
+    assert repr(packed) == f"Packed(float32{list(shape)} on cpu, nbytes={packed.nbytes})"
     y = relu_unpack(packed)
     assert y.shape == x.shape and bitwise_equal(y, x)
 
