@@ -16,6 +16,7 @@ from supermem import _C
 from supermem.compress import (
     BLOCK_ELEMS,
     Packed,
+    packed_nbytes,
     relu_mask_pack,
     relu_mask_unpack,
     relu_pack,
@@ -45,6 +46,7 @@ def check_format(packed, x):
     nnz = int(nonzero.sum())
     assert packed.nnz == nnz
     assert packed.nbytes == 4 * nwords + nnz * x.element_size() + 8 * (nblocks + 1)
+    assert packed_nbytes(n, nnz, x.element_size()) == packed.nbytes  # the size a planner predicts
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
