@@ -84,6 +84,9 @@ def test_layouts_and_unaligned_input(name, dtype):
     assert y.stride() == relu_unpack(relu_pack(view)).stride()
     mask = relu_mask_unpack(relu_mask_pack(gpu_view - 0.5))
     assert torch.equal(mask.cpu(), (view - 0.5) > 0)
+    mask = relu_mask_pack(gpu_view)  # offset_*: the mask's scalar load path
+    assert torch.equal(mask.bitmap.cpu(), relu_mask_pack(view).bitmap)
+    assert torch.equal(relu_mask_unpack(mask).cpu(), view > 0)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
