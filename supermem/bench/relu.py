@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import time
 
+from ..cli_args import positive_int
 from . import table
 
 MiB = 1 << 20
@@ -30,22 +31,12 @@ SLEEP_CYCLES = 20_000_000  # ~10 ms of GPU sleep: the host queues the timed call
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--iters", type=_positive, default=20, help="timed calls per row (default 20)")
+    p.add_argument("--iters", type=positive_int, default=20, help="timed calls per row (default 20)")
     p.add_argument("--sizes", type=_mib_list, default=None, help="MiB, comma-separated (default: 16 .. 1024)")
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
-
-
 def _mib_list(text: str) -> tuple[int, ...]:
-    return tuple(_positive(s) for s in text.split(","))
+    return tuple(positive_int(s) for s in text.split(","))
 
 
 def run(args: argparse.Namespace) -> dict:
