@@ -59,6 +59,8 @@ def run(args: argparse.Namespace) -> dict:
         ("us", lambda r: r["us"], ".1f"),
         ("GB/s", lambda r: r["gbps"], ".0f"),
         ("x copy", lambda r: r["x_copy"], ".2f"),
+        ("bound", lambda r: r["bound_x_copy"], ".2f"),
+        ("moved GB/s", lambda r: r["moved_gbps"], ".0f"),
         ("packed MiB", lambda r: r["packed_mib"], ".2f"),
         ("ideal MiB", lambda r: r["ideal_mib"], ".2f"),
         ("x ideal", lambda r: r["x_ideal"], ".4f"),
@@ -66,6 +68,8 @@ def run(args: argparse.Namespace) -> dict:
     ]
     print(table.render(columns, rows))
     print("GB/s: dense tensor bytes per second; x copy: copy time / op time (baseline: the copy, this run)")
+    print("moved GB/s: the bytes the op must read and write / time (pack reads the input twice);")
+    print("bound: the x copy it would reach moving them as fast as the copy moves its own")
     if device.type != "cuda":
         print("(cpu runs the torch reference: the targets below apply to the CUDA kernels)")
     for op in ("pack", "unpack"):
@@ -101,10 +105,20 @@ def measure(device, dtype, size_bytes: int, density: float, iters: int) -> list[
     lossless = torch.equal(relu_unpack(packed).view(int_view), x.view(int_view))
     ideal = n / 8 + packed.nnz * x.element_size()
     base = {"dtype": str(dtype).removeprefix("torch."), "size_mib": size_bytes // MiB, "density": density}
+    # Bytes each op must move: pack reads the input in pass 1 and again in pass 3, then writes the
+    # packed buffers; unpack reads them and writes the dense tensor.
+    moved = {
+        "copy": 2 * size_bytes,
+        "pack": 2 * size_bytes + packed.nbytes,
+        "unpack": size_bytes + packed.nbytes,
+    }
+    moved["pack+sync"] = moved["pack"]
     rows = []
     for op, seconds in times.items():
         row = dict(base, op=op, us=seconds * 1e6, gbps=size_bytes / seconds / 1e9)
         row["x_copy"] = times["copy"] / seconds
+        row["moved_gbps"] = moved[op] / seconds / 1e9
+        row["bound_x_copy"] = moved["copy"] / moved[op]
         if op != "copy":
             row.update(lossless=lossless, packed_mib=packed.nbytes / MiB, ideal_mib=ideal / MiB)
             row.update(x_ideal=packed.nbytes / ideal, x_dense=packed.nbytes / size_bytes)
