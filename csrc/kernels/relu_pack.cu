@@ -3,8 +3,8 @@
 // Pack is three passes, each a single sweep: (1) one warp per block of kBlockElems elements reads
 // 16-byte vectors, builds the block's bitmap words with shuffles and counts its nonzeros; (2) CUB's
 // device-wide exclusive scan turns the counts into offsets; (3) the same warps read their block
-// again and write the nonzeros at offsets[block] + their rank, staged through shared memory so the
-// global writes are contiguous. Unpack is one pass: each warp loads its block's 64 bitmap words
+// again (back to front, so the first reads hit what pass 1 left in L2) and write the nonzeros at
+// offsets[block] + their rank, staged through shared memory so the global writes are contiguous. Unpack is one pass: each warp loads its block's 64 bitmap words
 // once, ranks each lane's elements with a warp prefix sum of popcounts, loads its values and
 // writes 16-byte vectors. All indices are int64: tensors past 2^31 elements work.
 #include <cub/device/device_scan.cuh>
@@ -167,7 +167,10 @@ __global__ void __launch_bounds__(kThreads)
   using L = Layout<W>;
   __shared__ W stage[kWarpsPerCta][L::kChunk];
   const int lane = threadIdx.x % 32;
-  const int64_t block = int64_t(blockIdx.x) * kWarpsPerCta + threadIdx.x / 32;
+  // CTAs take their blocks back to front: pass 1 has just read the input front to back, so the
+  // first blocks read here are the ones still in L2.
+  const int64_t cta = int64_t(gridDim.x) - 1 - blockIdx.x;
+  const int64_t block = cta * kWarpsPerCta + threadIdx.x / 32;
   if (block >= nblocks) return;
   W* mine = stage[threadIdx.x / 32];
   const int64_t first = block * kBlockElems;
