@@ -5,6 +5,7 @@
 #include <pybind11/stl.h>
 
 #include "alloc/caching.h"
+#include "kernels/bindings_kernels.h"
 #include "plugin.h"
 #include "prim/prim.h"
 #include "py_callbacks.h"
@@ -257,6 +258,7 @@ PYBIND11_MODULE(_C, m) {
   m.def("cuda_device_count", []() { return 0; });
   m.attr("has_cuda") = false;
 #endif
+  bind_kernels(m);  // relu compression kernels (csrc/kernels/)
 
   using CA = CachingAllocator;
   auto nogil = py::call_guard<py::gil_scoped_release>();

@@ -8,12 +8,13 @@ import json
 from pathlib import Path
 
 from ..cli_args import positive_float, positive_int
-from . import alloc, trace, train
+from . import alloc, relu, trace, train
 
 BENCHES = {
     "alloc": (alloc, "cost of torch.empty + del per pair, native vs supermem"),
     "train": (train, "GPT-24 / ResNet-152 training steps: allocator and memory-saver rows"),
     "trace": (trace, "what recording a trace costs a training step; writes the trace (and report)"),
+    "relu": (relu, "ReLU compression kernels: pack/unpack throughput against a copy, packed size"),
 }
 
 

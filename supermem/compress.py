@@ -1,0 +1,298 @@
+"""Lossless ReLU compression: a tensor that is mostly zeros (a ReLU's output) kept as a bitmap of its
+nonzero elements, per-block offsets and the nonzeros themselves.
+
+    packed = relu_pack(x)           # packed.nbytes: bitmap + offsets + values
+    y = relu_unpack(packed)         # bitwise equal to x: -0.0, NaN payloads and inf included
+
+CUDA tensors go through the kernels in csrc/kernels/relu_pack.cu (three passes: bitmap and block
+counts, a device-wide scan of the counts, a scatter of the nonzeros); CPU tensors through the
+vectorised torch code below, which is also the reference that the GPU tests compare the kernels
+with byte for byte. Elements are compared as 16/32-bit words: "nonzero" means "bits != 0", so only
++0.0 is dropped. fp32, fp16 and bf16 only.
+
+Layout kept: a tensor whose elements are dense in memory in some dimension order (contiguous,
+channels_last, a transpose) is packed in memory order without a copy and unpacks with the same
+strides; any other (a slice with gaps, an expanded view) is made contiguous first (a copy) and
+unpacks contiguous.
+
+The packed size depends on the data, so on CUDA `relu_pack(x)` reads the nonzero count back from the
+GPU once, between the scan and the scatter (one host sync: the values buffer is allocated at its
+exact size). `relu_pack(x, exact=False)` never syncs: it allocates room for every element, and
+`packed.compact()` trims it later (one sync, when the caller chooses).
+
+The mask-only form keeps 1 bit per element, set where the element is > 0 (NaN and -0.0 are not):
+the mask ReLU's backward reads. `relu_mask_unpack` gives it back as a bool tensor.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .errors import DeviceError, UsageError
+
+BLOCK_ELEMS = 2048  # elements per offsets entry; kBlockElems in csrc/kernels/relu_pack.h
+
+# dtype -> (integer dtype of the same size, the bits of +inf: elements whose bits are 1..this are > 0)
+_FORMATS = {
+    torch.float32: (torch.int32, 0x7F800000),
+    torch.float16: (torch.int16, 0x7C00),
+    torch.bfloat16: (torch.int16, 0x7F80),
+}
+
+
+@dataclass(frozen=True, eq=False, repr=False)
+class Packed:
+    """A tensor as bitmap + offsets + values (the format in csrc/kernels/relu_pack.h)."""
+
+    bitmap: torch.Tensor  # uint8, 4 * ceil(n / 32) bytes: element i is bit i % 8 of byte i // 8
+    offsets: torch.Tensor  # int64, ceil(n / BLOCK_ELEMS) + 1: nonzeros before each block; the last is nnz
+    values: torch.Tensor  # the nonzeros in memory order (room for all n of them after exact=False)
+    dtype: torch.dtype
+    shape: torch.Size
+    stride: tuple[int, ...]  # of the tensor relu_unpack makes
+
+    @property
+    def device(self) -> torch.device:
+        return self.bitmap.device
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held: bitmap + values + offsets."""
+        return self.bitmap.nbytes + self.values.nbytes + self.offsets.nbytes
+
+    @property
+    def nnz(self) -> int:
+        """Nonzero elements (reads one number from the device: a host sync on CUDA)."""
+        return int(self.offsets[-1])
+
+    def __repr__(self) -> str:
+        return f"Packed({_describe(self.dtype, self.shape, self.device)}, nbytes={self.nbytes})"
+
+    def compact(self) -> Packed:
+        """This, with the values buffer trimmed to nnz elements (after relu_pack(exact=False))."""
+        nnz = self.nnz
+        if self.values.numel() == nnz:
+            return self
+        return dataclasses.replace(self, values=self.values[:nnz].clone())
+
+
+@dataclass(frozen=True, eq=False, repr=False)
+class PackedMask:
+    """The bitmap of a tensor's elements > 0: 1 bit per element, as in Packed.bitmap."""
+
+    bitmap: torch.Tensor
+    shape: torch.Size
+    stride: tuple[int, ...]
+
+    @property
+    def device(self) -> torch.device:
+        return self.bitmap.device
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.bitmap.nbytes
+
+    def __repr__(self) -> str:
+        return f"PackedMask({_describe(torch.bool, self.shape, self.device)}, nbytes={self.nbytes})"
+
+
+def relu_pack(t: torch.Tensor, *, exact: bool = True) -> Packed:
+    """Packs `t` (fp32/fp16/bf16, CPU or CUDA) losslessly. On CUDA, exact=True costs one host sync
+    (the values buffer gets its exact size); exact=False costs none and holds room for every element."""
+    flat, stride = _flat(_check_tensor(t, "relu_pack"))
+    if flat.is_cuda:
+        bitmap, offsets, values = _pack_cuda(flat, exact)
+    else:
+        bitmap, offsets, values = _pack_reference(flat)
+    return Packed(bitmap, offsets, values, t.dtype, t.shape, stride)
+
+
+def relu_unpack(packed: Packed) -> torch.Tensor:
+    """The tensor `packed` was made from, bitwise, on packed.device."""
+    if not isinstance(packed, Packed):
+        raise UsageError(f"relu_unpack takes what relu_pack returned, got {type(packed).__name__}")
+    out = torch.empty_strided(packed.shape, packed.stride, dtype=packed.dtype, device=packed.device)
+    flat, _ = _flat(out)
+    if out.is_cuda:
+        _unpack_cuda(packed, flat)
+    else:
+        flat.copy_(_unpack_reference(packed))
+    return out
+
+
+def relu_mask_pack(t: torch.Tensor) -> PackedMask:
+    """The mask `t > 0` of a fp32/fp16/bf16 tensor, 1 bit per element (NaN and -0.0 give 0)."""
+    flat, stride = _flat(_check_tensor(t, "relu_mask_pack"))
+    int_dtype, inf_bits = _FORMATS[t.dtype]
+    n = flat.numel()
+    if flat.is_cuda:
+        _C = _kernels()
+        with torch.cuda.device(flat.device):
+            bitmap = torch.empty(_bitmap_bytes(n), dtype=torch.uint8, device=flat.device)
+            stream = torch.cuda.current_stream(flat.device).cuda_stream
+            _C.relu_mask_pack(flat.data_ptr(), n, flat.element_size(), inf_bits, bitmap.data_ptr(), stream)
+    else:
+        bits = flat.view(int_dtype)
+        bitmap = _bits_to_bytes((bits > 0) & (bits <= inf_bits))
+    return PackedMask(bitmap, t.shape, stride)
+
+
+def relu_mask_unpack(packed: PackedMask) -> torch.Tensor:
+    """The mask as a bool tensor of the packed tensor's shape (and strides, as relu_unpack)."""
+    if not isinstance(packed, PackedMask):
+        raise UsageError(f"relu_mask_unpack takes what relu_mask_pack returned, got {type(packed).__name__}")
+    out = torch.empty_strided(packed.shape, packed.stride, dtype=torch.bool, device=packed.device)
+    flat, _ = _flat(out)
+    n = flat.numel()
+    if out.is_cuda:
+        _C = _kernels()
+        with torch.cuda.device(out.device):
+            stream = torch.cuda.current_stream(out.device).cuda_stream
+            _C.relu_mask_unpack(packed.bitmap.data_ptr(), n, flat.data_ptr(), stream)
+    else:
+        flat.copy_(_bytes_to_bits(packed.bitmap, n))
+    return out
+
+
+def packed_nbytes(numel: int, nnz: int, itemsize: int) -> int:
+    """Bytes of an exact Packed: the bitmap in whole 32-bit words + nnz values + the offsets."""
+    return _bitmap_bytes(numel) + nnz * itemsize + 8 * (_num_blocks(numel) + 1)
+
+
+# ---- layout ------------------------------------------------------------------------------------------
+
+
+def _check_tensor(t: object, fn: str) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise UsageError(f"{fn} takes a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in _FORMATS:
+        raise UsageError(f"{fn} supports float32, float16 and bfloat16 tensors, got {t.dtype}")
+    if t.layout != torch.strided or t.device.type not in ("cpu", "cuda"):
+        raise UsageError(f"{fn} supports dense CPU and CUDA tensors, got {t.layout} on {t.device}")
+    return t.detach()
+
+
+def _flat(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """t's elements as a 1-D view in memory order, and the strides unpack gives back. A tensor whose
+    elements are not dense in memory (gaps, overlaps) is copied contiguous first."""
+    if t.is_contiguous():
+        return t.view(-1), t.stride()
+    order = sorted(range(t.dim()), key=t.stride, reverse=True)
+    permuted = t.permute(order)
+    if permuted.is_contiguous():  # channels_last, a transpose, ...: dense, just not row-major
+        return permuted.view(-1), t.stride()
+    c = t.contiguous()
+    return c.view(-1), c.stride()
+
+
+def _describe(dtype: torch.dtype, shape: torch.Size, device: torch.device) -> str:
+    return f"{str(dtype).removeprefix('torch.')}{list(shape)} on {device}"
+
+
+def _num_blocks(n: int) -> int:
+    return -(-n // BLOCK_ELEMS)
+
+
+def _bitmap_bytes(n: int) -> int:
+    return 4 * -(-n // 32)  # whole 32-bit words, as the kernels write them
+
+
+# ---- CPU reference -----------------------------------------------------------------------------------
+
+
+def _bits_to_bytes(mask: torch.Tensor) -> torch.Tensor:
+    """A 1-D bool tensor as the bitmap: element i is bit i % 8 of byte i // 8, padded to 32-bit words."""
+    padded = torch.zeros(_bitmap_bytes(mask.numel()) * 8, dtype=torch.uint8, device=mask.device)
+    padded[: mask.numel()] = mask
+    weights = torch.tensor([1 << b for b in range(8)], dtype=torch.uint8, device=mask.device)
+    return (padded.view(-1, 8) * weights).sum(1).to(torch.uint8)  # disjoint bits: the sum is an OR
+
+
+def _bytes_to_bits(bitmap: torch.Tensor, n: int) -> torch.Tensor:
+    shifts = torch.arange(8, dtype=torch.uint8, device=bitmap.device)
+    return ((bitmap.view(-1, 1) >> shifts) & 1).view(-1)[:n].bool()
+
+
+def _pack_reference(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    int_dtype, _ = _FORMATS[flat.dtype]
+    n, nblocks = flat.numel(), _num_blocks(flat.numel())
+    bits = flat.view(int_dtype)
+    nonzero = bits != 0
+    per_block = torch.zeros(nblocks * BLOCK_ELEMS, dtype=torch.int64, device=flat.device)
+    per_block[:n] = nonzero
+    offsets = torch.zeros(nblocks + 1, dtype=torch.int64, device=flat.device)
+    torch.cumsum(per_block.view(nblocks, BLOCK_ELEMS).sum(1), 0, out=offsets[1:])
+    return _bits_to_bytes(nonzero), offsets, bits[nonzero].view(flat.dtype)
+
+
+def _unpack_reference(packed: Packed) -> torch.Tensor:
+    int_dtype, _ = _FORMATS[packed.dtype]
+    n = packed.numel
+    nonzero = _bytes_to_bits(packed.bitmap, n)
+    nnz = int(nonzero.sum())
+    if packed.offsets.numel() != _num_blocks(n) + 1 or packed.nnz != nnz or packed.values.numel() < nnz:
+        raise UsageError(
+            f"relu_unpack: inconsistent Packed: {nnz} bits set, offsets say {packed.nnz}, "
+            f"{packed.values.numel()} values"
+        )
+    bits = torch.zeros(n, dtype=int_dtype, device=packed.device)
+    bits[nonzero] = packed.values[:nnz].view(int_dtype)
+    return bits.view(packed.dtype)
+
+
+# ---- CUDA kernels ------------------------------------------------------------------------------------
+
+
+def _kernels():
+    from . import _C
+
+    if not getattr(_C, "has_relu_kernels", False):
+        raise DeviceError(
+            "supermem was built without its CUDA kernels (no nvcc at build time): relu compression of "
+            "CUDA tensors needs them; rebuild with the CUDA toolkit on PATH"
+        )
+    return _C
+
+
+def _pack_cuda(flat: torch.Tensor, exact: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    _C = _kernels()
+    n, device, elem_bytes = flat.numel(), flat.device, flat.element_size()
+    with torch.cuda.device(device):
+        stream = torch.cuda.current_stream(device).cuda_stream
+        bitmap = torch.empty(_bitmap_bytes(n), dtype=torch.uint8, device=device)
+        if n == 0:
+            return bitmap, torch.zeros(1, dtype=torch.int64, device=device), flat.new_empty(0)
+        offsets = torch.empty(_num_blocks(n) + 1, dtype=torch.int64, device=device)
+        workspace_bytes = _C.relu_pack_workspace_bytes(n)
+        workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=device)
+        _C.relu_pack_offsets(
+            flat.data_ptr(), n, elem_bytes, bitmap.data_ptr(), offsets.data_ptr(),
+            workspace.data_ptr(), workspace_bytes, stream,
+        )  # fmt: skip
+        nnz = int(offsets[-1]) if exact else n  # the one host sync: the values' size is data-dependent
+        values = flat.new_empty(nnz)
+        if nnz:
+            _C.relu_pack_values(flat.data_ptr(), n, elem_bytes, offsets.data_ptr(), values.data_ptr(), stream)
+    return bitmap, offsets, values
+
+
+def _unpack_cuda(packed: Packed, flat: torch.Tensor) -> None:
+    _C = _kernels()
+    with torch.cuda.device(flat.device):
+        stream = torch.cuda.current_stream(flat.device).cuda_stream
+        _C.relu_unpack(
+            packed.bitmap.data_ptr(), packed.offsets.data_ptr(), packed.values.data_ptr(),
+            flat.numel(), flat.element_size(), flat.data_ptr(), stream,
+        )  # fmt: skip

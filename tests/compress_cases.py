@@ -1,0 +1,42 @@
+"""Test cases for the ReLU compression tests (tests/cpu/test_compress.py, tests/gpu/test_compress_gpu.py):
+sizes, densities, special values, and bitwise comparison helpers."""
+
+import numpy as np
+import torch
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+INT = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
+SIZES = [0, 1, 7, 31, 32, 33, 1023, 2047, 2048, 2049, 4097, 3 * 2048 * 8 + 5]
+DENSITIES = [0.0, 1e-6, 0.3, 0.5, 1.0]
+# Bits of special values: +0, -0, +inf, -inf, quiet NaN, NaN with a payload, negative NaN, the smallest
+# subnormal, its negative, 1.0, the largest finite value.
+SPECIAL_BITS = {
+    torch.float32: [0, 0x80000000, 0x7F800000, 0xFF800000, 0x7FC00000, 0x7F800001, 0xFFC00123, 1, 0x80000001,
+                    0x3F800000, 0x7F7FFFFF],
+    torch.float16: [0, 0x8000, 0x7C00, 0xFC00, 0x7E00, 0x7C01, 0xFE12, 1, 0x8001, 0x3C00, 0x7BFF],
+    torch.bfloat16: [0, 0x8000, 0x7F80, 0xFF80, 0x7FC0, 0x7F81, 0xFFC3, 1, 0x8001, 0x3F80, 0x7F7F],
+}  # fmt: skip
+
+
+def sparse(n, density, dtype, seed=0):
+    """n positive values (>= 0.5) of which about (1 - density) are set to +0.0."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g).abs() + 0.5
+    return torch.where(torch.rand(n, generator=g) < density, x, 0.0).to(dtype)
+
+
+def from_bits(bits, dtype):
+    """A tensor of `dtype` whose elements have these bit patterns (unsigned ints)."""
+    width = torch.finfo(dtype).bits
+    signed = [b - (1 << width) if b >= 1 << (width - 1) else b for b in bits]
+    return torch.tensor(signed, dtype=INT[dtype]).view(dtype)
+
+
+def words(t):
+    """The elements as unsigned integers (numpy), for bitwise comparisons."""
+    a = t.detach().cpu().contiguous().view(INT[t.dtype]).numpy()
+    return a.astype(np.uint32 if a.dtype == np.int32 else np.uint16)
+
+
+def bitwise_equal(a, b):
+    return a.dtype == b.dtype and a.shape == b.shape and np.array_equal(words(a), words(b))

@@ -1,0 +1,183 @@
+"""The ReLU compression kernels (csrc/kernels/relu_pack.cu) on a GPU, held byte for byte to the CPU
+reference in supermem.compress: bitmap, offsets and values, the unpacked tensor, the mask form; the
+unaligned paths, writes staying inside their buffers, the caller's stream, no host sync with
+exact=False, and tensors past 2^31 elements. Runs in this process (no allocator swap needed)."""
+
+import math
+
+import pytest
+import torch
+from compress_cases import DENSITIES, DTYPES, INT, SIZES, SPECIAL_BITS, bitwise_equal, from_bits, sparse
+
+from supermem import _C
+from supermem.compress import relu_mask_pack, relu_mask_unpack, relu_pack, relu_unpack
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+@pytest.fixture(autouse=True)
+def kernels_built():
+    # A GPU machine must have built them: skipping here would hide a broken build.
+    assert _C.has_relu_kernels, "supermem._C was built without the CUDA kernels (no nvcc at build time?)"
+    yield
+    torch.cuda.synchronize()  # a kernel fault surfaces in the test that caused it
+
+
+def assert_same_pack(gpu, ref):
+    """A CUDA Packed equals the CPU reference's, byte for byte."""
+    assert gpu.device.type == "cuda" and gpu.dtype == ref.dtype and gpu.shape == ref.shape
+    assert torch.equal(gpu.bitmap.cpu(), ref.bitmap)
+    assert torch.equal(gpu.offsets.cpu(), ref.offsets)
+    assert bitwise_equal(gpu.values[: ref.nnz], ref.values)
+
+
+@pytest.mark.parametrize("exact", [True, False], ids=["exact", "worst_case"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n", SIZES + [(1 << 20) + 3])
+@pytest.mark.parametrize("density", DENSITIES)
+def test_kernels_equal_reference(density, n, dtype, exact):
+    x = sparse(n, density, dtype, seed=n)
+    ref = relu_pack(x)
+    packed = relu_pack(x.cuda(), exact=exact)
+    assert_same_pack(packed, ref)
+    if exact:
+        assert packed.nbytes == ref.nbytes
+    else:  # room for every element until compacted
+        assert packed.values.numel() == n and packed.compact().nbytes == ref.nbytes
+    y = relu_unpack(packed)
+    assert y.is_cuda and bitwise_equal(y, x)
+    assert bitwise_equal(relu_unpack(packed.compact()), x)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_special_values(dtype):
+    special = from_bits(SPECIAL_BITS[dtype], dtype)
+    order = torch.randperm(1000 * special.numel(), generator=torch.Generator().manual_seed(2))
+    x = special.repeat(1000)[order]
+    packed = relu_pack(x.cuda())
+    assert_same_pack(packed, relu_pack(x))
+    assert bitwise_equal(relu_unpack(packed), x)
+    mask = relu_mask_pack(x.cuda())
+    assert torch.equal(mask.bitmap.cpu(), relu_mask_pack(x).bitmap)
+    assert torch.equal(relu_mask_unpack(mask).cpu(), x > 0)
+
+
+def views(base):
+    return {
+        "channels_last": base.contiguous(memory_format=torch.channels_last),
+        "transpose": base.reshape(64, -1).t(),
+        "offset_1": base.reshape(-1)[1:],  # 2- or 4-byte aligned: the scalar load path
+        "offset_3": base.reshape(-1)[3:-2],
+        "gaps": base[:, ::3, 1:],
+    }
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name", list(views(torch.zeros(4, 16, 17, 19))))
+def test_layouts_and_unaligned_input(name, dtype):
+    base = sparse(4 * 16 * 17 * 19, 0.5, dtype, seed=3).reshape(4, 16, 17, 19)
+    view, gpu_view = views(base)[name], views(base.cuda())[name]
+    packed = relu_pack(gpu_view)
+    assert_same_pack(packed, relu_pack(view))
+    y = relu_unpack(packed)
+    assert bitwise_equal(y, view)
+    assert y.stride() == relu_unpack(relu_pack(view)).stride()
+    mask = relu_mask_unpack(relu_mask_pack(gpu_view - 0.5))
+    assert torch.equal(mask.cpu(), (view - 0.5) > 0)
+    mask = relu_mask_pack(gpu_view)  # offset_*: the mask's scalar load path
+    assert torch.equal(mask.bitmap.cpu(), relu_mask_pack(view).bitmap)
+    assert torch.equal(relu_mask_unpack(mask).cpu(), view > 0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n", [1, 17, 31, 33, 2047, 2049, 100_003])
+def test_writes_stay_in_their_buffers_and_unaligned_outputs_work(dtype, n):
+    """The kernels called directly with guard bytes around every output, and outputs one element
+    (unpack) or three bytes (mask) off 16-byte alignment."""
+    stream = torch.cuda.current_stream().cuda_stream
+    x = sparse(n, 0.5, dtype, seed=n).cuda()
+    ref = relu_pack(x.cpu())
+    size = x.element_size()
+    guard = 64
+
+    def guarded(nbytes):
+        return torch.full((nbytes + 2 * guard,), 0xA5, dtype=torch.uint8, device="cuda")
+
+    def inside(buf):
+        return buf[guard:-guard]
+
+    def guards_intact(buf):
+        return bool((buf[:guard] == 0xA5).all() and (buf[-guard:] == 0xA5).all())
+
+    nwords, nblocks = math.ceil(n / 32), math.ceil(n / 2048)
+    bitmap, offsets, values = guarded(4 * nwords), guarded(8 * (nblocks + 1)), guarded(size * ref.nnz)
+    workspace = torch.empty(_C.relu_pack_workspace_bytes(n), dtype=torch.uint8, device="cuda")
+    ptr = lambda buf: inside(buf).data_ptr()  # noqa: E731
+    _C.relu_pack_offsets(x.data_ptr(), n, size, ptr(bitmap), ptr(offsets), workspace.data_ptr(),
+                         workspace.numel(), stream)  # fmt: skip
+    _C.relu_pack_values(x.data_ptr(), n, size, ptr(offsets), ptr(values), stream)
+    assert all(guards_intact(b) for b in (bitmap, offsets, values))
+    assert torch.equal(inside(bitmap).cpu(), ref.bitmap)
+    assert torch.equal(inside(offsets).cpu().view(torch.int64), ref.offsets)
+    assert torch.equal(inside(values).cpu(), ref.values.view(torch.uint8))
+
+    dense = guarded(size * (n + 1))  # the output starts one element past a 16-byte boundary
+    out = inside(dense)[size:]
+    _C.relu_unpack(ptr(bitmap), ptr(offsets), ptr(values), n, size, out.data_ptr(), stream)
+    assert guards_intact(dense) and bitwise_equal(out.view(dtype), x)
+
+    limit = {torch.float32: 0x7F800000, torch.float16: 0x7C00, torch.bfloat16: 0x7F80}[dtype]
+    signed = x - 1.0  # about half of the nonzeros turn negative
+    mask_bits = guarded(4 * nwords)
+    _C.relu_mask_pack(signed.data_ptr(), n, size, limit, ptr(mask_bits), stream)
+    bools = guarded(n + 3)
+    _C.relu_mask_unpack(ptr(mask_bits), n, inside(bools)[3:].data_ptr(), stream)
+    assert guards_intact(mask_bits) and guards_intact(bools)
+    assert torch.equal(inside(bools)[3:].view(torch.bool), signed > 0)
+
+
+def test_runs_on_the_callers_stream():
+    """Queued behind a long kernel on a side stream, the pack must still see the side stream's writes."""
+    n = 1 << 22
+    x = torch.zeros(n, device="cuda")
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(100_000_000)  # tens of ms: a launch on another stream would run first
+        x.fill_(2.0)
+        packed = relu_pack(x, exact=False)
+        y = relu_unpack(packed)
+        mask = relu_mask_unpack(relu_mask_pack(x))
+    side.synchronize()
+    assert packed.nnz == n and bool((y == 2.0).all()) and bool(mask.all())
+
+
+def test_worst_case_mode_never_syncs_and_exact_mode_syncs_once():
+    x = sparse(1 << 20, 0.5, torch.bfloat16).cuda()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        packed = relu_pack(x, exact=False)
+        relu_unpack(packed)
+        relu_mask_unpack(relu_mask_pack(x))
+        with pytest.raises(RuntimeError, match="synchroniz"):
+            relu_pack(x)  # reads the nonzero count back to size the values buffer
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
+def test_past_2_to_the_31_elements():
+    n = (1 << 31) + 4099  # int32 indices would wrap
+    if torch.cuda.mem_get_info()[0] < 24 * (1 << 30):
+        pytest.skip("needs 24 GiB of free GPU memory")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.rand(n, device="cuda", generator=g, dtype=torch.bfloat16) - 0.5
+    x = torch.relu_(x)
+    nnz = int(torch.count_nonzero(x.view(torch.int16)))
+    packed = relu_pack(x)
+    assert packed.nnz == nnz and packed.values.numel() == nnz
+    y = relu_unpack(packed)
+    assert torch.equal(y.view(torch.int16), x.view(torch.int16))
+    tail = x[-5000:]  # elements past index 2^31, whose values sit past byte 2^31 of the values
+    assert torch.equal(packed.values[-int(torch.count_nonzero(tail)) :].view(INT[x.dtype]),
+                       tail[tail.view(torch.int16) != 0].view(torch.int16))  # fmt: skip
