@@ -12,6 +12,7 @@
 
 #ifdef SUPERMEM_WITH_TORCH_CUDA
 
+#include <c10/core/Allocator.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/util/Exception.h>
@@ -326,6 +327,11 @@ void register_plugin(pybind11::module_& m) {
   m.def("plugin_install", []() {
     // Fails (c10::Error: "Can't swap an already initialized allocator") once CUDA is initialised.
     torch::cuda::CUDAPluggableAllocator::changeCurrentAllocator(std::make_shared<TorchAllocator>());
+    // changeCurrentAllocator swaps what c10::cuda::CUDACachingAllocator::get() returns, but not c10's
+    // registry of allocators per device type, which torch.accelerator.* reads (at::getDeviceAllocator):
+    // left alone, it asks PyTorch's idle native allocator ("Invalid device argument"). Priority 1 beats
+    // the native allocator's static registration (0).
+    c10::SetAllocator(c10::DeviceType::CUDA, c10::cuda::CUDACachingAllocator::get(), 1);
   });
 }
 
