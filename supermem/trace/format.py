@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from .output import atomic_output
 from .table import ALLOCATOR_ACTIONS, COLUMNS, Trace
 
 MAGIC = b"\x89SMTRACE"
@@ -84,14 +85,11 @@ def write(trace: Trace, path: str | os.PathLike) -> int:
         separators=(",", ":"),
         default=_json_default,
     ).encode()
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
+    with atomic_output(path) as f:
         f.write(_FIXED.pack(MAGIC, MAJOR, MINOR, len(header), offset))
         f.write(header)
         for b in body:
             f.write(b)
-    os.replace(tmp, path)
     return _FIXED.size + len(header) + offset
 
 

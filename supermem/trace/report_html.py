@@ -15,6 +15,7 @@ from typing import Any
 
 from ..units import format_bytes
 from .analysis import DeviceReport, Report, analyze, summary_text
+from .output import write_bytes
 from .svg_plot import RESERVED_COLOR, TOP, H, Plot, color_of
 from .table import Trace
 
@@ -328,9 +329,7 @@ def _peak_tables(rep: Report, d: DeviceReport) -> str:
 def write_report(trace: Trace | Report, path: str | os.PathLike, source: str = "", width: int = 1000) -> Path:
     """Writes the HTML report of `trace` (or of an already computed Report) to `path`."""
     rep = trace if isinstance(trace, Report) else analyze(trace, width=width, source=source)
-    path = Path(path)
-    path.write_text(render(rep), encoding="utf-8")
-    return path
+    return write_bytes(path, render(rep).encode("utf-8"))
 
 
 def write_report_files(

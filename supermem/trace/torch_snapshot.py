@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from .format import TraceFormatError
+from .output import write_bytes
 from .table import (
     ALLOC,
     FREE_COMPLETED,
@@ -183,10 +184,8 @@ def _device_trace(trace: Trace, dev: int, frames, pool_events: bool, use_categor
 
 
 def write_torch_snapshot(trace: Trace, path: str | os.PathLike, pool_events: bool = True) -> Path:
-    path = Path(path)
-    with open(path, "wb") as f:
-        pickle.dump(to_torch_snapshot(trace, pool_events), f, protocol=PICKLE_PROTOCOL)
-    return path
+    data = pickle.dumps(to_torch_snapshot(trace, pool_events), protocol=PICKLE_PROTOCOL)
+    return write_bytes(path, data)
 
 
 # ---------------------------------------------------------------- reading PyTorch's snapshots
