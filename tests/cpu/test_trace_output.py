@@ -123,7 +123,7 @@ def test_a_failed_smtrace_write_leaves_no_temporary_file(tmp_path, monkeypatch):
         def pack(self, *a):
             raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(fmt, "_FIXED", Full())
+    monkeypatch.setattr(fmt, "_PREFIX", Full())
     with pytest.raises((OSError, OutputError)):  # OutputError through the CLI's helper
         fmt.write(Trace(), tmp_path / "t.smtrace")
     assert list(tmp_path.iterdir()) == []
