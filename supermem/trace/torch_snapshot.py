@@ -38,7 +38,16 @@ from .table import (
     empty_columns,
 )
 from .timeline import lifetimes, series
-from .validate import INT64_MAX, INT64_MIN, MAX_DEVICES, TraceFormatError, int_field, need, str_field
+from .validate import (
+    INT64_MAX,
+    INT64_MIN,
+    MAX_BYTES,
+    MAX_DEVICES,
+    TraceFormatError,
+    int_field,
+    need,
+    str_field,
+)
 
 PICKLE_PROTOCOL = 4  # MemoryViz.js accepts protocols 2-4
 
@@ -297,8 +306,8 @@ def from_torch_snapshot(snap: Any) -> Trace:
         cols["action"][i] = _name_id(trace.action_id, rename.get(action, action))
         cols["device"][i] = dev
         cols["address"][i] = _int_or_none(e, "addr", what)
-        cols["size"][i] = _int_or_none(e, "size", what, 0)
-        cols["stream"][i] = _int_or_none(e, "stream", what)
+        cols["size"][i] = _int_or_none(e, "size", what, 0, MAX_BYTES)
+        cols["stream"][i] = _int_or_none(e, "stream", what, 0)
         cols["stack"][i] = stack_of(e.get("frames"))
         if e.get("category"):
             cols["category"][i] = _name_id(trace.category_id, str_field(e, "category", what))
@@ -320,7 +329,7 @@ def from_torch_snapshot(snap: Any) -> Trace:
         out = []
         for j, b in enumerate(blocks):
             need(type(b) is dict, f"{what}, block {j} is not a dict")
-            size = int_field(b, "size", f"{what}, block {j}", 0)
+            size = int_field(b, "size", f"{what}, block {j}", 0, MAX_BYTES)
             requested = b.get("requested_size", size)
             nb = {
                 "address": b.get("address", addr),
@@ -354,6 +363,6 @@ def _name_id(register, name: str) -> int:
         raise TraceFormatError(str(e)) from None
 
 
-def _int_or_none(e: dict, key: str, what: str, lo: int = INT64_MIN) -> int:
+def _int_or_none(e: dict, key: str, what: str, lo: int = INT64_MIN, hi: int = INT64_MAX) -> int:
     """An integer field that PyTorch may leave out or set to None (an OOM entry has no address)."""
-    return 0 if e.get(key) is None else int_field(e, key, what, lo)
+    return 0 if e.get(key) is None else int_field(e, key, what, lo, hi)

@@ -20,6 +20,8 @@ from .table import COLUMNS, Frame, Trace
 MAX_DEVICES = 128
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 MAX_NAMES = 255  # actions and categories are uint8 columns
+# No block or device is larger (the biggest GPUs hold ~2**38): sums of many sizes then stay in int64.
+MAX_BYTES = 1 << 50
 
 
 class TraceFormatError(ValueError):
@@ -103,8 +105,8 @@ def segment(seg: Any, trace: Trace, what: str) -> dict[str, Any]:
     need(type(blocks) is list, f"{what}: 'blocks' must be a list")
     return {
         "address": int_field(seg, "address", what),
-        "total_size": int_field(seg, "total_size", what, 0),
-        "stream": int_field(seg, "stream", what, default=0),
+        "total_size": int_field(seg, "total_size", what, 0, MAX_BYTES),
+        "stream": int_field(seg, "stream", what, 0, default=0),
         "segment_type": str_field(seg, "segment_type", what, "large"),
         "segment_pool_id": [pool[0], pool[1]],
         "blocks": [block(b, trace, f"{what}, block {i}") for i, b in enumerate(blocks)],
@@ -115,8 +117,8 @@ def block(b: Any, trace: Trace, what: str) -> dict[str, Any]:
     need(type(b) is dict, f"{what} must be a dict, got {_show(b)}")
     out = {
         "address": int_field(b, "address", what),
-        "size": int_field(b, "size", what, 0),
-        "requested_size": int_field(b, "requested_size", what, 0, default=0),
+        "size": int_field(b, "size", what, 0, MAX_BYTES),
+        "requested_size": int_field(b, "requested_size", what, 0, MAX_BYTES, default=0),
         "state": str_field(b, "state", what, "inactive"),
     }
     if "stack" in b:
@@ -145,8 +147,8 @@ def device(d: Any, segments: Any, trace: Trace) -> dict[str, Any]:
     out.update(
         index=index,
         name=str_field(d, "name", what, ""),
-        total_bytes=int_field(d, "total_bytes", what, 0, default=0),
-        limit_bytes=int_field(d, "limit_bytes", what, 0, default=0),
+        total_bytes=int_field(d, "total_bytes", what, 0, MAX_BYTES, default=0),
+        limit_bytes=int_field(d, "limit_bytes", what, 0, MAX_BYTES, default=0),
         stats=stats,
         segments=[segment(s, trace, f"{what}, segment {i}") for i, s in enumerate(segments)],
     )
@@ -184,7 +186,8 @@ def check_columns(trace: Trace) -> None:
     in_range("stack", -1, len(trace.stacks) - 1, "a stack index outside")
     in_range("detail", -1, len(trace.strings) - 1, "a string index outside")
     in_range("device", -1, MAX_DEVICES - 1, "a device index outside")
-    in_range("size", 0, INT64_MAX, "a size outside")
+    in_range("size", 0, MAX_BYTES, "a size outside")
+    in_range("stream", 0, INT64_MAX, "a stream (cudaStream_t) outside")
     t = c["time_ns"]
     need(not n or (int(t[0]) >= 0 and bool(np.all(t[1:] >= t[:-1]))), "event times are not in order")
 

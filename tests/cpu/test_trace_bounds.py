@@ -241,3 +241,33 @@ def test_categories_beyond_the_plotted_ones_are_summed_not_lost():
     assert f"cat{n - 1}" in d.by_category and "cat0" not in d.by_category
     total = [sum(v[i] for v in d.by_category.values()) for i in range(20)]
     assert total == d.active
+
+
+def allocs_file(path, sizes):
+    from supermem.trace import format as fmt
+    from supermem.trace.table import ALLOC, Trace, empty_columns
+
+    c = empty_columns(len(sizes))
+    c["time_ns"] = np.arange(len(sizes), dtype=np.int64)
+    c["action"][:] = ALLOC
+    c["address"] = (np.arange(len(sizes), dtype=np.int64) + 1) << 51
+    c["size"] = np.array(sizes, np.int64)
+    fmt.write(Trace(cols=c), path)
+    return path
+
+
+def test_sizes_larger_than_any_device_are_refused(tmp_path):
+    p = allocs_file(tmp_path / "huge.smtrace", [1 << 62, (1 << 63) - 1])  # their sum wraps int64
+    with pytest.raises(TraceFormatError, match="size"):
+        load(p)
+
+
+def test_find_min_never_asks_for_an_impossible_device(tmp_path, capsys):
+    from supermem import cli
+
+    p = allocs_file(tmp_path / "wide.smtrace", [1 << 50] * 8192)  # 2**63 bytes live at the end
+    assert cli.main(["replay", str(p), "--capacity", "1GiB", "--find-min"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("supermem replay: error:") and "no simulated device" in err, err
+    assert cli.main(["replay", str(p), "--capacity", str(1 << 63)]) == 2
+    assert "capacity must be in" in capsys.readouterr().err

@@ -7,10 +7,14 @@ a flipped digit is a different but well-formed snapshot, so there the rule is a 
 result computed without any other exception. Memory stays bounded throughout (peak RSS growth).
 """
 
+import copy
+import json
 import pickle
 import random
+import struct
 import subprocess
 import sys
+import zlib
 
 import pytest
 from trace_workload import Workload, make_allocator
@@ -123,3 +127,87 @@ def test_damaged_files_through_the_command_line(files, capsys):
         text=True,
     )
     assert r.returncode == 2 and "Traceback" not in r.stderr and "checksum" in r.stderr, r.stderr
+
+
+# ---------------------------------------------------------------- crafted files (checksums right)
+
+ODD_VALUES = [None, -1, 1 << 70, -(1 << 70), 1.5, float("nan"), True, "x", "", [], {}, [[]], {"a": 1}]
+
+
+def leaves(obj, path=()):
+    """Every path into nested dicts/lists (containers included)."""
+    yield path
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, list) else ()
+    for k, v in items:
+        yield from leaves(v, (*path, k))
+
+
+def replaced(obj, path, value):
+    if not path:
+        return value
+    out = copy.copy(obj)
+    out[path[0]] = replaced(obj[path[0]], path[1:], value)
+    return out
+
+
+def crafted_smtrace(header: dict, data: bytes, name: str | None, obj) -> bytes:
+    """A format-2 file with `header` and, when `name` is given, JSON section `name` holding `obj`;
+    every checksum and length recomputed, as someone crafting a file would."""
+    header = copy.deepcopy(header)
+    if name is not None:
+        raw = json.dumps(obj).encode()
+        packed = zlib.compress(raw)
+        s = next(s for s in header["sections"] if s["name"] == name)
+        s.update(offset=len(data), length=len(packed), raw_length=len(raw), crc32=zlib.crc32(raw))
+        data = data + packed
+    h = json.dumps(header).encode()
+    prefix = b"\x89SMTRACE" + struct.pack("<HHIQ", 2, 0, len(h), len(data))
+    return prefix + struct.pack("<I", zlib.crc32(data, zlib.crc32(h, zlib.crc32(prefix)))) + h + data
+
+
+def test_crafted_smtrace_headers_and_sections(files):
+    data, _ = files["smtrace"]
+    hl = struct.unpack_from("<I", data, 12)[0]
+    header = json.loads(data[28 : 28 + hl])
+    body = data[28 + hl :]
+    trace = parse(data, NAME)
+    blobs = {
+        "strings": trace.strings,
+        "frames": [list(f) for f in trace.frames] or [["f.py", 1, "g"]],
+        "stacks": [list(s) for s in trace.stacks] or [[0]],
+        "segments": [d["segments"] for d in trace.devices],
+    }
+    cases = [("header", p, v) for p in leaves(header) for v in ODD_VALUES]
+    cases += [(n, p, v) for n, obj in blobs.items() for p in leaves(obj) for v in ODD_VALUES]
+
+    accepted = 0
+    for where, path, value in cases:
+        if where == "header":
+            bad = crafted_smtrace(replaced(header, path, value), body, None, None)
+        else:
+            bad = crafted_smtrace(header, body, where, replaced(blobs[where], path, value))
+        try:
+            t = parse(bad, NAME)
+        except TraceFormatError as e:
+            assert "\n" not in str(e) and str(e).startswith(NAME), (where, path, value, str(e))
+            continue
+        results(t)  # any exception here is a traceback a user would see
+        accepted += 1
+    assert accepted < len(cases)
+
+
+def test_crafted_snapshots(files):
+    data, _ = files["pickle"]
+    snap = pickle.loads(data)
+    from supermem.trace.torch_snapshot import from_torch_snapshot
+
+    paths = list(leaves(snap))
+    sample = random.Random(SEED).sample(paths, min(len(paths), 400))
+    for path in sample:
+        for value in ODD_VALUES:
+            try:
+                t = from_torch_snapshot(replaced(snap, path, value))
+            except TraceFormatError as e:
+                assert "\n" not in str(e), (path, value, str(e))
+                continue
+            results(t)
