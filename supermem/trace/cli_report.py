@@ -9,7 +9,7 @@ from pathlib import Path
 
 from .analysis import analyze, summary_text
 from .loader import load_for_cli as load
-from .output import check_output
+from .output import OutputError, check_output
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -32,7 +32,9 @@ def main(args: argparse.Namespace) -> int:
     html_path = check_output(args.output or src.with_suffix(".html"), inputs=[src])
     png_path = None
     if not args.no_png:
-        png_path = check_output(args.png or html_path.with_suffix(".png"), inputs=[src, html_path])
+        png_path = check_output(args.png or html_path.with_suffix(".png"), inputs=[src])
+        if png_path.resolve() == html_path.resolve():
+            raise OutputError(f"{png_path}: is the same file as the HTML output; give --png another name")
     trace = load(src)
     rep = analyze(trace, width=max(10, args.width), max_blocks=max(0, args.max_blocks), source=src.name)
     write_report(rep, html_path)

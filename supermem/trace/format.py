@@ -40,9 +40,7 @@ import numpy as np
 from . import validate
 from .output import atomic_output
 from .table import ALLOCATOR_ACTIONS, COLUMNS, Trace
-from .validate import TraceFormatError
-
-__all__ = ["TraceFormatError", "read", "write", "parse", "read_input", "kind_of", "sniff"]
+from .validate import TraceFormatError  # noqa: F401  (supermem.trace.format.TraceFormatError)
 
 MAGIC = b"\x89SMTRACE"
 MAJOR, MINOR = 2, 0
@@ -150,12 +148,6 @@ def kind_of(head: bytes) -> str:
     if head[:1] == bytes([_PICKLE_PROTOCOL_BYTE]):
         return "pickle"
     return "unknown"
-
-
-def sniff(path: str | os.PathLike) -> str:
-    """kind_of() of the file at `path`, reading its first 8 bytes only."""
-    with open(path, "rb") as f:
-        return kind_of(f.read(len(MAGIC)))
 
 
 def read(path: str | os.PathLike) -> Trace:

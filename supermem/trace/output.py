@@ -39,7 +39,7 @@ def check_output(path: str | os.PathLike, inputs: Iterable[str | os.PathLike] = 
     path = Path(path)
     for src in inputs:
         if _same_file(path, Path(src)):
-            raise OutputError(f"{path}: is the same file as the input {src}; choose another output with -o")
+            raise OutputError(f"{path}: is the same file as the input {src}; choose another output")
     try:
         st = os.stat(path)
     except FileNotFoundError:

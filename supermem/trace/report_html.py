@@ -17,7 +17,7 @@ from typing import Any
 
 from ..units import format_bytes
 from .analysis import DeviceReport, Report, analyze, summary_text
-from .output import write_bytes
+from .output import check_output, write_bytes
 from .svg_plot import RESERVED_COLOR, TOP, H, Plot, attr, color_of, css_token
 from .table import Trace
 
@@ -361,9 +361,10 @@ def write_report_files(
     from .png_report import write_png
 
     trace_path = Path(trace_path)
-    html_path = Path(html_path) if html_path else trace_path.with_suffix(".html")
+    html_path = check_output(html_path or trace_path.with_suffix(".html"), inputs=[trace_path])
+    png_path = check_output(html_path.with_suffix(".png"), inputs=[trace_path]) if png else None
     rep = analyze(load(trace_path), source=trace_path.name)
     out: dict[str, Any] = {"report": rep, "html": write_report(rep, html_path)}
     if png:
-        out["png"] = write_png(rep, html_path.with_suffix(".png"))
+        out["png"] = write_png(rep, png_path)
     return out

@@ -25,7 +25,6 @@ from typing import Any
 import numpy as np
 
 from . import validate
-from .format import read_input
 from .output import write_bytes
 from .table import (
     ALLOC,
@@ -204,9 +203,17 @@ def write_torch_snapshot(trace: Trace, path: str | os.PathLike, pool_events: boo
 
 class _PlainUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
     """Loads plain data only: a snapshot never needs a class, and a pickle that names one could run
-    code on load. The pure-Python unpickler (~5x slower than the C one) because the C one sizes its
-    memo table by the largest index a file names: a 12-byte pickle saying "put at 2**27" makes it
-    allocate and clear 2 GiB."""
+    code on load. Built on the pure-Python unpickler because the C one sizes its memo table by the
+    largest index a file names: a 12-byte pickle saying "put at 2**27" makes it allocate and clear
+    2 GiB. Frames are skipped rather than buffered (their opcodes follow inline), which makes it
+    about twice as fast as the stock pure-Python loop."""
+
+    dispatch = dict(pickle._Unpickler.dispatch)  # type: ignore[attr-defined]
+
+    def _skip_frame(self) -> None:
+        self.read(8)
+
+    dispatch[pickle.FRAME[0]] = _skip_frame
 
     def find_class(self, module: str, name: str) -> Any:
         raise TraceFormatError(
@@ -214,16 +221,31 @@ class _PlainUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
             "(supermem does not load arbitrary pickles)"
         )
 
+    def __init__(self, data: bytes):
+        super().__init__(io.BytesIO(data))
+        self._stream = io.BytesIO(data)
 
-def load_pickle(path: str | os.PathLike) -> Trace:
-    """Reads a PyTorch memory snapshot pickle as a Trace."""
-    return parse_pickle(read_input(path), str(path))
+    def load(self) -> Any:
+        f = self._stream
+        self.read, self.readline, self.readinto = f.read, f.readline, f.readinto
+        self.metastack, self.stack = [], []
+        self.append = self.stack.append
+        self.proto = 0
+        read, dispatch = self.read, self.dispatch
+        try:
+            while True:
+                key = read(1)
+                if not key:
+                    raise EOFError("pickle data was truncated")
+                dispatch[key[0]](self)
+        except pickle._Stop as stop:  # type: ignore[attr-defined]
+            return stop.value
 
 
 def parse_pickle(data: bytes, name: str = "snapshot") -> Trace:
     """A Trace from a snapshot pickle's bytes; `name` (the file) starts every error message."""
     try:
-        obj = _PlainUnpickler(io.BytesIO(data)).load()
+        obj = _PlainUnpickler(data).load()
     except TraceFormatError as e:
         raise TraceFormatError(f"{name}: {e}") from None
     except Exception as e:  # truncated or corrupt pickles raise many kinds of errors

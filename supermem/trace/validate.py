@@ -39,13 +39,15 @@ def is_int(v: Any, lo: int = INT64_MIN, hi: int = INT64_MAX) -> bool:
 
 def int_field(d: dict, key: str, what: str, lo: int = INT64_MIN, hi: int = INT64_MAX, default: Any = None):
     v = d.get(key, default)
-    need(is_int(v, lo, hi), f"{what}: {key!r} must be an integer in [{lo}, {hi}], got {_show(v)}")
+    if type(v) is not int or not lo <= v <= hi:  # the message is built only for a bad value
+        raise TraceFormatError(f"{what}: {key!r} must be an integer in [{lo}, {hi}], got {_show(v)}")
     return v
 
 
 def str_field(d: dict, key: str, what: str, default: Any = None) -> str:
     v = d.get(key, default)
-    need(type(v) is str, f"{what}: {key!r} must be a string, got {_show(v)}")
+    if type(v) is not str:
+        raise TraceFormatError(f"{what}: {key!r} must be a string, got {_show(v)}")
     return v
 
 
