@@ -165,7 +165,9 @@ def meta(m: Any) -> dict[str, Any]:
         "meta: 'dropped_events' must map device names to counts",
     )
     need(type(m.get("time_is_index", False)) is bool, "meta: 'time_is_index' must be true or false")
-    need(type(m.get("argv", [])) is list, "meta: 'argv' must be a list")
+    argv = m.get("argv", [])
+    need(type(argv) is list and all(type(a) is str for a in argv), "meta: 'argv' must be a list of strings")
+    need(is_int(m.get("pid", 0)), "meta: 'pid' must be an integer")
     return m
 
 

@@ -24,6 +24,7 @@ from supermem import cli
 from supermem.trace.analysis import analyze
 from supermem.trace.loader import parse
 from supermem.trace.replay import replay
+from supermem.trace.report_html import render
 from supermem.trace.torch_snapshot import to_torch_snapshot
 from supermem.trace.validate import TraceFormatError
 
@@ -40,12 +41,10 @@ def hwm_kb() -> int:
     return 0
 
 
-def results(trace):
-    return (
-        analyze(trace, width=50, max_blocks=20, source=NAME),
-        to_torch_snapshot(trace),
-        replay(trace, CAPACITY_BYTES, "lru").as_dict(),
-    )
+def results(trace, html=False):
+    rep = analyze(trace, width=50, max_blocks=20, source=NAME)
+    out = (rep, to_torch_snapshot(trace), replay(trace, CAPACITY_BYTES, "lru").as_dict())
+    return (*out, render(rep)) if html else out
 
 
 @pytest.fixture(scope="module")
@@ -191,7 +190,7 @@ def test_crafted_smtrace_headers_and_sections(files):
         except TraceFormatError as e:
             assert "\n" not in str(e) and str(e).startswith(NAME), (where, path, value, str(e))
             continue
-        results(t)  # any exception here is a traceback a user would see
+        results(t, html=True)  # any exception here is a traceback a user would see
         accepted += 1
     assert accepted < len(cases)
 
@@ -210,4 +209,4 @@ def test_crafted_snapshots(files):
             except TraceFormatError as e:
                 assert "\n" not in str(e), (path, value, str(e))
                 continue
-            results(t)
+            results(t, html=True)
