@@ -222,8 +222,8 @@ class _PlainUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
         )
 
     def __init__(self, data: bytes):
-        super().__init__(io.BytesIO(data))
         self._stream = io.BytesIO(data)
+        super().__init__(self._stream)
 
     def load(self) -> Any:
         f = self._stream
