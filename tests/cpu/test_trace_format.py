@@ -240,3 +240,16 @@ def test_cli_error_path_in_a_real_process(tmp_path):
     r = subprocess.run([sys.executable, "-m", "supermem", "report", str(p)], capture_output=True, text=True)
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert "not a supermem trace" in r.stderr
+
+
+def test_json_sections_that_compress_too_well_are_stored_and_still_read(tmp_path):
+    # The reader refuses JSON that inflates more than JSON_MAX_RATIO:1 (a bomb of Python objects); the
+    # writer stores such a section uncompressed, so every file it writes reads back.
+    t = random_trace(10, 4)
+    t.strings = ["the same long string " * 5] * 20000 + t.strings
+    t.frames = [("train.py", 1, "f")] * 20000 + t.frames
+    p = tmp_path / "z.smtrace"
+    fmt.write(t, p)
+    back = fmt.read(p)
+    assert back.strings == t.strings and back.frames == t.frames
+    assert p.stat().st_size > 20000 * len(t.strings[0]) // fmt.JSON_MAX_RATIO
