@@ -254,6 +254,9 @@ def parse_pickle(data: bytes, name: str = "snapshot") -> Trace:
         return from_torch_snapshot(obj)
     except TraceFormatError as e:
         raise TraceFormatError(f"{name}: {e}") from None
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError, OverflowError, RecursionError) as e:
+        # the checks above should have caught it first: still one line naming the file
+        raise TraceFormatError(f"{name}: not a PyTorch memory snapshot ({type(e).__name__}: {e})") from None
 
 
 def from_torch_snapshot(snap: Any) -> Trace:
