@@ -18,6 +18,10 @@ from ..units import format_bytes
 from .table import MEMORY_ACTIONS, OOM, Trace
 from .timeline import bin_sums, category_values, downsample, lifetimes, series
 
+# Series plotted per device, at most: the rest are summed into one. A file may name 255 categories
+# and 255 actions on each of 128 devices; a series per pair would make a report of gigabytes.
+MAX_SERIES = 10
+OTHER_CATEGORIES, OTHER_ACTIONS = "other categories", "other actions"
 D2H_ACTIONS = ("offload",)  # device -> host copies
 H2D_ACTIONS = ("prefetch", "restore")  # host -> device copies
 
@@ -98,7 +102,15 @@ def _device(trace: Trace, dev: int, t0: int, t1: int, width: int, max_blocks: in
     pos = downsample(s.time_ns, s.active, t0, t1, width)
     cat_vals = category_values(trace, lt, s, pos)
     order = [c for c in CATEGORIES if c in cat_vals] + [c for c in cat_vals if c not in CATEGORIES]
-    by_category = {c: cat_vals[c].tolist() for c in order if cat_vals[c].any()}
+    shown = [c for c in order if cat_vals[c].any()]
+    rest = []
+    if len(shown) > MAX_SERIES:  # keep the largest, sum the others
+        largest = set(sorted(shown, key=lambda c: -int(cat_vals[c].max()))[: MAX_SERIES - 1])
+        rest = [c for c in shown if c not in largest]
+        shown = [c for c in shown if c in largest]
+    by_category = {c: cat_vals[c].tolist() for c in shown}
+    if rest:
+        by_category[OTHER_CATEGORIES] = sum(cat_vals[c] for c in rest).tolist()
     active = np.where(pos >= 0, s.active[np.maximum(pos, 0)], s.initial_active) if len(s.active) else None
     if active is None:
         active = np.full(width, s.initial_active)
@@ -154,6 +166,14 @@ def _device(trace: Trace, dev: int, t0: int, t1: int, width: int, max_blocks: in
                 per_bin += np.array(pool_bytes[name])
         if per_bin.any():
             copy_rate[label] = (per_bin / bin_s).tolist()
+    if len(pool_bytes) > MAX_SERIES:
+        copies = [a for a in (*D2H_ACTIONS, *H2D_ACTIONS) if a in pool_bytes]
+        others = [a for a in sorted(pool_counts, key=lambda a: -pool_counts[a]) if a not in copies]
+        keep = set(copies + others[: MAX_SERIES - 1 - len(copies)])
+        rest = [a for a in pool_bytes if a not in keep]
+        merged = np.sum([pool_bytes.pop(a) for a in rest], axis=0)
+        pool_bytes[OTHER_ACTIONS] = merged.tolist()
+        pool_counts[OTHER_ACTIONS] = sum(pool_counts.pop(a) for a in rest)
 
     ooms = []
     dev_idx = s.index

@@ -7,6 +7,7 @@ import argparse
 from pathlib import Path
 
 from .loader import load_for_cli as load
+from .output import check_output
 from .torch_snapshot import write_torch_snapshot
 
 
@@ -18,7 +19,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     src = Path(args.trace)
-    out = Path(args.output) if args.output else src.with_suffix(".pickle")
+    out = check_output(args.output or src.with_suffix(".pickle"), inputs=[src])
     write_torch_snapshot(load(src), out, pool_events=not args.no_pool_events)
     print(f"wrote {out}: open it with `python -m torch.cuda._memory_viz trace_plot {out} -o plot.html`")
     return 0

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from .analysis import analyze, summary_text
 from .loader import load_for_cli as load
+from .output import OutputError, check_output
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -27,13 +28,18 @@ def main(args: argparse.Namespace) -> int:
 
     t0 = time.perf_counter()
     src = Path(args.trace)
+    # Both outputs are checked before the work, so a bad --png does not leave a lone HTML behind.
+    html_path = check_output(args.output or src.with_suffix(".html"), inputs=[src])
+    png_path = None
+    if not args.no_png:
+        png_path = check_output(args.png or html_path.with_suffix(".png"), inputs=[src])
+        if png_path.resolve() == html_path.resolve():
+            raise OutputError(f"{png_path}: is the same file as the HTML output; give --png another name")
     trace = load(src)
     rep = analyze(trace, width=max(10, args.width), max_blocks=max(0, args.max_blocks), source=src.name)
-    html_path = Path(args.output) if args.output else src.with_suffix(".html")
     write_report(rep, html_path)
     written = [str(html_path)]
-    if not args.no_png:
-        png_path = Path(args.png) if args.png else html_path.with_suffix(".png")
+    if png_path is not None:
         write_png(rep, png_path)
         written.append(str(png_path))
     if not args.quiet:

@@ -15,6 +15,8 @@ import sys
 from pathlib import Path
 
 from ..errors import UsageError
+from .format import TraceFormatError
+from .output import check_output
 from .recorder import DEFAULT_CAPACITY_EVENTS
 
 _PYTHON = re.compile(r"^python[0-9.]*$")
@@ -34,7 +36,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--report", action="store_true", help="also write the HTML report and PNG beside the trace"
     )
-    p.add_argument("command", nargs=argparse.REMAINDER, help="-- python train.py args (or -- train.py args)")
+    # dest "program": the subcommand's name is args.command (supermem's CLI prints it in errors)
+    p.add_argument(
+        "program",
+        metavar="command",
+        nargs=argparse.REMAINDER,
+        help="-- python train.py args (or -- train.py args)",
+    )
 
 
 def child_argv(command: list[str], output: str, capacity: int, stacks: bool) -> list[str]:
@@ -62,15 +70,35 @@ def child_argv(command: list[str], output: str, capacity: int, stacks: bool) -> 
 
 
 def main(args: argparse.Namespace) -> int:
-    argv = child_argv(args.command, str(Path(args.output).resolve()), args.capacity, args.stacks)
+    if args.capacity <= 0:
+        raise UsageError(f"--capacity must be a number of events > 0, got {args.capacity}")
+    argv = child_argv(args.program, str(Path(args.output).resolve()), args.capacity, args.stacks)
+    # Every output is checked before the program runs: a run of hours must not end in a lost trace.
+    script = argv[argv.index("--") + 1]
+    inputs = [script] if os.path.isfile(script) else []
+    out = check_output(args.output, inputs=inputs)
+    if args.report:
+        html = check_output(out.with_suffix(".html"), inputs=[*inputs, out])
+        check_output(html.with_suffix(".png"), inputs=[*inputs, out])
+    before = _identity(out)
     rc = subprocess.call(argv)
-    out = Path(args.output)
-    if not out.exists():
+    if _identity(out) in (None, before):  # absent, or the previous run's file
         print(f"supermem trace: the program ended (exit {rc}) without writing {out}", file=sys.stderr)
         return rc or 1
     if args.report:
         from .report_html import write_report_files
 
-        files = write_report_files(out)
+        try:
+            files = write_report_files(out)
+        except TraceFormatError as e:
+            raise UsageError(str(e)) from None
         print(f"supermem trace: report {files['html']}", file=sys.stderr)
     return rc
+
+
+def _identity(path: Path) -> tuple[int, int] | None:
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_ino, st.st_mtime_ns

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 from . import format
 from .format import TraceFormatError
@@ -13,20 +12,21 @@ from .table import Trace
 def load(path: str | os.PathLike) -> Trace:
     """Reads `path` (.smtrace or PyTorch snapshot pickle, told apart by content, not by name).
     Raises FileNotFoundError, or TraceFormatError saying what is wrong with the file."""
-    path = Path(path)
-    if path.is_dir():
-        raise TraceFormatError(f"{path} is a directory, not a trace file")
-    kind = format.sniff(path)
-    if kind == "smtrace":
-        return format.read(path)
-    if kind == "pickle":
-        from .torch_snapshot import load_pickle
+    return parse(format.read_input(path), str(path))
 
-        return load_pickle(path)
-    head = path.read_bytes()[:16]
-    what = "empty" if not head else f"starts with {head!r}"
+
+def parse(data: bytes, name: str = "trace") -> Trace:
+    """load() of a file's bytes; `name` starts every error message."""
+    kind = format.kind_of(data)
+    if kind == "smtrace":
+        return format.parse(data, name)
+    if kind == "pickle":
+        from .torch_snapshot import parse_pickle
+
+        return parse_pickle(data, name)
+    what = "empty" if not data else f"starts with {data[:16]!r}"
     raise TraceFormatError(
-        f"{path}: not a supermem trace (.smtrace) or a PyTorch memory snapshot pickle ({what}); "
+        f"{name}: not a supermem trace (.smtrace) or a PyTorch memory snapshot pickle ({what}); "
         "record one with `supermem trace -o run.smtrace -- python train.py` or "
         "torch.cuda.memory._dump_snapshot()"
     )

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from ..units import format_bytes
 from .analysis import DeviceReport, Report
+from .output import write_bytes
 from .png import GLYPH_H, GLYPH_W, Canvas, hex_color
 from .svg_plot import RESERVED_COLOR, color_of, nice_bytes_step
 
@@ -122,6 +123,4 @@ def _seconds(s: float) -> str:
 
 
 def write_png(rep: Report, path: str | os.PathLike) -> Path:
-    path = Path(path)
-    path.write_bytes(render(rep).to_png())
-    return path
+    return write_bytes(path, render(rep).to_png())

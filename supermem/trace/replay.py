@@ -44,6 +44,7 @@ class PlannedPolicy:
 
 
 POLICIES = {"none": None, "lru": LruPolicy, "planned": PlannedPolicy}
+MAX_CAPACITY_BYTES = 1 << 62  # the simulated device's capacity is an int64
 
 
 @dataclass
@@ -98,6 +99,8 @@ def replay(
 
     if policy not in POLICIES:
         raise UsageError(f"unknown policy {policy!r}: use one of {', '.join(POLICIES)}")
+    if not 0 < capacity_bytes <= MAX_CAPACITY_BYTES:
+        raise UsageError(f"capacity must be in (0, {format_bytes(MAX_CAPACITY_BYTES)}], got {capacity_bytes}")
     dev = pick_device(trace, device)
     lt = lifetimes(trace, dev)
     s = series(trace, dev, lt)
@@ -224,10 +227,13 @@ def min_capacity(
     dev = pick_device(trace, device)
     lt = lifetimes(trace, dev)
     lo = int(lt.size.max(initial=0))
-    hi = max(int(lt.size.sum()), lo, 2 << 20) + (64 << 20)
+    hi = max(sum(lt.size.tolist()), lo, 2 << 20) + (64 << 20)  # Python ints: no int64 wrap
+    hi = min(hi, MAX_CAPACITY_BYTES)
     step = 2 << 20
     while replay(trace, hi, policy, dev, offload_categories).num_ooms:
-        hi *= 2
+        if hi >= MAX_CAPACITY_BYTES:
+            raise UsageError(f"no simulated device up to {format_bytes(hi)} fits this trace")
+        hi = min(hi * 2, MAX_CAPACITY_BYTES)
     while hi - lo > max(step, int(hi * tolerance)):
         mid = (lo + hi) // 2 // step * step
         if mid <= lo:

@@ -7,6 +7,8 @@ hover read-out and a filter for the peak table; the page is complete without it.
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import html
 import json
 import os
@@ -15,7 +17,8 @@ from typing import Any
 
 from ..units import format_bytes
 from .analysis import DeviceReport, Report, analyze, summary_text
-from .svg_plot import RESERVED_COLOR, TOP, H, Plot, color_of
+from .output import check_output, write_bytes
+from .svg_plot import RESERVED_COLOR, TOP, H, Plot, attr, color_of, css_token
 from .table import Trace
 
 CSS = """
@@ -24,8 +27,8 @@ h1{font-size:22px;margin:0 0 4px} h2{font-size:18px;margin:28px 0 6px;border-bot
 h3{font-size:15px;margin:18px 0 6px} .meta{color:#555;margin:0} .note{background:#fff6d5;padding:6px 10px}
 svg.plot{width:100%;height:auto;display:block;background:#fff} svg text{font-size:11px;fill:#444}
 .grid{stroke:#eee} .axis{stroke:#888} .cursor{stroke:#000;stroke-width:1}
-.legend span{display:inline-block;margin-right:14px} .legend i{display:inline-block;width:11px;height:11px;
-margin-right:4px;vertical-align:-1px} .readout{font:12px monospace;min-height:1.4em;color:#333}
+.legend span{display:inline-block;margin-right:14px} .legend svg{margin-right:4px;vertical-align:-1px}
+.readout{font:12px monospace;min-height:1.4em;color:#333}
 table{border-collapse:collapse;width:100%;font-size:13px} td,th{border-bottom:1px solid #eee;padding:3px 6px;
 text-align:left;vertical-align:top} td.num,th.num{text-align:right;font-variant-numeric:tabular-nums}
 pre{margin:2px 0;font-size:12px;white-space:pre-wrap} details summary{cursor:pointer;color:#456}
@@ -79,12 +82,19 @@ JS = r"""
 
 
 def render(rep: Report, title: str = "") -> str:
-    """The report as an HTML string."""
+    """The report as an HTML string. Every string from the trace is escaped; the page's policy (CSP)
+    lets only its own style and script (by hash) run, and nothing load from anywhere."""
     from .svg_plot import LEFT, RIGHT, W
 
     title = title or rep.source or "trace"
+    js = JS % {"W": W, "LEFT": LEFT, "RIGHT": RIGHT}
+    policy = (
+        f"default-src 'none'; style-src {_sha256(CSS)}; script-src {_sha256(js)}; "
+        "base-uri 'none'; form-action 'none'"
+    )
     out = [
         "<!DOCTYPE html><html lang=en><head><meta charset=utf-8>",
+        f'<meta http-equiv="Content-Security-Policy" content="{policy}">',
         f"<title>supermem memory report: {html.escape(title)}</title><style>{CSS}</style></head><body>",
         "<h1>supermem memory report</h1>",
         f'<p class="meta" id="summary">{html.escape(_header_line(rep))}</p>',
@@ -110,11 +120,23 @@ def render(rep: Report, title: str = "") -> str:
             for d in rep.devices
         ],
     }
-    blob = json.dumps(payload, separators=(",", ":")).replace("</", "<\\/")
+    # Category names are keys here: no "<" may reach the page, or a name could end the block.
+    blob = json.dumps(payload, separators=(",", ":"))
+    blob = blob.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
     out.append(f'<script id="report-data" type="application/json">{blob}</script>')
-    out.append("<script>" + JS % {"W": W, "LEFT": LEFT, "RIGHT": RIGHT} + "</script>")
+    out.append(f"<script>{js}</script>")
     out.append("</body></html>")
     return "".join(out)
+
+
+def _sha256(text: str) -> str:
+    return "'sha256-" + base64.b64encode(hashlib.sha256(text.encode()).digest()).decode() + "'"
+
+
+def _swatch(color: str, line: bool = False) -> str:
+    """A legend's colour square (SVG: the policy allows no style attributes)."""
+    shape = 'y="4.5" width="11" height="2"' if line else 'width="11" height="11"'
+    return f'<svg width="11" height="11"><rect {shape} fill="{attr(color)}"/></svg>'
 
 
 def _header_line(rep: Report) -> str:
@@ -147,7 +169,8 @@ def _device_section(rep: Report, d: DeviceReport) -> str:
     head = f"Device {d.device}" + (f" ({html.escape(d.name)})" if d.name else "")
     if cap:
         head += f" — {'limit' if d.limit_bytes else 'capacity'} {format_bytes(cap)}"
-    parts = [f'<section class="device" id="device-{d.device}" data-device="{d.device}"><h2>{head}</h2>']
+    dev = int(d.device)
+    parts = [f'<section class="device" id="device-{dev}" data-device="{dev}"><h2>{head}</h2>']
     rows = [
         ("peak active", format_bytes(d.peak_bytes) + _at(rep, d.peak_time_s)),
         (
@@ -183,7 +206,7 @@ def _device_section(rep: Report, d: DeviceReport) -> str:
     legend = []
     for i, (cat, vals) in enumerate(d.by_category.items()):
         upper = [a + b for a, b in zip(lower, vals, strict=True)]
-        p.area(lower, upper, color_of(cat, i), f"cat-{cat}", cat)
+        p.area(lower, upper, color_of(cat, i), f"cat-{css_token(cat)}", cat)
         legend.append((cat, color_of(cat, i)))
         lower = upper
     p.line(d.reserved, RESERVED_COLOR, "reserved")
@@ -191,8 +214,8 @@ def _device_section(rep: Report, d: DeviceReport) -> str:
         p.marker(_peak_bin(rep, d), f"peak {format_bytes(d.peak_bytes)}", "#c00", "peak-marker")
     for o in d.ooms:
         p.marker(min(n - 1, o["time_s"] / rep.bin_s if rep.bin_s else 0), "OOM", "#000", "oom-marker")
-    legend_html = "".join(f'<span><i style="background:{c}"></i>{html.escape(k)}</span>' for k, c in legend)
-    legend_html += f'<span><i style="background:{RESERVED_COLOR};height:2px"></i>reserved</span>'
+    legend_html = "".join(f"<span>{_swatch(c)}{html.escape(k)}</span>" for k, c in legend)
+    legend_html += f"<span>{_swatch(RESERVED_COLOR, line=True)}reserved</span>"
     parts.append("<h3>Memory over time, by category</h3>")
     parts.append(p.svg(f"memory over time on device {d.device}"))
     parts.append(
@@ -208,8 +231,7 @@ def _device_section(rep: Report, d: DeviceReport) -> str:
     parts.append(p.svg(f"reserved versus active on device {d.device}"))
     worst = max(free, default=0)
     parts.append(
-        '<div class="legend"><span><i style="background:#9ab"></i>active</span>'
-        '<span><i style="background:#e8a0a0"></i>'
+        f'<div class="legend"><span>{_swatch("#9ab")}active</span><span>{_swatch("#e8a0a0")}'
         f"reserved but not active (max {format_bytes(worst)})</span></div>"
     )
 
@@ -228,7 +250,7 @@ def _device_section(rep: Report, d: DeviceReport) -> str:
         parts.append(p.svg(f"copy throughput on device {d.device}"))
         parts.append(
             '<div class="legend">'
-            + "".join(f'<span><i style="background:{colors[k]}"></i>{k}</span>' for k in d.copy_rate)
+            + "".join(f"<span>{_swatch(colors[k])}{k}</span>" for k in d.copy_rate)
             + "</div>"
         )
     parts.append(_peak_tables(rep, d))
@@ -263,7 +285,7 @@ def _pool_plot(rep: Report, d: DeviceReport, x_label) -> str:
             color_of(name, i + 2)
             if name not in ("offload", "prefetch")
             else ("#e15759" if name == "offload" else "#4e79a7"),
-            f"lane-{name}",
+            f"lane-{css_token(name)}",
             y0,
             y0 - lane_h + 4,
             vmax,
@@ -328,9 +350,7 @@ def _peak_tables(rep: Report, d: DeviceReport) -> str:
 def write_report(trace: Trace | Report, path: str | os.PathLike, source: str = "", width: int = 1000) -> Path:
     """Writes the HTML report of `trace` (or of an already computed Report) to `path`."""
     rep = trace if isinstance(trace, Report) else analyze(trace, width=width, source=source)
-    path = Path(path)
-    path.write_text(render(rep), encoding="utf-8")
-    return path
+    return write_bytes(path, render(rep).encode("utf-8"))
 
 
 def write_report_files(
@@ -341,9 +361,10 @@ def write_report_files(
     from .png_report import write_png
 
     trace_path = Path(trace_path)
-    html_path = Path(html_path) if html_path else trace_path.with_suffix(".html")
+    html_path = check_output(html_path or trace_path.with_suffix(".html"), inputs=[trace_path])
+    png_path = check_output(html_path.with_suffix(".png"), inputs=[trace_path]) if png else None
     rep = analyze(load(trace_path), source=trace_path.name)
     out: dict[str, Any] = {"report": rep, "html": write_report(rep, html_path)}
     if png:
-        out["png"] = write_png(rep, html_path.with_suffix(".png"))
+        out["png"] = write_png(rep, png_path)
     return out

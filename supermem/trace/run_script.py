@@ -28,7 +28,11 @@ def main(argv: list[str] | None = None) -> int:
     install = getattr(supermem, "install", None)  # the allocator swap, where this supermem has it
     if install is not None:
         install()
-    rec = recorder.Recorder(capacity_events=opts.capacity, stacks=opts.stacks).start()
+    try:
+        rec = recorder.Recorder(capacity_events=opts.capacity, stacks=opts.stacks).start()
+    except (ValueError, MemoryError, OSError) as e:  # e.g. a ring of that capacity does not fit
+        print(f"supermem trace: error: cannot start the recording: {e}", file=sys.stderr)
+        return 2
     rc = 0
     try:
         if program[0] == "-m":
@@ -48,9 +52,17 @@ def main(argv: list[str] | None = None) -> int:
         traceback.print_exc()
         rc = 1
     finally:
-        path = rec.stop(opts.output)
-        n = sum(s.count for s in rec.sources) + len(rec.pool_events)
-        print(f"supermem trace: wrote {path} ({n} events, {len(rec.sources)} allocator(s))", file=sys.stderr)
+        try:
+            path = rec.stop(opts.output)
+        except (ValueError, OSError) as e:  # OutputError (disk full, ...) names the file
+            print(f"supermem trace: error: the trace was not written: {e}", file=sys.stderr)
+            rc = rc or 1
+        else:
+            n = sum(s.count for s in rec.sources) + len(rec.pool_events)
+            print(
+                f"supermem trace: wrote {path} ({n} events, {len(rec.sources)} allocator(s))",
+                file=sys.stderr,
+            )
     return rc
 
 

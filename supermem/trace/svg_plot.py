@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import html
 import math
+import re
 from collections.abc import Sequence
 
 from ..units import format_bytes
@@ -24,6 +25,16 @@ RESERVED_COLOR = "#333333"
 
 W, H = 1000, 260  # viewBox of every plot
 LEFT, RIGHT, TOP, BOTTOM = 78, 12, 10, 26  # margins for the axes' labels
+
+
+def css_token(name: str) -> str:
+    """A name from a trace as one CSS class token: a category may be any string."""
+    return re.sub(r"[^A-Za-z0-9_-]", "_", name)
+
+
+def attr(value: object) -> str:
+    """A value for a double-quoted attribute."""
+    return html.escape(str(value), quote=True)
 
 
 def color_of(category: str, i: int = 0) -> str:
@@ -94,7 +105,7 @@ class Plot:
         top = self.points(upper)
         bottom = self.points(lower, reverse=True)
         self.parts.append(
-            f'<polygon class="area {css}" fill="{color}" points="{top} {bottom}">'
+            f'<polygon class="area {attr(css)}" fill="{attr(color)}" points="{top} {bottom}">'
             f"<title>{html.escape(title)}</title></polygon>"
         )
 
@@ -102,7 +113,7 @@ class Plot:
         pts = self.points(values)
         d = f' stroke-dasharray="{dash}"' if dash else ""
         self.parts.append(
-            f'<polyline class="line {css}" fill="none" stroke="{color}" stroke-width="1.5"{d} '
+            f'<polyline class="line {attr(css)}" fill="none" stroke="{attr(color)}" stroke-width="1.5"{d} '
             f'points="{pts}"/>'
         )
 
@@ -115,15 +126,15 @@ class Plot:
                 h = max(1.0, (y0 - y1) * v / v_max)
                 out.append(f"M{LEFT + i * w:.1f},{y0:.1f}v{-h:.1f}h{max(w, 1):.1f}v{h:.1f}z")
         if out:
-            self.parts.append(f'<path class="bars {css}" fill="{color}" d="{"".join(out)}"/>')
+            self.parts.append(f'<path class="bars {attr(css)}" fill="{attr(color)}" d="{"".join(out)}"/>')
 
     def marker(self, i: float, text: str, color: str = "#c00", css: str = "marker") -> None:
         """A dashed vertical line, drawn under the data (a one-bin peak must stay visible)."""
         x = self.x(i)
         self.parts.insert(
             0,
-            f'<line class="{css}" x1="{x:.1f}" x2="{x:.1f}" y1="{TOP}" y2="{H - BOTTOM}" stroke="{color}" '
-            f'stroke-dasharray="4 3"><title>{html.escape(text)}</title></line>',
+            f'<line class="{attr(css)}" x1="{x:.1f}" x2="{x:.1f}" y1="{TOP}" y2="{H - BOTTOM}" '
+            f'stroke="{attr(color)}" stroke-dasharray="4 3"><title>{html.escape(text)}</title></line>',
         )
 
     def svg(self, label: str) -> str:
@@ -145,6 +156,6 @@ class Plot:
         axes.append(f'<line x1="{LEFT}" x2="{W - RIGHT}" y1="{H - BOTTOM}" y2="{H - BOTTOM}" class="axis"/>')
         cursor = f'<line class="cursor" x1="0" x2="0" y1="{TOP}" y2="{H - BOTTOM}" visibility="hidden"/>'
         return (
-            f'<svg class="plot {self.css_class}" viewBox="0 0 {W} {H}" role="img" '
-            f'aria-label="{html.escape(label)}">' + "".join(axes) + "".join(self.parts) + cursor + "</svg>"
+            f'<svg class="plot {attr(self.css_class)}" viewBox="0 0 {W} {H}" role="img" '
+            f'aria-label="{attr(label)}">' + "".join(axes) + "".join(self.parts) + cursor + "</svg>"
         )

@@ -4,6 +4,7 @@ import pickle
 import struct
 import subprocess
 import sys
+import zlib
 
 import numpy as np
 import pytest
@@ -119,6 +120,25 @@ def test_actions_are_remapped_when_a_file_orders_them_differently(tmp_path):
     assert [back.actions[a] for a in back.cols["action"]] == names
 
 
+def with_crc(b: bytes) -> bytes:
+    """A format-2 file's bytes with their checksum recomputed (what a crafted file would have)."""
+    crc = zlib.crc32(b[28:], zlib.crc32(b[:24]))
+    return bytes(b[:24]) + struct.pack("<I", crc) + bytes(b[28:])
+
+
+def as_format_1(b: bytes) -> bytes:
+    """The same trace as supermem 0.1 wrote it: major 1, no checksum field."""
+    return bytes(b[:8]) + struct.pack("<H", 1) + bytes(b[10:24]) + bytes(b[28:])
+
+
+def test_format_1_files_are_still_read(tmp_path):
+    t = random_trace(300, 5)
+    fmt.write(t, tmp_path / "t.smtrace")
+    old = tmp_path / "old.smtrace"
+    old.write_bytes(as_format_1((tmp_path / "t.smtrace").read_bytes()))
+    assert_same(t, fmt.read(old))
+
+
 def write_good(tmp_path):
     p = tmp_path / "good.smtrace"
     fmt.write(random_trace(2000, 3), p)
@@ -135,6 +155,9 @@ def write_good(tmp_path):
         ("corrupt", "corrupt"),
         ("newer", "newer supermem"),
         ("header", "corrupt header"),
+        ("checksum", "checksum mismatch"),
+        ("trailing", "after the end"),
+        ("zero", "unknown trace format 0"),
     ],
 )
 def test_bad_files_give_clear_errors(tmp_path, case, expect):
@@ -156,9 +179,19 @@ def test_bad_files_give_clear_errors(tmp_path, case, expect):
         b = bytearray(good)
         b[8:10] = struct.pack("<H", fmt.MAJOR + 1)
         bad.write_bytes(bytes(b))
-    elif case == "header":
+    elif case == "header":  # a crafted file: its checksum is right
         b = bytearray(good)
-        b[24] = ord("x")  # the header's opening brace
+        b[28] = ord("x")  # the header's opening brace
+        bad.write_bytes(with_crc(b))
+    elif case == "checksum":
+        b = bytearray(good)
+        b[40] ^= 0x04  # one bit of the header's JSON
+        bad.write_bytes(bytes(b))
+    elif case == "trailing":
+        bad.write_bytes(good + b"\0")
+    elif case == "zero":
+        b = bytearray(good)
+        b[8:10] = struct.pack("<H", 0)
         bad.write_bytes(bytes(b))
     with pytest.raises(TraceFormatError, match=expect):
         fmt.read(bad)
@@ -207,3 +240,16 @@ def test_cli_error_path_in_a_real_process(tmp_path):
     r = subprocess.run([sys.executable, "-m", "supermem", "report", str(p)], capture_output=True, text=True)
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert "not a supermem trace" in r.stderr
+
+
+def test_json_sections_that_compress_too_well_are_stored_and_still_read(tmp_path):
+    # The reader refuses JSON that inflates more than JSON_MAX_RATIO:1 (a bomb of Python objects); the
+    # writer stores such a section uncompressed, so every file it writes reads back.
+    t = random_trace(10, 4)
+    t.strings = ["the same long string " * 5] * 20000 + t.strings
+    t.frames = [("train.py", 1, "f")] * 20000 + t.frames
+    p = tmp_path / "z.smtrace"
+    fmt.write(t, p)
+    back = fmt.read(p)
+    assert back.strings == t.strings and back.frames == t.frames
+    assert p.stat().st_size > 20000 * len(t.strings[0]) // fmt.JSON_MAX_RATIO
