@@ -155,6 +155,14 @@ class Recorder:
         self.started_ns = 0
         self.started_unix_s = 0.0
         self.pool_events_seen = 0
+        if path is not None:  # before the block runs: a bad path must not cost the user the whole run
+            from .output import check_output
+
+            for out in [
+                path,
+                *((Path(path).with_suffix(".html"), Path(path).with_suffix(".png")) if report else ()),
+            ]:
+                check_output(out)
         self.path = path
         self.report = report
 

@@ -2,6 +2,7 @@
 program runs, for `supermem trace`), written atomically, nothing left behind when a write fails, and a
 one-line error (no traceback) for every bad output path."""
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -164,3 +165,17 @@ def test_trace_checks_its_arguments_before_running_the_program(tmp_path, args, e
 def test_trace_errors_name_the_command(capsys):
     rc, err = run_cli(capsys, "trace", "--", "ls")
     assert rc == 2 and err.startswith("supermem trace: error:"), err
+
+
+@pytest.mark.parametrize("report", [False, True])
+def test_a_trace_block_with_a_bad_path_fails_before_it_runs(tmp_path, report):
+    ran = []
+    with pytest.raises(OutputError, match="does not exist"):
+        with supermem.trace(str(tmp_path / "missing" / "run.smtrace"), report=report):
+            ran.append(1)
+    assert not ran
+    (tmp_path / "run.html").mkdir()  # the report's HTML path is checked too
+    with pytest.raises(OutputError, match="is a directory") if report else contextlib.nullcontext():
+        with supermem.trace(str(tmp_path / "run.smtrace"), report=report):
+            ran.append(2)
+    assert ran == ([] if report else [2])
