@@ -276,7 +276,7 @@ def _pack_cuda(flat: torch.Tensor, exact: bool) -> tuple[torch.Tensor, torch.Ten
         if n == 0:
             return bitmap, torch.zeros(1, dtype=torch.int64, device=device), flat.new_empty(0)
         offsets = torch.empty(_num_blocks(n) + 1, dtype=torch.int64, device=device)
-        # The ticket counter and tile statuses of the one-pass kernel: from torch's cache, no cudaMalloc.
+        # The one-pass kernel's ticket counter and tile statuses, from torch's cache (no cudaMalloc per call).
         workspace_bytes = _C.relu_pack_workspace_bytes(n)
         workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=device)
 
