@@ -4,8 +4,8 @@ nonzero elements, per-block offsets and the nonzeros themselves.
     packed = relu_pack(x)           # packed.nbytes: bitmap + offsets + values
     y = relu_unpack(packed)         # bitwise equal to x: -0.0, NaN payloads and inf included
 
-CUDA tensors go through the kernels in csrc/kernels/relu_pack.cu (three passes: bitmap and block
-counts, a device-wide scan of the counts, a scatter of the nonzeros); CPU tensors through the
+CUDA tensors go through the kernels in csrc/kernels/relu_pack.cu (one pass: bitmap, block offsets
+by a single-pass scan across blocks, and the nonzeros); CPU tensors through the
 vectorised torch code below, which is also the reference that the GPU tests compare the kernels
 with byte for byte. Elements are compared as 16/32-bit words: "nonzero" means "bits != 0", so only
 +0.0 is dropped. fp32, fp16 and bf16 only.
@@ -15,10 +15,11 @@ channels_last, a transpose) is packed in memory order without a copy and unpacks
 strides; any other (a slice with gaps, an expanded view) is made contiguous first (a copy) and
 unpacks contiguous.
 
-The packed size depends on the data, so on CUDA `relu_pack(x)` reads the nonzero count back from the
-GPU once, between the scan and the scatter (one host sync: the values buffer is allocated at its
-exact size). `relu_pack(x, exact=False)` never syncs: it allocates room for every element, and
-`packed.compact()` trims it later (one sync, when the caller chooses).
+The packed size depends on the data, so on CUDA `relu_pack(x)` runs the kernel twice: first for the
+bitmap and offsets, then (after reading the nonzero count back: one host sync) for the values into a
+buffer of their exact size; it reads x twice. `relu_pack(x, exact=False)` runs it once and never
+syncs: it allocates room for every element, and `packed.compact()` trims it later (one sync, when
+the caller chooses).
 
 The mask-only form keeps 1 bit per element, set where the element is > 0 (NaN and -0.0 are not):
 the mask ReLU's backward reads. `relu_mask_unpack` gives it back as a bool tensor.
@@ -275,16 +276,25 @@ def _pack_cuda(flat: torch.Tensor, exact: bool) -> tuple[torch.Tensor, torch.Ten
         if n == 0:
             return bitmap, torch.zeros(1, dtype=torch.int64, device=device), flat.new_empty(0)
         offsets = torch.empty(_num_blocks(n) + 1, dtype=torch.int64, device=device)
+        # The one-pass kernel's ticket counter and tile statuses, from torch's cache (no cudaMalloc per call).
         workspace_bytes = _C.relu_pack_workspace_bytes(n)
         workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=device)
-        _C.relu_pack_offsets(
-            flat.data_ptr(), n, elem_bytes, bitmap.data_ptr(), offsets.data_ptr(),
-            workspace.data_ptr(), workspace_bytes, stream,
-        )  # fmt: skip
-        nnz = int(offsets[-1]) if exact else n  # the one host sync: the values' size is data-dependent
-        values = flat.new_empty(nnz)
-        if nnz:
-            _C.relu_pack_values(flat.data_ptr(), n, elem_bytes, offsets.data_ptr(), values.data_ptr(), stream)
+
+        def pack(values_ptr: int) -> None:
+            _C.relu_pack(
+                flat.data_ptr(), n, elem_bytes, bitmap.data_ptr(), offsets.data_ptr(), values_ptr,
+                workspace.data_ptr(), workspace_bytes, stream,
+            )  # fmt: skip
+
+        if exact:
+            pack(0)  # bitmap and offsets only
+            nnz = int(offsets[-1])  # the one host sync: the values' size is data-dependent
+            values = flat.new_empty(nnz)
+            if nnz:
+                pack(values.data_ptr())  # again, with the values (bitmap and offsets come out the same)
+        else:
+            values = flat.new_empty(n)
+            pack(values.data_ptr())
     return bitmap, offsets, values
 
 

@@ -27,20 +27,13 @@ void bind_kernels(pybind11::module_& m) {
   m.attr("relu_block_elems") = kBlockElems;
   m.def("relu_pack_workspace_bytes", &relu_pack_workspace_bytes, pybind11::arg("n"));
   m.def(
-      "relu_pack_offsets",
-      [](uint64_t src, int64_t n, int elem_bytes, uint64_t bitmap, uint64_t offsets, uint64_t workspace,
-         size_t workspace_bytes, uint64_t stream) {
-        relu_pack_offsets(ptr<const void>(src), n, elem_bytes, ptr<uint32_t>(bitmap), ptr<int64_t>(offsets),
-                          ptr<void>(workspace), workspace_bytes, stream_of(stream));
+      "relu_pack",
+      [](uint64_t src, int64_t n, int elem_bytes, uint64_t bitmap, uint64_t offsets, uint64_t values,
+         uint64_t workspace, size_t workspace_bytes, uint64_t stream) {
+        relu_pack(ptr<const void>(src), n, elem_bytes, ptr<uint32_t>(bitmap), ptr<int64_t>(offsets),
+                  ptr<void>(values), ptr<void>(workspace), workspace_bytes, stream_of(stream));
       },
-      "Pass 1 (bitmap + block counts) and the scan into offsets; see csrc/kernels/relu_pack.h");
-  m.def(
-      "relu_pack_values",
-      [](uint64_t src, int64_t n, int elem_bytes, uint64_t offsets, uint64_t values, uint64_t stream) {
-        relu_pack_values(ptr<const void>(src), n, elem_bytes, ptr<const int64_t>(offsets), ptr<void>(values),
-                         stream_of(stream));
-      },
-      "Pass 3: the nonzeros into values");
+      "One pass: bitmap, offsets and (values != 0) the nonzeros; see csrc/kernels/relu_pack.h");
   m.def(
       "relu_unpack",
       [](uint64_t bitmap, uint64_t offsets, uint64_t values, int64_t n, int elem_bytes, uint64_t dst,

@@ -1,14 +1,15 @@
 // ReLU bitmap compression kernels (format and contracts: relu_pack.h).
 //
-// Pack is three passes, each a single sweep: (1) one warp per block of kBlockElems elements reads
-// 16-byte vectors, builds the block's bitmap words with shuffles and counts its nonzeros; (2) CUB's
-// device-wide exclusive scan turns the counts into offsets; (3) the same warps read their block
-// again (back to front, so the first reads hit what pass 1 left in L2) and write the nonzeros at
-// offsets[block] + their rank, staged through shared memory so the global writes are contiguous. Unpack is one pass: each warp loads its block's 64 bitmap words
-// once, ranks each lane's elements with a warp prefix sum of popcounts, loads its values and
-// writes 16-byte vectors. All indices are int64: tensors past 2^31 elements work.
-#include <cub/device/device_scan.cuh>
-
+// Pack is one pass (a single-pass scan, Merrill & Garland's decoupled look-back, as CUB's
+// DeviceSelect): each CTA takes a tile of kWarpsPerCta blocks in the order of an atomic ticket, one
+// warp per block loads its 2048 elements into registers (16-byte vectors), writes the block's
+// bitmap words (built with shuffles) and counts its nonzeros. The CTA publishes its tile's count,
+// looks back over its predecessors' status words for the nonzeros before it, publishes its own
+// inclusive prefix, writes its blocks' offsets and copies its nonzeros from the registers, staged
+// through shared memory so the global writes are contiguous. Unpack is one pass too: each warp
+// loads its block's 64 bitmap words once, ranks each lane's elements with a warp prefix sum of
+// popcounts, loads its values and writes 16-byte vectors. All indices are int64: tensors past 2^31
+// elements work.
 #include <climits>
 #include <string>
 
@@ -69,15 +70,20 @@ __device__ __forceinline__ uint4 to_uint4(const Vec<W>& v) {
   }
 }
 
-// Elements i .. i+kVec-1; those at or past n read as 0 (so they never set a bit).
+// Elements i .. i+kVec-1 as one 16-byte word; those at or past n read as 0 (so they never set a bit).
 template <typename W, bool kAligned>
-__device__ __forceinline__ Vec<W> load_vec(const W* __restrict__ src, int64_t i, int64_t n) {
+__device__ __forceinline__ uint4 load_raw(const W* __restrict__ src, int64_t i, int64_t n) {
   constexpr int V = Layout<W>::kVec;
-  if (kAligned && i + V <= n) return from_uint4<W>(*reinterpret_cast<const uint4*>(src + i));
+  if (kAligned && i + V <= n) return *reinterpret_cast<const uint4*>(src + i);
   Vec<W> v;
 #pragma unroll
   for (int j = 0; j < V; ++j) v.w[j] = (i + j < n) ? src[i + j] : W(0);
-  return v;
+  return to_uint4(v);
+}
+
+template <typename W, bool kAligned>
+__device__ __forceinline__ Vec<W> load_vec(const W* __restrict__ src, int64_t i, int64_t n) {
+  return from_uint4<W>(load_raw<W, kAligned>(src, i, n));
 }
 
 // Stores elements i .. i+kVec-1, skipping those at or past n.
@@ -123,19 +129,25 @@ __device__ __forceinline__ int warp_inclusive_sum(int x, int lane) {
   return x;
 }
 
-// Pass 1: the bitmap under predicate `limit`, and (when counts is set) each block's set bits,
-// plus counts[nblocks] = 0 so that the exclusive scan's last entry is the total.
+// Warp sum, every lane gets it.
+template <typename T>
+__device__ __forceinline__ T warp_sum(T x) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) x += __shfl_xor_sync(kFullMask, x, off);
+  return x;
+}
+
+// The bitmap of the elements whose word is in 1..limit (relu_mask_pack), one warp per block.
 template <typename W, bool kAligned>
 __global__ void __launch_bounds__(kThreads)
-    bitmap_kernel(const W* __restrict__ src, int64_t n, uint32_t limit, uint32_t* __restrict__ bitmap,
-                  int64_t* __restrict__ counts, int64_t nblocks) {
+    mask_kernel(const W* __restrict__ src, int64_t n, uint32_t limit, uint32_t* __restrict__ bitmap,
+                int64_t nblocks) {
   using L = Layout<W>;
   const int lane = threadIdx.x % 32;
   const int64_t block = int64_t(blockIdx.x) * kWarpsPerCta + threadIdx.x / 32;
   if (block >= nblocks) return;  // the whole warp leaves together
   const int64_t first = block * kBlockElems;
   const int64_t nwords = (n + 31) / 32;
-  int count = 0;
   for (int s0 = 0; s0 < L::kSteps; s0 += kUnroll) {
     Vec<W> v[kUnroll];
 #pragma unroll
@@ -143,72 +155,145 @@ __global__ void __launch_bounds__(kThreads)
       v[u] = load_vec<W, kAligned>(src, first + (s0 + u) * L::kChunk + lane * L::kVec, n);
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      const uint32_t m = mask_of(v[u], limit);
-      count += __popc(m);
-      const uint32_t word = bitmap_word<W>(m, lane);
+      const uint32_t word = bitmap_word<W>(mask_of(v[u], limit), lane);
       const int64_t w = (first + (s0 + u) * L::kChunk) / 32 + lane / L::kLanesPerWord;
       if (lane % L::kLanesPerWord == 0 && w < nwords) bitmap[w] = word;
     }
   }
-  if (counts == nullptr) return;
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) count += __shfl_xor_sync(kFullMask, count, off);
-  if (lane == 0) {
-    counts[block] = count;
-    if (block == 0) counts[nblocks] = 0;
+}
+
+// Tile status words of the single-pass pack, one per tile (kWarpsPerCta blocks): the flag in the
+// top two bits, the value below. 0 (kNotReady, what the host's memset leaves) until the tile
+// publishes its own count (kAggregate), then the nonzeros up to and including it (kPrefix). A word
+// holds everything a reader needs and is written by one 64-bit store, so a reader sees either
+// nothing or a whole (flag, value): no other data travels with it, so no fence is needed.
+constexpr uint64_t kNotReady = 0;
+constexpr uint64_t kAggregate = 1ull << 62;
+constexpr uint64_t kPrefix = 2ull << 62;
+constexpr uint64_t kValueMask = (1ull << 62) - 1;
+
+__device__ __forceinline__ void publish(uint64_t* status, uint64_t word) {
+  *reinterpret_cast<volatile unsigned long long*>(status) = word;
+}
+
+// The nonzeros before `tile` (> 0), by warp 0 of its CTA: lane l reads the status of tile
+// window - l, waits until all 32 are ready, then sums the aggregates back to the nearest inclusive
+// prefix (a window with none moves back 32 tiles). Tickets make this safe: every tile before this
+// one took its ticket earlier, so its CTA is running or done, and it publishes its aggregate
+// before it waits on anything.
+__device__ int64_t look_back(const uint64_t* status, int64_t tile, int lane) {
+  int64_t exclusive = 0;
+  for (int64_t window = tile - 1;; window -= 32) {
+    const int64_t t = window - lane;
+    uint64_t word;
+    for (;;) {
+      // Before tile 0 there is nothing: a prefix of 0.
+      word = t >= 0 ? *reinterpret_cast<const volatile unsigned long long*>(status + t) : kPrefix;
+      if (!__any_sync(kFullMask, word == kNotReady)) break;
+      __nanosleep(64);
+    }
+    const unsigned prefixes = __ballot_sync(kFullMask, word >= kPrefix);
+    const int last = prefixes ? __ffs(prefixes) - 1 : 31;  // the nearest prefix ends the sum
+    exclusive += warp_sum<int64_t>(lane <= last ? int64_t(word & kValueMask) : 0);
+    if (prefixes) return exclusive;
   }
 }
 
-// Pass 3: each block's nonzeros to values[offsets[block] ..], in element order.
+// Single-pass pack: bitmap, offsets and (values != nullptr) the nonzeros, reading src once.
+// `workspace` is zeroed by the host: word 0 is the ticket counter, words 1.. the tile statuses.
 template <typename W, bool kAligned>
-__global__ void __launch_bounds__(kThreads)
-    scatter_kernel(const W* __restrict__ src, int64_t n, const int64_t* __restrict__ offsets,
-                   W* __restrict__ values, int64_t nblocks) {
+__global__ void __launch_bounds__(kThreads, 2)
+    pack_kernel(const W* __restrict__ src, int64_t n, uint32_t* __restrict__ bitmap, int64_t* __restrict__ offsets,
+                W* __restrict__ values, uint64_t* workspace, int64_t nblocks) {
   using L = Layout<W>;
+  __shared__ int64_t tile_shared;
+  __shared__ int block_count[kWarpsPerCta];
+  __shared__ int64_t block_offset[kWarpsPerCta];
   __shared__ W stage[kWarpsPerCta][L::kChunk];
   const int lane = threadIdx.x % 32;
-  // CTAs take their blocks back to front: pass 1 has just read the input front to back, so the
-  // first blocks read here are the ones still in L2.
-  const int64_t cta = int64_t(gridDim.x) - 1 - blockIdx.x;
-  const int64_t block = cta * kWarpsPerCta + threadIdx.x / 32;
-  if (block >= nblocks) return;
-  W* mine = stage[threadIdx.x / 32];
+  const int warp = threadIdx.x / 32;
+  // The tile comes from a ticket, not blockIdx: a CTA never waits on one that has not started.
+  if (threadIdx.x == 0) tile_shared = atomicAdd(reinterpret_cast<unsigned long long*>(workspace), 1ull);
+  __syncthreads();
+  const int64_t tile = tile_shared;
+  uint64_t* status = workspace + 1;
+  const int64_t ntiles = (nblocks + kWarpsPerCta - 1) / kWarpsPerCta;
+  const int64_t block = tile * kWarpsPerCta + warp;  // past nblocks in the last tile: all loads read 0
   const int64_t first = block * kBlockElems;
-  int64_t out = offsets[block];
-  for (int s0 = 0; s0 < L::kSteps; s0 += kUnroll) {
-    Vec<W> v[kUnroll];
+  const int64_t nwords = (n + 31) / 32;
+
+  // The whole block in registers, kept until its offset is known.
+  uint4 raw[L::kSteps];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u)
-      v[u] = load_vec<W, kAligned>(src, first + (s0 + u) * L::kChunk + lane * L::kVec, n);
+  for (int s = 0; s < L::kSteps; ++s) raw[s] = load_raw<W, kAligned>(src, first + s * L::kChunk + lane * L::kVec, n);
+  int count = 0;
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const uint32_t m = mask_of(v[u], kNonzero);
-      const int c = __popc(m);
-      const int incl = warp_inclusive_sum(c, lane);
-      const int total = __shfl_sync(kFullMask, incl, 31);
-      int pos = incl - c;  // this lane's first slot among the step's nonzeros
-#pragma unroll
-      for (int j = 0; j < L::kVec; ++j)
-        if ((m >> j) & 1u) mine[pos++] = v[u].w[j];
-      __syncwarp();
-      for (int k = lane; k < total; k += 32) values[out + k] = mine[k];
-      __syncwarp();  // the stage is rewritten next step
-      out += total;
+  for (int s = 0; s < L::kSteps; ++s) {
+    const uint32_t m = mask_of(from_uint4<W>(raw[s]), kNonzero);
+    count += __popc(m);
+    const uint32_t word = bitmap_word<W>(m, lane);
+    const int64_t w = (first + s * L::kChunk) / 32 + lane / L::kLanesPerWord;
+    if (lane % L::kLanesPerWord == 0 && w < nwords) bitmap[w] = word;
+  }
+  count = warp_sum(count);
+  if (lane == 0) block_count[warp] = count;
+  __syncthreads();
+
+  if (warp == 0) {
+    const int c = lane < kWarpsPerCta ? block_count[lane] : 0;
+    const int incl = warp_inclusive_sum(c, lane);
+    const int64_t aggregate = __shfl_sync(kFullMask, incl, 31);
+    if (lane == 0) publish(status + tile, (tile == 0 ? kPrefix : kAggregate) | uint64_t(aggregate));
+    const int64_t exclusive = tile == 0 ? 0 : look_back(status, tile, lane);
+    if (lane == 0 && tile > 0) publish(status + tile, kPrefix | uint64_t(exclusive + aggregate));
+    if (lane < kWarpsPerCta) {
+      const int64_t offset = exclusive + (incl - c);
+      block_offset[lane] = offset;
+      if (tile * kWarpsPerCta + lane < nblocks) offsets[tile * kWarpsPerCta + lane] = offset;
     }
+    if (lane == 0 && tile == ntiles - 1) offsets[nblocks] = exclusive + aggregate;
+  }
+  __syncthreads();
+  if (values == nullptr) return;
+
+  // Each step's nonzeros, ranked by a warp prefix sum, go to the stage in order, then out in one
+  // contiguous run.
+  W* mine = stage[warp];
+  int64_t out = block_offset[warp];
+#pragma unroll
+  for (int s = 0; s < L::kSteps; ++s) {
+    const Vec<W> v = from_uint4<W>(raw[s]);
+    const uint32_t m = mask_of(v, kNonzero);
+    const int c = __popc(m);
+    const int incl = warp_inclusive_sum(c, lane);
+    const int total = __shfl_sync(kFullMask, incl, 31);
+    int pos = incl - c;  // this lane's first slot among the step's nonzeros
+#pragma unroll
+    for (int j = 0; j < L::kVec; ++j)
+      if ((m >> j) & 1u) mine[pos++] = v.w[j];
+    __syncwarp();
+    for (int k = lane; k < total; k += 32) values[out + k] = mine[k];
+    __syncwarp();  // the stage is rewritten next step
+    out += total;
   }
 }
 
-// Unpack: dst gets the values where the bitmap is set and 0 elsewhere. Everything a lane needs to
-// find its values is in registers (the bitmap words) or one load (the block's offset), so the
-// value loads of kUnroll steps are all in flight before the first store.
+// Unpack: dst gets the values where the bitmap is set and 0 elsewhere. A warp takes `warp_steps`
+// steps of a block (all kSteps, or kUnroll when the tensor is too small to fill the GPU with one
+// warp per block). Everything a lane needs to find its values is in registers (the bitmap words)
+// or one load (the block's offset), so the value loads of kUnroll steps are all in flight before
+// the first store.
 template <typename W, bool kAligned>
 __global__ void __launch_bounds__(kThreads)
     unpack_kernel(const uint32_t* __restrict__ bitmap, const int64_t* __restrict__ offsets,
-                  const W* __restrict__ values, int64_t n, W* __restrict__ dst, int64_t nblocks) {
+                  const W* __restrict__ values, int64_t n, W* __restrict__ dst, int64_t nwarps, int warp_steps) {
   using L = Layout<W>;
   const int lane = threadIdx.x % 32;
-  const int64_t block = int64_t(blockIdx.x) * kWarpsPerCta + threadIdx.x / 32;
-  if (block >= nblocks) return;
+  const int64_t gwarp = int64_t(blockIdx.x) * kWarpsPerCta + threadIdx.x / 32;
+  if (gwarp >= nwarps) return;
+  const int parts = L::kSteps / warp_steps;
+  const int64_t block = gwarp / parts;
+  const int s_begin = int(gwarp % parts) * warp_steps;
   const int64_t first = block * kBlockElems;
   const int64_t nwords = (n + 31) / 32;
   // The block's 64 bitmap words, loaded once: word k is register k / 32 of lane k % 32. Words past
@@ -216,8 +301,11 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t w0 = first / 32;
   const uint32_t lo = (w0 + lane < nwords) ? bitmap[w0 + lane] : 0u;
   const uint32_t hi = (w0 + 32 + lane < nwords) ? bitmap[w0 + 32 + lane] : 0u;
-  int64_t in = offsets[block];  // values before this step
-  for (int s0 = 0; s0 < L::kSteps; s0 += kUnroll) {
+  // Values before this step: the block's, plus the set bits of its words before s_begin.
+  const int words_before = s_begin * L::kVec;
+  const int before = (lane < words_before ? __popc(lo) : 0) + (lane + 32 < words_before ? __popc(hi) : 0);
+  int64_t in = offsets[block] + warp_sum(before);
+  for (int s0 = s_begin; s0 < s_begin + warp_steps; s0 += kUnroll) {
     Vec<W> v[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
@@ -288,59 +376,61 @@ bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 
 int64_t num_blocks(int64_t n) { return (n + kBlockElems - 1) / kBlockElems; }
 
-// One CTA per kWarpsPerCta blocks.
-unsigned grid_for(int64_t nblocks) {
-  const int64_t ctas = (nblocks + kWarpsPerCta - 1) / kWarpsPerCta;
+// One CTA per kWarpsPerCta warps.
+unsigned grid_for(int64_t nwarps) {
+  const int64_t ctas = (nwarps + kWarpsPerCta - 1) / kWarpsPerCta;
   if (ctas > INT_MAX) throw UsageError("supermem: tensor too large for the relu kernels");
   return static_cast<unsigned>(ctas);
 }
 
-size_t round_up(size_t x, size_t to) { return (x + to - 1) / to * to; }
+int64_t num_tiles(int64_t nblocks) { return (nblocks + kWarpsPerCta - 1) / kWarpsPerCta; }
 
-size_t counts_bytes(int64_t nblocks) { return round_up((nblocks + 1) * sizeof(int64_t), 256); }
-
-size_t scan_temp_bytes(int64_t items) {
-  size_t bytes = 0;
-  check(cub::DeviceScan::ExclusiveSum(nullptr, bytes, static_cast<const int64_t*>(nullptr),
-                                      static_cast<int64_t*>(nullptr), items),
-        "cub::DeviceScan::ExclusiveSum (workspace size)");
-  return bytes;
+// Blocks below which unpack gives each block kSteps / kUnroll warps (per SM: 4 waves of 64 warps):
+// with one warp per block a small tensor leaves most of the GPU idle.
+int64_t unpack_split_below_blocks() {
+  int device = 0, sms = 0;
+  check(cudaGetDevice(&device), "cudaGetDevice");
+  check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute");
+  return int64_t(sms) * 4 * 64;
 }
 
 template <typename W>
-void launch_bitmap(const void* src, int64_t n, uint32_t limit, uint32_t* bitmap, int64_t* counts,
-                   cudaStream_t stream) {
+void launch_mask(const void* src, int64_t n, uint32_t limit, uint32_t* bitmap, cudaStream_t stream) {
   const int64_t nblocks = num_blocks(n);
   const auto* s = static_cast<const W*>(src);
   if (aligned16(src))
-    bitmap_kernel<W, true><<<grid_for(nblocks), kThreads, 0, stream>>>(s, n, limit, bitmap, counts, nblocks);
+    mask_kernel<W, true><<<grid_for(nblocks), kThreads, 0, stream>>>(s, n, limit, bitmap, nblocks);
   else
-    bitmap_kernel<W, false><<<grid_for(nblocks), kThreads, 0, stream>>>(s, n, limit, bitmap, counts, nblocks);
-  check(cudaGetLastError(), "relu bitmap kernel launch");
+    mask_kernel<W, false><<<grid_for(nblocks), kThreads, 0, stream>>>(s, n, limit, bitmap, nblocks);
+  check(cudaGetLastError(), "relu mask kernel launch");
 }
 
 template <typename W>
-void launch_scatter(const void* src, int64_t n, const int64_t* offsets, void* values, cudaStream_t stream) {
+void launch_pack(const void* src, int64_t n, uint32_t* bitmap, int64_t* offsets, void* values, uint64_t* workspace,
+                 cudaStream_t stream) {
   const int64_t nblocks = num_blocks(n);
   const auto* s = static_cast<const W*>(src);
   auto* v = static_cast<W*>(values);
   if (aligned16(src))
-    scatter_kernel<W, true><<<grid_for(nblocks), kThreads, 0, stream>>>(s, n, offsets, v, nblocks);
+    pack_kernel<W, true><<<grid_for(nblocks), kThreads, 0, stream>>>(s, n, bitmap, offsets, v, workspace, nblocks);
   else
-    scatter_kernel<W, false><<<grid_for(nblocks), kThreads, 0, stream>>>(s, n, offsets, v, nblocks);
-  check(cudaGetLastError(), "relu scatter kernel launch");
+    pack_kernel<W, false><<<grid_for(nblocks), kThreads, 0, stream>>>(s, n, bitmap, offsets, v, workspace, nblocks);
+  check(cudaGetLastError(), "relu pack kernel launch");
 }
 
 template <typename W>
 void launch_unpack(const uint32_t* bitmap, const int64_t* offsets, const void* values, int64_t n, void* dst,
                    cudaStream_t stream) {
+  using L = Layout<W>;
   const int64_t nblocks = num_blocks(n);
+  const int warp_steps = nblocks < unpack_split_below_blocks() ? kUnroll : L::kSteps;
+  const int64_t nwarps = nblocks * (L::kSteps / warp_steps);
   const auto* v = static_cast<const W*>(values);
   auto* d = static_cast<W*>(dst);
   if (aligned16(dst))
-    unpack_kernel<W, true><<<grid_for(nblocks), kThreads, 0, stream>>>(bitmap, offsets, v, n, d, nblocks);
+    unpack_kernel<W, true><<<grid_for(nwarps), kThreads, 0, stream>>>(bitmap, offsets, v, n, d, nwarps, warp_steps);
   else
-    unpack_kernel<W, false><<<grid_for(nblocks), kThreads, 0, stream>>>(bitmap, offsets, v, n, d, nblocks);
+    unpack_kernel<W, false><<<grid_for(nwarps), kThreads, 0, stream>>>(bitmap, offsets, v, n, d, nwarps, warp_steps);
   check(cudaGetLastError(), "relu unpack kernel launch");
 }
 
@@ -348,41 +438,28 @@ void launch_unpack(const uint32_t* bitmap, const int64_t* offsets, const void* v
 
 size_t relu_pack_workspace_bytes(int64_t n) {
   check_args(n, 4);
-  const int64_t nblocks = num_blocks(n);
-  return counts_bytes(nblocks) + scan_temp_bytes(nblocks + 1);
+  return sizeof(uint64_t) * (1 + num_tiles(num_blocks(n)));
 }
 
-void relu_pack_offsets(const void* src, int64_t n, int elem_bytes, uint32_t* bitmap, int64_t* offsets,
-                       void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+void relu_pack(const void* src, int64_t n, int elem_bytes, uint32_t* bitmap, int64_t* offsets, void* values,
+               void* workspace, size_t workspace_bytes, cudaStream_t stream) {
   check_args(n, elem_bytes);
   if (n == 0) return;
   check_ptr(src, "src"), check_ptr(bitmap, "bitmap"), check_ptr(offsets, "offsets");
   check_ptr(workspace, "workspace");
-  const int64_t nblocks = num_blocks(n);
-  size_t temp_bytes = scan_temp_bytes(nblocks + 1);
-  if (workspace_bytes < counts_bytes(nblocks) + temp_bytes)
+  const size_t needed = relu_pack_workspace_bytes(n);
+  if (workspace_bytes < needed)
     throw UsageError("supermem: relu_pack workspace of " + std::to_string(workspace_bytes) + " bytes, needs " +
-                     std::to_string(counts_bytes(nblocks) + temp_bytes));
-  auto* counts = static_cast<int64_t*>(workspace);
-  void* temp = static_cast<char*>(workspace) + counts_bytes(nblocks);
+                     std::to_string(needed));
+  if (reinterpret_cast<uintptr_t>(workspace) % sizeof(uint64_t) != 0)
+    throw UsageError("supermem: relu_pack workspace must be 8-byte aligned");
+  // The ticket counter and every tile status start at 0 (not ready).
+  check(cudaMemsetAsync(workspace, 0, needed, stream), "cudaMemsetAsync (relu pack workspace)");
+  auto* words = static_cast<uint64_t*>(workspace);
   if (elem_bytes == 4)
-    launch_bitmap<uint32_t>(src, n, kNonzero, bitmap, counts, stream);
+    launch_pack<uint32_t>(src, n, bitmap, offsets, values, words, stream);
   else
-    launch_bitmap<uint16_t>(src, n, kNonzero, bitmap, counts, stream);
-  check(cub::DeviceScan::ExclusiveSum(temp, temp_bytes, counts, offsets, nblocks + 1, stream),
-        "cub::DeviceScan::ExclusiveSum");
-}
-
-void relu_pack_values(const void* src, int64_t n, int elem_bytes, const int64_t* offsets, void* values,
-                      cudaStream_t stream) {
-  check_args(n, elem_bytes);
-  if (n == 0) return;
-  // values may be null when src has no nonzeros (torch's pointer for zero bytes): nothing writes it.
-  check_ptr(src, "src"), check_ptr(offsets, "offsets");
-  if (elem_bytes == 4)
-    launch_scatter<uint32_t>(src, n, offsets, values, stream);
-  else
-    launch_scatter<uint16_t>(src, n, offsets, values, stream);
+    launch_pack<uint16_t>(src, n, bitmap, offsets, values, words, stream);
 }
 
 void relu_unpack(const uint32_t* bitmap, const int64_t* offsets, const void* values, int64_t n, int elem_bytes,
@@ -403,9 +480,9 @@ void relu_mask_pack(const void* src, int64_t n, int elem_bytes, uint32_t positiv
   if (n == 0) return;
   check_ptr(src, "src"), check_ptr(bitmap, "bitmap");
   if (elem_bytes == 4)
-    launch_bitmap<uint32_t>(src, n, positive_limit, bitmap, nullptr, stream);
+    launch_mask<uint32_t>(src, n, positive_limit, bitmap, stream);
   else
-    launch_bitmap<uint16_t>(src, n, positive_limit, bitmap, nullptr, stream);
+    launch_mask<uint16_t>(src, n, positive_limit, bitmap, stream);
 }
 
 void relu_mask_unpack(const uint32_t* bitmap, int64_t n, bool* dst, cudaStream_t stream) {

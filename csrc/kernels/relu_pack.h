@@ -26,18 +26,17 @@ namespace supermem::kernels {
 // Elements per offsets entry, the same for every element size: one warp packs one block.
 constexpr int64_t kBlockElems = 2048;
 
-// Device scratch (bytes) that relu_pack_offsets needs for n elements.
+// Device scratch (bytes) that relu_pack needs for n elements: a ticket counter and one status word
+// per tile of kBlockElems * 8 elements (relu_pack zeroes it on the stream, so it may be reused).
 size_t relu_pack_workspace_bytes(int64_t n);
 
-// Pass 1 (bitmap + per-block counts, one read of src) and pass 2 (device-wide exclusive scan of
-// the counts into `offsets`). `workspace` holds relu_pack_workspace_bytes(n) bytes.
-void relu_pack_offsets(const void* src, int64_t n, int elem_bytes, uint32_t* bitmap, int64_t* offsets,
-                       void* workspace, size_t workspace_bytes, cudaStream_t stream);
-
-// Pass 3: copies src's nonzeros to values[offsets[b] + rank within block b]. `values` must hold
-// offsets[nblocks] elements (or n, the worst case).
-void relu_pack_values(const void* src, int64_t n, int elem_bytes, const int64_t* offsets, void* values,
-                      cudaStream_t stream);
+// One pass over src: the bitmap, the offsets and, when values is not null, the nonzeros at
+// values[offsets[b] + rank within block b]; `values` then holds n elements (the worst case) or at
+// least offsets[nblocks]. With values null it writes only bitmap and offsets (to size values
+// exactly, then call again with it). `workspace` holds relu_pack_workspace_bytes(n) bytes, 8-byte
+// aligned.
+void relu_pack(const void* src, int64_t n, int elem_bytes, uint32_t* bitmap, int64_t* offsets, void* values,
+               void* workspace, size_t workspace_bytes, cudaStream_t stream);
 
 // The inverse: dst (n elements) gets values where the bitmap is set and 0 elsewhere.
 void relu_unpack(const uint32_t* bitmap, const int64_t* offsets, const void* values, int64_t n,

@@ -3,8 +3,9 @@ copy of the same tensor, in this process and the same run.
 
 For each dtype (fp32, bf16), size (16 MiB .. 1 GiB) and density (0.5, 0.3) of nonzeros:
 - copy      y.copy_(x): the baseline (reads and writes the dense tensor once);
-- pack      relu_pack(x, exact=False): the three kernels, no host sync;
-- pack+sync relu_pack(x): the same plus reading the nonzero count back between scan and scatter;
+- pack      relu_pack(x, exact=False): one kernel (one read of x), no host sync;
+- pack+sync relu_pack(x): the kernel for bitmap and offsets, the nonzero count read back, the kernel
+            again for the values into a buffer of their exact size (two reads of x);
 - unpack    relu_unpack(packed).
 Throughput is dense-tensor bytes per second for every row, so "x copy" compares like with like
 (target: pack and unpack >= 0.70x the copy). The GPU times come from CUDA events around `--iters`
@@ -68,7 +69,7 @@ def run(args: argparse.Namespace) -> dict:
     ]
     print(table.render(columns, rows))
     print("GB/s: dense tensor bytes per second; x copy: copy time / op time (baseline: the copy, this run)")
-    print("moved GB/s: the bytes the op must read and write / time (pack reads the input twice);")
+    print("moved GB/s: the bytes the op must read and write / time (pack+sync reads the input twice);")
     print("bound: the x copy it would reach moving them as fast as the copy moves its own")
     if device.type != "cuda":
         print("(cpu runs the torch reference: the targets below apply to the CUDA kernels)")
@@ -105,14 +106,14 @@ def measure(device, dtype, size_bytes: int, density: float, iters: int) -> list[
     lossless = torch.equal(relu_unpack(packed).view(int_view), x.view(int_view))
     ideal = n / 8 + packed.nnz * x.element_size()
     base = {"dtype": str(dtype).removeprefix("torch."), "size_mib": size_bytes // MiB, "density": density}
-    # Bytes each op must move: pack reads the input in pass 1 and again in pass 3, then writes the
-    # packed buffers; unpack reads them and writes the dense tensor.
+    # Bytes each op must move: pack reads the input once and writes the packed buffers (pack+sync
+    # reads it twice); unpack reads them and writes the dense tensor.
     moved = {
         "copy": 2 * size_bytes,
-        "pack": 2 * size_bytes + packed.nbytes,
+        "pack": size_bytes + packed.nbytes,
+        "pack+sync": 2 * size_bytes + packed.nbytes,
         "unpack": size_bytes + packed.nbytes,
     }
-    moved["pack+sync"] = moved["pack"]
     rows = []
     for op, seconds in times.items():
         row = dict(base, op=op, us=seconds * 1e6, gbps=size_bytes / seconds / 1e9)

@@ -183,6 +183,24 @@ def test_kernel_constants_match():
         assert _C.relu_block_elems == BLOCK_ELEMS
 
 
+@pytest.mark.skipif(not _C.has_relu_kernels, reason="built without the CUDA kernels")
+def test_pack_workspace_and_its_checks():
+    """The one-pass pack's scratch: a ticket counter and one status word per tile of 8 blocks (8 bytes
+    each). Its size and alignment are checked before anything reaches the GPU (none needed here)."""
+    tile = 8 * BLOCK_ELEMS
+    for n, tiles in [(0, 0), (1, 1), (tile, 1), (tile + 1, 2), (100 * tile - 1, 100)]:
+        assert _C.relu_pack_workspace_bytes(n) == 8 * (1 + tiles)
+    n = 3 * tile
+    fake = 1 << 20  # never dereferenced: the checks throw first
+    args = (fake, n, 4, fake, fake, fake)
+    with pytest.raises(UsageError, match="workspace of 31 bytes, needs 32"):
+        _C.relu_pack(*args, fake, 31, 0)
+    with pytest.raises(UsageError, match="8-byte aligned"):
+        _C.relu_pack(*args, fake + 4, 32, 0)
+    with pytest.raises(UsageError, match="null pointer"):
+        _C.relu_pack(*args, 0, 32, 0)
+
+
 def test_bench_relu_quick_cpu(tmp_path):
     out = tmp_path / "rows.json"
     cmd = [sys.executable, "-m", "supermem", "bench", "relu", "--quick", "--device", "cpu", "--sizes", "1"]

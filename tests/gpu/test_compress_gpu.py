@@ -111,14 +111,16 @@ def test_writes_stay_in_their_buffers_and_unaligned_outputs_work(dtype, n):
 
     nwords, nblocks = math.ceil(n / 32), math.ceil(n / 2048)
     bitmap, offsets, values = guarded(4 * nwords), guarded(8 * (nblocks + 1)), guarded(size * ref.nnz)
-    workspace = torch.empty(_C.relu_pack_workspace_bytes(n), dtype=torch.uint8, device="cuda")
+    workspace = guarded(_C.relu_pack_workspace_bytes(n))
     ptr = lambda buf: inside(buf).data_ptr()  # noqa: E731
-    _C.relu_pack_offsets(x.data_ptr(), n, size, ptr(bitmap), ptr(offsets), workspace.data_ptr(),
-                         workspace.numel(), stream)  # fmt: skip
-    _C.relu_pack_values(x.data_ptr(), n, size, ptr(offsets), ptr(values), stream)
-    assert all(guards_intact(b) for b in (bitmap, offsets, values))
-    assert torch.equal(inside(bitmap).cpu(), ref.bitmap)
-    assert torch.equal(inside(offsets).cpu().view(torch.int64), ref.offsets)
+    for values_ptr in (0, ptr(values)):  # bitmap and offsets only (exact mode's first call), then all three
+        _C.relu_pack(x.data_ptr(), n, size, ptr(bitmap), ptr(offsets), values_ptr, ptr(workspace),
+                     inside(workspace).numel(), stream)  # fmt: skip
+        assert all(guards_intact(b) for b in (bitmap, offsets, values, workspace))
+        assert torch.equal(inside(bitmap).cpu(), ref.bitmap)
+        assert torch.equal(inside(offsets).cpu().view(torch.int64), ref.offsets)
+        if not values_ptr:
+            assert bool((inside(values) == 0xA5).all())  # nothing written
     assert torch.equal(inside(values).cpu(), ref.values.view(torch.uint8))
 
     dense = guarded(size * (n + 1))  # the output starts one element past a 16-byte boundary
@@ -181,3 +183,75 @@ def test_past_2_to_the_31_elements():
     tail = x[-5000:]  # elements past index 2^31, whose values sit past byte 2^31 of the values
     assert torch.equal(packed.values[-int(torch.count_nonzero(tail)) :].view(INT[x.dtype]),
                        tail[tail.view(torch.int16) != 0].view(torch.int16))  # fmt: skip
+
+
+TILE = 8 * 2048  # elements per tile of the one-pass pack (one CTA: 8 blocks of 2048)
+
+
+def tiled(n, dtype, tile_density, seed=0):
+    """n elements whose tile t (of `TILE`) has density tile_density(t): every tile's count differs
+    from its neighbours', so a wrong look-back sum shows in offsets and values."""
+    x = sparse(n, 1.0, dtype, seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    keep = torch.zeros(n, dtype=torch.bool)
+    for t in range(math.ceil(n / TILE)):
+        part = keep[t * TILE : (t + 1) * TILE]
+        part.copy_(torch.rand(part.numel(), generator=g) < tile_density(t))
+    return torch.where(keep, x, torch.zeros((), dtype=dtype))
+
+
+PATTERNS = {
+    "alternate_0_1": lambda t: t % 2,  # tiles alternately empty and full
+    "alternate_1_0": lambda t: 1 - t % 2,
+    "ramp": lambda t: (t % 7) / 6,
+    "one_full_tile": lambda t: float(t == 40),  # a single nonzero tile past the first look-back window
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("pattern", list(PATTERNS))
+@pytest.mark.parametrize("tiles", [1, 2, 31, 32, 33, 65, 300])
+@pytest.mark.parametrize("extra", [-1, 0, 1, 2048, 2049])
+def test_many_tiles_of_varying_density(dtype, pattern, tiles, extra):
+    """The one-pass pack's cross-tile scan: sizes at and around whole tiles (and look-back windows of
+    32 tiles), last tiles full, partial or one element long, densities jumping from tile to tile."""
+    n = tiles * TILE + extra
+    x = tiled(n, dtype, PATTERNS[pattern], seed=tiles)
+    ref = relu_pack(x)
+    for exact in (True, False):
+        packed = relu_pack(x.cuda(), exact=exact)
+        assert_same_pack(packed, ref)
+        assert bitwise_equal(relu_unpack(packed), x)
+
+
+def test_repeated_packs_reuse_the_workspace_cleanly():
+    """Back-to-back packs on one stream (the caching allocator hands the same workspace back): the
+    ticket counter and tile statuses must start from zero each time."""
+    xs = [tiled(100 * TILE + 5, torch.float32, PATTERNS["ramp"], seed=s).cuda() for s in range(3)]
+    packs = [relu_pack(x, exact=False) for x in xs for _ in range(4)]
+    for i, packed in enumerate(packs):
+        x = xs[i // 4]
+        assert torch.equal(packed.offsets.cpu(), relu_pack(x.cpu()).offsets)
+        assert bitwise_equal(relu_unpack(packed), x)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_large_tensor_one_warp_per_block_unpack(dtype):
+    """Past sms * 256 blocks unpack gives each block one warp (below, several): check that path and
+    the pack of many tiles against the reference computed by torch on the GPU."""
+    from supermem.compress import _pack_reference
+
+    sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    n = sms * 256 * 2048 + 3 * TILE + 77
+    if torch.cuda.mem_get_info()[0] < 8 * n * 4:
+        pytest.skip("not enough free GPU memory")
+    g = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.rand(n, device="cuda", generator=g)
+    tile_density = (torch.arange(math.ceil(n / TILE), device="cuda") % 3) / 2  # 0, 0.5, 1, ...
+    x = torch.where(x < tile_density.repeat_interleave(TILE)[:n], x + 0.5, 0.0).to(dtype)
+    bitmap, offsets, values = _pack_reference(x)
+    packed = relu_pack(x)
+    assert torch.equal(packed.bitmap, bitmap) and torch.equal(packed.offsets, offsets)
+    assert torch.equal(packed.values.view(INT[dtype]), values.view(INT[dtype]))
+    y = relu_unpack(packed)
+    assert torch.equal(y.view(INT[dtype]), x.view(INT[dtype]))
