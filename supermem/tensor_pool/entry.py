@@ -47,6 +47,8 @@ class Entry:
         "last_use",
         "key",
         "source",
+        "version",
+        "watch",
     )
 
     def __init__(self, pool: Pool, seq: int, tensor: torch.Tensor, key: tuple):
@@ -64,6 +66,8 @@ class Entry:
         self.last_use = 0
         self.key = key
         self.source = weakref.ref(tensor)  # the saved tensor object, to recognise it when saved again
+        self.version = tensor._version  # checked at unpack, as autograd does without hooks
+        self.watch: torch.Tensor | None = None  # shares the saved tensor's version counter, no storage
 
     def host_span(self) -> torch.Tensor:
         """The host copy of the tensor's storage span, flat and typed."""
@@ -76,6 +80,11 @@ class Entry:
     def from_span(self, span: torch.Tensor) -> torch.Tensor:
         """The tensor again, with its exact shape and strides, over a restored span."""
         return span.as_strided(self.shape, self.stride)
+
+    def watch_version(self) -> None:
+        """The device tensor is about to go: keep watching its version counter without its memory."""
+        if self.watch is None and self.tensor is not None:
+            self.watch = version_watcher(self.tensor)
 
     def __del__(self) -> None:
         pool = self._pool()
@@ -94,3 +103,64 @@ def storage_extent(t: torch.Tensor) -> int:
     if t.numel() == 0:
         return 0
     return 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+
+
+class Kept:
+    """A saved tensor the pool leaves where it is (small, a parameter, a leaf input), with the version
+    it had when saved: autograd skips its own check when saved-tensor hooks are on, so the pool does it."""
+
+    __slots__ = ("tensor", "version")
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+        self.version = tensor._version
+
+    def unpack(self) -> torch.Tensor:
+        _check(self.tensor, self.tensor._version, self.version, self.tensor.shape)
+        return self.tensor
+
+
+def check_version(e: Entry) -> None:
+    """Raises autograd's own error if the saved tensor was changed in place after it was saved."""
+    holder = e.watch if e.watch is not None else e.tensor
+    if holder is not None:
+        _check(holder, holder._version, e.version, e.shape)
+
+
+def _check(t: torch.Tensor, now: int, saved: int, shape: torch.Size) -> None:
+    if now != saved:
+        raise RuntimeError(
+            "one of the variables needed for gradient computation has been modified by an inplace "
+            f"operation: [{t.type()} {list(shape)}] is at version {now}; expected version {saved} "
+            "instead. Hint: it was saved for backward under supermem's tensor pool; the operation "
+            "that changed it in place ran after it was saved (autograd's anomaly detection can find it)."
+        )
+
+
+def version_watcher(t: torch.Tensor) -> torch.Tensor:
+    """A tensor without storage that shares `t`'s version counter (detach() shares it; set_() drops
+    the storage; the version set_() added is taken back, so `t`'s own version is unchanged). It lets
+    the pool check a saved tensor's version after the pool let go of its memory."""
+    version = t._version
+    w = t.detach()
+    with torch.no_grad():
+        w.set_()
+    _set_version(w, version)
+    return w
+
+
+def _set_version(t: torch.Tensor, version: int) -> None:
+    try:
+        torch._C._autograd._unsafe_set_version_counter((t,), (version,))
+    except TypeError:  # older PyTorch: one tensor, one int
+        torch._C._autograd._unsafe_set_version_counter(t, version)
+
+
+def movable(t: torch.Tensor) -> bool:
+    """Plain strided tensors with ordinary storage. Sparse, nested, meta, quantized and MKL-DNN
+    tensors, subclasses (wrappers, FakeTensor) and functorch-wrapped tensors pass through untouched."""
+    if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter:
+        return False
+    if t.layout is not torch.strided or t.is_nested or t.is_meta or t.is_quantized or t.is_mkldnn:
+        return False
+    return not torch._C._functorch.is_functorch_wrapped_tensor(t)

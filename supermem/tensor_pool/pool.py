@@ -27,11 +27,11 @@ import torch
 
 from .. import events
 from ..errors import ConfigError
+from ..policies import Choice, make_policy
 from ..units import parse_bytes
 from .copy import CopyEngine
-from .entry import Entry, State
+from .entry import Entry, Kept, State, check_version, movable
 from .host import HostPool, pinned_available
-from .policy import make_policy
 
 PREFETCH_SCAN = 64  # entries looked at, going back from the one just used, for prefetch
 
@@ -63,6 +63,11 @@ class Pool:
             self.device = torch.device("cuda", torch.cuda.current_device())
         total = torch.cuda.get_device_properties(self.device).total_memory if self.cuda else None
         self._device_total = total
+        if budget is not None and total is None and _is_fraction(budget):
+            raise ConfigError(
+                f"bad pool option budget={budget!r}: a fraction or percentage needs a device total, and "
+                f"{self.device} has no device memory to take it of; give bytes (e.g. 64MiB)"
+            )
         self.budget_bytes = None if budget is None else _size("budget", budget, total)
         self.policy = _checked("policy", make_policy, policy)
         host_bytes = _size(
@@ -87,21 +92,23 @@ class Pool:
         self._offloaded_bytes = 0
         self._prefetched_bytes = 0
         self._peak_resident_bytes = 0
-        self._hooks: Any = None
+        self._local = threading.local()  # per thread: the stack of entered hook contexts
         self._pressure_registered = False
         _serve_to_top(self)
 
     # ------------------------------------------------------------------ activation
 
     def __enter__(self) -> Pool:
+        """Re-entrant, and per thread: saved-tensor hooks are thread-local, so each thread keeps its
+        own stack of entered contexts."""
         self._register_pressure_handler()
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-        self._hooks.__enter__()
+        hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        hooks.__enter__()
+        self._local.__dict__.setdefault("stack", []).append(hooks)
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        hooks, self._hooks = self._hooks, None
-        hooks.__exit__(*exc)
+        self._local.stack.pop().__exit__(*exc)
 
     def _register_pressure_handler(self) -> None:
         if self._pressure_registered or not self.cuda:
@@ -117,10 +124,14 @@ class Pool:
     # ------------------------------------------------------------------ hooks
 
     def _pack(self, t: torch.Tensor) -> Any:
-        if t.device != self.device or t.numel() * t.element_size() < self.min_bytes or _alive_anyway(t):
-            return t
-        if t.numel() == 0:
-            return t
+        if not movable(t):
+            return t  # sparse, nested, meta, subclasses: not ours to move (and no version to check)
+        if (
+            t.device != self.device
+            or t.numel() * t.element_size() < max(self.min_bytes, 1)
+            or _alive_anyway(t)
+        ):
+            return Kept(t)  # stays where it is; its version is still checked at unpack
         key = (t.untyped_storage().data_ptr(), t.storage_offset(), t.shape, t.stride(), t.dtype, t._version)
         with self._lock:
             if not self._entries:
@@ -144,8 +155,11 @@ class Pool:
             return e
 
     def _unpack(self, packed: Any) -> torch.Tensor:
+        if type(packed) is Kept:
+            return packed.unpack()
         if not isinstance(packed, Entry):
             return packed
+        check_version(packed)
         with self._lock:
             t = self._materialize(packed)
             self._touch(packed)
@@ -159,8 +173,8 @@ class Pool:
             return
         over = self._used_bytes() - self._target()
         if over > 0:
-            for victim in self.policy.choose(self._resident_entries(), over):
-                self._offload(victim)
+            for c in self.policy.choose(self._choices(), over, self._tick):
+                self._offload(c.target)
 
     def _offload(self, e: Entry) -> bool:
         """Moves a resident entry (or one being restored: its copy is dropped) to host memory; False
@@ -227,7 +241,8 @@ class Pool:
             self._counters["pressure_calls"] += 1
             before, freed = self._used_bytes(), 0
             # Prefetched entries not used yet go last: they come back soonest.
-            for victim in self.policy.order(self._resident_entries()) + self._restoring_entries():
+            ranked = self.policy.choose(self._choices(), 1 << 62, self._tick)
+            for victim in [c.target for c in ranked] + self._restoring_entries():
                 if self._offload(victim):
                     self.copies.wait(victim.event)
                     freed = before - self._used_bytes()
@@ -246,7 +261,8 @@ class Pool:
                 if ref is not None and ref() in (e, None):
                     del self._dedup[e.key]
                 if e.state in (State.RESIDENT, State.RESTORING):
-                    self._drop_resident(e)
+                    self._resident_bytes -= e.nbytes
+                    self._lru.pop(e.seq, None)
                 e.tensor = None
                 if e.host is not None:
                     self.host.give_back(e.host, self.copies.stream_ids)
@@ -264,6 +280,7 @@ class Pool:
     def _drop_resident(self, e: Entry) -> None:
         self._resident_bytes -= e.nbytes
         self._lru.pop(e.seq, None)
+        e.watch_version()
         e.tensor = None
 
     def _touch(self, e: Entry) -> None:
@@ -271,6 +288,12 @@ class Pool:
         e.last_use = self._tick
         if e.seq in self._lru:  # move to the most recently used end
             self._lru[e.seq] = self._lru.pop(e.seq)
+
+    def _choices(self) -> list[Choice]:
+        return [
+            Choice(e, "offload", e.nbytes, e.nbytes / 25e9, e.last_use, (e,))
+            for e in self._resident_entries()
+        ]
 
     def _restoring_entries(self) -> list[Entry]:
         return [x for ref in self._lru.values() if (x := ref()) is not None and x.state is State.RESTORING]
@@ -434,6 +457,10 @@ def _checked(name: str, parse: Any, value: Any) -> Any:
         return parse(value)
     except ValueError as e:
         raise ConfigError(f"bad pool option {name}={value!r}: {e}") from None
+
+
+def _is_fraction(value: Any) -> bool:
+    return isinstance(value, float) or (isinstance(value, str) and value.strip().endswith("%"))
 
 
 def _size(name: str, value: Any, total: int | None) -> int:
