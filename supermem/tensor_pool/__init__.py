@@ -34,8 +34,9 @@ def activate_from_config(cfg: Any) -> None:
 
     def current() -> Pool:
         if "pool" not in _global:
-            _global["pool"] = pool(cfg.budget, cfg.pool, cfg.host_limit)
-            _global["pool"]._register_pressure_handler()
+            p = _global["pool"] = pool(cfg.budget, cfg.pool, cfg.host_limit)
+            p.always_active = True
+            p._start()
         return _global["pool"]
 
     torch._C._autograd._push_saved_tensors_default_hooks(

@@ -1,33 +1,37 @@
 """A pool entry: one tensor autograd saved for backward, and where its bytes are now.
 
-    resident    the pool holds the device tensor (and maybe a host copy from an earlier offload)
-    offloading  a device -> host copy is in flight; the device tensor went back to the allocator
-    on_host     only the host copy exists
-    restoring   a host -> device copy is in flight into a new device tensor
+States are treatment-neutral; the entry's `treatment` (Offload, Recompute, ...) says what they mean:
 
-Invariants (Pool.check): an entry holds a device tensor iff it is resident or restoring, and a host
-block whenever it is off the device; the pool's resident-bytes counter equals the bytes of entries
-holding a device tensor; the LRU list names live entries only; the host pool's own invariants hold.
+    resident   the pool holds the device tensor
+    leaving    on its way off the device (an offload copy in flight); the device tensor is gone
+    away       off the device: only the treatment's payload remains (a host copy, a recipe, ...)
+    returning  on its way back (a copy in flight into a new device tensor, which the entry holds)
+
+Invariants (Pool.check): an entry holds a device tensor iff it is resident or returning; an entry that
+is not resident has a treatment, whose own `check` holds (Offload: a host block of the span's size;
+Recompute: a recipe); the pool's device-bytes counter equals the bytes of entries holding a device
+tensor plus the device payloads of the others; the LRU list names live resident entries only.
 """
 
 from __future__ import annotations
 
 import enum
 import weakref
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 if TYPE_CHECKING:
-    from .host import HostBlock
     from .pool import Pool
+    from .step import Step
+    from .treatments import Treatment
 
 
 class State(enum.Enum):
     RESIDENT = "resident"
-    OFFLOADING = "offloading"
-    ON_HOST = "on_host"
-    RESTORING = "restoring"
+    LEAVING = "leaving"
+    AWAY = "away"
+    RETURNING = "returning"
 
 
 class Entry:
@@ -41,7 +45,8 @@ class Entry:
         "extent",
         "dtype",
         "tensor",
-        "host",
+        "treatment",
+        "payload",
         "event",
         "state",
         "last_use",
@@ -49,18 +54,22 @@ class Entry:
         "source",
         "version",
         "watch",
+        "step",
+        "ordinal",
+        "recipe",
     )
 
-    def __init__(self, pool: Pool, seq: int, tensor: torch.Tensor, key: tuple):
+    def __init__(self, pool: Pool, seq: int, tensor: torch.Tensor, key: tuple, step: Step):
         self._pool = weakref.ref(pool)
-        self.seq = seq  # pack order
+        self.seq = seq  # pack order, over all steps
         self.shape = tensor.shape
         self.stride = tensor.stride()
         self.extent = storage_extent(tensor)
         self.dtype = tensor.dtype
         self.nbytes = self.extent * tensor.element_size()
         self.tensor: torch.Tensor | None = tensor
-        self.host: HostBlock | None = None
+        self.treatment: Treatment | None = None  # what holds it while not resident
+        self.payload: Any = None  # the treatment's (a host block, compressed bytes, ...)
         self.event: torch.cuda.Event | None = None  # end of the copy in flight (either direction)
         self.state = State.RESIDENT
         self.last_use = 0
@@ -68,10 +77,9 @@ class Entry:
         self.source = weakref.ref(tensor)  # the saved tensor object, to recognise it when saved again
         self.version = tensor._version  # checked at unpack, as autograd does without hooks
         self.watch: torch.Tensor | None = None  # shares the saved tensor's version counter, no storage
-
-    def host_span(self) -> torch.Tensor:
-        """The host copy of the tensor's storage span, flat and typed."""
-        return self.host.tensor.view(self.dtype)
+        self.step = step  # the step (forward + backward) it was saved in
+        self.ordinal = step.next_ordinal()  # its place in that step
+        self.recipe: Any = None  # how to rebuild it on the device (a region slot, a cast), if any
 
     def device_span(self) -> torch.Tensor:
         """The device tensor's storage span, flat: what a copy moves."""
@@ -92,7 +100,8 @@ class Entry:
             pool._release(self)
 
     def __repr__(self) -> str:
-        return f"Entry(seq={self.seq}, {self.state.value}, {self.nbytes} bytes)"
+        how = f" by {self.treatment.name}" if self.treatment is not None else ""
+        return f"Entry(seq={self.seq}, {self.state.value}{how}, {self.nbytes} bytes)"
 
 
 def storage_extent(t: torch.Tensor) -> int:

@@ -12,7 +12,17 @@ from torch.utils.checkpoint import checkpoint
 
 import supermem
 from supermem.errors import ConfigError
+from supermem.policies import live_names
 from supermem.tensor_pool import Pool
+
+
+@pytest.fixture(autouse=True, params=live_names())
+def policy(request, monkeypatch):
+    """Every test here runs under every live policy: it becomes Pool()'s default policy."""
+    defaults = list(Pool.__init__.__defaults__)
+    defaults[1] = request.param
+    monkeypatch.setattr(Pool.__init__, "__defaults__", tuple(defaults))
+    return request.param
 
 
 class Net(nn.Module):
@@ -100,7 +110,7 @@ def test_accounting_during_a_step():
         # Counted independently: the distinct storage spans a plain run of the same step saves.
         assert s["tracked_bytes"] == saved_span_bytes(fresh(), x)
         # Every byte off the device sits in a host block the host allocator counts.
-        off_device = s["on_host_bytes"] + s["offloading_bytes"]
+        off_device = s["away_bytes"] + s["leaving_bytes"]
         assert off_device > 0 and pool.host.allocator.stats()["allocated_bytes"] >= off_device
         loss.backward()
     pool.check()
@@ -133,9 +143,9 @@ def test_saved_twice_is_one_entry():
         z = (y * y).sum()  # mul saves y twice
         assert pool.stats()["entries_by_state"] == {
             "resident": 0,
-            "offloading": 0,
-            "on_host": 1,
-            "restoring": 0,
+            "leaving": 0,
+            "away": 1,
+            "returning": 0,
         }
         z.backward()
     assert torch.equal(x.grad, 8 * x.detach())
