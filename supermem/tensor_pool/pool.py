@@ -101,9 +101,8 @@ class Pool:
         self._device_bytes = 0  # held by entries: resident tensors and away payloads on the device
         self._margin = 0  # learned: how far a step's peak rises above the most the pool saw (bytes)
         self._seen_peak = 0  # the most device memory the pool saw in use during this step
-        self._seen_peak_last = 0
         self._busy_s = 0.0  # minus the seconds spent fitting the budget (CPU region timing)
-        self._left = False  # did anything leave the device during this step
+        self._left = False  # did anything leave the device during this step (or pressure come)
         self._capture = True  # capture regions this step (off when the last step did not need them)
         self._largest_entry = 0
         self._counters = dict.fromkeys(
@@ -246,11 +245,10 @@ class Pool:
         return s
 
     def _needed_last_step(self) -> bool:
-        """Capture regions only when the pool may need them: something left the device in the last
-        step, or it came within 20% of the target (an unneeded budget costs nothing per region)."""
-        if self._steps == 0 or self._left or self._counters["pressure_calls"]:
-            return True
-        return self.budget_bytes is not None and self._seen_peak_last >= 0.8 * self._target()
+        """Capture regions only when the pool may need them: on the first steps, and after a step in
+        which something left the device (an unneeded budget costs nothing per region; a step that
+        newly needs room offloads, and the next one captures)."""
+        return self._steps < 2 or self._left
 
     # ------------------------------------------------------------------ moving entries
 
@@ -335,6 +333,7 @@ class Pool:
         else still references frees nothing when it leaves)."""
         with self._lock:
             self._counters["pressure_calls"] += 1
+            self._left = True
             before, freed = self._used_bytes(), 0
             ranked = [
                 (c.frees, self.treatments[c.treatment])
@@ -426,7 +425,6 @@ class Pool:
             peak = alloc.take_watermark()
             if self._seen_peak:
                 self._margin = min(self.budget_bytes, max(0, peak - self._seen_peak))
-        self._seen_peak_last = self._seen_peak
         self._seen_peak = 0
 
     def _supermem_allocator(self) -> Any:

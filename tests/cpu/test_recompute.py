@@ -267,3 +267,42 @@ def test_bad_policy_names_the_known_ones():
     with pytest.raises(ConfigError, match="cost_aware"):
         Pool(policy="planned")  # replay only: it needs the future
     assert "planned" in POLICIES and "planned" not in live_names()
+
+
+def test_one_registry_for_pool_config_and_replay():
+    from supermem import config
+    from supermem.trace.replay import POLICIES as REPLAY
+
+    assert set(REPLAY) == {"none", *POLICIES}
+    for name in live_names():
+        assert config.parse_conf(f"pool:{name}")["pool"] == name
+    with pytest.raises(ConfigError) as info:
+        config.parse_conf("pool:fifo")
+    assert all(name in str(info.value) for name in live_names())
+
+
+def test_checkpoint_inside_a_region_and_a_64kib_budget():
+    from torch.utils.checkpoint import checkpoint
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(64, 64), nn.Linear(64, 64)
+
+        def forward(self, x):
+            h = checkpoint(lambda y: torch.tanh(self.a(y)), x, use_reentrant=False)
+            return torch.sigmoid(self.b(F.gelu(h)))
+
+    class Net(nn.Sequential):
+        def __init__(self):
+            super().__init__(*[Block() for _ in range(4)])
+
+    CASES["ckpt"] = (Net, lambda g: (torch.randn(64, 64, generator=g), None))
+    try:
+        ref = train("ckpt")
+        for budget in ("64KiB", 0):
+            pool = slow_link(Pool(budget=budget, policy="cost_aware", host_limit="64MiB"))
+            assert same(ref, train("ckpt", pool))
+            assert pool.stats()["recomputes"] > 0
+    finally:
+        del CASES["ckpt"]
