@@ -105,6 +105,7 @@ class Pool:
         self._left = False  # did anything leave the device during this step (or pressure come)
         self._capture = True  # capture regions this step (off when the last step did not need them)
         self._largest_entry = 0
+        self._in_use: list[Entry] = []  # entries being materialized (under the lock): never chosen
         self._counters = dict.fromkeys(
             (
                 "packed",
@@ -238,6 +239,7 @@ class Pool:
             if s is not None and s.forward_s is not None:
                 self._last_forward_s = s.forward_s
             self._learn_margin()  # a new step begins: the last one's peak is known
+            self.copies.collect()  # finished copy timings: the link rate the policy prices copies at
             self._capture = self._needed_last_step()
             self._left = False
             self._steps += 1
@@ -272,7 +274,7 @@ class Pool:
         self._fit_budget()
 
     def _choices(self) -> list[Choice]:
-        resident = self._resident_entries()
+        resident = [e for e in self._resident_entries() if not any(e is x for x in self._in_use)]
         out = []
         for name in self.policy.treatments:
             t = self.treatments.get(name)
@@ -302,12 +304,16 @@ class Pool:
         self._touch(e)
 
     def _materialize(self, e: Entry) -> torch.Tensor:
-        if e.state in (State.LEAVING, State.AWAY):  # not brought back in time: compute waits
-            self._counters["sync_restores"] += 1
-            e.treatment.come_back(self, e)
-        if e.state is State.RETURNING:
-            e.treatment.ready(self, e)
-        return e.tensor
+        self._in_use.append(e)  # a replay's allocations may call the pressure handler: not this one
+        try:
+            if e.state in (State.LEAVING, State.AWAY):  # not brought back in time: compute waits
+                self._counters["sync_restores"] += 1
+                e.treatment.come_back(self, e)
+            if e.state is State.RETURNING:
+                e.treatment.ready(self, e)
+            return e.tensor
+        finally:
+            self._in_use.pop()
 
     def _prefetch_before(self, e: Entry) -> None:
         """Prefetches the entries of the same step saved just before `e`: backward needs them next."""
