@@ -38,6 +38,7 @@ from .step import Step
 from .treatments import Cast, Offload, Recompute, Treatment, autocast_copy_of
 
 PREFETCH_SCAN = 64  # entries looked at, going back from the one just used, for prefetch
+CANDIDATES = 64  # least recently used entries priced per decision (the stalest score best anyway)
 CPU_COPY_BYTES_PER_S = 5e9  # host memcpy, until copies measured it
 GPU_LINK_BYTES_PER_S = 25e9  # pinned PCIe copies, until copies measured it (H100/H200: ~55)
 GPU_MEMORY_BYTES_PER_S = 2e12  # device copies (H200: 4.2 TB/s read+write)
@@ -238,6 +239,8 @@ class Pool:
         if s is None or s.backward_s is not None or not self._entries:
             if s is not None and s.forward_s is not None:
                 self._last_forward_s = s.forward_s
+            if self.regions.phase == "profiling" and self._steps:
+                self.regions.end_profiling()  # the first step ended without a backward
             self._learn_margin()  # a new step begins: the last one's peak is known
             self.copies.collect()  # finished copy timings: the link rate the policy prices copies at
             self._capture = self._needed_last_step()
@@ -261,7 +264,7 @@ class Pool:
         if over <= 0:
             return
         # Ranked all the way down: when a treatment cannot (host memory full), the next choice frees.
-        for c in self.policy.choose(self._choices(), 1 << 62, self._tick):
+        for c in self.policy.choose(self._choices(CANDIDATES), 1 << 62, self._tick):
             t = self.treatments[c.treatment]
             for e in c.frees:
                 if e.state is State.RESIDENT and self._leave(e, t):
@@ -273,8 +276,8 @@ class Pool:
         """A region's entries just became recomputable: they may be what the budget needs."""
         self._fit_budget()
 
-    def _choices(self) -> list[Choice]:
-        resident = [e for e in self._resident_entries() if not any(e is x for x in self._in_use)]
+    def _choices(self, limit: int | None = None) -> list[Choice]:
+        resident = [e for e in self._resident_entries(limit) if not any(e is x for x in self._in_use)]
         out = []
         for name in self.policy.treatments:
             t = self.treatments.get(name)
@@ -399,13 +402,16 @@ class Pool:
     def _restoring_entries(self) -> list[Entry]:
         return [x for ref in self._lru.values() if (x := ref()) is not None and x.state is State.RETURNING]
 
-    def _resident_entries(self) -> list[Entry]:
-        """Resident entries, least recently used first (in-flight returns excluded)."""
+    def _resident_entries(self, limit: int | None = None) -> list[Entry]:
+        """Resident entries, least recently used first (in-flight returns excluded); the first
+        `limit` of them when given."""
         out = []
         for ref in self._lru.values():
             x = ref()
             if x is not None and x.state is State.RESIDENT and x.tensor is not None:
                 out.append(x)
+                if limit is not None and len(out) >= limit:
+                    break
         return out
 
     def _target(self) -> int:

@@ -289,6 +289,12 @@ class Regions:
             h.remove()
         self._global, self._handles = [], []
 
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001  (interpreter shutdown)
+            pass
+
     # -- hooks
 
     def _stack(self) -> list:

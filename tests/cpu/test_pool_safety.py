@@ -13,6 +13,15 @@ from supermem.tensor_pool import Pool
 BUDGETS = [0, "64KiB", "1GiB"]
 
 
+@pytest.fixture(autouse=True, params=live_names())
+def policy(request, monkeypatch):
+    """Every test here runs under every live policy: it becomes Pool()'s default policy."""
+    defaults = list(Pool.__init__.__defaults__)
+    defaults[1] = request.param
+    monkeypatch.setattr(Pool.__init__, "__defaults__", tuple(defaults))
+    return request.param
+
+
 def modified_after_save(x):
     a = x * 2
     b = a * a  # saves a (twice)
@@ -27,7 +36,6 @@ def plain_error(fn, x):
 
 
 @pytest.mark.parametrize("budget", BUDGETS)
-@pytest.mark.parametrize("policy", live_names())
 @pytest.mark.parametrize("size", [8, 256])  # below and above the pool's 64 KiB budget
 def test_inplace_change_after_save_raises_like_pytorch(budget, policy, size):
     x = torch.randn(size, size, requires_grad=True)

@@ -306,3 +306,34 @@ def test_checkpoint_inside_a_region_and_a_64kib_budget():
             assert pool.stats()["recomputes"] > 0
     finally:
         del CASES["ckpt"]
+
+
+def test_inplace_change_of_a_recomputed_tensor_raises_like_pytorch():
+    """The region's output, saved by its own tanh, is changed after the call: plain autograd raises;
+    so must the pool, even though a replay would rebuild the saved value."""
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(4))
+
+        def forward(self, x, change):
+            for b in self.blocks:
+                x = b(x)
+            if change:
+                x.add_(1)
+            return x.sum()
+
+    torch.manual_seed(0)
+    net, x = Net(), torch.randn(16, 64)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation") as plain:
+        net(x, True).backward()
+    pool = slow_link(Pool(budget=0, policy="cost_aware", host_limit="64MiB"))
+    for _ in range(2):
+        with pool:
+            net(x, False).backward()
+    assert pool.stats()["recomputes"] > 0  # the regions are live
+    with pool, pytest.raises(RuntimeError, match="modified by an inplace operation") as got:
+        net(x, True).backward()
+    assert "is at version 1; expected version 0" in str(got.value)
+    assert "is at version 1; expected version 0" in str(plain.value)
