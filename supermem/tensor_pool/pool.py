@@ -38,7 +38,7 @@ from .step import Step
 from .treatments import Cast, Offload, Recompute, Treatment, autocast_copy_of
 
 PREFETCH_SCAN = 64  # entries looked at, going back from the one just used, for prefetch
-CANDIDATES = 64  # least recently used entries priced per decision (the stalest score best anyway)
+CANDIDATES = 32  # least recently used entries priced per decision (the stalest score best anyway)
 CPU_COPY_BYTES_PER_S = 5e9  # host memcpy, until copies measured it
 GPU_LINK_BYTES_PER_S = 25e9  # pinned PCIe copies, until copies measured it (H100/H200: ~55)
 GPU_MEMORY_BYTES_PER_S = 2e12  # device copies (H200: 4.2 TB/s read+write)
@@ -260,9 +260,12 @@ class Pool:
     def _fit_budget(self) -> None:
         if self.budget_bytes is None:
             return
-        over = self._used_bytes() - self._target()
+        target = self._target()
+        over = self._used_bytes() - target
         if over <= 0:
             return
+        # A little below the target, so the next few saves do not each need a decision of their own.
+        over += min(self._largest_entry, target // 16)
         # Ranked all the way down: when a treatment cannot (host memory full), the next choice frees.
         for c in self.policy.choose(self._choices(CANDIDATES), 1 << 62, self._tick):
             t = self.treatments[c.treatment]
