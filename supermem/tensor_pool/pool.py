@@ -249,6 +249,14 @@ class Pool:
             s = self._step = Step(self._steps)
         return s
 
+    def _capturing_regions(self) -> bool:
+        """Whether a region starting now is captured: this step's decision, or, between steps (a
+        region call comes before the next step's first save), the one the next step will make."""
+        s = self._step
+        if s is None or s.backward_s is not None or not self._entries:
+            return self._needed_last_step()
+        return self._capture
+
     def _needed_last_step(self) -> bool:
         """Capture regions only when the pool may need them: on the first steps, and after a step in
         which something left the device (an unneeded budget costs nothing per region; a step that

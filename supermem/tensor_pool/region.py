@@ -329,7 +329,7 @@ class Regions:
 
     def _pre(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         pool = self._pool()
-        if pool is None or not pool._capture or not self._capturing(pool):
+        if pool is None or not pool._capturing_regions() or not self._capturing(pool):
             return
         cost = self._costs.setdefault(id(module), [0.0, 0, []])
         timed = cost[1] + len(cost[2]) < COST_SAMPLES

@@ -337,3 +337,34 @@ def test_inplace_change_of_a_recomputed_tensor_raises_like_pytorch():
         net(x, True).backward()
     assert "is at version 1; expected version 0" in str(got.value)
     assert "is at version 1; expected version 0" in str(plain.value)
+
+
+def test_no_region_work_per_step_at_an_unneeded_budget(monkeypatch):
+    """Regions are captured on the first two steps only while nothing needs to leave the device."""
+    from supermem.tensor_pool import region
+
+    made = []
+    init = region.Region.__init__
+
+    def counting(self, *args, **kwargs):
+        made.append(1)
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(region.Region, "__init__", counting)
+
+    def regions_per_step(pool, steps=5):
+        torch.manual_seed(0)
+        model, x = MLP(), torch.randn(32, 64)
+        counts = []
+        for _ in range(steps):
+            made.clear()
+            with pool:
+                model(x).sum().backward()
+            counts.append(len(made))
+        return counts
+
+    # Step 1 profiles (no regions yet), step 2 captures the 4 layers, then nothing is needed.
+    assert regions_per_step(Pool(budget="1GiB", policy="cost_aware", host_limit="64MiB")) == [0, 4, 0, 0, 0]
+    # A pool that needs room keeps capturing.
+    tight = slow_link(Pool(budget=0, policy="cost_aware", host_limit="64MiB"))
+    assert regions_per_step(tight) == [0, 4, 4, 4, 4]

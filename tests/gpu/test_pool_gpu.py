@@ -112,9 +112,10 @@ def _run(code: str, env: dict | None = None) -> str:
     return r.stdout
 
 
-def test_pressure_handler_offloads_instead_of_oom_then_oom_and_continue():
+@pytest.mark.parametrize("policy", ["lru", "cost_aware"])
+def test_pressure_handler_offloads_instead_of_oom_then_oom_and_continue(policy):
     out = _run(
-        """
+        f"""
         import torch, supermem
         from supermem.tensor_pool import Pool
         supermem.install("limit:3GiB")
@@ -126,7 +127,7 @@ def test_pressure_handler_offloads_instead_of_oom_then_oom_and_continue():
                 loss = model(x).square().mean()
                 loss.backward()
             model.zero_grad(set_to_none=True)
-        pool = Pool(budget=None)  # offload only under pressure
+        pool = Pool(budget=None, policy="{policy}")  # act only under pressure
         step(16384, pool)  # 8 saved activations of 256 MiB + params: over 3 GiB without the pool
         print("pressure calls", pool.stats()["pressure_calls"], "offloads", pool.stats()["offloads"])
         try:
