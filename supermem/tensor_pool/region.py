@@ -5,8 +5,9 @@ inputs) can be dropped and rebuilt by calling the module again on its inputs, wh
 entries of their own (offloadable, or rebuilt by the region before). Replay is what non-reentrant
 torch.utils.checkpoint does: the CPU and CUDA RNG state and the autocast state of the original call,
 inputs detached with their requires_grad, saved tensors matched by the order they are saved in, an
-early stop once every dropped one is back. Module buffers (BatchNorm's running statistics) are put back
-after a replay, versions included, so a replay changes nothing the step can see.
+early stop once every dropped one is back; on CUDA also the attention backends enabled at the call.
+Module buffers (BatchNorm's running statistics) are put back after a replay, versions included, so a
+replay changes nothing the step can see.
 
 Which modules: on the pool's first step (the profiling step) global module hooks see every call and how
 many bytes each call saves that it made itself. From the top call down, a call that holds more than
@@ -68,6 +69,7 @@ class Region:
         "rng_cpu",
         "rng_cuda",
         "autocast",
+        "sdpa",
         "slots",
         "ready",
         "timing",
@@ -89,6 +91,7 @@ class Region:
             }
             for dt in {"cpu", pool.device.type}
         }
+        self.sdpa = _sdpa_backends() if pool.cuda else None  # `with sdpa_kernel(...)` is global state
         self.slots: list[weakref.ref[Entry] | None] = []  # one per tensor saved, in save order
         self.ready = False
         self.timing: Any = _start_timer(pool) if timed else None
@@ -161,6 +164,8 @@ class Region:
                     torch.cuda.set_rng_state(self.rng_cuda, pool.device)
                 for dt, kw in self.autocast.items():
                     stack.enter_context(torch.autocast(dt, **kw))
+                if self.sdpa is not None:
+                    stack.enter_context(_sdpa_set(self.sdpa))
                 stack.enter_context(torch.enable_grad())
                 stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, lambda _: None))
                 stack.enter_context(pool.regions.replaying())
@@ -177,6 +182,30 @@ class Region:
                 f"supermem: replaying {type(self.module).__name__} saved fewer tensors than its first "
                 "call did; its forward is not deterministic in what it saves"
             )
+
+
+_SDPA = tuple(
+    n for n in ("flash", "mem_efficient", "math", "cudnn") if hasattr(torch.backends.cuda, f"enable_{n}_sdp")
+)
+
+
+def _sdpa_backends() -> tuple[bool, ...]:
+    b = torch.backends.cuda
+    return tuple(getattr(b, f"{n}_sdp_enabled")() for n in _SDPA)
+
+
+@contextlib.contextmanager
+def _sdpa_set(flags: tuple[bool, ...]) -> Any:
+    """The attention backends enabled at the original call (another backend saves other tensors)."""
+    before = _sdpa_backends()
+    b = torch.backends.cuda
+    try:
+        for n, on in zip(_SDPA, flags):
+            getattr(b, f"enable_{n}_sdp")(on)
+        yield
+    finally:
+        for n, on in zip(_SDPA, before):
+            getattr(b, f"enable_{n}_sdp")(on)
 
 
 class _Input:
