@@ -368,3 +368,32 @@ def test_no_region_work_per_step_at_an_unneeded_budget(monkeypatch):
     # A pool that needs room keeps capturing.
     tight = slow_link(Pool(budget=0, policy="cost_aware", host_limit="64MiB"))
     assert regions_per_step(tight) == [0, 4, 4, 4, 4]
+
+
+def test_check_walks_each_treatments_invariant():
+    pool = slow_link(Pool(budget=0, policy="cost_aware", host_limit="64MiB"))
+    torch.manual_seed(0)
+    model, x = MLP(), torch.randn(32, 64)
+    for _ in range(2):
+        with pool:
+            model(x).sum().backward()
+    with pool:
+        loss = model(x).sum()
+        away = [e for r in pool._entries.values() if (e := r()) is not None and e.state.value == "away"]
+        by = {e.treatment.name: e for e in away}
+        assert set(by) == {"offload", "recompute"}  # the layers' inputs offloaded, their insides dropped
+        pool.check()
+        block, by["offload"].payload = by["offload"].payload, None
+        with pytest.raises(AssertionError, match="host copy"):
+            pool.check()
+        by["offload"].payload = block
+        recipe, by["recompute"].recipe = by["recompute"].recipe, None
+        with pytest.raises(AssertionError, match="recipe"):
+            pool.check()
+        by["recompute"].recipe = recipe
+        pool._device_bytes += 1
+        with pytest.raises(AssertionError, match="device bytes"):
+            pool.check()
+        pool._device_bytes -= 1
+        pool.check()
+        loss.backward()
