@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 
-@dataclass
+@dataclass(slots=True)
 class Choice:
     """One way to free device bytes: `treatment` ("offload", "recompute", ...) applied to `target` (an
     entry or a region), freeing `nbytes` at an estimated exposed cost of `cost_s` seconds. `frees` names

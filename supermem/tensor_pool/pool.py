@@ -246,7 +246,7 @@ class Pool:
             self._capture = self._needed_last_step()
             self._left = False
             self._steps += 1
-            s = self._step = Step(self._steps)
+            s = self._step = Step(self._steps, self.cuda)
         return s
 
     def _capturing_regions(self) -> bool:
