@@ -39,8 +39,7 @@ from .treatments import Cast, Offload, Recompute, Treatment, autocast_copy_of
 
 PREFETCH_SCAN = 64  # entries looked at, going back from the one just used, for prefetch
 CANDIDATES = 32  # least recently used entries priced per decision (the stalest score best anyway)
-CPU_COPY_BYTES_PER_S = 5e9  # host memcpy, until copies measured it
-GPU_LINK_BYTES_PER_S = 25e9  # pinned PCIe copies, until copies measured it (H100/H200: ~55)
+CPU_COPY_BYTES_PER_S = 5e9  # host memcpy
 GPU_MEMORY_BYTES_PER_S = 2e12  # device copies (H200: 4.2 TB/s read+write)
 
 
@@ -470,25 +469,8 @@ class Pool:
 
     # ------------------------------------------------------------------ costs (for the policy)
 
-    def _link_bytes_per_s(self) -> float:
-        """Achieved device -> host copy rate (measured by the copy engine once it copied)."""
-        c = self.copies.stats
-        if c.d2h_seconds > 0 and c.d2h_bytes > 1 << 20:
-            return c.d2h_bytes / c.d2h_seconds
-        return GPU_LINK_BYTES_PER_S if self.cuda else CPU_COPY_BYTES_PER_S
-
     def _device_bytes_per_s(self) -> float:
         return GPU_MEMORY_BYTES_PER_S if self.cuda else CPU_COPY_BYTES_PER_S
-
-    def _hideable_bytes(self) -> int:
-        """Bytes the link can still carry before backward starts, judging by the last step's forward
-        (what it already carries this step counts against it). On CPU copies are synchronous: none."""
-        if not self.cuda or self._step is None or not self._last_forward_s:
-            return 0
-        bps = self._link_bytes_per_s()
-        elapsed = time.perf_counter() - self._step.started_s
-        queued = max(0.0, self._step.offloaded - bps * elapsed)
-        return int(bps * max(0.0, self._last_forward_s - elapsed) - queued)
 
     def _device_index(self) -> int:
         return self.device.index if self.cuda else -1

@@ -10,6 +10,7 @@ smaller than the tensor) is a new class here and an entry in `Pool(treatments=..
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
@@ -22,6 +23,8 @@ from .entry import Entry, State
 if TYPE_CHECKING:
     from .pool import Pool
 
+GPU_LINK_BYTES_PER_S = 25e9  # pinned copies, until the copy engine measured them (H100/H200: ~55)
+CPU_COPY_BYTES_PER_S = 5e9  # host memcpy
 COPY_INTERFERENCE = 0.08  # a step slowed 8% with copies running beside it (DESIGN.md, one H100 run)
 
 
@@ -73,13 +76,36 @@ class Offload(Treatment):
     name = "offload"
     prefetch = True
 
+    def __init__(self, link_bytes_per_s: float | None = None):
+        """link_bytes_per_s: the copy rate to price copies at; None: the rate the copy engine achieved
+        (until it has copied: 25 GB/s on a GPU, 5 GB/s on CPU)."""
+        self.link_bytes_per_s = link_bytes_per_s
+
+    def rate(self, pool: Pool) -> float:
+        if self.link_bytes_per_s is not None:
+            return self.link_bytes_per_s
+        c = pool.copies.stats
+        if c.d2h_seconds > 0 and c.d2h_bytes > 1 << 20:
+            return c.d2h_bytes / c.d2h_seconds
+        return GPU_LINK_BYTES_PER_S if pool.cuda else CPU_COPY_BYTES_PER_S
+
+    def hideable_bytes(self, pool: Pool, bps: float) -> int:
+        """Bytes the link can still carry before backward starts, judging by the last step's forward
+        (what it already carries this step counts against it). On CPU copies are synchronous: none."""
+        step = pool._step
+        if not pool.cuda or step is None or not pool._last_forward_s:
+            return 0
+        elapsed = time.perf_counter() - step.started_s
+        queued = max(0.0, step.offloaded - bps * elapsed)
+        return int(bps * max(0.0, pool._last_forward_s - elapsed) - queued)
+
     def applies(self, e: Entry) -> bool:
         # Weight copies are rebuilt, never copied to host; a call still running decides at its end.
         return e.recipe is None or (e.recipe.ready and not isinstance(e.recipe, Cast))
 
     def choices(self, pool: Pool, resident: Iterable[Entry]) -> list[Choice]:
-        hideable = pool._hideable_bytes()
-        bps = pool._link_bytes_per_s()
+        bps = self.rate(pool)
+        hideable = self.hideable_bytes(pool, bps)
         out = []
         for e in resident:
             if not self.applies(e):

@@ -107,7 +107,7 @@ def train(case, pool=None, steps=4, autocast=False):
 def slow_link(pool, bytes_per_s=1e3):
     """Prices copies as over a slow link, so cost_aware recomputes whatever it can (the costs a CPU
     measures make offload and recompute about even; this takes chance out of which runs)."""
-    pool._link_bytes_per_s = lambda: bytes_per_s
+    pool.treatments["offload"].link_bytes_per_s = bytes_per_s
     return pool
 
 

@@ -197,7 +197,7 @@ def test_cost_aware_mlp_is_bitwise_with_real_recompute():
     build = lambda: mlp(layers=6)  # noqa: E731
     ref = _train(build, (x, None))
     pool = Pool(budget=0, policy="cost_aware")
-    pool._link_bytes_per_s = lambda: 1e3  # price copies dear: recompute everything it can
+    pool.treatments["offload"].link_bytes_per_s = 1e3  # price copies dear: recompute everything it can
     got = _train(build, (x, None), pool)
     assert all(torch.equal(a, b) for a, b in zip(ref, got))
     pool.synchronize()
@@ -224,7 +224,9 @@ def test_cost_aware_gpt_dropout_bf16_is_bitwise():
     for budget in (0, 64 << 10, 1 << 40):
         pool = Pool(budget=budget, policy="cost_aware", min_bytes=0)
         if budget == 0:
-            pool._link_bytes_per_s = lambda: 1e3  # price copies dear: recompute everything it can
+            pool.treatments[
+                "offload"
+            ].link_bytes_per_s = 1e3  # price copies dear: recompute everything it can
         got = _train(build, batch, pool, amp=True, steps=4)
         assert all(torch.equal(a, b) for a, b in zip(ref, got)), budget
         s = pool.stats()
