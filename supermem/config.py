@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import ConfigError
+from .policies import POLICIES, live_names
 from .units import parse_bytes
 
 
@@ -118,10 +119,12 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option(
         "pool",
-        _choice("off", "lru"),
+        _choice("off", *live_names()),  # the one policy registry
         "off",
-        "off | lru",
-        "Tensor pool policy for tensors autograd saves for backward (`lru`: offload least recently used).",
+        " | ".join(["off", *live_names()]),
+        "Tensor pool policy for tensors autograd saves for backward ("
+        + "; ".join(f"`{n}`: {POLICIES[n].doc}" for n in live_names())
+        + ").",
     ),
     Option(
         "budget",

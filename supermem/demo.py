@@ -18,6 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .cli_args import positive_int
+from .policies import live_names
 from .tensor_pool import Pool
 from .units import format_bytes
 
@@ -62,6 +63,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=positive_int, default=6, help="timed training steps per run (default 6)")
     p.add_argument("--budget", default=None, help="pool budget (default: 60%% of the plain run's peak)")
     p.add_argument("--device", choices=("cuda", "cpu"), default=None, help="default: cuda when available")
+    p.add_argument(
+        "--policy", choices=live_names(), default="cost_aware", help="pool policy (default cost_aware)"
+    )
 
 
 def train(device: torch.device, steps: int, pool: Pool | None) -> dict:
@@ -112,21 +116,23 @@ def main(args: argparse.Namespace) -> int:
     print(f"supermem demo: GPT {layers}x{d}, batch {batch}x{seq}, {args.steps} steps, on {what}\n")
     plain = train(device, args.steps, None)
     budget = args.budget if args.budget is not None else int(0.6 * plain["peak"])
-    pooled = train(
-        device, args.steps, Pool(budget=budget, device=device, min_bytes=0 if device.type == "cpu" else None)
-    )
+    min_bytes = 0 if device.type == "cpu" else None
+    pooled = train(device, args.steps, Pool(budget, args.policy, device=device, min_bytes=min_bytes))
 
-    print(f"{'run':<26}{'step':>10}{'peak memory':>14}{'offloaded':>12}{'copy GB/s':>11}{'hidden':>8}")
+    print(
+        f"{'run':<40}{'step':>10}{'peak memory':>14}{'offloaded':>12}{'recomputed':>12}"
+        f"{'copy GB/s':>11}{'hidden':>8}"
+    )
     for name, r in (
         ("plain PyTorch", plain),
-        (f"supermem pool ({format_bytes(pooled['pool']['budget_bytes'])})", pooled),
+        (f"supermem pool ({args.policy}, {format_bytes(pooled['pool']['budget_bytes'])})", pooled),
     ):
         s = r["pool"]
-        moved = s["offloaded_bytes"] / args.steps
+        moved, dropped = s["offloaded_bytes"] / args.steps, s["dropped_bytes"] / args.steps
         rate = max(s["d2h_gbps"], s["h2d_gbps"])
         print(
-            f"{name:<26}{r['ms']:>8.1f}ms{format_bytes(r['peak']):>14}{format_bytes(moved):>12}"
-            f"{rate:>11.1f}{100 * s['hidden_fraction']:>7.0f}%"
+            f"{name:<40}{r['ms']:>8.1f}ms{format_bytes(r['peak']):>14}{format_bytes(moved):>12}"
+            f"{format_bytes(dropped):>12}{rate:>11.1f}{100 * s['hidden_fraction']:>7.0f}%"
         )
     saved = 1 - pooled["peak"] / plain["peak"]
     ratio = pooled["ms"] / plain["ms"]

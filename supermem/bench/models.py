@@ -1,8 +1,9 @@
 """The benchmark models, defined here (no torchvision/transformers): a GPT and a bottleneck ResNet.
 
-Both can checkpoint each block (`model.checkpoint_blocks = True`), the pure-PyTorch memory saver the
-benchmarks compare against. `PRESETS` names the sizes the benchmarks and golden tests use; the full ones
-are the anchors of DESIGN.md (GPT-24 d1024 b8 T1024 bf16; ResNet-152 b64 224px fp32).
+Both can checkpoint each block (`model.checkpoint_blocks = True`) or the first N (`= N`), the
+pure-PyTorch memory savers the benchmarks compare against. `PRESETS` names the sizes the benchmarks
+and golden tests use; the full ones are the anchors of DESIGN.md (GPT-24 d1024 b8 T1024 bf16;
+ResNet-152 b64 224px fp32).
 """
 
 from __future__ import annotations
@@ -14,6 +15,15 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
+
+
+def _blocks(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """Runs model.blocks; checkpoints all of them (checkpoint_blocks True) or the first N (an int)."""
+    ck = model.checkpoint_blocks
+    n = len(model.blocks) if ck is True else int(ck)
+    for i, b in enumerate(model.blocks):
+        x = checkpoint(b, x, use_reentrant=False) if i < n else b(x)
+    return x
 
 
 class Block(nn.Module):
@@ -46,12 +56,11 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(d, heads, dropout) for _ in range(layers))
         self.ln = nn.LayerNorm(d)
         self.head = nn.Linear(d, vocab, bias=False)
-        self.checkpoint_blocks = False
+        self.checkpoint_blocks: bool | int = False
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         x = self.emb(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
-        for b in self.blocks:
-            x = checkpoint(b, x, use_reentrant=False) if self.checkpoint_blocks else b(x)
+        x = _blocks(self, x)
         return self.head(self.ln(x))
 
 
@@ -90,12 +99,11 @@ class ResNet(nn.Module):
                 cin = mid * 4
         self.blocks = nn.ModuleList(blocks)
         self.fc = nn.Linear(cin, classes)
-        self.checkpoint_blocks = False
+        self.checkpoint_blocks: bool | int = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.stem(x)
-        for b in self.blocks:
-            x = checkpoint(b, x, use_reentrant=False) if self.checkpoint_blocks else b(x)
+        x = _blocks(self, x)
         return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
 
 

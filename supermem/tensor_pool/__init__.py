@@ -30,8 +30,9 @@ def env_pool(cfg: Any) -> Pool:
     """The pool SUPERMEM_CONF asks for (pool:lru,budget:...), made at its first use: supermem.activate
     sends every saved tensor here, and the Pool is built at the first one, when CUDA may be touched."""
     if "pool" not in _global:
-        _global["pool"] = pool(cfg.budget, cfg.pool, cfg.host_limit)
-        _global["pool"]._register_pressure_handler()
+        p = _global["pool"] = pool(cfg.budget, cfg.pool, cfg.host_limit)
+        p.always_active = True  # its hooks serve every thread's backward
+        p._start()
     return _global["pool"]
 
 

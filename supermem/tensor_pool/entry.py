@@ -1,33 +1,37 @@
 """A pool entry: one tensor autograd saved for backward, and where its bytes are now.
 
-    resident    the pool holds the device tensor (and maybe a host copy from an earlier offload)
-    offloading  a device -> host copy is in flight; the device tensor went back to the allocator
-    on_host     only the host copy exists
-    restoring   a host -> device copy is in flight into a new device tensor
+States are treatment-neutral; the entry's `treatment` (Offload, Recompute, ...) says what they mean:
 
-Invariants (Pool.check): an entry holds a device tensor iff it is resident or restoring, and a host
-block whenever it is off the device; the pool's resident-bytes counter equals the bytes of entries
-holding a device tensor; the LRU list names live entries only; the host pool's own invariants hold.
+    resident   the pool holds the device tensor
+    leaving    on its way off the device (an offload copy in flight); the device tensor is gone
+    away       off the device: only the treatment's payload remains (a host copy, a recipe, ...)
+    returning  on its way back (a copy in flight into a new device tensor, which the entry holds)
+
+Invariants (Pool.check): an entry holds a device tensor iff it is resident or returning; an entry that
+is not resident has a treatment, whose own `check` holds (Offload: a host block of the span's size;
+Recompute: a recipe); the pool's device-bytes counter equals the bytes of entries holding a device
+tensor plus the device payloads of the others; the LRU list names live resident entries only.
 """
 
 from __future__ import annotations
 
 import enum
 import weakref
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 if TYPE_CHECKING:
-    from .host import HostBlock
     from .pool import Pool
+    from .step import Step
+    from .treatments import Treatment
 
 
 class State(enum.Enum):
     RESIDENT = "resident"
-    OFFLOADING = "offloading"
-    ON_HOST = "on_host"
-    RESTORING = "restoring"
+    LEAVING = "leaving"
+    AWAY = "away"
+    RETURNING = "returning"
 
 
 class Entry:
@@ -41,33 +45,41 @@ class Entry:
         "extent",
         "dtype",
         "tensor",
-        "host",
+        "treatment",
+        "payload",
         "event",
         "state",
         "last_use",
         "key",
         "source",
+        "version",
+        "watch",
+        "step",
+        "ordinal",
+        "recipe",
     )
 
-    def __init__(self, pool: Pool, seq: int, tensor: torch.Tensor, key: tuple):
+    def __init__(self, pool: Pool, seq: int, tensor: torch.Tensor, key: tuple, step: Step):
         self._pool = weakref.ref(pool)
-        self.seq = seq  # pack order
+        self.seq = seq  # pack order, over all steps
         self.shape = tensor.shape
         self.stride = tensor.stride()
         self.extent = storage_extent(tensor)
         self.dtype = tensor.dtype
         self.nbytes = self.extent * tensor.element_size()
         self.tensor: torch.Tensor | None = tensor
-        self.host: HostBlock | None = None
+        self.treatment: Treatment | None = None  # what holds it while not resident
+        self.payload: Any = None  # the treatment's (a host block, compressed bytes, ...)
         self.event: torch.cuda.Event | None = None  # end of the copy in flight (either direction)
         self.state = State.RESIDENT
         self.last_use = 0
         self.key = key
         self.source = weakref.ref(tensor)  # the saved tensor object, to recognise it when saved again
-
-    def host_span(self) -> torch.Tensor:
-        """The host copy of the tensor's storage span, flat and typed."""
-        return self.host.tensor.view(self.dtype)
+        self.version = tensor._version  # checked at unpack, as autograd does without hooks
+        self.watch: torch.Tensor | None = None  # shares the saved tensor's version counter, no storage
+        self.step = step  # the step (forward + backward) it was saved in
+        self.ordinal = step.next_ordinal()  # its place in that step
+        self.recipe: Any = None  # how to rebuild it on the device (a region slot, a cast), if any
 
     def device_span(self) -> torch.Tensor:
         """The device tensor's storage span, flat: what a copy moves."""
@@ -77,13 +89,19 @@ class Entry:
         """The tensor again, with its exact shape and strides, over a restored span."""
         return span.as_strided(self.shape, self.stride)
 
+    def watch_version(self) -> None:
+        """The device tensor is about to go: keep watching its version counter without its memory."""
+        if self.watch is None and self.tensor is not None:
+            self.watch = version_watcher(self.tensor)
+
     def __del__(self) -> None:
         pool = self._pool()
         if pool is not None:
             pool._release(self)
 
     def __repr__(self) -> str:
-        return f"Entry(seq={self.seq}, {self.state.value}, {self.nbytes} bytes)"
+        how = f" by {self.treatment.name}" if self.treatment is not None else ""
+        return f"Entry(seq={self.seq}, {self.state.value}{how}, {self.nbytes} bytes)"
 
 
 def storage_extent(t: torch.Tensor) -> int:
@@ -94,3 +112,64 @@ def storage_extent(t: torch.Tensor) -> int:
     if t.numel() == 0:
         return 0
     return 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+
+
+class Kept:
+    """A saved tensor the pool leaves where it is (small, a parameter, a leaf input), with the version
+    it had when saved: autograd skips its own check when saved-tensor hooks are on, so the pool does it."""
+
+    __slots__ = ("tensor", "version")
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+        self.version = tensor._version
+
+    def unpack(self) -> torch.Tensor:
+        _check(self.tensor, self.tensor._version, self.version, self.tensor.shape)
+        return self.tensor
+
+
+def check_version(e: Entry) -> None:
+    """Raises autograd's own error if the saved tensor was changed in place after it was saved."""
+    holder = e.watch if e.watch is not None else e.tensor
+    if holder is not None:
+        _check(holder, holder._version, e.version, e.shape)
+
+
+def _check(t: torch.Tensor, now: int, saved: int, shape: torch.Size) -> None:
+    if now != saved:
+        raise RuntimeError(
+            "one of the variables needed for gradient computation has been modified by an inplace "
+            f"operation: [{t.type()} {list(shape)}] is at version {now}; expected version {saved} "
+            "instead. Hint: it was saved for backward under supermem's tensor pool; the operation "
+            "that changed it in place ran after it was saved (autograd's anomaly detection can find it)."
+        )
+
+
+def version_watcher(t: torch.Tensor) -> torch.Tensor:
+    """A tensor without storage that shares `t`'s version counter (detach() shares it; set_() drops
+    the storage; the version set_() added is taken back, so `t`'s own version is unchanged). It lets
+    the pool check a saved tensor's version after the pool let go of its memory."""
+    version = t._version
+    w = t.detach()
+    with torch.no_grad():
+        w.set_()
+    _set_version(w, version)
+    return w
+
+
+def _set_version(t: torch.Tensor, version: int) -> None:
+    try:
+        torch._C._autograd._unsafe_set_version_counter((t,), (version,))
+    except TypeError:  # older PyTorch: one tensor, one int
+        torch._C._autograd._unsafe_set_version_counter(t, version)
+
+
+def movable(t: torch.Tensor) -> bool:
+    """Plain strided tensors with ordinary storage. Sparse, nested, meta, quantized and MKL-DNN
+    tensors, subclasses (wrappers, FakeTensor) and functorch-wrapped tensors pass through untouched."""
+    if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter:
+        return False
+    if t.layout is not torch.strided or t.is_nested or t.is_meta or t.is_quantized or t.is_mkldnn:
+        return False
+    return not torch._C._functorch.is_functorch_wrapped_tensor(t)

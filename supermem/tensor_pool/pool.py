@@ -1,11 +1,12 @@
 """The tensor pool: autograd's saved tensors, kept under a device memory budget.
 
 Entered through torch.autograd.graph saved-tensor hooks, every tensor saved for backward becomes an
-Entry. When device memory would exceed the budget, the policy picks resident entries to offload to
-pinned host memory (asynchronously, on the copy engine's D2H stream, as soon as they are saved);
-during backward, entries about to be needed are prefetched back (H2D stream) as far ahead as the
-budget has room, so copies hide behind compute. With supermem's allocator installed, the pool is
-also its pressure handler: before an OOM is raised, it offloads synchronously.
+Entry of the current Step. When device memory would exceed the budget, the policy picks which entries
+leave the device and by which treatment (treatments.py): offload to pinned host memory (asynchronously,
+on the copy engine's D2H stream, as soon as they are saved; prefetched back during backward as far
+ahead as the budget has room) or recompute (dropped, and rebuilt by replaying the module call that made
+them, region.py). With supermem's allocator installed, the pool is also its pressure handler: before an
+OOM is raised, entries leave synchronously.
 
 Budget: device bytes for everything on the device (parameters, gradients, temporaries and the
 activations the pool keeps), measured from the allocator as the step runs. Between the pool's moves
@@ -19,31 +20,40 @@ from __future__ import annotations
 
 import bisect
 import threading
+import time
 import weakref
 from typing import Any
 
 import psutil
 import torch
 
-from .. import events
 from ..errors import ConfigError
+from ..policies import Choice, make_policy
 from ..units import parse_bytes
 from .copy import CopyEngine
-from .entry import Entry, State
+from .entry import Entry, Kept, State, check_version, movable
 from .host import HostPool, pinned_available
-from .policy import make_policy
+from .region import Regions
+from .step import Step
+from .treatments import Cast, Offload, Recompute, Treatment, autocast_copy_of
 
 PREFETCH_SCAN = 64  # entries looked at, going back from the one just used, for prefetch
+CANDIDATES = 32  # least recently used entries priced per decision (the stalest score best anyway)
+CPU_COPY_BYTES_PER_S = 5e9  # host memcpy
+GPU_MEMORY_BYTES_PER_S = 2e12  # device copies (H200: 4.2 TB/s read+write)
 
 
 class Pool:
-    """Offloads saved activations beyond `budget` to pinned host memory and prefetches them back.
+    """Keeps saved activations under `budget` by offloading them to pinned host memory (and, with the
+    cost_aware policy, by recomputing them), bringing them back for backward.
 
-    budget: device bytes (int, "8GiB", "60%" or 0.6 of the card); None: offload only when the
-        supermem allocator would otherwise run out of memory.
-    policy: "lru".
+    budget: device bytes (int, "8GiB", "60%" or 0.6 of the card); None: act only when the supermem
+        allocator would otherwise run out of memory. On CPU: bytes of saved tensors kept.
+    policy: a name from supermem.policies ("lru": offload least recently used; "cost_aware": offload
+        or recompute, whichever frees bytes at the least exposed cost).
     host_limit: pinned host bytes the pool may use (int, size string or percentage of host RAM).
     min_bytes: smaller saved tensors stay where they are (default 1 MiB on GPU, 0 on CPU).
+    treatments: the ways out (default: Offload and Recompute); the policy chooses among them.
     """
 
     def __init__(
@@ -54,6 +64,7 @@ class Pool:
         *,
         device: torch.device | str | None = None,
         min_bytes: int | None = None,
+        treatments: tuple[Treatment, ...] | None = None,
     ):
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
@@ -63,45 +74,81 @@ class Pool:
             self.device = torch.device("cuda", torch.cuda.current_device())
         total = torch.cuda.get_device_properties(self.device).total_memory if self.cuda else None
         self._device_total = total
+        if budget is not None and total is None and _is_fraction(budget):
+            raise ConfigError(
+                f"bad pool option budget={budget!r}: a fraction or percentage needs a device total, and "
+                f"{self.device} has no device memory to take it of; give bytes (e.g. 64MiB)"
+            )
         self.budget_bytes = None if budget is None else _size("budget", budget, total)
         self.policy = _checked("policy", make_policy, policy)
+        self.treatments = {t.name: t for t in (treatments or (Offload(), Recompute()))}
         host_bytes = _size(
             "host_limit", "50%" if host_limit is None else host_limit, psutil.virtual_memory().total
         )
         self.host = HostPool(host_bytes, pinned=self.cuda and pinned_available())
         self.copies = CopyEngine(self.device)
         self.min_bytes = (1 << 20 if self.cuda else 0) if min_bytes is None else min_bytes
+        self.regions = Regions(self)
         self._lock = threading.RLock()
         self._entries: dict[int, weakref.ref[Entry]] = {}  # live entries by pack order
         self._seqs: list[int] = []  # pack order, with dead seqs compacted away now and then
         self._lru: dict[int, weakref.ref[Entry]] = {}  # resident entries, least recently used first
         self._dedup: dict[tuple, weakref.ref[Entry]] = {}  # live entries by tensor identity
         self._tick = 0
-        self._resident_bytes = 0
+        self._steps = 0
+        self._step: Step | None = None
+        self._last_forward_s = 0.0  # the previous step's forward: what bounds hidden copies
+        self._device_bytes = 0  # held by entries: resident tensors and away payloads on the device
         self._margin = 0  # learned: how far a step's peak rises above the most the pool saw (bytes)
         self._seen_peak = 0  # the most device memory the pool saw in use during this step
+        self._busy_s = 0.0  # minus the seconds spent fitting the budget (CPU region timing)
+        self._left = False  # did anything leave the device during this step (or pressure come)
+        self._capture = True  # capture regions this step (off when the last step did not need them)
         self._largest_entry = 0
+        self._in_use: list[Entry] = []  # entries being materialized (under the lock): never chosen
         self._counters = dict.fromkeys(
-            ("packed", "offloads", "prefetches", "sync_restores", "host_full", "pressure_calls"), 0
+            (
+                "packed",
+                "offloads",
+                "dropped",
+                "recomputes",
+                "prefetches",
+                "sync_restores",
+                "host_full",
+                "pressure_calls",
+            ),
+            0,
         )
         self._offloaded_bytes = 0
         self._prefetched_bytes = 0
+        self._dropped_bytes = 0
         self._peak_resident_bytes = 0
-        self._hooks: Any = None
+        self._local = threading.local()  # per thread: the stack of entered hook contexts
+        self.always_active = False  # SUPERMEM_CONF's pool: hooks pushed for every thread's backward
         self._pressure_registered = False
         _serve_to_top(self)
 
     # ------------------------------------------------------------------ activation
 
     def __enter__(self) -> Pool:
-        self._register_pressure_handler()
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-        self._hooks.__enter__()
+        """Re-entrant, and per thread: saved-tensor hooks are thread-local, so each thread keeps its
+        own stack of entered contexts."""
+        self._start()
+        hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        hooks.__enter__()
+        self._local.__dict__.setdefault("stack", []).append(hooks)
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        hooks, self._hooks = self._hooks, None
-        hooks.__exit__(*exc)
+        self._local.stack.pop().__exit__(*exc)
+
+    def _start(self) -> None:
+        self._register_pressure_handler()
+        if "recompute" in self.policy.treatments and "recompute" in self.treatments:
+            self.regions.start_profiling()
+
+    def _active_here(self) -> bool:
+        return self.always_active or bool(getattr(self._local, "stack", None))
 
     def _register_pressure_handler(self) -> None:
         if self._pressure_registered or not self.cuda:
@@ -117,14 +164,29 @@ class Pool:
     # ------------------------------------------------------------------ hooks
 
     def _pack(self, t: torch.Tensor) -> Any:
-        if t.device != self.device or t.numel() * t.element_size() < self.min_bytes or _alive_anyway(t):
-            return t
-        if t.numel() == 0:
-            return t
+        packed = self._pack_tensor(t)
+        region = self.regions.top()
+        if region is not None:
+            region.saw(packed, t)  # before the budget is fitted: the region may claim it
+        if isinstance(packed, Entry):
+            t0 = time.perf_counter()
+            with self._lock:
+                self._fit_budget()
+            self._busy_s -= time.perf_counter() - t0  # region timers on CPU leave the pool's work out
+        return packed
+
+    def _pack_tensor(self, t: torch.Tensor) -> Any:
+        if not movable(t):
+            return t  # sparse, nested, meta, subclasses: not ours to move (and no version to check)
+        if (
+            t.device != self.device
+            or t.numel() * t.element_size() < max(self.min_bytes, 1)
+            or _alive_anyway(t)
+        ):
+            return Kept(t)  # stays where it is; its version is still checked at unpack
         key = (t.untyped_storage().data_ptr(), t.storage_offset(), t.shape, t.stride(), t.dtype, t._version)
         with self._lock:
-            if not self._entries:
-                self._learn_margin()  # a new step begins: the last one's peak is known
+            step = self._current_step()
             self._tick += 1
             same = self._dedup.get(key)
             same = same() if same is not None else None
@@ -132,7 +194,11 @@ class Pool:
                 self._touch(same)
                 return same
             seq = self._tick
-            e = Entry(self, seq, t, key)
+            e = Entry(self, seq, t, key, step)
+            param = autocast_copy_of(t)
+            if param is not None:
+                e.recipe = Cast(param, t)
+            step.saved_bytes += e.nbytes
             self._largest_entry = max(self._largest_entry, e.nbytes)
             self._entries[seq] = weakref.ref(e)
             self._seqs.append(seq)
@@ -140,99 +206,167 @@ class Pool:
             self._counters["packed"] += 1
             self._add_resident(e)
             self._touch(e)
-            self._fit_budget()
             return e
 
     def _unpack(self, packed: Any) -> torch.Tensor:
+        if type(packed) is Kept:
+            return packed.unpack()
         if not isinstance(packed, Entry):
             return packed
+        check_version(packed)
         with self._lock:
+            if self.regions.phase == "profiling":
+                self.regions.end_profiling()
+            packed.step.unpacked()
             t = self._materialize(packed)
             self._touch(packed)
             self._prefetch_before(packed)
             return t
+
+    def _unpack_input(self, packed: Any) -> Any:
+        """A region's input for its replay (materialized; recursively replayed if it was dropped)."""
+        if isinstance(packed, Entry):
+            check_version(packed)
+            return self._materialize(packed)
+        if type(packed) is Kept:
+            return packed.unpack()
+        return packed
+
+    def _current_step(self) -> Step:
+        """A new step starts at the first tensor saved after backward began, or on an empty pool."""
+        s = self._step
+        if s is None or s.backward_s is not None or not self._entries:
+            if s is not None and s.forward_s is not None:
+                self._last_forward_s = s.forward_s
+            if self.regions.phase == "profiling" and self._steps:
+                self.regions.end_profiling()  # the first step ended without a backward
+            self._learn_margin()  # a new step begins: the last one's peak is known
+            self.copies.collect()  # finished copy timings: the link rate the policy prices copies at
+            self._capture = self._needed_last_step()
+            self._left = False
+            self._steps += 1
+            s = self._step = Step(self._steps, self.cuda)
+        return s
+
+    def _capturing_regions(self) -> bool:
+        """Whether a region starting now is captured: this step's decision, or, between steps (a
+        region call comes before the next step's first save), the one the next step will make."""
+        s = self._step
+        if s is None or s.backward_s is not None or not self._entries:
+            return self._needed_last_step()
+        return self._capture
+
+    def _needed_last_step(self) -> bool:
+        """Capture regions only when the pool may need them: on the first steps, and after a step in
+        which something left the device (an unneeded budget costs nothing per region; a step that
+        newly needs room offloads, and the next one captures)."""
+        return self._steps < 2 or self._left
 
     # ------------------------------------------------------------------ moving entries
 
     def _fit_budget(self) -> None:
         if self.budget_bytes is None:
             return
-        over = self._used_bytes() - self._target()
-        if over > 0:
-            for victim in self.policy.choose(self._resident_entries(), over):
-                self._offload(victim)
+        target = self._target()
+        over = self._used_bytes() - target
+        if over <= 0:
+            return
+        # A little below the target, so the next few saves do not each need a decision of their own.
+        over += min(self._largest_entry, target // 16)
+        # Ranked all the way down: when a treatment cannot (host memory full), the next choice frees.
+        for c in self.policy.choose(self._choices(CANDIDATES), 1 << 62, self._tick):
+            t = self.treatments[c.treatment]
+            for e in c.frees:
+                if e.state is State.RESIDENT and self._leave(e, t):
+                    over -= e.nbytes
+            if over <= 0:
+                break
 
-    def _offload(self, e: Entry) -> bool:
-        """Moves a resident entry (or one being restored: its copy is dropped) to host memory; False
-        when host memory is full."""
-        if e.host is None:
-            block = self.host.take(e.nbytes)
-            if block is None:
-                self._counters["host_full"] += 1
-                return False
-            e.host = block
-            e.event = self.copies.to_host(e.device_span(), e.host_span())
-            self._offloaded_bytes += e.nbytes
-            self._counters["offloads"] += 1
-            events.emit("offload", e.nbytes, e.tensor.data_ptr(), self._device_index(), e.seq, "activation")
-        else:  # offloaded before: the host copy is complete (restores wait for it); drop the device copy
-            e.event = None
+    def _region_done(self) -> None:
+        """A region's entries just became recomputable: they may be what the budget needs."""
+        self._fit_budget()
+
+    def _choices(self, limit: int | None = None) -> list[Choice]:
+        resident = [e for e in self._resident_entries(limit) if not any(e is x for x in self._in_use)]
+        out = []
+        for name in self.policy.treatments:
+            t = self.treatments.get(name)
+            if t is not None:
+                out += t.choices(self, resident)
+        return out
+
+    def _leave(self, e: Entry, t: Treatment) -> bool:
+        """Takes a resident entry off the device by treatment `t`; False when `t` cannot."""
+        if e.treatment is not None and e.treatment is not t:
+            e.treatment.forget(self, e)
+        if not t.leave(self, e):
+            return False
+        e.treatment = t
         self._drop_resident(e)
-        e.state = State.OFFLOADING if e.event is not None else State.ON_HOST
+        self._device_bytes += t.device_bytes(e)
+        self._left = True
         return True
 
-    def _restore(self, e: Entry) -> None:
-        """Starts bringing an offloaded entry back (state restoring)."""
-        if e.event is not None and self.cuda:  # the host copy may still be being written
-            self.copies.h2d.wait_event(e.event)
-        span, e.event = self.copies.to_device(e.host_span())
-        e.tensor = e.from_span(span)
-        e.state = State.RESTORING if e.event is not None else State.RESIDENT
+    def _arrived(self, e: Entry, tensor: torch.Tensor, event: Any) -> None:
+        """A treatment brought `e` back into `tensor` (ready after `event`, if any)."""
+        self._device_bytes -= e.treatment.device_bytes(e)
+        e.tensor = tensor
+        e.event = event
+        e.state = State.RETURNING if event is not None else State.RESIDENT
         self._add_resident(e)
-        events.emit("prefetch", e.nbytes, e.tensor.data_ptr(), self._device_index(), e.seq, "activation")
+        self._touch(e)
 
     def _materialize(self, e: Entry) -> torch.Tensor:
-        if e.state in (State.OFFLOADING, State.ON_HOST):  # not prefetched in time: compute waits
-            self._counters["sync_restores"] += 1
-            self._restore(e)
-        if e.state is State.RESTORING or e.event is not None:
-            self.copies.use(e.tensor, e.event)
-            e.event = None
-            e.state = State.RESIDENT
-        return e.tensor
+        self._in_use.append(e)  # a replay's allocations may call the pressure handler: not this one
+        try:
+            if e.state in (State.LEAVING, State.AWAY):  # not brought back in time: compute waits
+                self._counters["sync_restores"] += 1
+                e.treatment.come_back(self, e)
+            if e.state is State.RETURNING:
+                e.treatment.ready(self, e)
+            return e.tensor
+        finally:
+            self._in_use.pop()
 
     def _prefetch_before(self, e: Entry) -> None:
-        """Prefetches the entries saved just before `e`: backward needs them next."""
+        """Prefetches the entries of the same step saved just before `e`: backward needs them next."""
         room = self._target() - self._used_bytes()
         pos = bisect.bisect_left(self._seqs, e.seq)
-        started = 0
         for seq in reversed(self._seqs[max(0, pos - PREFETCH_SCAN) : pos]):
             ref = self._entries.get(seq)
             x = ref() if ref is not None else None
-            if x is None or x.state not in (State.OFFLOADING, State.ON_HOST):
+            if x is None or x.step is not e.step or x.state not in (State.LEAVING, State.AWAY):
+                continue
+            if not x.treatment.prefetch:
                 continue
             if x.nbytes > room:
                 break
             room -= x.nbytes
-            self._restore(x)
+            x.treatment.come_back(self, x)
             self._counters["prefetches"] += 1
             self._prefetched_bytes += x.nbytes
-            started += 1
 
     def _on_pressure(self, need_bytes: int) -> int:
-        """The allocator is about to fail: offload entries, least recently used first, waiting for
-        each copy, until the device really has `need_bytes` more free (an entry that something else
-        still references frees nothing when it leaves)."""
+        """The allocator is about to fail: entries leave, cheapest first by the policy (offloads wait
+        for their copy), until the device really has `need_bytes` more free (an entry that something
+        else still references frees nothing when it leaves)."""
         with self._lock:
             self._counters["pressure_calls"] += 1
+            self._left = True
             before, freed = self._used_bytes(), 0
+            ranked = [
+                (c.frees, self.treatments[c.treatment])
+                for c in self.policy.choose(self._choices(), 1 << 62, self._tick)
+            ]
             # Prefetched entries not used yet go last: they come back soonest.
-            for victim in self.policy.order(self._resident_entries()) + self._restoring_entries():
-                if self._offload(victim):
-                    self.copies.wait(victim.event)
-                    freed = before - self._used_bytes()
-                    if freed >= need_bytes:
-                        break
+            ranked += [((x,), x.treatment) for x in self._restoring_entries()]
+            for frees, t in ranked:
+                for victim in frees:
+                    if self._leave(victim, t):
+                        self.copies.wait(victim.event)
+                freed = before - self._used_bytes()
+                if freed >= need_bytes:
+                    break
             return max(freed, 0)
 
     # ------------------------------------------------------------------ bookkeeping
@@ -245,25 +379,28 @@ class Pool:
                 ref = self._dedup.get(e.key)
                 if ref is not None and ref() in (e, None):
                     del self._dedup[e.key]
-                if e.state in (State.RESIDENT, State.RESTORING):
-                    self._drop_resident(e)
+                if e.state in (State.RESIDENT, State.RETURNING):
+                    self._device_bytes -= e.nbytes
+                    self._lru.pop(e.seq, None)
+                elif e.treatment is not None:
+                    self._device_bytes -= e.treatment.device_bytes(e)
                 e.tensor = None
-                if e.host is not None:
-                    self.host.give_back(e.host, self.copies.stream_ids)
-                    e.host = None
+                if e.treatment is not None:
+                    e.treatment.forget(self, e)
                 if len(self._seqs) > 64 and len(self._seqs) > 2 * len(self._entries):
                     self._seqs = [s for s in self._seqs if s in self._entries]
         except Exception:  # noqa: BLE001  (interpreter shutdown: CUDA or modules may be gone)
             pass
 
     def _add_resident(self, e: Entry) -> None:
-        self._resident_bytes += e.nbytes
-        self._peak_resident_bytes = max(self._peak_resident_bytes, self._resident_bytes)
+        self._device_bytes += e.nbytes
+        self._peak_resident_bytes = max(self._peak_resident_bytes, self._device_bytes)
         self._lru[e.seq] = weakref.ref(e)
 
     def _drop_resident(self, e: Entry) -> None:
-        self._resident_bytes -= e.nbytes
+        self._device_bytes -= e.nbytes
         self._lru.pop(e.seq, None)
+        e.watch_version()
         e.tensor = None
 
     def _touch(self, e: Entry) -> None:
@@ -273,15 +410,18 @@ class Pool:
             self._lru[e.seq] = self._lru.pop(e.seq)
 
     def _restoring_entries(self) -> list[Entry]:
-        return [x for ref in self._lru.values() if (x := ref()) is not None and x.state is State.RESTORING]
+        return [x for ref in self._lru.values() if (x := ref()) is not None and x.state is State.RETURNING]
 
-    def _resident_entries(self) -> list[Entry]:
-        """Resident entries, least recently used first (in-flight restores excluded)."""
+    def _resident_entries(self, limit: int | None = None) -> list[Entry]:
+        """Resident entries, least recently used first (in-flight returns excluded); the first
+        `limit` of them when given."""
         out = []
         for ref in self._lru.values():
             x = ref()
             if x is not None and x.state is State.RESIDENT and x.tensor is not None:
                 out.append(x)
+                if limit is not None and len(out) >= limit:
+                    break
         return out
 
     def _target(self) -> int:
@@ -318,13 +458,19 @@ class Pool:
 
     def _used_bytes(self) -> int:
         """What the budget counts: bytes allocated on the device now (cheap with supermem's allocator,
-        a stats call with PyTorch's), or on CPU the bytes of resident entries."""
+        a stats call with PyTorch's), or on CPU the bytes the entries hold."""
         if not self.cuda:
-            return self._resident_bytes
-        alloc = self._supermem_allocator()
-        used = alloc.allocated_bytes if alloc is not None else torch.cuda.memory_allocated(self.device)
+            used = self._device_bytes
+        else:
+            alloc = self._supermem_allocator()
+            used = alloc.allocated_bytes if alloc is not None else torch.cuda.memory_allocated(self.device)
         self._seen_peak = max(self._seen_peak, used)
         return used
+
+    # ------------------------------------------------------------------ costs (for the policy)
+
+    def _device_bytes_per_s(self) -> float:
+        return GPU_MEMORY_BYTES_PER_S if self.cuda else CPU_COPY_BYTES_PER_S
 
     def _device_index(self) -> int:
         return self.device.index if self.cuda else -1
@@ -332,45 +478,57 @@ class Pool:
     # ------------------------------------------------------------------ inspection
 
     def check(self) -> None:
-        """Walks the entries; raises AssertionError if the accounting is off."""
+        """Walks the entries; raises AssertionError if the accounting or a treatment's invariant is off."""
         with self._lock:
-            resident = 0
+            device = 0
             for ref in self._entries.values():
                 e = ref()
                 if e is None:
                     continue
-                holds_device = e.state in (State.RESIDENT, State.RESTORING)
+                holds_device = e.state in (State.RESIDENT, State.RETURNING)
                 assert (e.tensor is not None) == holds_device, f"{e}: device tensor vs state"
-                assert holds_device or e.host is not None, f"{e}: off the device without a host copy"
-                resident += e.nbytes if holds_device else 0
-            assert resident == self._resident_bytes, f"resident {resident} != counter {self._resident_bytes}"
+                if holds_device:
+                    device += e.nbytes
+                else:
+                    assert e.treatment is not None, f"{e}: off the device without a treatment"
+                    e.treatment.check(self, e)
+                    device += e.treatment.device_bytes(e)
+            assert device == self._device_bytes, f"device bytes {device} != counter {self._device_bytes}"
             assert set(self._lru) <= set(self._entries), "LRU names dead entries"
             self.host.allocator.check()
 
     def stats(self) -> dict:
-        """Bytes by state, totals moved, achieved copy rates (GB/s) and the share of copy time that
-        compute did not wait for (hidden_fraction). Reads finished copy timings; does not sync."""
+        """Bytes by state and by treatment, totals moved, achieved copy rates (GB/s) and the share of
+        copy time that compute did not wait for (hidden_fraction). Reads finished copy timings; does
+        not sync."""
         with self._lock:
             by_state = {s.value: 0 for s in State}
             count = {s.value: 0 for s in State}
+            away = {name: 0 for name in self.treatments}
             for ref in self._entries.values():
                 e = ref()
                 if e is not None:
-                    if e.state is State.OFFLOADING and (e.event is None or e.event.query()):
-                        e.state = State.ON_HOST
+                    if e.state is State.LEAVING and (e.event is None or e.event.query()):
+                        e.state = State.AWAY
                     by_state[e.state.value] += e.nbytes
                     count[e.state.value] += 1
+                    if e.state is not State.RESIDENT and e.treatment is not None:
+                        away[e.treatment.name] = away.get(e.treatment.name, 0) + e.nbytes
             c = self.copies.collect()
             copy_seconds = c.d2h_seconds + c.h2d_seconds
             return {
                 "tracked_bytes": sum(by_state.values()),
                 **{f"{k}_bytes": v for k, v in by_state.items()},
                 "entries_by_state": count,
+                "away_bytes_by_treatment": away,
                 "peak_resident_bytes": self._peak_resident_bytes,
                 "budget_bytes": self.budget_bytes,
                 "margin_bytes": self._margin,
                 "offloaded_bytes": self._offloaded_bytes,
                 "prefetched_bytes": self._prefetched_bytes,
+                "dropped_bytes": self._dropped_bytes,
+                "regions": len(self.regions.modules),
+                "steps": self._steps,
                 **self._counters,
                 "host_reserved_bytes": self.host.reserved_bytes,
                 "d2h_gbps": c.d2h_bytes / c.d2h_seconds / 1e9 if c.d2h_seconds else 0.0,
@@ -389,8 +547,8 @@ class Pool:
             self.copies.collect(block=True)
             self.copies.stats = type(self.copies.stats)()
             self._counters = dict.fromkeys(self._counters, 0)
-            self._offloaded_bytes = self._prefetched_bytes = 0
-            self._peak_resident_bytes = self._resident_bytes
+            self._offloaded_bytes = self._prefetched_bytes = self._dropped_bytes = 0
+            self._peak_resident_bytes = self._device_bytes
 
 
 _live_pools: weakref.WeakSet[Pool] = weakref.WeakSet()
@@ -434,6 +592,10 @@ def _checked(name: str, parse: Any, value: Any) -> Any:
         return parse(value)
     except ValueError as e:
         raise ConfigError(f"bad pool option {name}={value!r}: {e}") from None
+
+
+def _is_fraction(value: Any) -> bool:
+    return isinstance(value, float) or (isinstance(value, str) and value.strip().endswith("%"))
 
 
 def _size(name: str, value: Any, total: int | None) -> int:

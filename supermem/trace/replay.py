@@ -5,10 +5,11 @@ Policies (what happens when an allocation does not fit):
   none     nothing: the allocation fails (an OOM) and the replay goes on without it.
   lru      a tensor pool offloads live blocks of the offloadable categories, oldest first.
   planned  the same, choosing the block needed furthest in the future (Belady's optimal eviction).
+  cost_aware  as lru: a trace has no recompute costs.
 A block is taken to be needed next when the trace frees it: it is restored (re-allocated) just
 before, which may evict others. That is exact for activations (used once in backward, then freed)
 and a lower bound on what a real pool achieves (it restores ahead of time). Each policy is one
-class with choose(candidates, need_bytes), as the live pool's policies are.
+class in supermem/policies.py, the registry the live pool and config read too.
 """
 
 from __future__ import annotations
@@ -20,30 +21,13 @@ from typing import Any
 import numpy as np
 
 from ..errors import OutOfMemoryError, UsageError
+from ..policies import POLICIES as _REGISTRY
 from ..units import format_bytes
 from .table import Trace
 from .timeline import lifetimes, series
 
-
-class LruPolicy:
-    """Evict the block allocated longest ago."""
-
-    name = "lru"
-
-    def key(self, start: int, end: int) -> float:
-        return start  # smallest first
-
-
-class PlannedPolicy:
-    """Evict the block whose next use (its free) is furthest away; never-freed blocks first."""
-
-    name = "planned"
-
-    def key(self, start: int, end: int) -> float:
-        return -(end if end >= 0 else float("inf"))
-
-
-POLICIES = {"none": None, "lru": LruPolicy, "planned": PlannedPolicy}
+# The one policy registry (supermem/policies.py); each policy's key(start, end) orders evictions here.
+POLICIES = {"none": None, **_REGISTRY}
 MAX_CAPACITY_BYTES = 1 << 62  # the simulated device's capacity is an int64
 
 

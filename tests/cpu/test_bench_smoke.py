@@ -28,13 +28,14 @@ def test_bench_train_quick_cpu(tmp_path):
     assert set(result["models"]) == {"gpt", "resnet"}
     for model, rows in result["models"].items():
         by_name = {r["config"]: r for r in rows}
-        assert set(by_name) == {"native", "checkpoint"}, f"{model}: CPU runs only native and checkpoint rows"
+        assert set(by_name) == {"native", "checkpoint", "checkpoint first half"}, f"{model}: CPU rows"
         for name, row in by_name.items():
             assert "error" not in row, f"{model} {name}: {row['error']}"
             assert row["step_ms"] > 0 and len(row["step_ms_all"]) == 3
             assert math.isfinite(row["loss"])
         # checkpointing recomputes the same forward: the same loss from the same seed and batch
         assert math.isclose(by_name["native"]["loss"], by_name["checkpoint"]["loss"], rel_tol=1e-4)
+        assert math.isclose(by_name["native"]["loss"], by_name["checkpoint first half"]["loss"], rel_tol=1e-4)
         assert "x native" in stdout and by_name["native"]["preset"] in stdout
 
 

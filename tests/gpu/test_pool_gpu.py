@@ -112,9 +112,10 @@ def _run(code: str, env: dict | None = None) -> str:
     return r.stdout
 
 
-def test_pressure_handler_offloads_instead_of_oom_then_oom_and_continue():
+@pytest.mark.parametrize("policy", ["lru", "cost_aware"])
+def test_pressure_handler_offloads_instead_of_oom_then_oom_and_continue(policy):
     out = _run(
-        """
+        f"""
         import torch, supermem
         from supermem.tensor_pool import Pool
         supermem.install("limit:3GiB")
@@ -126,7 +127,7 @@ def test_pressure_handler_offloads_instead_of_oom_then_oom_and_continue():
                 loss = model(x).square().mean()
                 loss.backward()
             model.zero_grad(set_to_none=True)
-        pool = Pool(budget=None)  # offload only under pressure
+        pool = Pool(budget=None, policy="{policy}")  # act only under pressure
         step(16384, pool)  # 8 saved activations of 256 MiB + params: over 3 GiB without the pool
         print("pressure calls", pool.stats()["pressure_calls"], "offloads", pool.stats()["offloads"])
         try:
@@ -156,3 +157,128 @@ def test_env_activates_the_pool_for_every_backward():
         env={"SUPERMEM_CONF": "pool:lru,budget:0"},
     )
     assert "installed True" in out and "offloads 0" not in out, out
+
+
+# ---- recompute and the cost_aware policy -----------------------------------------------------------
+
+
+def _train(build, batch, pool=None, steps=3, amp=False):
+    """`steps` SGD steps of a fresh model (math SDPA: its backward is deterministic); every loss, the
+    final gradients and the final state."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from supermem.bench.models import loss_fn
+
+    torch.manual_seed(0)
+    model = build().cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    x, y = batch
+    torch.manual_seed(1)  # dropout
+    out = []
+    for _ in range(steps):
+        opt.zero_grad(set_to_none=True)
+        with pool if pool is not None else torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+            with sdpa_kernel(SDPBackend.MATH), torch.autocast("cuda", torch.bfloat16, enabled=amp):
+                o = model(x)
+            loss = o.float().square().mean() if y is None else loss_fn(o, y)
+            loss.backward()
+        if pool is not None:
+            pool.check()
+        out.append(loss.detach())
+        opt.step()
+    torch.cuda.synchronize()
+    return out + [p.grad for p in model.parameters()] + list(model.state_dict().values())
+
+
+def test_cost_aware_mlp_is_bitwise_with_real_recompute():
+    from supermem.tensor_pool import Pool
+
+    x = torch.randn(4096, 2048, device="cuda")
+    build = lambda: mlp(layers=6)  # noqa: E731
+    ref = _train(build, (x, None))
+    pool = Pool(budget=0, policy="cost_aware")
+    pool.treatments["offload"].link_bytes_per_s = 1e3  # price copies dear: recompute everything it can
+    got = _train(build, (x, None), pool)
+    assert all(torch.equal(a, b) for a, b in zip(ref, got))
+    pool.synchronize()
+    s = pool.stats()
+    assert s["regions"] >= 6 and s["dropped_bytes"] > 0 and s["recomputes"] > 0, s
+    assert s["tracked_bytes"] == 0
+    print(
+        f"\ncost_aware mlp: offloaded {s['offloaded_bytes'] >> 20} MiB, "
+        f"recomputed {s['dropped_bytes'] >> 20} MiB"
+    )
+
+
+def test_cost_aware_gpt_dropout_bf16_is_bitwise():
+    """Dropout replayed from the CUDA RNG state, autocast's bf16 weight copies rebuilt from the fp32
+    parameters: the same losses, gradients and weights as plain PyTorch."""
+    from supermem.bench.models import GPT
+    from supermem.tensor_pool import Pool
+
+    g = torch.Generator().manual_seed(0)
+    idx = torch.randint(0, 2048, (8, 129), generator=g).cuda()
+    batch = (idx[:, :-1].contiguous(), idx[:, 1:].contiguous())
+    build = lambda: GPT(layers=4, d=256, heads=4, vocab=2048, ctx=128, dropout=0.1)  # noqa: E731
+    ref = _train(build, batch, amp=True, steps=4)
+    for budget in (0, 64 << 10, 1 << 40):
+        pool = Pool(budget=budget, policy="cost_aware", min_bytes=0)
+        if budget == 0:
+            pool.treatments[
+                "offload"
+            ].link_bytes_per_s = 1e3  # price copies dear: recompute everything it can
+        got = _train(build, batch, pool, amp=True, steps=4)
+        assert all(torch.equal(a, b) for a, b in zip(ref, got)), budget
+        s = pool.stats()
+        if budget == 0:
+            assert s["recomputes"] > 0 and s["regions"] >= 4, s
+        if budget == 1 << 40:
+            assert s["offloads"] == 0 and s["dropped"] == 0, s
+
+
+def test_cost_aware_keeps_the_peak_at_the_budget_with_supermem():
+    """In a fresh process with supermem's allocator (it reports the true peak, so the pool learns the
+    step's transient spike): after warm-up the peak stays within 5% of the budget, and below lru's."""
+    out = _run(
+        """
+        import torch, supermem
+        from supermem.bench.models import GPT, loss_fn
+        supermem.install()
+        torch.manual_seed(0)
+        model = GPT(layers=8, d=1024, heads=16, vocab=8192, ctx=512).cuda()
+        opt = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
+        idx = torch.randint(0, 8192, (8, 513), device="cuda")
+        x, y = idx[:, :-1].contiguous(), idx[:, 1:].contiguous()
+        plain = torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
+        def step(pool=None):
+            with pool if pool is not None else plain:
+                with torch.autocast("cuda", torch.bfloat16):
+                    loss = loss_fn(model(x), y)
+                loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        def peak(pool=None, warm=4, timed=3):
+            for _ in range(warm):
+                step(pool)
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            t = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            t[0].record()
+            for _ in range(timed):
+                step(pool)
+            t[1].record()
+            torch.cuda.synchronize()
+            return torch.cuda.max_memory_allocated(), t[0].elapsed_time(t[1]) / timed
+        native, native_ms = peak()
+        budget = int(0.75 * native)
+        for policy in ("lru", "cost_aware"):
+            p, ms = peak(supermem.pool(budget=budget, policy=policy))
+            print(policy, "peak", p, "budget", budget, "native", native, "ms", round(ms, 1),
+                  "native_ms", round(native_ms, 1))
+        """
+    )
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if " peak " in line}
+    lru_peak, ca_peak, budget = int(rows["lru"][2]), int(rows["cost_aware"][2]), int(rows["cost_aware"][4])
+    print("\n" + out)
+    assert ca_peak <= 1.05 * budget, out
+    assert ca_peak <= lru_peak, out

@@ -1,0 +1,442 @@
+"""Regions: recomputation at module granularity.
+
+A region is one call of a chosen module. The tensors its forward saves that it made itself (not its
+inputs) can be dropped and rebuilt by calling the module again on its inputs, which the pool keeps as
+entries of their own (offloadable, or rebuilt by the region before). Replay is what non-reentrant
+torch.utils.checkpoint does: the CPU and CUDA RNG state and the autocast state of the original call,
+inputs detached with their requires_grad, saved tensors matched by the order they are saved in, an
+early stop once every dropped one is back; on CUDA also the attention backends enabled at the call.
+Module buffers (BatchNorm's running statistics) are put back after a replay, versions included, so a
+replay changes nothing the step can see.
+
+Which modules: on the pool's first step (the profiling step) global module hooks see every call and how
+many bytes each call saves that it made itself. From the top call down, a call that holds more than
+MAX_SHARE of the step's saved bytes is split into its child calls; the others are the regions (GPT: the
+blocks; ResNet: the bottlenecks; an MLP: its layers). After that step the global hooks go and only the
+chosen modules carry two forward hooks: nothing runs per op, a few microseconds per region per step.
+
+Excluded explicitly: a call that changes one of its inputs in place (its replay would start from the
+changed value), calls made with grad disabled, and tensors that are views of the call's inputs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+import weakref
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.utils._pytree import tree_map
+
+from .entry import Entry, State, _set_version
+
+if TYPE_CHECKING:
+    from .pool import Pool
+
+MAX_SHARE = 0.25  # a call saving more than this share of a step's bytes is split into its children
+COST_SAMPLES = 3  # calls timed per module; after that the mean is used and nothing is timed
+
+
+class _Stop(Exception):  # noqa: N818  every dropped tensor of the region is back: end the replay
+    pass
+
+
+def _storage_ptr(t: Any) -> int | None:
+    if not isinstance(t, torch.Tensor):
+        return None
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    out: list[torch.Tensor] = []
+    tree_map(lambda x: out.append(x) if isinstance(x, torch.Tensor) else None, tree)
+    return out
+
+
+class Region:
+    """One call of a chosen module: enough to call it again (also the recipe of its dropped entries)."""
+
+    __slots__ = (
+        "module",
+        "inputs",
+        "input_ptrs",
+        "args",
+        "rng_cpu",
+        "rng_cuda",
+        "autocast",
+        "sdpa",
+        "slots",
+        "ready",
+        "timing",
+        "__weakref__",
+    )
+
+    def __init__(self, module: torch.nn.Module, args: tuple, kwargs: dict, pool: Pool, timed: bool):
+        self.module = module
+        self.inputs = [(x, x._version) for x in _tensors((args, kwargs))]
+        self.input_ptrs = {_storage_ptr(x) for x, _ in self.inputs}
+        self.args: Any = (args, kwargs)  # raw until finish() packs them
+        self.rng_cpu = torch.get_rng_state()
+        self.rng_cuda = torch.cuda.get_rng_state(pool.device) if pool.cuda else None
+        self.autocast = {
+            dt: {
+                "enabled": torch.is_autocast_enabled(dt),
+                "dtype": torch.get_autocast_dtype(dt),
+                "cache_enabled": torch.is_autocast_cache_enabled(),
+            }
+            for dt in {"cpu", pool.device.type}
+        }
+        self.sdpa = _sdpa_backends() if pool.cuda else None  # `with sdpa_kernel(...)` is global state
+        self.slots: list[weakref.ref[Entry] | None] = []  # one per tensor saved, in save order
+        self.ready = False
+        self.timing: Any = _start_timer(pool) if timed else None
+
+    @property
+    def group(self) -> Region:
+        return self
+
+    def saw(self, packed: Any, t: torch.Tensor) -> None:
+        """The call saved `t` (packed as `packed`): a slot, recomputable if the call made it."""
+        mine = isinstance(packed, Entry) and _storage_ptr(t) not in self.input_ptrs
+        self.slots.append(weakref.ref(packed) if mine else None)
+        if mine and packed.recipe is None:
+            packed.recipe = self  # not ready: it stays until the call returns and the policy can weigh both
+
+    def finish(self, pool: Pool) -> bool:
+        """The call returned: True if it can be replayed (then its own entries take it as recipe)."""
+        own = []
+        for ref in self.slots:
+            e = ref() if ref is not None else None
+            if e is not None and e.recipe is self:
+                own.append(e)
+        # A call that changed an input in place would be replayed from the changed value.
+        if any(x._version != v for x, v in self.inputs) or not own:
+            for e in own:
+                e.recipe = None
+            return False
+        self.inputs = []  # the raw inputs go; the pool keeps them as entries from here
+        self.args = tree_map(lambda x: _Input(pool, x) if isinstance(x, torch.Tensor) else x, self.args)
+        self.ready = True
+        return True
+
+    def cost_s(self, pool: Pool) -> float | None:
+        return pool.regions.cost_s(self.module)
+
+    def rebuild(self, pool: Pool, e: Entry) -> None:
+        want: dict[int, Entry] = {}  # slot -> dropped entry, each entry once (one saved twice has two slots)
+        for k, ref in enumerate(self.slots):
+            x = ref() if ref is not None else None
+            if x is not None and x.recipe is self and x.state is State.AWAY and x not in want.values():
+                want[k] = x
+        if not want:
+            return
+        args, kwargs = tree_map(lambda x: x.get(pool) if isinstance(x, _Input) else x, self.args)
+        count = [0]
+
+        def pack(t: torch.Tensor) -> None:
+            k = count[0]
+            count[0] += 1
+            x = want.pop(k, None)
+            if x is not None:
+                if t.shape != x.shape or t.dtype != x.dtype or t.stride() != x.stride:
+                    raise RuntimeError(
+                        f"supermem: replaying {type(self.module).__name__} saved a different tensor "
+                        f"(#{k}: {tuple(t.shape)} {t.dtype}, expected {tuple(x.shape)} {x.dtype}); "
+                        "its forward is not deterministic in what it saves"
+                    )
+                pool._arrived(x, t.detach(), None)
+                if not want:
+                    raise _Stop
+            return None
+
+        buffers = [(b, b.detach().clone(), b._version) for b in self.module.buffers()]
+        devices = [pool.device] if self.rng_cuda is not None else []
+        try:
+            with contextlib.ExitStack() as stack:
+                stack.enter_context(torch.random.fork_rng(devices=devices, device_type="cuda"))
+                torch.set_rng_state(self.rng_cpu)
+                if self.rng_cuda is not None:
+                    torch.cuda.set_rng_state(self.rng_cuda, pool.device)
+                for dt, kw in self.autocast.items():
+                    stack.enter_context(torch.autocast(dt, **kw))
+                if self.sdpa is not None:
+                    stack.enter_context(_sdpa_set(self.sdpa))
+                stack.enter_context(torch.enable_grad())
+                stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, lambda _: None))
+                stack.enter_context(pool.regions.replaying())
+                self.module(*args, **kwargs)
+        except _Stop:
+            pass
+        finally:
+            with torch.no_grad():
+                for b, saved, version in buffers:  # batch_norm updates its statistics without a version bump
+                    b.copy_(saved)
+                    _set_version(b, version)
+        if want:
+            raise RuntimeError(
+                f"supermem: replaying {type(self.module).__name__} saved fewer tensors than its first "
+                "call did; its forward is not deterministic in what it saves"
+            )
+
+
+_SDPA = tuple(
+    n for n in ("flash", "mem_efficient", "math", "cudnn") if hasattr(torch.backends.cuda, f"enable_{n}_sdp")
+)
+
+
+def _sdpa_backends() -> tuple[bool, ...]:
+    b = torch.backends.cuda
+    return tuple(getattr(b, f"{n}_sdp_enabled")() for n in _SDPA)
+
+
+@contextlib.contextmanager
+def _sdpa_set(flags: tuple[bool, ...]) -> Any:
+    """The attention backends enabled at the original call (another backend saves other tensors)."""
+    before = _sdpa_backends()
+    b = torch.backends.cuda
+    try:
+        for n, on in zip(_SDPA, flags):
+            getattr(b, f"enable_{n}_sdp")(on)
+        yield
+    finally:
+        for n, on in zip(_SDPA, before):
+            getattr(b, f"enable_{n}_sdp")(on)
+
+
+class _Input:
+    """A region's tensor input, held by the pool (an entry it may offload) for a replay. The replay
+    gets it detached, with the requires_grad it had: what an op saves depends on it."""
+
+    __slots__ = ("packed", "requires_grad")
+
+    def __init__(self, pool: Pool, x: torch.Tensor):
+        self.packed = pool._pack_tensor(x)
+        self.requires_grad = x.requires_grad
+
+    def get(self, pool: Pool) -> torch.Tensor:
+        return pool._unpack_input(self.packed).detach().requires_grad_(self.requires_grad)
+
+
+class _Call:
+    """Profiling step: one module call, and the bytes saved during it that it made itself."""
+
+    __slots__ = ("module", "input_ptrs", "own_bytes", "outside", "children")
+
+    def __init__(self, module: torch.nn.Module, args: tuple):
+        self.module = module
+        self.input_ptrs = {_storage_ptr(x) for x in _tensors(args)}
+        self.own_bytes = 0
+        self.outside: list[tuple[int | None, int]] = []  # saved bytes it did not make: (storage, bytes)
+        self.children: list[_Call] = []
+
+    def saw(self, packed: Any, t: torch.Tensor) -> None:
+        if not isinstance(packed, Entry):
+            return
+        ptr = _storage_ptr(t)
+        if ptr in self.input_ptrs:
+            self.outside.append((ptr, packed.nbytes))
+        else:
+            self.own_bytes += packed.nbytes
+
+    def close_into(self, parent: _Call) -> None:
+        parent.children.append(self)
+        parent.own_bytes += self.own_bytes
+        for ptr, n in self.outside:
+            if ptr in parent.input_ptrs:
+                parent.outside.append((ptr, n))
+            else:
+                parent.own_bytes += n
+
+
+def choose_regions(roots: list[_Call]) -> set[torch.nn.Module]:
+    total = sum(c.own_bytes for c in roots) or 1
+    chosen: set[torch.nn.Module] = set()
+
+    def visit(c: _Call, top: bool) -> None:
+        if c.own_bytes <= 0:
+            return
+        kids = [k for k in c.children if k.own_bytes > 0]
+        if kids and (top or c.own_bytes > MAX_SHARE * total):
+            for k in kids:
+                visit(k, False)
+        else:
+            chosen.add(c.module)
+
+    for r in roots:
+        visit(r, True)
+    return chosen
+
+
+class Regions:
+    """The pool's region tracker: profiles the first step, then hooks the chosen modules."""
+
+    def __init__(self, pool: Pool):
+        self._pool = weakref.ref(pool)
+        self.phase = "off"  # off -> profiling (first step) -> on
+        self._local = threading.local()  # stack of open calls/regions; replaying flag
+        self._global: list[Any] = []
+        self._handles: list[Any] = []
+        self._roots: list[_Call] = []
+        self._costs: dict[int, list] = {}  # id(module) -> [seconds sum, samples, pending timers]
+        self.modules: list[torch.nn.Module] = []
+
+    # -- phases
+
+    def start_profiling(self) -> None:
+        if self.phase != "off":
+            return
+        pre, post = _weak(self._profile_pre), _weak(self._profile_post)
+        self._global = [
+            torch.nn.modules.module.register_module_forward_pre_hook(pre),
+            torch.nn.modules.module.register_module_forward_hook(post, always_call=True),
+        ]
+        self.phase = "profiling"
+
+    def end_profiling(self) -> None:
+        """Backward began: choose the regions from what the forward saved, hook them."""
+        if self.phase != "profiling":
+            return
+        for h in self._global:
+            h.remove()
+        self._global = []
+        self.phase = "on"
+        self.modules = sorted(choose_regions(self._roots), key=id)
+        self._roots = []
+        self._local.stack = []
+        pre, post = _weak(self._pre), _weak(self._post)
+        for m in self.modules:
+            self._handles.append(m.register_forward_pre_hook(pre, with_kwargs=True))
+            self._handles.append(m.register_forward_hook(post, with_kwargs=True, always_call=True))
+
+    def close(self) -> None:
+        for h in self._global + self._handles:
+            h.remove()
+        self._global, self._handles = [], []
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001  (interpreter shutdown)
+            pass
+
+    # -- hooks
+
+    def _stack(self) -> list:
+        st = getattr(self._local, "stack", None)
+        if st is None:
+            st = self._local.stack = []
+        return st
+
+    def top(self) -> Any:
+        st = getattr(self._local, "stack", None)
+        return st[-1] if st else None
+
+    def _capturing(self, pool: Pool) -> bool:
+        return (
+            torch.is_grad_enabled() and pool._active_here() and not getattr(self._local, "replaying", False)
+        )
+
+    def _profile_pre(self, module: torch.nn.Module, args: tuple) -> None:
+        pool = self._pool()
+        if pool is not None and self.phase == "profiling" and self._capturing(pool):
+            self._stack().append(_Call(module, args))
+
+    def _profile_post(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
+        st = getattr(self._local, "stack", None)
+        if not st or not isinstance(st[-1], _Call) or st[-1].module is not module:
+            return
+        call = st.pop()
+        if st:
+            call.close_into(st[-1])
+        else:
+            self._roots.append(call)
+
+    def _pre(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        pool = self._pool()
+        if pool is None or not pool._capturing_regions() or not self._capturing(pool):
+            return
+        cost = self._costs.setdefault(id(module), [0.0, 0, []])
+        timed = cost[1] + len(cost[2]) < COST_SAMPLES
+        self._stack().append(Region(module, args, kwargs, pool, timed))
+
+    def _post(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        st = getattr(self._local, "stack", None)
+        if not st or not isinstance(st[-1], Region) or st[-1].module is not module:
+            return
+        region = st.pop()
+        pool = self._pool()
+        if region.timing is not None:
+            self._costs[id(module)][2].append(_stop_timer(region.timing, pool))
+            region.timing = None
+        if pool is not None and region.finish(pool):
+            pool._region_done()
+
+    @contextlib.contextmanager
+    def replaying(self) -> Any:
+        before = getattr(self._local, "replaying", False)
+        self._local.replaying = True
+        try:
+            yield
+        finally:
+            self._local.replaying = before
+
+    # -- costs
+
+    def cost_s(self, module: torch.nn.Module) -> float | None:
+        """Mean measured forward seconds of the module's calls (None before one finished timing)."""
+        c = self._costs.get(id(module))
+        if c is None:
+            return None
+        still = []
+        for timer in c[2]:
+            s = _read_timer(timer)
+            if s is None:
+                still.append(timer)
+            else:
+                c[0] = min(c[0], s) if c[1] else s  # the least of a few calls: noise only adds
+                c[1] += 1
+        c[2] = still
+        return c[0] if c[1] else None
+
+
+def _start_timer(pool: Pool) -> Any:
+    """GPU: CUDA events on the compute stream (copies run on side streams). CPU: the host clock, less
+    the time the pool itself spent inside the call (its synchronous copies are not the module's)."""
+    if pool.cuda:
+        start = torch.cuda.Event(enable_timing=True)
+        start.record()
+        return ("cuda", start, None)
+    return ("cpu", time.perf_counter() + pool._busy_s, None)
+
+
+def _stop_timer(timer: Any, pool: Pool) -> Any:
+    kind, start, _ = timer
+    if kind == "cuda":
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        return (kind, start, end)
+    return (kind, start, time.perf_counter() + pool._busy_s)
+
+
+def _read_timer(timer: Any) -> float | None:
+    kind, start, end = timer
+    if kind == "cpu":
+        return end - start
+    if not end.query():
+        return None
+    return start.elapsed_time(end) / 1e3
+
+
+def _weak(method: Any) -> Any:
+    ref = weakref.WeakMethod(method)
+
+    def call(*args: Any) -> Any:
+        m = ref()
+        return m(*args) if m is not None else None
+
+    return call

@@ -1,0 +1,250 @@
+"""Treatments: what happens to a saved tensor that leaves the device, one small class each.
+
+A treatment releases an entry's device memory (`leave`), brings it back (`come_back`, then `ready`
+before compute uses it), says what the entry costs while away (`device_bytes`, `host_bytes`) and what
+leaving costs (`choices`, in estimated exposed seconds, for the policy), frees its payload when the
+entry dies (`forget`) and checks its own invariant (`check`). The pool's core only moves entries
+between states and keeps the byte counters; a new treatment (ReLU compression: a device payload
+smaller than the tensor) is a new class here and an entry in `Pool(treatments=...)`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+import torch
+
+from .. import events
+from ..policies import Choice
+from .entry import Entry, State
+
+if TYPE_CHECKING:
+    from .pool import Pool
+
+GPU_LINK_BYTES_PER_S = 25e9  # pinned copies, until the copy engine measured them (H100/H200: ~55)
+CPU_COPY_BYTES_PER_S = 5e9  # host memcpy
+COPY_INTERFERENCE = 0.08  # a step slowed 8% with copies running beside it (DESIGN.md, one H100 run)
+
+
+class Treatment:
+    name = "base"
+    prefetch = False  # the pool may bring entries back ahead of use (worth it for copies)
+
+    def applies(self, e: Entry) -> bool:
+        return True
+
+    def choices(self, pool: Pool, resident: Iterable[Entry]) -> list[Choice]:
+        """Ways this treatment can free device bytes now, priced for the policy."""
+        raise NotImplementedError
+
+    def leave(self, pool: Pool, e: Entry) -> bool:
+        """Starts taking a resident entry off the device (the device tensor is still set: the pool
+        drops it after); sets its state to leaving or away. False: it cannot (the entry stays)."""
+        raise NotImplementedError
+
+    def come_back(self, pool: Pool, e: Entry) -> None:
+        """Starts bringing the entry back; ends with `pool._arrived(e, tensor, event)`."""
+        raise NotImplementedError
+
+    def ready(self, pool: Pool, e: Entry) -> None:
+        """Makes a returning entry usable on the current stream."""
+        e.event = None
+        e.state = State.RESIDENT
+
+    def device_bytes(self, e: Entry) -> int:
+        """Device bytes the entry still takes while away (a compressed payload; 0 when none)."""
+        return 0
+
+    def host_bytes(self, e: Entry) -> int:
+        return 0
+
+    def forget(self, pool: Pool, e: Entry) -> None:
+        """The entry died or leaves by another treatment: free this treatment's payload."""
+        e.payload = None
+
+    def check(self, pool: Pool, e: Entry) -> None:
+        """This treatment's invariant for an entry it holds; AssertionError if off."""
+
+
+class Offload(Treatment):
+    """Copies the tensor's storage span to pinned host memory on the copy engine's D2H stream; brings
+    it back on the H2D stream (prefetched during backward). The host copy is kept while the entry lives:
+    leaving again after a return is free."""
+
+    name = "offload"
+    prefetch = True
+
+    def __init__(self, link_bytes_per_s: float | None = None):
+        """link_bytes_per_s: the copy rate to price copies at; None: the rate the copy engine achieved
+        (until it has copied: 25 GB/s on a GPU, 5 GB/s on CPU)."""
+        self.link_bytes_per_s = link_bytes_per_s
+
+    def rate(self, pool: Pool) -> float:
+        if self.link_bytes_per_s is not None:
+            return self.link_bytes_per_s
+        c = pool.copies.stats
+        if c.d2h_seconds > 0 and c.d2h_bytes > 1 << 20:
+            return c.d2h_bytes / c.d2h_seconds
+        return GPU_LINK_BYTES_PER_S if pool.cuda else CPU_COPY_BYTES_PER_S
+
+    def hideable_bytes(self, pool: Pool, bps: float) -> int:
+        """Bytes the link can still carry before backward starts, judging by the last step's forward
+        (what it already carries this step counts against it). On CPU copies are synchronous: none."""
+        step = pool._step
+        if not pool.cuda or step is None or not pool._last_forward_s:
+            return 0
+        elapsed = time.perf_counter() - step.started_s
+        queued = max(0.0, step.offloaded - bps * elapsed)
+        return int(bps * max(0.0, pool._last_forward_s - elapsed) - queued)
+
+    def applies(self, e: Entry) -> bool:
+        # Weight copies are rebuilt, never copied to host; a call still running decides at its end.
+        return e.recipe is None or (e.recipe.ready and not isinstance(e.recipe, Cast))
+
+    def choices(self, pool: Pool, resident: Iterable[Entry]) -> list[Choice]:
+        bps = self.rate(pool)
+        hideable = self.hideable_bytes(pool, bps)
+        out = []
+        for e in resident:
+            if not self.applies(e):
+                continue
+            exposed = e.nbytes if e.payload is None else 0  # a kept host copy costs nothing to reuse
+            hidden = min(exposed, max(0, hideable))
+            hideable -= hidden
+            cost_s = ((exposed - hidden) + COPY_INTERFERENCE * exposed) / bps
+            out.append(Choice(e, self.name, e.nbytes, cost_s, e.last_use, (e,)))
+        return out
+
+    def leave(self, pool: Pool, e: Entry) -> bool:
+        if e.payload is None:
+            block = pool.host.take(e.nbytes)
+            if block is None:
+                pool._counters["host_full"] += 1
+                return False
+            e.payload = block
+            e.event = pool.copies.to_host(e.device_span(), _host_span(e))
+            pool._offloaded_bytes += e.nbytes
+            e.step.offloaded += e.nbytes
+            pool._counters["offloads"] += 1
+            events.emit("offload", e.nbytes, e.tensor.data_ptr(), pool._device_index(), e.seq, "activation")
+        else:  # offloaded before: the host copy is complete (returns wait for it)
+            e.event = None
+        e.state = State.LEAVING if e.event is not None else State.AWAY
+        return True
+
+    def come_back(self, pool: Pool, e: Entry) -> None:
+        if e.event is not None and pool.cuda:  # the host copy may still be being written
+            pool.copies.h2d.wait_event(e.event)
+        span, event = pool.copies.to_device(_host_span(e))
+        pool._arrived(e, e.from_span(span), event)
+        events.emit("prefetch", e.nbytes, e.tensor.data_ptr(), pool._device_index(), e.seq, "activation")
+
+    def ready(self, pool: Pool, e: Entry) -> None:
+        pool.copies.use(e.tensor, e.event)
+        super().ready(pool, e)
+
+    def host_bytes(self, e: Entry) -> int:
+        return e.payload.nbytes if e.payload is not None else 0
+
+    def forget(self, pool: Pool, e: Entry) -> None:
+        if e.payload is not None:
+            pool.host.give_back(e.payload, pool.copies.stream_ids)
+        e.payload = None
+
+    def check(self, pool: Pool, e: Entry) -> None:
+        assert e.payload is not None and e.payload.nbytes >= e.nbytes, f"{e}: away without a host copy"
+
+
+class Recompute(Treatment):
+    """Drops the tensor; rebuilds it when backward needs it, from its recipe: a module call replayed
+    from its saved inputs (tensor_pool/region.py), or an autocast weight copy cast again from its
+    parameter. Dropping frees the memory at once; nothing crosses the link."""
+
+    name = "recompute"
+
+    def applies(self, e: Entry) -> bool:
+        return e.recipe is not None and e.recipe.ready
+
+    def choices(self, pool: Pool, resident: Iterable[Entry]) -> list[Choice]:
+        groups: dict[int, list[Entry]] = {}
+        recipes = {}
+        for e in resident:
+            if self.applies(e):
+                key = id(e.recipe.group)
+                groups.setdefault(key, []).append(e)
+                recipes[key] = e.recipe
+        out = []
+        for key, es in groups.items():
+            cost_s = recipes[key].cost_s(pool)
+            if cost_s is None:
+                continue  # not measured yet
+            nbytes = sum(e.nbytes for e in es)
+            out.append(
+                Choice(recipes[key].group, self.name, nbytes, cost_s, max(e.last_use for e in es), tuple(es))
+            )
+        return out
+
+    def leave(self, pool: Pool, e: Entry) -> bool:
+        e.state = State.AWAY
+        pool._counters["dropped"] += 1
+        pool._dropped_bytes += e.nbytes
+        return True
+
+    def come_back(self, pool: Pool, e: Entry) -> None:
+        pool._counters["recomputes"] += 1
+        e.recipe.rebuild(pool, e)
+
+    def check(self, pool: Pool, e: Entry) -> None:
+        assert e.recipe is not None and e.payload is None, f"{e}: away without a recipe"
+
+
+class Cast:
+    """Recipe for an autocast copy of a parameter (about 8% of GPT-24's saved bytes): cast it again."""
+
+    __slots__ = ("param", "dtype", "shape", "stride", "offset", "param_version")
+    ready = True
+
+    def __init__(self, param: torch.Tensor, t: torch.Tensor):
+        self.param = param
+        self.dtype = t.dtype
+        self.shape, self.stride, self.offset = t.shape, t.stride(), t.storage_offset()
+        self.param_version = param._version
+
+    @property
+    def group(self) -> Cast:
+        return self
+
+    def cost_s(self, pool: Pool) -> float:
+        return 3 * self.param.nbytes / pool._device_bytes_per_s()  # read fp32, write bf16
+
+    def rebuild(self, pool: Pool, e: Entry) -> None:
+        if self.param._version != self.param_version:
+            raise RuntimeError(
+                "supermem: a parameter changed in place between forward and backward; its autocast "
+                "copy saved for backward cannot be rebuilt (plain autograd would use the stale copy)"
+            )
+        with torch.no_grad():
+            flat = self.param.detach().to(self.dtype).reshape(-1)
+        pool._arrived(e, flat.as_strided(self.shape, self.stride, self.offset), None)
+
+
+def autocast_copy_of(t: torch.Tensor) -> torch.Tensor | None:
+    """The parameter `t` is an autocast copy of (or a view of one), else None: its base was made by
+    one cast (ToCopyBackward0) straight from a leaf that requires grad, with the same shape."""
+    base = t._base if t._base is not None else t
+    fn = base.grad_fn
+    if fn is None or type(fn).__name__ != "ToCopyBackward0" or not base.is_contiguous():
+        return None
+    nxt = fn.next_functions
+    if len(nxt) != 1 or nxt[0][0] is None or not hasattr(nxt[0][0], "variable"):
+        return None
+    param = nxt[0][0].variable
+    if param.shape != base.shape or not param.is_contiguous() or param.device != base.device:
+        return None
+    return param
+
+
+def _host_span(e: Entry) -> torch.Tensor:
+    return e.payload.tensor.view(e.dtype)

@@ -1,0 +1,140 @@
+"""The pool's safety net on CPU: in-place changes to saved tensors raise as in plain PyTorch (at any
+budget), entering a pool is re-entrant and per-thread, tensors the pool cannot move pass through."""
+
+import threading
+
+import pytest
+import torch
+
+from supermem.errors import ConfigError
+from supermem.policies import live_names
+from supermem.tensor_pool import Pool
+
+BUDGETS = [0, "64KiB", "1GiB"]
+
+
+@pytest.fixture(autouse=True, params=live_names())
+def policy(request, monkeypatch):
+    """Every test here runs under every live policy: it becomes Pool()'s default policy."""
+    defaults = list(Pool.__init__.__defaults__)
+    defaults[1] = request.param
+    monkeypatch.setattr(Pool.__init__, "__defaults__", tuple(defaults))
+    return request.param
+
+
+def modified_after_save(x):
+    a = x * 2
+    b = a * a  # saves a (twice)
+    a.add_(1)  # changes a saved tensor: backward must refuse
+    return b.sum()
+
+
+def plain_error(fn, x):
+    with pytest.raises(RuntimeError) as info:
+        fn(x).backward()
+    return str(info.value)
+
+
+@pytest.mark.parametrize("budget", BUDGETS)
+@pytest.mark.parametrize("size", [8, 256])  # below and above the pool's 64 KiB budget
+def test_inplace_change_after_save_raises_like_pytorch(budget, policy, size):
+    x = torch.randn(size, size, requires_grad=True)
+    ref = plain_error(modified_after_save, x)
+    assert "modified by an inplace operation" in ref
+    pool = Pool(budget=budget, policy=policy, host_limit="64MiB", min_bytes=1024)
+    with pool, pytest.raises(RuntimeError, match="modified by an inplace operation") as info:
+        modified_after_save(x).backward()
+    assert "is at version 1; expected version 0 instead" in str(info.value)
+    assert "is at version 1; expected version 0 instead" in ref
+
+
+@pytest.mark.parametrize("budget", BUDGETS)
+def test_inplace_on_a_leaf_input_saved_raises(budget):
+    w = torch.randn(64, 64, requires_grad=True)
+    x = torch.randn(64, 64)
+    pool = Pool(budget=budget, host_limit="64MiB", min_bytes=0)
+    with pool, pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y = (x @ w).sum()  # saves x (a leaf without grad) and w
+        x.mul_(2)
+        y.backward()
+
+
+def test_reentering_a_pool_nests():
+    pool = Pool(budget=0, host_limit="16MiB")
+    x = torch.randn(128, 128, requires_grad=True)
+    with pool:
+        with pool:
+            y = torch.tanh(x @ x).sum()
+        z = torch.sin(x).sum()
+        (y + z).backward()
+    assert pool.stats()["packed"] >= 1
+    with torch.no_grad():
+        want = torch.autograd.functional.vjp(lambda v: torch.tanh(v @ v).sum() + torch.sin(v).sum(), x)[1]
+    assert torch.allclose(x.grad, want, rtol=0, atol=1e-5)
+    # Outside the pool again: nothing is packed.
+    before = pool.stats()["packed"]
+    torch.tanh(x @ x).sum().backward()
+    assert pool.stats()["packed"] == before
+
+
+def test_one_pool_from_two_threads():
+    pool = Pool(budget=0, host_limit="64MiB")
+    errors = []
+    start = threading.Barrier(2)
+
+    def work(seed):
+        try:
+            g = torch.Generator().manual_seed(seed)
+            x = torch.randn(64, 64, generator=g, requires_grad=True)
+            start.wait()
+            for _ in range(20):
+                with pool:
+                    torch.tanh(x @ x).pow(2).sum().backward()
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    pool.check()
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: (torch.randn(64, 64, requires_grad=True) * 1).to_sparse(),  # not a leaf: saved
+        lambda: (torch.randn(64, 64, requires_grad=True) * 1).to_sparse_csr(),
+    ],
+    ids=["sparse_coo", "sparse_csr"],
+)
+def test_tensors_without_plain_storage_pass_through(make):
+    pool = Pool(budget=0, host_limit="16MiB", min_bytes=0)
+    s = make()
+    d = torch.randn(64, 64, requires_grad=True)
+    with pool:
+        y = (torch.sparse.mm(s, d) if s.layout == torch.sparse_coo else s @ d).sum()
+        y.backward()
+    assert d.grad is not None
+    pool.check()
+
+
+def test_nested_tensor_passes_through():
+    pool = Pool(budget=0, host_limit="16MiB", min_bytes=0)
+    a = torch.randn(3, 8, requires_grad=True)
+    b = torch.randn(5, 8, requires_grad=True)
+    with pool:
+        nt = torch.nested.as_nested_tensor([a, b])
+        torch.nested.to_padded_tensor(nt * nt, 0.0).sum().backward()
+    assert torch.equal(a.grad, 2 * a.detach()) and torch.equal(b.grad, 2 * b.detach())
+    pool.check()
+
+
+def test_fraction_budget_on_cpu_says_why():
+    with pytest.raises(ConfigError, match="no device") as info:
+        Pool(budget=0.5, device="cpu")
+    assert "fraction in (0, 1]" not in str(info.value)
+    with pytest.raises(ConfigError, match="no device"):
+        Pool(budget="50%", device="cpu")

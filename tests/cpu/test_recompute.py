@@ -1,0 +1,399 @@
+"""Recomputation in the tensor pool on CPU: training under every policy, at tiny and large budgets, is
+bitwise plain PyTorch's on MLPs, a small GPT with dropout (RNG replay), a small ResNet (BatchNorm,
+in-place ReLU), shared weights and autocast; regions really are dropped and replayed; misuse raises."""
+
+import gc
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from supermem.bench.models import GPT, loss_fn
+from supermem.errors import ConfigError
+from supermem.policies import POLICIES, live_names
+from supermem.tensor_pool import Pool
+
+
+class MLP(nn.Sequential):
+    def __init__(self, d=64, layers=4):
+        super().__init__(
+            *[nn.Sequential(nn.Linear(d, d), nn.GELU(), nn.Linear(d, d), nn.Tanh()) for _ in range(layers)]
+        )
+
+
+class BasicBlock(nn.Module):
+    """torchvision's: BatchNorm, and an in-place ReLU on the residual sum."""
+
+    def __init__(self, c):
+        super().__init__()
+        self.c1, self.b1 = nn.Conv2d(c, c, 3, 1, 1, bias=False), nn.BatchNorm2d(c)
+        self.c2, self.b2 = nn.Conv2d(c, c, 3, 1, 1, bias=False), nn.BatchNorm2d(c)
+        self.relu = nn.ReLU(inplace=True)
+
+    def forward(self, x):
+        y = self.relu(self.b1(self.c1(x)))
+        y = self.b2(self.c2(y))
+        y += x
+        return self.relu(y)
+
+
+class ResNet(nn.Module):
+    def __init__(self, c=8, blocks=4):
+        super().__init__()
+        self.stem = nn.Sequential(
+            nn.Conv2d(3, c, 3, 1, 1, bias=False), nn.BatchNorm2d(c), nn.ReLU(inplace=True)
+        )
+        self.blocks = nn.Sequential(*[BasicBlock(c) for _ in range(blocks)])
+        self.fc = nn.Linear(c, 10)
+
+    def forward(self, x):
+        return self.fc(F.adaptive_avg_pool2d(self.blocks(self.stem(x)), 1).flatten(1))
+
+
+class Shared(nn.Module):
+    """One layer applied three times (a region module called more than once per step)."""
+
+    def __init__(self, d=64):
+        super().__init__()
+        self.layer = nn.Sequential(nn.Linear(d, d), nn.GELU())
+        self.out = nn.Linear(d, d)
+
+    def forward(self, x):
+        for _ in range(3):
+            x = self.layer(x) + x
+        return self.out(x)
+
+
+def small_gpt():
+    return GPT(layers=3, d=32, heads=2, vocab=64, ctx=16, dropout=0.1)
+
+
+CASES = {
+    "mlp": (MLP, lambda g: (torch.randn(32, 64, generator=g), None)),
+    "gpt": (small_gpt, lambda g: tuple(torch.randint(0, 64, (4, 16), generator=g) for _ in range(2))),
+    "resnet": (
+        ResNet,
+        lambda g: (torch.randn(4, 3, 16, 16, generator=g), torch.randint(0, 10, (4,), generator=g)),
+    ),
+    "shared": (Shared, lambda g: (torch.randn(32, 64, generator=g), None)),
+}
+
+
+def train(case, pool=None, steps=4, autocast=False):
+    """`steps` SGD steps of a fresh model; every loss, gradient, parameter and buffer at the end."""
+    build, batch = CASES[case]
+    torch.manual_seed(0)
+    model = build()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    x, y = batch(torch.Generator().manual_seed(1))
+    torch.manual_seed(2)  # dropout
+    out = []
+    for _ in range(steps):
+        opt.zero_grad()
+        ctx = pool if pool is not None else torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
+        with ctx:
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                o = model(x)
+            loss = o.float().square().mean() if y is None else loss_fn(o, y)
+            loss.backward()
+        if pool is not None:
+            pool.check()
+        out.append(loss.detach())
+        opt.step()
+    return out + [p.grad for p in model.parameters()] + list(model.state_dict().values())
+
+
+def slow_link(pool, bytes_per_s=1e3):
+    """Prices copies as over a slow link, so cost_aware recomputes whatever it can (the costs a CPU
+    measures make offload and recompute about even; this takes chance out of which runs)."""
+    pool.treatments["offload"].link_bytes_per_s = bytes_per_s
+    return pool
+
+
+def same(a, b):
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("policy", live_names())
+@pytest.mark.parametrize("budget", [0, "64KiB", "1GiB"])
+def test_training_is_bitwise_plain_pytorch(case, policy, budget):
+    ref = train(case)
+    pool = Pool(budget=budget, policy=policy, host_limit="256MiB")
+    if budget == 0:
+        slow_link(pool)  # both treatments run: recompute where the copy is dearer
+    got = train(case, pool)
+    assert same(ref, got)
+    s = pool.stats()
+    assert s["tracked_bytes"] == 0
+    if budget == "1GiB":
+        assert s["offloads"] == 0 and s["dropped"] == 0
+    elif policy == "cost_aware" and budget == 0:
+        assert s["regions"] > 0 and s["dropped"] > 0 and s["recomputes"] > 0, s
+    elif policy == "lru" and budget == 0:
+        assert s["dropped"] == 0 and s["offloads"] > 0
+
+
+@pytest.mark.parametrize("policy", live_names())
+def test_autocast_weight_copies_are_rebuilt_not_offloaded(policy):
+    ref = train("mlp", autocast=True, steps=2)
+    pool = Pool(budget=0, policy=policy, host_limit="256MiB")
+    got = train("mlp", pool, autocast=True, steps=2)
+    assert same(ref, got)
+    # bf16 weight copies (64x64x2 bytes each) never cross to host: only activations (32x64, bf16) do.
+    assert pool.stats()["offloaded_bytes"] % (32 * 64 * 2) == 0
+
+
+def test_cost_aware_weighs_the_copy_against_the_replay():
+    slow = slow_link(Pool(budget=0, policy="cost_aware", host_limit="256MiB"))
+    train("mlp", slow, steps=3)
+    s = slow.stats()
+    assert s["dropped_bytes"] > 0 and s["recomputes"] > 0
+    fast = slow_link(Pool(budget=0, policy="cost_aware", host_limit="256MiB"), 1e15)
+    train("mlp", fast, steps=3)
+    s = fast.stats()
+    assert s["dropped_bytes"] == 0 and s["offloads"] > 0
+
+
+def test_replay_restores_batchnorm_statistics_exactly():
+    pool = slow_link(Pool(budget=0, policy="cost_aware", host_limit="256MiB"))
+    ref = train("resnet", steps=3)
+    got = train("resnet", pool, steps=3)
+    assert pool.stats()["recomputes"] > 0
+    assert same(ref, got)  # running_mean/var and num_batches_tracked included
+
+
+def test_region_that_changes_its_input_in_place_is_not_replayed():
+    class Bad(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(64, 64)
+
+        def forward(self, x):
+            h = x.exp()  # saves its result, not x
+            x.mul_(0.5)  # its input, changed in place: a replay would start from the halved value
+            return torch.sigmoid(self.lin(h))
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.pre = nn.Linear(64, 64)
+            self.bad = nn.ModuleList(Bad() for _ in range(4))
+
+        def forward(self, x):
+            h = self.pre(x)
+            for b in self.bad:
+                h = b(h * 1)
+            return h
+
+    x = torch.randn(16, 64)
+
+    def grads(pool):
+        torch.manual_seed(0)
+        net = Net()
+        for _ in range(3):
+            net.zero_grad()
+            with (
+                pool
+                if pool is not None
+                else torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
+            ):
+                net(x).sum().backward()
+        return [p.grad for p in net.parameters()]
+
+    pool = slow_link(Pool(budget=0, policy="cost_aware", host_limit="64MiB"))
+    assert same(grads(None), grads(pool))
+    assert pool.stats()["recomputes"] == 0
+
+
+def test_retain_graph_and_double_backward_under_recompute():
+    pool = slow_link(Pool(budget=0, policy="cost_aware", host_limit="64MiB"))
+    model = MLP(layers=3)
+    x = torch.randn(16, 64, requires_grad=True)
+    for _ in range(2):  # the first step profiles; the second drops and replays
+        with pool:
+            loss = model(x).square().sum()
+            (g,) = torch.autograd.grad(loss, x, create_graph=True, retain_graph=True)
+            (gg,) = torch.autograd.grad(g.square().sum(), x, retain_graph=True)
+            (g_again,) = torch.autograd.grad(loss, x)
+    xr = x.detach().requires_grad_()
+    lr = model(xr).square().sum()
+    (gr,) = torch.autograd.grad(lr, xr, create_graph=True, retain_graph=True)
+    assert torch.equal(g, gr) and torch.equal(g_again, gr)
+    assert torch.equal(gg, torch.autograd.grad(gr.square().sum(), xr)[0])
+    assert pool.stats()["recomputes"] > 0
+
+
+def test_exception_mid_step_leaves_nothing_behind():
+    pool = slow_link(Pool(budget=0, policy="cost_aware", host_limit="64MiB"))
+    train("mlp", pool, steps=2)
+    model = MLP()
+    with pytest.raises(RuntimeError, match="boom"), pool:
+        model(torch.randn(8, 64)).sum()
+        raise RuntimeError("boom")
+    gc.collect()
+    assert pool.stats()["tracked_bytes"] == 0
+    assert pool.host.allocator.stats()["allocated_bytes"] == 0
+    assert pool.regions.top() is None
+    pool.check()
+    assert same(train("mlp"), train("mlp", pool))
+
+
+def test_two_models_interleaved_backwards():
+    pool = slow_link(Pool(budget=0, policy="cost_aware", host_limit="64MiB"))
+    torch.manual_seed(0)
+    a, b = MLP(layers=2), MLP(layers=3)
+    xs = [torch.randn(8, 64) for _ in range(2)]
+    for _ in range(2):
+        a.zero_grad(), b.zero_grad()
+        with pool:
+            la, lb = a(xs[0]).sum(), b(xs[1]).sum()
+            lb.backward()
+            la.backward()
+    got = [p.grad.clone() for p in list(a.parameters()) + list(b.parameters())]
+    a.zero_grad(), b.zero_grad()
+    a(xs[0]).sum().backward()
+    b(xs[1]).sum().backward()
+    assert same(got, [p.grad for p in list(a.parameters()) + list(b.parameters())])
+    assert pool.stats()["recomputes"] > 0
+
+
+def test_bad_policy_names_the_known_ones():
+    with pytest.raises(ConfigError) as info:
+        Pool(policy="fifo")
+    for name in live_names():
+        assert name in str(info.value)
+    with pytest.raises(ConfigError, match="cost_aware"):
+        Pool(policy="planned")  # replay only: it needs the future
+    assert "planned" in POLICIES and "planned" not in live_names()
+
+
+def test_one_registry_for_pool_config_and_replay():
+    from supermem import config
+    from supermem.trace.replay import POLICIES as REPLAY
+
+    assert set(REPLAY) == {"none", *POLICIES}
+    for name in live_names():
+        assert config.parse_conf(f"pool:{name}")["pool"] == name
+    with pytest.raises(ConfigError) as info:
+        config.parse_conf("pool:fifo")
+    assert all(name in str(info.value) for name in live_names())
+
+
+def test_checkpoint_inside_a_region_and_a_64kib_budget():
+    from torch.utils.checkpoint import checkpoint
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(64, 64), nn.Linear(64, 64)
+
+        def forward(self, x):
+            h = checkpoint(lambda y: torch.tanh(self.a(y)), x, use_reentrant=False)
+            return torch.sigmoid(self.b(F.gelu(h)))
+
+    class Net(nn.Sequential):
+        def __init__(self):
+            super().__init__(*[Block() for _ in range(4)])
+
+    CASES["ckpt"] = (Net, lambda g: (torch.randn(64, 64, generator=g), None))
+    try:
+        ref = train("ckpt")
+        for budget in ("64KiB", 0):
+            pool = slow_link(Pool(budget=budget, policy="cost_aware", host_limit="64MiB"))
+            assert same(ref, train("ckpt", pool))
+            assert pool.stats()["recomputes"] > 0
+    finally:
+        del CASES["ckpt"]
+
+
+def test_inplace_change_of_a_recomputed_tensor_raises_like_pytorch():
+    """The region's output, saved by its own tanh, is changed after the call: plain autograd raises;
+    so must the pool, even though a replay would rebuild the saved value."""
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(4))
+
+        def forward(self, x, change):
+            for b in self.blocks:
+                x = b(x)
+            if change:
+                x.add_(1)
+            return x.sum()
+
+    torch.manual_seed(0)
+    net, x = Net(), torch.randn(16, 64)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation") as plain:
+        net(x, True).backward()
+    pool = slow_link(Pool(budget=0, policy="cost_aware", host_limit="64MiB"))
+    for _ in range(2):
+        with pool:
+            net(x, False).backward()
+    assert pool.stats()["recomputes"] > 0  # the regions are live
+    with pool, pytest.raises(RuntimeError, match="modified by an inplace operation") as got:
+        net(x, True).backward()
+    assert "is at version 1; expected version 0" in str(got.value)
+    assert "is at version 1; expected version 0" in str(plain.value)
+
+
+def test_no_region_work_per_step_at_an_unneeded_budget(monkeypatch):
+    """Regions are captured on the first two steps only while nothing needs to leave the device."""
+    from supermem.tensor_pool import region
+
+    made = []
+    init = region.Region.__init__
+
+    def counting(self, *args, **kwargs):
+        made.append(1)
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(region.Region, "__init__", counting)
+
+    def regions_per_step(pool, steps=5):
+        torch.manual_seed(0)
+        model, x = MLP(), torch.randn(32, 64)
+        counts = []
+        for _ in range(steps):
+            made.clear()
+            with pool:
+                model(x).sum().backward()
+            counts.append(len(made))
+        return counts
+
+    # Step 1 profiles (no regions yet), step 2 captures the 4 layers, then nothing is needed.
+    assert regions_per_step(Pool(budget="1GiB", policy="cost_aware", host_limit="64MiB")) == [0, 4, 0, 0, 0]
+    # A pool that needs room keeps capturing.
+    tight = slow_link(Pool(budget=0, policy="cost_aware", host_limit="64MiB"))
+    assert regions_per_step(tight) == [0, 4, 4, 4, 4]
+
+
+def test_check_walks_each_treatments_invariant():
+    pool = slow_link(Pool(budget=0, policy="cost_aware", host_limit="64MiB"))
+    torch.manual_seed(0)
+    model, x = MLP(), torch.randn(32, 64)
+    for _ in range(2):
+        with pool:
+            model(x).sum().backward()
+    with pool:
+        loss = model(x).sum()
+        away = [e for r in pool._entries.values() if (e := r()) is not None and e.state.value == "away"]
+        by = {e.treatment.name: e for e in away}
+        assert set(by) == {"offload", "recompute"}  # the layers' inputs offloaded, their insides dropped
+        pool.check()
+        block, by["offload"].payload = by["offload"].payload, None
+        with pytest.raises(AssertionError, match="host copy"):
+            pool.check()
+        by["offload"].payload = block
+        recipe, by["recompute"].recipe = by["recompute"].recipe, None
+        with pytest.raises(AssertionError, match="recipe"):
+            pool.check()
+        by["recompute"].recipe = recipe
+        pool._device_bytes += 1
+        with pytest.raises(AssertionError, match="device bytes"):
+            pool.check()
+        pool._device_bytes -= 1
+        pool.check()
+        loss.backward()
