@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from ..cli_args import nonnegative_int, positive_int
 from . import runner, table
 
 GiB = 1 << 30
@@ -196,9 +197,12 @@ def _timed(step: Callable[[], object], cuda: bool) -> float:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", choices=("gpt", "resnet", "all"), default="all")
     p.add_argument("--modes", default="", help="rows or savers to run, e.g. supermem,pool (default: all)")
-    p.add_argument("--steps", type=int, default=10, help="timed steps per process (default 10)")
+    p.add_argument("--steps", type=positive_int, default=10, help="timed steps per process (default 10)")
     p.add_argument(
-        "--warmup", type=int, default=3, help="steps before timing, the first included (default 3)"
+        "--warmup",
+        type=nonnegative_int,
+        default=3,
+        help="steps before timing, the first included (default 3)",
     )
     p.add_argument(
         "--budgets", default="1.0,0.75,0.6,0.5", help="pool budgets, fractions of native's peak allocated"

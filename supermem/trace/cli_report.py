@@ -7,6 +7,7 @@ import argparse
 import time
 from pathlib import Path
 
+from ..cli_args import positive_int
 from .analysis import analyze, summary_text
 from .loader import load_for_cli as load
 from .output import OutputError, check_output
@@ -17,8 +18,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-o", "--output", help="HTML file to write (default: TRACE with .html)")
     p.add_argument("--png", help="PNG file to write (default: the HTML's name with .png)")
     p.add_argument("--no-png", action="store_true", help="do not write a PNG")
-    p.add_argument("--width", type=int, default=1000, help="points per plotted series (default 1000)")
-    p.add_argument("--max-blocks", type=int, default=500, help="blocks listed at the peak (default 500)")
+    p.add_argument(
+        "--width", type=positive_int, default=1000, help="points per plotted series (default 1000)"
+    )
+    p.add_argument(
+        "--max-blocks", type=positive_int, default=500, help="blocks listed at the peak (default 500)"
+    )
     p.add_argument("-q", "--quiet", action="store_true", help="no summary on stdout")
 
 

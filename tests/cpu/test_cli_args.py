@@ -14,6 +14,9 @@ CASES = [
     ["bench", "trace", "--rounds"],
     ["bench", "trace", "--steps"],
     ["top", "--interval"],
+    ["bench", "train", "--steps"],
+    ["report", "x.smtrace", "--width"],
+    ["report", "x.smtrace", "--max-blocks"],
 ]
 
 
@@ -25,6 +28,14 @@ def test_bad_counts_are_usage_errors(argv, value, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert f"argument {argv[-1]}:" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("value", ["-1", "x", "1.5"])
+def test_warmup_may_be_zero_but_not_negative(value, capsys):
+    assert cli.build_parser().parse_args(["bench", "train", "--warmup", "0"]).warmup == 0
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "train", "--warmup", value])
+    assert "argument --warmup:" in capsys.readouterr().err
 
 
 def test_good_values_parse():
