@@ -20,6 +20,7 @@ _LAZY = {  # public name -> module that defines it
     "device_allocator": "registry",
     "options": "config",
     "pool": "tensor_pool",
+    "stream": "streaming",
     "Pool": "tensor_pool",
     "ActivationError": "errors",
     "ConfigError": "errors",

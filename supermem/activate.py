@@ -126,6 +126,10 @@ def install_from_env() -> None:
     install()
     if config.current().pool != "off":
         _pool_every_backward()
+    if config.current().stream != "off":
+        from .streaming import activate_from_config as stream_from_config
+
+        stream_from_config(config.current())
 
 
 def _pool_every_backward() -> None:

@@ -141,6 +141,14 @@ OPTIONS: tuple[Option, ...] = (
         "Pinned host memory the pool may use for offloaded tensors.",
     ),
     Option(
+        "stream",
+        _choice("off", "weights"),
+        "off",
+        "off | weights",
+        "`weights`: parameters, gradients and optimizer state live in pinned host memory; each module's "
+        "weights are fetched just in time (supermem.stream).",
+    ),
+    Option(
         "oom_snapshot",
         _path,
         None,

@@ -108,6 +108,7 @@ BAD_VALUES = {
     "trace": "-1",
     "debug": "3",
     "pool": "fifo",
+    "stream": "activations",
     "budget": "1.5",
     "host_limit": "150%",
     "control": "sometimes",

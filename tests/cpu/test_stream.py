@@ -1,0 +1,178 @@
+"""supermem.stream on CPU (a host tier and a compute tier both on the CPU): streamed training is bitwise
+plain training, with SGD momentum and AdamW, shared weights, BatchNorm, binomial checkpointing and a pool."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+import supermem
+from supermem.checkpoint import binomial
+from supermem.errors import UsageError
+
+
+class Tied(nn.Module):
+    """Shared weights two ways: one module called twice, and one Parameter registered in two modules."""
+
+    def __init__(self, width=12):
+        super().__init__()
+        self.inp = nn.Linear(width, width)
+        self.twice = nn.Linear(width, width)
+        self.out = nn.Linear(width, width, bias=False)
+        self.out.weight = self.inp.weight
+        self.drop = nn.Dropout(0.2)
+
+    def forward(self, x):
+        x = torch.tanh(self.inp(x))
+        x = self.drop(torch.relu(self.twice(x)))
+        x = torch.relu(self.twice(x))
+        return self.out(x)
+
+
+class ConvNorm(nn.Module):
+    def __init__(self, c=4):
+        super().__init__()
+        self.body = nn.Sequential(
+            nn.Conv2d(3, c, 3, padding=1),
+            nn.BatchNorm2d(c),
+            nn.ReLU(),
+            nn.Conv2d(c, c, 3, padding=1, bias=False),
+            nn.BatchNorm2d(c),
+            nn.ReLU(),
+        )
+        self.head = nn.Linear(c, 5)
+
+    def forward(self, x):
+        return self.head(self.body(x).mean((2, 3)))
+
+
+class Chain(nn.Module):
+    """Blocks with BatchNorm and dropout, run through binomial checkpointing."""
+
+    def __init__(self, n=7, width=10, checkpoints=2):
+        super().__init__()
+        self.stem = nn.Linear(6, width)
+        self.blocks = nn.Sequential(
+            *[
+                nn.Sequential(nn.Linear(width, width), nn.BatchNorm1d(width), nn.GELU(), nn.Dropout(0.1))
+                for _ in range(n)
+            ]
+        )
+        self.head = nn.Linear(width, 3)
+        self.checkpoints = checkpoints
+
+    def forward(self, x):
+        return self.head(binomial(self.blocks, self.stem(x), checkpoints=self.checkpoints))
+
+
+def optimizer(kind, params):
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=0.05, momentum=0.9, weight_decay=1e-3)
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.05)
+
+
+def train(model, x, kind, steps, *, streamed, pool=False, zero_to_none=True):
+    """Losses, gradients after each step, and the final parameters and buffers."""
+    streamer = supermem.stream(model, "cpu") if streamed else None
+    opt = optimizer(kind, model.parameters())
+    torch.manual_seed(7)
+    out = []
+    for _ in range(steps):
+        if pool:
+            with supermem.pool(budget=1 << 10, device="cpu"):
+                loss = model(x).square().mean()
+                loss.backward()
+        else:
+            loss = model(x).square().mean()
+            loss.backward()
+        if streamer is not None:
+            streamer.sync()  # the test reads .grad before the optimizer does
+        out.append((loss.detach().clone(), [p.grad.clone() for p in model.parameters()]))
+        opt.step()
+        opt.zero_grad(set_to_none=zero_to_none)
+    state = [p.detach().clone() for p in model.parameters()] + [b.clone() for b in model.buffers()]
+    if streamer is not None:
+        streamer.close()
+    return out, state
+
+
+def assert_bitwise(a, b):
+    (steps_a, state_a), (steps_b, state_b) = a, b
+    for (la, ga), (lb, gb) in zip(steps_a, steps_b, strict=True):
+        assert torch.equal(la, lb)
+        assert len(ga) == len(gb)
+        for x, y in zip(ga, gb):
+            assert torch.equal(x, y)
+    for x, y in zip(state_a, state_b, strict=True):
+        assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adamw"])
+@pytest.mark.parametrize("make,shape", [(Tied, (9, 12)), (ConvNorm, (4, 3, 8, 8)), (Chain, (8, 6))])
+def test_streamed_training_is_bitwise_plain(kind, make, shape):
+    torch.manual_seed(0)
+    model = make()
+    x = torch.randn(shape)
+    plain = train(copy.deepcopy(model), x, kind, 4, streamed=False)
+    streamed = train(copy.deepcopy(model), x, kind, 4, streamed=True)
+    assert_bitwise(plain, streamed)
+
+
+def test_streaming_binomial_and_pool_together_equal_plain():
+    torch.manual_seed(1)
+    model = Chain(n=9, checkpoints=2)
+    x = torch.randn(8, 6)
+    plain_model = copy.deepcopy(model)
+    plain_model.forward = lambda x: plain_model.head(plain_model.blocks(plain_model.stem(x)))
+    plain = train(plain_model, x, "sgd", 3, streamed=False)
+    together = train(copy.deepcopy(model), x, "sgd", 3, streamed=True, pool=True)
+    assert_bitwise(plain, together)
+
+
+def test_gradient_accumulation_and_zeroed_grads():
+    torch.manual_seed(2)
+    model = Tied()
+    x = torch.randn(9, 12)
+    a = train(copy.deepcopy(model), x, "sgd", 3, streamed=False, zero_to_none=False)
+    b = train(copy.deepcopy(model), x, "sgd", 3, streamed=True, zero_to_none=False)
+    assert_bitwise(a, b)
+
+
+def test_weights_live_on_the_host_tier_and_come_back_per_module():
+    model = ConvNorm()
+    s = supermem.stream(model, "cpu")
+    host = {id(p): p.data.data_ptr() for p in model.parameters()}
+    model(torch.randn(2, 3, 8, 8)).sum().backward()
+    model(torch.randn(2, 3, 8, 8)).sum().backward()
+    st = s.stats()
+    assert all(p.data.data_ptr() == host[id(p)] for p in model.parameters())  # the module got its own back
+    n_modules = len(s.records)
+    assert st["fetches"] >= 2 * 2 * n_modules  # forward and backward, each step
+    assert st["prefetch_hits"] > 0  # the second step replays the first one's order
+    assert st["grads_to_host"] == 2 * sum(1 for _ in model.parameters())
+    assert all(slot.copy is None for rec in s.records for _, slot in rec.slots)  # all released
+    s.close()
+
+
+def test_bad_input_is_a_usage_error():
+    with pytest.raises(UsageError):
+        supermem.stream("not a model")
+    with pytest.raises(UsageError):
+        supermem.stream(nn.Linear(2, 2), "cpu", prefetch=-1)
+    m = nn.Linear(2, 2)
+    supermem.stream(m, "cpu")
+    with pytest.raises(UsageError):
+        supermem.stream(m, "cpu")
+
+
+def test_optimizer_step_between_forward_and_backward_is_an_error():
+    model = nn.Linear(4, 4)
+    supermem.stream(model, "cpu")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loss = model(torch.randn(2, 4, requires_grad=True)).sum()  # its backward needs the weight
+    model.weight.grad = torch.ones_like(model.weight)
+    model.bias.grad = torch.ones_like(model.bias)
+    opt.step()
+    with pytest.raises(RuntimeError, match="modified by an inplace"):
+        loss.backward()
