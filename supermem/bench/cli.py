@@ -8,11 +8,15 @@ import json
 from pathlib import Path
 
 from ..cli_args import positive_float, positive_int
-from . import alloc, relu, trace, train
+from . import alloc, depth, relu, trace, train
 
 BENCHES = {
     "alloc": (alloc, "cost of torch.empty + del per pair, native vs supermem"),
     "train": (train, "GPT-24 / ResNet-152 training steps: allocator and memory-saver rows"),
+    "depth": (
+        depth,
+        "the deepest ResNet [3, 8, n, 3] one SGD step trains under a cap, and its time per layer",
+    ),
     "trace": (trace, "what recording a trace costs a training step; writes the trace (and report)"),
     "relu": (relu, "ReLU compression kernels: pack/unpack throughput against a copy, packed size"),
 }

@@ -1,0 +1,290 @@
+"""`supermem bench depth`: the deepest bottleneck ResNet [3, 8, n, 3] (batch 16, 224px, fp32) that trains
+one SGD-momentum step under a device cap, for native PyTorch, checkpoint per block, save_on_cpu, and
+supermem (weight streaming + binomial checkpointing over the blocks + the pool); and the step time per
+layer at each one's deepest depth, against native's per layer at its own deepest depth.
+
+Every trial is a fresh process (`python -m supermem.bench.depth TRIAL_JSON`): two steps (the second is
+timed), exit status and one `@@ROW {json}` line. The search on n gallops from a starting guess and then
+bisects, with a probe budget per configuration; the searches of the configurations run side by side
+(--jobs; each trial is capped, so they cannot starve each other of device memory), then each deepest depth
+is timed again alone. A layer is a weighted layer: 3 per bottleneck block, plus the stem and the classifier.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from .table import render
+
+ROW = "@@ROW "
+CONFIGS = ("native", "checkpoint", "save_on_cpu", "supermem")
+# Where each search starts, in blocks of stage 3 (an H200 under 12 GiB, DESIGN.md: native 716 layers,
+# checkpoint 1,868, save_on_cpu about 2,540; supermem's target 10,000).
+START_N = {"native": 224, "checkpoint": 608, "save_on_cpu": 832, "supermem": 3319}
+PROBES = {"native": 7, "checkpoint": 7, "save_on_cpu": 6, "supermem": 3}
+
+
+def layers(n: int) -> int:
+    return 3 * (3 + 8 + n + 3) + 2
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--cap", default="12GiB", help="device memory cap per trial (default 12GiB)")
+    p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, of {', '.join(CONFIGS)}")
+    p.add_argument(
+        "--max-layers", type=int, default=None, help="stop searching at this depth (default 15,000)"
+    )
+    p.add_argument(
+        "--jobs", type=int, default=None, help="searches run side by side (default 4 on cuda, 1 on cpu)"
+    )
+    p.add_argument(
+        "--checkpoints", type=int, default=256, help="binomial checkpoints for supermem (default 256)"
+    )
+
+
+# ---------------------------------------------------------------- one trial (in a fresh process)
+
+
+def trial(spec: dict) -> dict:
+    import torch
+
+    import supermem
+
+    cuda = spec["device"] == "cuda"
+    config = spec["config"]
+    cap = spec.get("cap_bytes")
+    if cuda and config == "supermem":
+        supermem.install({"limit": cap} if cap else None)
+    device = torch.device(spec["device"])
+    if cuda and cap and config != "supermem":
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total))
+    torch.manual_seed(0)
+    model = _model(spec)
+    if config == "supermem":
+        streamer = supermem.stream(model, device)
+        model.mode = ("binomial", spec["checkpoints"])
+        budget = max(cap - (2 << 30), 1 << 30) if cap else 1 << 30
+        pool = supermem.pool(budget=budget if cuda else None, device=device)
+    else:
+        streamer = pool = None
+        model.to(device)
+        model.mode = ("checkpoint", 0) if config == "checkpoint" else ("plain", 0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    g = torch.Generator().manual_seed(0)
+    b, px, classes = spec["batch"], spec["px"], spec["classes"]
+    x = torch.randn(b, 3, px, px, generator=g).to(device)
+    y = torch.randint(0, classes, (b,), generator=g).to(device)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    times = []
+    for _ in range(spec.get("steps", 2)):
+        sync()
+        t0 = time.perf_counter()
+        if config == "save_on_cpu":
+            with torch.autograd.graph.save_on_cpu(pin_memory=cuda):
+                loss = torch.nn.functional.cross_entropy(model(x), y)
+        elif pool is not None:
+            with pool:  # the held boundaries go through the pool; the rebuilds in backward need not
+                loss = torch.nn.functional.cross_entropy(model(x), y)
+        else:
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sync()
+        times.append(time.perf_counter() - t0)
+    row = {"n": spec["n"], "layers": layers(spec["n"]), "step_s": times[-1], "loss": float(loss)}
+    if cuda:
+        row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        row["gpu"] = torch.cuda.get_device_name(0)
+    if streamer is not None:
+        s = streamer.stats()
+        row.update(h2d_gb=s["h2d_bytes"] / 1e9, d2h_gb=s["d2h_bytes"] / 1e9, prefetch_hits=s["prefetch_hits"])
+    return row
+
+
+def _model(spec: dict) -> Any:
+    import torch
+    import torch.nn.functional as F
+    from torch.utils.checkpoint import checkpoint
+
+    from supermem.checkpoint import binomial
+
+    from .models import ResNet
+
+    class DeepResNet(ResNet):
+        """The benchmark's ResNet, whose chain of blocks runs plain, checkpointed per block, or through
+        supermem.checkpoint.binomial (one forward call per step, so the streamer sees steps start)."""
+
+        mode: tuple[str, int] = ("plain", 0)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = self.stem(x)
+            how, k = self.mode
+            if how == "binomial":
+                x = binomial(self.blocks, x, checkpoints=k)
+            else:
+                for b in self.blocks:
+                    x = checkpoint(b, x, use_reentrant=False) if how == "checkpoint" else b(x)
+            return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
+
+    on_device = spec["device"] == "cuda" and spec["config"] != "supermem"
+    with torch.device(spec["device"] if on_device else "cpu"):  # native rows: no slow CPU init
+        return DeepResNet((3, 8, spec["n"], 3), width=spec["width"], classes=spec["classes"])
+
+
+def _trial_main(argv: list[str]) -> int:
+    import torch
+
+    spec = json.loads(argv[0])
+    try:
+        row = trial(spec)
+    except torch.OutOfMemoryError as e:
+        row = {"oom": True, "error": "OOM: " + str(e).strip().splitlines()[0][:200]}
+    except Exception as e:  # noqa: BLE001  (the parent reports it)
+        row = {"error": f"{type(e).__name__}: {str(e).strip()[:300]}"}
+    print(ROW + json.dumps(row), flush=True)
+    return 0
+
+
+# ---------------------------------------------------------------- the search (parent process)
+
+
+def _run_trial(spec: dict, timeout_s: float) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SUPERMEM")}
+    t0 = time.perf_counter()
+    try:
+        r = subprocess.run(
+            [sys.executable, "-m", "supermem.bench.depth", json.dumps(spec)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+        )
+        rows = [json.loads(line[len(ROW) :]) for line in r.stdout.splitlines() if line.startswith(ROW)]
+        if rows:
+            row = rows[-1]
+        elif r.returncode < 0 or "out of memory" in r.stderr.lower():
+            row = {"oom": True, "error": f"killed (rc={r.returncode})"}  # e.g. the host ran out
+        else:
+            row = {"error": f"rc={r.returncode}: {' | '.join(r.stderr.strip().splitlines()[-2:])[-300:]}"}
+    except subprocess.TimeoutExpired:
+        row = {"error": f"timed out after {timeout_s:.0f} s"}
+    row["wall_s"] = round(time.perf_counter() - t0, 1)
+    status = "fits" if "error" not in row else ("OOM" if row.get("oom") else row["error"])
+    print(
+        f"  {spec['config']:<12} n={spec['n']:<5} ({layers(spec['n'])} layers): {status} [{row['wall_s']} s]",
+        file=sys.stderr,
+        flush=True,
+    )
+    return row
+
+
+def search(spec: dict, start: int, max_n: int, probes: int, timeout_s: float) -> dict | None:
+    """The deepest n that fits, as that trial's row (None when even n=1 does not): gallop from `start`
+    by 1.5x, then bisect until the gap is under 2% or the probes run out."""
+    fits: dict[int, dict] = {}
+    lo, hi = 0, max_n + 1  # lo fits (0: none known), hi does not
+
+    def probe(n: int) -> bool:
+        row = _run_trial({**spec, "n": n}, timeout_s)
+        if "error" not in row:
+            fits[n] = row
+            return True
+        return False
+
+    n = min(start, max_n)
+    while probes > 0:
+        probes -= 1
+        if probe(n):
+            lo = n
+        else:
+            hi = n
+        if hi - lo <= max(1, lo // 50):
+            break
+        if hi > max_n:  # nothing failed yet: gallop up
+            n = min(max(lo * 3 // 2, lo + 1), max_n)
+        elif lo == 0:  # nothing fitted yet: gallop down
+            n = max(hi * 2 // 3, 1)
+        else:
+            n = (lo + hi) // 2
+    return fits.get(lo)
+
+
+def run(args: argparse.Namespace) -> dict:
+    from supermem.units import parse_bytes
+
+    cuda = args.device == "cuda"
+    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    bad = [c for c in configs if c not in CONFIGS]
+    if bad:
+        raise SystemExit(f"supermem bench depth: unknown config {bad[0]!r}; choose from {', '.join(CONFIGS)}")
+    cap_bytes = parse_bytes(args.cap) if cuda else None
+    if args.quick:
+        base = {"batch": 2, "px": 32, "width": 8, "classes": 10}
+        start, max_n, probes = dict.fromkeys(CONFIGS, 2), 2, dict.fromkeys(CONFIGS, 1)
+    else:
+        base = {"batch": 16, "px": 224, "width": 64, "classes": 1000}
+        max_layers = args.max_layers or 15_000
+        max_n = max(1, (max_layers - 44) // 3)
+        start, probes = START_N, PROBES
+    base.update(device=args.device, cap_bytes=cap_bytes, checkpoints=args.checkpoints)
+    jobs = args.jobs or (4 if cuda else 1)
+    timeout_s = args.timeout
+    print(f"searching the deepest ResNet [3, 8, n, 3] per config ({jobs} side by side) ...", file=sys.stderr)
+
+    def one(config: str) -> dict | None:
+        return search({**base, "config": config}, start[config], max_n, probes[config], timeout_s)
+
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        deepest = dict(zip(configs, pool.map(one, configs), strict=True))
+    rows = []
+    for config in configs:
+        found = deepest[config]
+        row = {"config": config, "n": None, "layers": None}
+        if found is not None:
+            if jobs > 1:  # searched side by side: time the deepest depth again, alone
+                again = _run_trial({**base, "config": config, "n": found["n"]}, timeout_s)
+                found = again if "error" not in again else {**found, "retime_error": again["error"]}
+            row.update(found)
+            row["at_max"] = found["n"] >= max_n
+            row["layer_ms"] = found["step_s"] / found["layers"] * 1e3
+        rows.append(row)
+    native = next((r for r in rows if r["config"] == "native" and r.get("layer_ms")), None)
+    for r in rows:
+        r["x_native_layer"] = r["layer_ms"] / native["layer_ms"] if native and r.get("layer_ms") else None
+    card = next((r.get("gpu") for r in rows if r.get("gpu")), "cpu")
+    print(
+        f"\nbench depth: ResNet [3, 8, n, 3], batch {base['batch']}, {base['px']}px, fp32, "
+        f"one SGD-momentum step, cap {args.cap if cuda else 'none'}, on {card}"
+    )
+    columns = [
+        ("config", lambda r: r["config"], ""),
+        ("layers", lambda r: f"{'>=' if r.get('at_max') else ''}{r['layers']}" if r["layers"] else None, ""),
+        ("n", lambda r: r["n"], ""),
+        ("step s", lambda r: r["step_s"], ".2f"),
+        ("ms/layer", lambda r: r["layer_ms"], ".3f"),
+        ("x native/layer", lambda r: r["x_native_layer"], ".2f"),
+        ("peak GiB", lambda r: r.get("peak_gib"), ".2f"),
+    ]
+    print(render(columns, rows))
+    sm = next((r for r in rows if r["config"] == "supermem"), None)
+    if sm and sm.get("layers") and not args.quick:
+        ok_depth = sm["layers"] >= 10_000
+        ok_time = sm["x_native_layer"] is not None and sm["x_native_layer"] <= 2.0
+        print(
+            f"target >= 10,000 layers: {'met' if ok_depth else 'NOT met'} ({sm['layers']}); "
+            f"target <= 2x native per layer: {'met' if ok_time else 'NOT met'} ({sm['x_native_layer']})"
+        )
+    return {"bench": "depth", "card": card, "cap": args.cap, "rows": rows}
+
+
+if __name__ == "__main__":
+    sys.exit(_trial_main(sys.argv[1:]))

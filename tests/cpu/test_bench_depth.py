@@ -1,0 +1,54 @@
+"""Smoke test of `supermem bench depth --quick --device cpu`: each configuration's trial runs in its own
+process (supermem's with streaming, binomial checkpointing and the pool), the table and JSON rows make sense."""
+
+import json
+import os
+import subprocess
+import sys
+
+from supermem.bench.depth import layers, search
+
+
+def test_bench_depth_quick_cpu(tmp_path):
+    out = tmp_path / "rows.json"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SUPERMEM")}
+    r = subprocess.run(
+        [sys.executable, "-m", "supermem", "bench", "depth", "--quick", "--device", "cpu"]
+        + ["--configs", "native,supermem", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    result = json.loads(out.read_text())
+    by_config = {row["config"]: row for row in result["rows"]}
+    assert set(by_config) == {"native", "supermem"}
+    for config, row in by_config.items():
+        assert row["n"] == 2 and row["layers"] == layers(2), f"{config}: {row}"
+        assert row["step_s"] > 0 and row["layer_ms"] > 0
+    # the same seed, batch and weights: streaming and binomial checkpointing give native's loss
+    assert by_config["supermem"]["loss"] == by_config["native"]["loss"]
+    assert by_config["supermem"]["h2d_gb"] > 0 and by_config["supermem"]["prefetch_hits"] > 0
+    assert "ms/layer" in r.stdout and "supermem" in r.stdout
+
+
+def test_search_finds_the_boundary_with_few_probes(monkeypatch):
+    """The search against a fake trial that fits up to n=37: galloping then bisection lands within 2%."""
+    from supermem.bench import depth
+
+    calls = []
+
+    def fake(spec, timeout_s):
+        calls.append(spec["n"])
+        return {"n": spec["n"], "step_s": 1.0} if spec["n"] <= 37 else {"error": "OOM", "oom": True}
+
+    monkeypatch.setattr(depth, "_run_trial", fake)
+    assert search({"config": "x"}, start=10, max_n=1000, probes=12, timeout_s=1)["n"] == 37
+    assert len(calls) <= 12
+    calls.clear()
+    assert search({"config": "x"}, start=100, max_n=1000, probes=12, timeout_s=1)["n"] == 37
+    calls.clear()
+    assert search({"config": "x"}, start=10, max_n=20, probes=12, timeout_s=1)["n"] == 20  # capped: at max
+    monkeypatch.setattr(depth, "_run_trial", lambda spec, t: {"error": "OOM", "oom": True})
+    assert search({"config": "x"}, start=10, max_n=20, probes=12, timeout_s=1) is None
