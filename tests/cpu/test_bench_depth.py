@@ -1,5 +1,5 @@
 """Smoke test of `supermem bench depth --quick --device cpu`: each configuration's trial runs in its own
-process (supermem's with streaming, binomial checkpointing and the pool), the table and JSON rows make sense."""
+process (supermem's with streaming, binomial checkpointing and the pool); the table and rows make sense."""
 
 import json
 import os
