@@ -158,7 +158,6 @@ class _Schedule:
         self.checkpoints = checkpoints
         self.params = params
         self.index = {id(p): i for i, p in enumerate(params)}
-        self.own = [_params([b]) for b in chain]  # each block's parameters, once each
         self.advances = 0  # blocks rebuilt without grad during backward (tests compare it to the optimum)
 
     def sweep(self, x: torch.Tensor) -> torch.Tensor:
@@ -210,12 +209,16 @@ class _Schedule:
         saved = self._buffers(k)
         with torch.enable_grad():
             y = self._rerun(k, inp, state)
-        wrt = ([inp] if inp.requires_grad else []) + self.own[k]
+        # The block's parameters as they are now: under supermem.stream, a chain inside a streamed unit saw
+        # that unit's device copies in forward, while the rebuild fetched its own (whose gradients go to
+        # the host); differentiating with respect to the forward's copies would skip the rebuild's fetch.
+        own = _params([self.chain[k]])
+        wrt = ([inp] if inp.requires_grad else []) + own
         got = torch.autograd.grad(y, wrt, grad, allow_unused=True) if y.requires_grad and wrt else ()
         _restore(saved)  # after the grad: the block's backward may read what its forward saved
-        for p, g in zip(self.own[k], got[len(wrt) - len(self.own[k]) :]):
-            if g is not None:
-                slot = self.index[id(p)]
+        for p, g in zip(own, got[len(wrt) - len(own) :]):
+            slot = self.index.get(id(p))
+            if g is not None and slot is not None:
                 prev = self.grads[slot]
                 self.grads[slot] = g if prev is None else prev + g
         return got[0] if inp.requires_grad and got else None

@@ -5,19 +5,27 @@ module's weights come to the device just in time for its forward and again for i
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)   # steps on the host
     loss = model(x).sum(); loss.backward(); opt.step(); opt.zero_grad()
 
-How: a forward pre-hook on every module that owns parameters swaps device copies of them in (through
-`_Fetch`, whose backward sends the weight's gradient to the host on a side stream as soon as it is
-produced) and a forward hook swaps the host parameters back and drops the copies. Autograd's saved
-weights are packed as tokens, not kept: the backward fetches them again at unpack. The order of
-fetches of the first step is recorded; later steps replay it, prefetching `prefetch` modules ahead.
+How: the model is cut into units (a module whose parameters, children's included, are at most
+`unit_bytes`, else its own parameters alone; e.g. one ResNet block). A unit's parameters sit in one flat
+pinned host block and come to the device in one copy. A forward pre-hook on the unit's module swaps the
+device views in (through `_Fetch`, whose backward sends each gradient to the host on a side stream as
+soon as it is produced) and a forward hook swaps the host parameters back and drops the copy. Autograd's
+saved weights are packed as tokens, not kept: the backward fetches the unit again at the first unpack and
+drops it after the last. The order of fetches of the first step is recorded; later steps replay it,
+prefetching `prefetch` units ahead. A module holding parameters that is called outside its unit's call
+(a block rebuilt by supermem.checkpoint.binomial, say) fetches its unit by itself.
 The Parameter objects stay the same (their `.data` moves to the host), so an optimizer built over
 `model.parameters()` before or after streaming steps on the host; its state is created there.
 
 Results are bitwise those of unstreamed training: the same kernels see the same weights, and each
-parameter's gradient contributions are summed in the order autograd would have summed them.
-Limits: a module must reach its own parameters through `__call__` (not `module.forward(...)`, nor
-another module reading `child.weight`); `torch.autograd.grad` with respect to streamed parameters
-gives None (gradients reach `.grad` only); RNN flat weights are not supported.
+parameter's gradient contributions are summed in the order autograd would have summed them (except
+when one unit call uses a weight several times and the unit is called several times per step: then the
+contributions are summed per call first).
+Limits: parameters are on the device only during a call (through `__call__`, not `.forward(...)`) of
+their module or of a unit around it; nn.ModuleList/ModuleDict are never units (never called), so code
+that iterates an nn.Sequential by hand should hold its layers in a ModuleList; `torch.autograd.grad`
+with respect to streamed parameters gives None (gradients reach `.grad` only); RNN flat weights are
+not supported.
 """
 
 from __future__ import annotations
@@ -45,89 +53,116 @@ def stream(
     *,
     prefetch: int = 2,
     host_limit: int | float | str = "50%",
+    unit_bytes: int = 64 << 20,
 ) -> Streamer:
     """Streams `model`'s parameters from host memory to `device` (default: the current CUDA device,
     else "cpu", where a host tier and a compute tier both on the CPU exercise the same machinery).
 
-    prefetch: modules fetched ahead of use (in the order the first step used them).
+    prefetch: units fetched ahead of use (in the order the first step used them).
+    unit_bytes: a module whose parameters (with its children's) are at most this many bytes is fetched
+        as one unit, in one copy; larger ones are split into their children.
     host_limit: host memory for parameters and gradients (bytes, "32GiB" or a percentage of RAM).
     Returns the Streamer (also a context manager: leaving it stops streaming, parameters stay on the host).
     """
-    return Streamer(model, device, prefetch=prefetch, host_limit=host_limit)
+    return Streamer(model, device, prefetch=prefetch, host_limit=host_limit, unit_bytes=unit_bytes)
+
+
+ALIGN = 64  # bytes: every parameter's offset in its unit's flat buffer (any dtype may view it)
 
 
 class _Param:
-    """One streamed parameter: its host data (`param.data`), its device copy while someone holds it,
-    and a persistent host gradient buffer."""
+    """One streamed parameter: its host data lives in its owner unit's flat block (`param.data` views
+    it); its gradient lands in a persistent host buffer."""
 
-    __slots__ = ("param", "block", "grad_block", "copy", "ready", "version", "holds")
+    __slots__ = ("param", "owner", "offset", "nbytes", "grad_block")
 
-    def __init__(self, param: torch.nn.Parameter, block: HostBlock):
+    def __init__(self, param: torch.nn.Parameter, owner: _Unit, offset: int):
         self.param = param
-        self.block = block
+        self.owner = owner
+        self.offset = offset
+        self.nbytes = param.numel() * param.element_size()
         self.grad_block: HostBlock | None = None
-        self.copy: torch.Tensor | None = None  # the device copy
-        self.ready: Any = None  # the event its copy ends with (None on CPU)
-        self.version = -1  # the host version the copy was made from
+
+    def device_view(self) -> torch.Tensor:
+        flat = self.owner.copy
+        p = self.param
+        return flat[self.offset : self.offset + self.nbytes].view(p.dtype).view(p.shape)
+
+
+class _Unit:
+    """What is fetched as one: a module (with its whole subtree when that is at most `unit_bytes`, else
+    its own parameters only). Its own parameters sit in one flat host block and come over in one copy;
+    parameters it shares with units met earlier belong to those (`deps`), held along with it."""
+
+    __slots__ = ("module", "slots", "params", "deps", "flat", "nbytes", "copy", "ready", "version", "holds")
+
+    def __init__(self, module: torch.nn.Module, slots: list[tuple[torch.nn.Module, str, _Param]]):
+        self.module = module
+        self.slots = slots  # (module, name, param) for every parameter the unit's modules hold
+        self.params: list[_Param] = []  # the ones stored in this unit's flat block
+        self.deps: list[_Unit] = []
+        self.flat: HostBlock | None = None
+        self.nbytes = 0
+        self.copy: torch.Tensor | None = None  # the flat device copy, while held
+        self.ready: Any = None  # the event the copy ends with (None on CPU)
+        self.version: tuple[int, ...] = ()  # the host versions the copy was made from
         self.holds = 0
 
-
-class _Module:
-    """A module that owns parameters directly (not through children)."""
-
-    __slots__ = ("module", "slots", "prefetched", "index")
-
-    def __init__(self, module: torch.nn.Module, slots: list[tuple[str, _Param]], index: int):
-        self.module = module
-        self.slots = slots
-        self.prefetched = 0  # holds taken by prefetches not yet consumed
-        self.index = index
+    def host_version(self) -> tuple[int, ...]:
+        return tuple(p.param._version for p in self.params)
 
 
 class _Use:
-    """One forward call of a module, as its backward sees it: the weight tokens saved, and how many were
-    unpacked (the device copy is held from the first unpack to the last)."""
+    """One call of a module that swapped device weights in: the host parameters it swapped out, and, as
+    its backward sees it, the weight tokens saved and how many were unpacked (the device copy is held
+    from the first unpack to the last)."""
 
-    __slots__ = ("record", "tokens", "unpacked", "saved", "pushed")
+    __slots__ = ("unit", "saved", "pushed", "tokens", "unpacked")
 
-    def __init__(self, record: _Module):
-        self.record = record
-        self.saved: dict[str, Any] = {}  # the host parameters swapped out during the call
+    def __init__(self, unit: _Unit):
+        self.unit = unit
+        self.saved: list[tuple[torch.nn.Module, str, torch.nn.Parameter]] = []
         self.pushed = False  # whether the call pushed saved-tensor hooks (grad mode was on)
         self.tokens = 0
         self.unpacked = 0
 
 
 class _Token:
-    __slots__ = ("use", "slot", "size", "stride", "offset", "version")
+    """A saved weight, packed: which unit's copy it views, how, and the host versions it was made from."""
 
-    def __init__(self, use: _Use, slot: _Param, t: torch.Tensor):
-        self.use, self.slot = use, slot
+    __slots__ = ("use", "unit", "dtype", "size", "stride", "offset", "version")
+
+    def __init__(self, use: _Use, unit: _Unit, t: torch.Tensor):
+        self.use, self.unit, self.dtype = use, unit, t.dtype
         self.size, self.stride, self.offset = t.size(), t.stride(), t.storage_offset()
-        self.version = slot.param._version
+        self.version = unit.version
 
 
 class _Box:
-    """Carries a device copy into _Fetch.apply (a non-tensor argument, so the output is a new tensor)."""
+    """Carries the streamer and the parameters into _Fetch.apply (a non-tensor argument)."""
 
-    __slots__ = ("streamer", "slot")
+    __slots__ = ("streamer", "params")
 
-    def __init__(self, streamer: Streamer, slot: _Param):
-        self.streamer, self.slot = streamer, slot
+    def __init__(self, streamer: Streamer, params: list[_Param]):
+        self.streamer, self.params = streamer, params
 
 
 class _Fetch(torch.autograd.Function):
-    """host parameter -> its device copy; the gradient goes back to the host, not through autograd."""
+    """host parameters -> their device views; the gradients go to the host, not through autograd."""
 
     @staticmethod
-    def forward(ctx: Any, param: torch.Tensor, box: _Box) -> torch.Tensor:
+    def forward(ctx: Any, box: _Box, *params: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.box = box
-        return box.slot.copy.view_as(box.slot.copy)
+        ctx.set_materialize_grads(False)
+        return tuple(p.device_view() for p in box.params)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None]:
-        ctx.box.streamer._grad_ready(ctx.box.slot, grad)
-        return None, None
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[None, ...]:
+        streamer = ctx.box.streamer
+        for p, g in zip(ctx.box.params, grads):
+            if g is not None:
+                streamer._grad_ready(p, g)
+        return (None,) * (1 + len(grads))
 
 
 class Streamer:
@@ -140,13 +175,15 @@ class Streamer:
         *,
         prefetch: int = 2,
         host_limit: int | float | str = "50%",
+        unit_bytes: int = 64 << 20,
     ):
         if not isinstance(model, torch.nn.Module):
             raise UsageError(f"stream: model must be an nn.Module, got {type(model).__name__}")
         if getattr(model, "_supermem_streamer", None) is not None:
             raise UsageError("stream: this model is already streamed")
-        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
-            raise UsageError(f"stream: prefetch must be an int >= 0, got {prefetch!r}")
+        for name, value in (("prefetch", prefetch), ("unit_bytes", unit_bytes)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise UsageError(f"stream: {name} must be an int >= 0, got {value!r}")
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
@@ -160,56 +197,104 @@ class Streamer:
         self.host = HostPool(host_bytes, pinned=self.cuda and pinned_available())
         self.copies = CopyEngine(self.device)
         self.prefetch = prefetch
+        self.unit_bytes = unit_bytes
         self.model = model
         self._lock = threading.RLock()
-        self._by_ptr: dict[int, _Param] = {}  # device copies alive, by storage address
-        self._active: list[_Use] = []  # module calls in progress, innermost last
+        self._by_ptr: dict[int, _Unit] = {}  # device copies alive, by storage address
+        self._active: list[_Use | None] = []  # module calls in progress, innermost last
         self._pending: dict[_Param, list[tuple[torch.Tensor, Any, HostBlock | None]]] = {}
         self._callback_queued = False
-        self._sequence: list[_Module] = []  # the first step's acquisitions, replayed by later steps
+        self._sequence: list[_Unit] = []  # the first step's acquisitions, replayed by later steps
         self._recording = True
         self._steps = 0
         self._cursor = 0
-        self._ahead: dict[int, _Module] = {}  # sequence position -> prefetched module
+        self._ahead: dict[int, _Unit] = {}  # sequence position -> prefetched unit
         self._counters = dict.fromkeys(("fetches", "prefetch_hits", "grads_to_host"), 0)
-        self.records: list[_Module] = []
+        self.units: list[_Unit] = []
+        self._unit_of: dict[torch.nn.Module, _Unit] = {}  # units by their module
+        # a module that holds parameters -> the first unit with them, and its own slots in that unit
+        self._fallback: dict[torch.nn.Module, _Unit] = {}
+        self._own_slots: dict[torch.nn.Module, list] = {}
+        self._params: dict[int, _Param] = {}  # by id(parameter)
         self._handles: list[Any] = []
-        self._move(model)
+        self._plan(model)
         model._supermem_streamer = self
-        self._handles.append(model.register_forward_pre_hook(self._step_start))
+        # first, before the root's own fetch: a step starts before anything of it is fetched
+        self._handles.append(model.register_forward_pre_hook(self._step_start, prepend=True))
         _live.add(self)
         _install_optimizer_hook()
 
     # ------------------------------------------------------------------ set-up
 
-    def _move(self, model: torch.nn.Module) -> None:
-        slots: dict[int, _Param] = {}
+    def _plan(self, model: torch.nn.Module) -> None:
+        """Cuts the model into units, top down, moves parameters to the host and buffers to the device,
+        and hooks every unit's module and every module that holds parameters itself (called on its own,
+        outside its unit, it fetches its unit and swaps in its own parameters)."""
+        visited: set[int] = set()
+        containers = (torch.nn.ModuleList, torch.nn.ModuleDict)  # never called: cannot be units
+
+        def slots_of(modules: list[torch.nn.Module]) -> list[tuple[torch.nn.Module, str, torch.nn.Parameter]]:
+            return [(m, n, p) for m in modules for n, p in m._parameters.items() if p is not None]
+
+        def visit(m: torch.nn.Module) -> None:
+            if id(m) in visited:
+                return
+            visited.add(id(m))
+            subtree = list(m.modules())
+            unique = {id(p): p for _, _, p in slots_of(subtree)}
+            nbytes = sum(p.numel() * p.element_size() for p in unique.values())
+            if nbytes == 0:
+                return
+            if not isinstance(m, containers) and nbytes <= self.unit_bytes:
+                self._add_unit(m, slots_of(subtree))
+                visited.update(id(c) for c in subtree)
+                return
+            if m._parameters:
+                self._add_unit(m, slots_of([m]))
+            for c in m.children():
+                visit(c)
+
+        visit(model)
         for module in model.modules():
-            own = []
-            for name, p in module._parameters.items():
-                if p is None:
-                    continue
-                if id(p) not in slots:
-                    slots[id(p)] = self._to_host(p)
-                own.append((name, slots[id(p)]))
             for name, b in module._buffers.items():
                 if b is not None and b.device != self.device:
                     module._buffers[name] = b.to(self.device)
-            if own:
-                rec = _Module(module, own, len(self.records))
-                self.records.append(rec)
-                self._handles.append(module.register_forward_pre_hook(self._make_pre(rec)))
-                self._handles.append(module.register_forward_hook(self._make_post(rec), always_call=True))
+        hooked = {id(m): m for m in [u.module for u in self.units] + list(self._fallback)}
+        for module in hooked.values():
+            self._handles.append(module.register_forward_pre_hook(self._enter))
+            self._handles.append(module.register_forward_hook(self._exit, always_call=True))
 
-    def _to_host(self, p: torch.nn.Parameter) -> _Param:
-        block = self._take(p.numel() * p.element_size())
-        host = _view(block, p.dtype, p.shape)
-        with torch.no_grad():
-            host.copy_(p.data)
-        p.data = host
-        if p.grad is not None:
-            p.grad = None  # a gradient on the old device would not match the host parameter
-        return _Param(p, block)
+    def _add_unit(
+        self, module: torch.nn.Module, raw: list[tuple[torch.nn.Module, str, torch.nn.Parameter]]
+    ) -> None:
+        unit = _Unit(module, [])
+        offset = 0
+        for m, name, p in raw:
+            slot = self._params.get(id(p))
+            if slot is None:
+                offset = -(-offset // ALIGN) * ALIGN
+                slot = _Param(p, unit, offset)
+                self._params[id(p)] = slot
+                unit.params.append(slot)
+                offset += slot.nbytes
+            elif slot.owner is not unit and slot.owner not in unit.deps:
+                unit.deps.append(slot.owner)
+            unit.slots.append((m, name, slot))
+            if self._fallback.setdefault(m, unit) is unit:
+                self._own_slots.setdefault(m, []).append((m, name, slot))
+        unit.nbytes = -(-offset // ALIGN) * ALIGN
+        if unit.params:
+            unit.flat = self._take(unit.nbytes)
+            for slot in unit.params:
+                p = slot.param
+                host = unit.flat.tensor[slot.offset : slot.offset + slot.nbytes].view(p.dtype).view(p.shape)
+                with torch.no_grad():
+                    host.copy_(p.data)
+                p.data = host
+                if p.grad is not None:
+                    p.grad = None  # a gradient on the old device would not match the host parameter
+        self._unit_of[module] = unit
+        self.units.append(unit)
 
     def _take(self, nbytes: int) -> HostBlock:
         block = self.host.take(max(nbytes, 1))
@@ -223,47 +308,57 @@ class Streamer:
 
     def _step_start(self, module: torch.nn.Module, args: Any) -> None:
         with self._lock:
-            if self._active:
+            if any(use is not None for use in self._active):
                 return  # a nested call of the root, not a new step
             self._steps += 1
             if self._steps == 2:
                 self._recording = False
-            for rec in self._ahead.values():
-                self._release_prefetch(rec)
+            for unit in self._ahead.values():
+                self._release(unit)
             self._ahead.clear()
             self._cursor = 0
             if not self._recording:
                 self._prefetch_from(-1)
 
-    def _make_pre(self, rec: _Module) -> Any:
-        def pre(module: torch.nn.Module, args: Any) -> None:
-            with self._lock:
-                self._acquire(rec)
-                use = _Use(rec)
-                use.pushed = torch.is_grad_enabled()
-                for name, slot in rec.slots:
-                    use.saved[name] = module._parameters[name]
-                    p = slot.param
-                    module._parameters[name] = (
-                        _Fetch.apply(p, _Box(self, slot)) if use.pushed and p.requires_grad else slot.copy
-                    )
-                self._active.append(use)
+    def _enter(self, module: torch.nn.Module, args: Any) -> None:
+        with self._lock:
+            unit = self._unit_of.get(module)
+            if unit is not None and unit.module is module:
+                slots = unit.slots
+            else:
+                unit, slots = self._fallback[module], self._own_slots[module]
+            todo = [(m, n, slot) for m, n, slot in slots if m._parameters[n] is slot.param]
+            if not todo:  # a unit around this call already swapped its weights in
+                self._active.append(None)
+                return
+            self._acquire(unit)
+            use = _Use(unit)
+            use.pushed = torch.is_grad_enabled()
+            params = list({id(slot): slot for _, _, slot in todo}.values())
+            if use.pushed and any(slot.param.requires_grad for slot in params):
+                views = dict(
+                    zip(map(id, params), _Fetch.apply(_Box(self, params), *(s.param for s in params)))
+                )
+            else:
+                views = {id(slot): slot.device_view() for slot in params}
+            for m, n, slot in todo:
+                use.saved.append((m, n, slot.param))
+                m._parameters[n] = views[id(slot)]
+            self._active.append(use)
+        if use.pushed:
+            torch._C._autograd._push_saved_tensors_default_hooks(*self._hooks_over_current())
+
+    def _exit(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        with self._lock:
+            use = self._active.pop()
+            if use is None:
+                return
             if use.pushed:
-                torch._C._autograd._push_saved_tensors_default_hooks(*self._hooks_over_current())
-
-        return pre
-
-    def _make_post(self, rec: _Module) -> Any:
-        def post(module: torch.nn.Module, args: Any, output: Any) -> None:
-            with self._lock:
-                use = self._active.pop()
-                if use.pushed:
-                    torch._C._autograd._pop_saved_tensors_default_hooks()
-                module._parameters.update(use.saved)
-                use.saved = {}
-                self._release(rec)
-
-        return post
+                torch._C._autograd._pop_saved_tensors_default_hooks()
+            for m, n, p in use.saved:
+                m._parameters[n] = p
+            use.saved = []
+            self._release(use.unit)
 
     # ------------------------------------------------------------------ saved weights
 
@@ -290,90 +385,84 @@ class Streamer:
         if t.device != self.device or t.numel() == 0:
             return None
         with self._lock:
-            slot = self._by_ptr.get(t.untyped_storage().data_ptr())
-            if slot is None:
+            unit = self._by_ptr.get(t.untyped_storage().data_ptr())
+            if unit is None:
                 return None
             for use in reversed(self._active):
-                if any(s is slot for _, s in use.record.slots):
+                if use is not None and (use.unit is unit or unit in use.unit.deps):
                     use.tokens += 1
-                    return _Token(use, slot, t)
+                    return _Token(use, unit, t)
         return None
 
     def _unpack(self, token: _Token) -> torch.Tensor:
-        use, slot = token.use, token.slot
-        if slot.param._version != token.version:
-            raise RuntimeError(
-                "one of the variables needed for gradient computation has been modified by an inplace "
-                f"operation: a streamed parameter of shape {tuple(slot.param.shape)} changed between "
-                "forward and backward (an optimizer step before backward?)"
-            )
+        use, unit = token.use, token.unit
         with self._lock:
             first = use.unpacked % use.tokens == 0
+            if first and unit.host_version() != token.version:  # once per use: a unit may be large
+                raise RuntimeError(
+                    "one of the variables needed for gradient computation has been modified by an inplace "
+                    "operation: a streamed parameter changed between forward and backward (an optimizer "
+                    "step before backward?)"
+                )
             use.unpacked += 1
-            last = use.unpacked % use.tokens == 0
             if first:
-                self._acquire(use.record)
-            copy = slot.copy
-            out = copy.as_strided(token.size, token.stride, token.offset)
-            if last:
-                self._release(use.record)
+                self._acquire(use.unit)
+            out = unit.copy.view(token.dtype).as_strided(token.size, token.stride, token.offset)
+            if use.unpacked % use.tokens == 0:
+                self._release(use.unit)
         return out
 
     # ------------------------------------------------------------------ device copies
 
-    def _acquire(self, rec: _Module) -> None:
-        """Holds `rec`'s device copies (fetching what is missing) and prefetches what comes next."""
-        position = self._advance(rec)
+    def _acquire(self, unit: _Unit) -> None:
+        """Holds `unit`'s device copies (fetching what is missing) and prefetches what comes next."""
+        position = self._advance(unit)
         if position is not None and position in self._ahead:
-            self._ahead.pop(position)
-            rec.prefetched -= 1
+            self._ahead.pop(position)  # the prefetch's hold becomes this acquisition's
             self._counters["prefetch_hits"] += 1
         else:
-            self._hold(rec)
+            self._hold(unit)
         if self._recording:
-            self._sequence.append(rec)
+            self._sequence.append(unit)
         elif position is not None:
             self._prefetch_from(position)
-        for _, slot in rec.slots:
-            self.copies.use(slot.copy, slot.ready)
+        for u in (unit, *unit.deps):
+            if u.copy is not None:
+                self.copies.use(u.copy, u.ready)
 
-    def _hold(self, rec: _Module) -> None:
-        for _, slot in rec.slots:
-            if slot.copy is not None and slot.version != slot.param._version:
-                self._drop(slot)  # the host parameter changed since: fetch it again
-            if slot.copy is None:
-                slot.version = slot.param._version
-                slot.copy, slot.ready = self.copies.to_device(slot.param.data)
-                self._by_ptr[slot.copy.untyped_storage().data_ptr()] = slot
+    def _hold(self, unit: _Unit) -> None:
+        for u in (unit, *unit.deps):
+            if u.copy is not None and u.version != u.host_version():
+                self._drop(u)  # the host parameters changed since: fetch them again
+            if u.copy is None and u.flat is not None:
+                u.version = u.host_version()
+                u.copy, u.ready = self.copies.to_device(u.flat.tensor[: u.nbytes])
+                self._by_ptr[u.copy.untyped_storage().data_ptr()] = u
                 self._counters["fetches"] += 1
-            slot.holds += 1
+            u.holds += 1
 
-    def _release(self, rec: _Module) -> None:
-        for _, slot in rec.slots:
-            slot.holds -= 1
-            if slot.holds <= 0:
-                self._drop(slot)
+    def _release(self, unit: _Unit) -> None:
+        for u in (unit, *unit.deps):
+            u.holds -= 1
+            if u.holds <= 0:
+                self._drop(u)
 
-    def _drop(self, slot: _Param) -> None:
-        if slot.copy is not None:
-            self._by_ptr.pop(slot.copy.untyped_storage().data_ptr(), None)
-        slot.copy, slot.ready, slot.holds = None, None, 0
+    def _drop(self, unit: _Unit) -> None:
+        if unit.copy is not None:
+            self._by_ptr.pop(unit.copy.untyped_storage().data_ptr(), None)
+        unit.copy, unit.ready, unit.holds = None, None, 0
 
-    def _release_prefetch(self, rec: _Module) -> None:
-        rec.prefetched -= 1
-        self._release(rec)
-
-    def _advance(self, rec: _Module) -> int | None:
+    def _advance(self, unit: _Unit) -> int | None:
         """The position of this acquisition in the recorded sequence (None while recording or when the
         step strays from it); prefetches skipped over are released."""
         if self._recording:
             return None
         window = self._sequence[self._cursor : self._cursor + 64]
-        for i, r in enumerate(window):
-            if r is rec:
+        for i, u in enumerate(window):
+            if u is unit:
                 position = self._cursor + i
                 for q in [q for q in self._ahead if q < position]:
-                    self._release_prefetch(self._ahead.pop(q))
+                    self._release(self._ahead.pop(q))
                 self._cursor = position + 1
                 return position
         return None
@@ -381,28 +470,25 @@ class Streamer:
     def _prefetch_from(self, position: int) -> None:
         for q in range(position + 1, min(position + 1 + self.prefetch, len(self._sequence))):
             if q not in self._ahead:
-                rec = self._sequence[q]
-                self._hold(rec)
-                rec.prefetched += 1
-                self._ahead[q] = rec
+                unit = self._sequence[q]
+                self._hold(unit)
+                self._ahead[q] = unit
 
     # ------------------------------------------------------------------ gradients
 
     def _grad_ready(self, slot: _Param, grad: torch.Tensor) -> None:
         """Starts copying one gradient contribution to the host; the sum lands in `.grad` at the end of
         this backward (in arrival order, as autograd's own sum)."""
-        if grad is None:
-            return
         with self._lock:
             items = self._pending.setdefault(slot, [])
             p = slot.param
             if not items and p.grad is None:
                 if slot.grad_block is None:
-                    slot.grad_block = self._take(p.numel() * p.element_size())
-                dst, scratch = _view(slot.grad_block, p.dtype, p.shape), None
+                    slot.grad_block = self._take(slot.nbytes)
+                block, scratch = slot.grad_block, None
             else:
-                scratch = self._take(p.numel() * p.element_size())
-                dst = _view(scratch, p.dtype, p.shape)
+                block = scratch = self._take(slot.nbytes)
+            dst = block.tensor[: slot.nbytes].view(p.dtype).view(p.shape)
             event = self.copies.to_host(grad, dst)
             items.append((dst, event, scratch))
             self._counters["grads_to_host"] += 1
@@ -437,8 +523,8 @@ class Streamer:
     def _before_optimizer_step(self) -> None:
         self.sync()
         with self._lock:
-            for rec in self._ahead.values():
-                self._release_prefetch(rec)
+            for unit in self._ahead.values():
+                self._release(unit)
             self._ahead.clear()
             if self.cuda:  # no copy may read a parameter while the optimizer writes it
                 self.copies.h2d.synchronize()
@@ -446,10 +532,11 @@ class Streamer:
     # ------------------------------------------------------------------ public
 
     def stats(self) -> dict[str, Any]:
-        """Counts and bytes: fetches (device copies made), prefetch_hits, grads_to_host, h2d_bytes,
+        """Counts and bytes: units, fetches (device copies made), prefetch_hits, grads_to_host, h2d_bytes,
         d2h_bytes, h2d_gbps, d2h_gbps, wait_s (compute stalled for copies), host_bytes."""
         s = self.copies.collect()
         return {
+            "units": len(self.units),
             **self._counters,
             "h2d_bytes": s.h2d_bytes,
             "d2h_bytes": s.d2h_bytes,
@@ -460,9 +547,8 @@ class Streamer:
         }
 
     def parameters(self) -> Iterator[torch.nn.Parameter]:
-        for rec in self.records:
-            for _, slot in rec.slots:
-                yield slot.param
+        for slot in self._params.values():
+            yield slot.param
 
     def close(self) -> None:
         """Stops streaming. Parameters and gradients move to ordinary host memory (their pinned blocks
@@ -471,17 +557,13 @@ class Streamer:
         for h in self._handles:
             h.remove()
         self._handles.clear()
-        seen: set[int] = set()
-        for rec in self.records:
-            for _, slot in rec.slots:
-                if id(slot) in seen:
-                    continue
-                seen.add(id(slot))
-                p = slot.param
-                p.data = p.data.clone()
-                if p.grad is not None:
-                    p.grad = p.grad.clone()
-                self._drop(slot)
+        for slot in self._params.values():
+            p = slot.param
+            p.data = p.data.clone()
+            if p.grad is not None:
+                p.grad = p.grad.clone()
+        for unit in self.units:
+            self._drop(unit)
         self.model._supermem_streamer = None
         _live.discard(self)
 
@@ -490,14 +572,6 @@ class Streamer:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-
-def _view(block: HostBlock, dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
-    n = 1
-    for d in shape:
-        n *= d
-    nbytes = n * torch.empty((), dtype=dtype).element_size()
-    return block.tensor[:nbytes].view(dtype).view(shape)
 
 
 def _install_optimizer_hook() -> None:
@@ -532,9 +606,8 @@ def activate_from_config(cfg: Any) -> None:
             streamer = Streamer(module, device, host_limit=cfg.host_limit)
             # this call already passed the module's own pre-hooks: run the ones streaming just added
             streamer._step_start(module, args)
-            for rec in streamer.records:
-                if rec.module is module:
-                    streamer._make_pre(rec)(module, args)
+            if module in streamer._unit_of or module in streamer._fallback:
+                streamer._enter(module, args)
 
     def post(module: torch.nn.Module, args: Any, output: Any) -> None:
         depth.n = max(getattr(depth, "n", 1) - 1, 0)

@@ -69,7 +69,7 @@ def trial(spec: dict) -> dict:
     torch.manual_seed(0)
     model = _model(spec)
     if config == "supermem":
-        streamer = supermem.stream(model, device)
+        streamer = supermem.stream(model, device, unit_bytes=spec["unit_bytes"])
         model.mode = ("binomial", spec["checkpoints"])
         budget = max(cap - (2 << 30), 1 << 30) if cap else 1 << 30
         pool = supermem.pool(budget=budget if cuda else None, device=device)
@@ -228,10 +228,10 @@ def run(args: argparse.Namespace) -> dict:
         raise SystemExit(f"supermem bench depth: unknown config {bad[0]!r}; choose from {', '.join(CONFIGS)}")
     cap_bytes = parse_bytes(args.cap) if cuda else None
     if args.quick:
-        base = {"batch": 2, "px": 32, "width": 8, "classes": 10}
+        base = {"batch": 2, "px": 32, "width": 8, "classes": 10, "unit_bytes": 1 << 16}  # a unit per block
         start, max_n, probes = dict.fromkeys(CONFIGS, 2), 2, dict.fromkeys(CONFIGS, 1)
     else:
-        base = {"batch": 16, "px": 224, "width": 64, "classes": 1000}
+        base = {"batch": 16, "px": 224, "width": 64, "classes": 1000, "unit_bytes": 64 << 20}
         max_layers = args.max_layers or 15_000
         max_n = max(1, (max_layers - 44) // 3)
         start, probes = START_N, PROBES
