@@ -45,7 +45,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--jobs", type=int, default=None, help="searches run side by side (default 4 on cuda, 1 on cpu)"
     )
     p.add_argument(
-        "--checkpoints", type=int, default=256, help="binomial checkpoints for supermem (default 256)"
+        "--checkpoints", type=int, default=512, help="binomial checkpoints for supermem (default 512)"
     )
 
 

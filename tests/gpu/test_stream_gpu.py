@@ -75,8 +75,8 @@ def reference(model, x, kind, steps):
     return out, [h.detach() for h in host] + [b.cpu() for b in model.buffers()]
 
 
-def streamed(model, x, kind, steps, pool=False):
-    s = supermem.stream(model, "cuda")
+def streamed(model, x, kind, steps, pool=False, unit_bytes=64 << 20):
+    s = supermem.stream(model, "cuda", unit_bytes=unit_bytes)
     opt = make_opt(kind, model.parameters())
     out = []
     torch.manual_seed(5)
@@ -112,15 +112,16 @@ def assert_same(a, b):
         assert torch.equal(x, y)
 
 
+@pytest.mark.parametrize("unit_bytes", [0, 64 << 20], ids=["unit=module", "unit=model"])
 @pytest.mark.parametrize("kind", ["sgd", "adamw"])
 @pytest.mark.parametrize("chain", [False, True])
-def test_streamed_training_bitwise_on_cuda(kind, chain):
+def test_streamed_training_bitwise_on_cuda(kind, chain, unit_bytes):
     torch.manual_seed(0)
     x = torch.randn(8, 3, 16, 16, device="cuda")
     torch.manual_seed(1)
     a = reference(Net(chain), x, kind, 3)
     torch.manual_seed(1)
-    b = streamed(Net(chain), x, kind, 3)
+    b = streamed(Net(chain), x, kind, 3, unit_bytes=unit_bytes)
     assert_same(a, b)
 
 
@@ -130,14 +131,14 @@ def test_streaming_binomial_and_pool_on_cuda():
     torch.manual_seed(1)
     a = reference(Net(True), x, "sgd", 3)
     torch.manual_seed(1)
-    b = streamed(Net(True), x, "sgd", 3, pool=True)
+    b = streamed(Net(True), x, "sgd", 3, pool=True, unit_bytes=0)
     assert_same(a, b)
 
 
 def test_device_peak_far_below_the_parameters():
-    layers, width = 32, 4096
+    layers, width = 48, 4096
     model = nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.ReLU()) for _ in range(layers)])
-    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())  # 2 GiB
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())  # 3 GiB
     s = supermem.stream(model, "cuda")
     opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
     x = torch.randn(16, width, device="cuda")
