@@ -207,6 +207,7 @@ class Streamer:
         self._sequence: list[_Unit] = []  # the first step's acquisitions, replayed by later steps
         self._recording = True
         self._steps = 0
+        self._step_due = True  # the next fetch starts a step (until the root's pre-hook says so first)
         self._cursor = 0
         self._ahead: dict[int, _Unit] = {}  # sequence position -> prefetched unit
         self._counters = dict.fromkeys(("fetches", "prefetch_hits", "grads_to_host"), 0)
@@ -308,20 +309,27 @@ class Streamer:
 
     def _step_start(self, module: torch.nn.Module, args: Any) -> None:
         with self._lock:
-            if any(use is not None for use in self._active):
-                return  # a nested call of the root, not a new step
-            self._steps += 1
-            if self._steps == 2:
-                self._recording = False
-            for unit in self._ahead.values():
-                self._release(unit)
-            self._ahead.clear()
-            self._cursor = 0
-            if not self._recording:
-                self._prefetch_from(-1)
+            if not any(use is not None for use in self._active):  # else a nested call of the root
+                self._begin_step()
+
+    def _begin_step(self) -> None:
+        """A step begins (the root is called, or the first fetch after an optimizer step): the first step
+        records its fetches, later ones replay them with prefetch."""
+        self._step_due = False
+        self._steps += 1
+        if self._steps == 2:
+            self._recording = False
+        for unit in self._ahead.values():
+            self._release(unit)
+        self._ahead.clear()
+        self._cursor = 0
+        if not self._recording:
+            self._prefetch_from(-1)
 
     def _enter(self, module: torch.nn.Module, args: Any) -> None:
         with self._lock:
+            if self._step_due and not any(use is not None for use in self._active):
+                self._begin_step()
             unit = self._unit_of.get(module)
             if unit is not None and unit.module is module:
                 slots = unit.slots
@@ -523,6 +531,7 @@ class Streamer:
     def _before_optimizer_step(self) -> None:
         self.sync()
         with self._lock:
+            self._step_due = True
             for unit in self._ahead.values():
                 self._release(unit)
             self._ahead.clear()

@@ -188,3 +188,17 @@ def test_a_whole_model_unit_is_prefetched_at_step_start():
     assert st["units"] == 1
     assert st["prefetch_hits"] >= 1  # step 2 found its first fetch already made at step start
     s.close()
+
+
+def test_steps_are_seen_without_calling_the_root():
+    """Calling submodules directly (stem, binomial over blocks, head): the optimizer step marks the step."""
+    model = Chain(n=5)
+    s = supermem.stream(model, "cpu", unit_bytes=0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for _ in range(2):
+        h = binomial(model.blocks, model.stem(torch.randn(4, 6)), checkpoints=1)
+        model.head(h).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    assert s.stats()["prefetch_hits"] > 0
+    s.close()
