@@ -135,9 +135,35 @@ def _model(spec: dict) -> Any:
                     x = checkpoint(b, x, use_reentrant=False) if how == "checkpoint" else b(x)
             return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
 
-    on_device = spec["device"] == "cuda" and spec["config"] != "supermem"
-    with torch.device(spec["device"] if on_device else "cpu"):  # native rows: no slow CPU init
-        return DeepResNet((3, 8, spec["n"], 3), width=spec["width"], classes=spec["classes"])
+    shape = dict(depths=(3, 8, spec["n"], 3), width=spec["width"], classes=spec["classes"])
+    if spec["device"] != "cuda":
+        return DeepResNet(**shape)
+    if spec["config"] != "supermem":
+        with torch.device("cuda"):  # initialised on the card: seconds, not a minute of CPU at depth
+            return DeepResNet(**shape)
+    with torch.device("meta"):  # larger than the cap: initialised module by module on the card
+        model = DeepResNet(**shape)
+    return materialize_on_host(model, "cuda")
+
+
+def materialize_on_host(model: Any, init_device: str) -> Any:
+    """A model built on the meta device, initialised one module at a time on `init_device` (as its
+    reset_parameters does) and kept in host memory."""
+    import torch
+
+    for m in model.modules():
+        if not m._parameters and not m._buffers:
+            continue
+        m.to_empty(device=init_device, recurse=False)
+        if hasattr(m, "reset_parameters"):
+            m.reset_parameters()
+        for name, p in m._parameters.items():
+            if p is not None:
+                m._parameters[name] = torch.nn.Parameter(p.detach().cpu(), p.requires_grad)
+        for name, b in m._buffers.items():
+            if b is not None:
+                m._buffers[name] = b.cpu()
+    return model
 
 
 def _trial_main(argv: list[str]) -> int:

@@ -52,3 +52,21 @@ def test_search_finds_the_boundary_with_few_probes(monkeypatch):
     assert search({"config": "x"}, start=10, max_n=20, probes=12, timeout_s=1)["n"] == 20  # capped: at max
     monkeypatch.setattr(depth, "_run_trial", lambda spec, t: {"error": "OOM", "oom": True})
     assert search({"config": "x"}, start=10, max_n=20, probes=12, timeout_s=1) is None
+
+
+def test_materialize_on_host_initialises_every_module():
+    import torch
+
+    from supermem.bench.depth import materialize_on_host
+    from supermem.bench.models import ResNet
+
+    with torch.device("meta"):
+        model = ResNet((1, 1, 1, 1), width=4, classes=3)
+    materialize_on_host(model, "cpu")
+    assert all(t.device.type == "cpu" for t in [*model.parameters(), *model.buffers()])
+    bn = model.stem[1]
+    assert torch.equal(bn.weight, torch.ones(4)) and torch.equal(bn.running_var, torch.ones(4))
+    conv = model.stem[0].weight
+    assert conv.std() > 0 and conv.abs().max() <= 1  # kaiming uniform, not uninitialised memory
+    x = torch.randn(2, 3, 32, 32)
+    assert torch.isfinite(model(x)).all()
