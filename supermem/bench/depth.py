@@ -6,8 +6,9 @@ layer at each one's deepest depth, against native's per layer at its own deepest
 Every trial is a fresh process (`python -m supermem.bench.depth TRIAL_JSON`): two steps (the second is
 timed), exit status and one `@@ROW {json}` line. The search on n gallops from a starting guess and then
 bisects, with a probe budget per configuration; the searches of the configurations run side by side
-(--jobs; each trial is capped, so they cannot starve each other of device memory), then each deepest depth
-is timed again alone. A layer is a weighted layer: 3 per bottleneck block, plus the stem and the classifier.
+(--jobs; each trial is capped, so they cannot starve each other of device memory); a deepest depth whose
+trial had company is timed again, alone. A layer is a weighted layer: 3 per bottleneck block, plus the
+stem and the classifier.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -183,8 +185,32 @@ def _trial_main(argv: list[str]) -> int:
 # ---------------------------------------------------------------- the search (parent process)
 
 
+class _Crowd:
+    """The trials running now: a trial's time counts only if no other trial ran beside it."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.running: list[dict] = []
+
+    def enter(self, mark: dict) -> None:
+        with self.lock:
+            mark["crowded"] = bool(self.running)
+            for other in self.running:
+                other["crowded"] = True
+            self.running.append(mark)
+
+    def leave(self, mark: dict) -> None:
+        with self.lock:
+            self.running.remove(mark)
+
+
+_crowd = _Crowd()
+
+
 def _run_trial(spec: dict, timeout_s: float) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SUPERMEM")}
+    mark: dict = {}
+    _crowd.enter(mark)
     t0 = time.perf_counter()
     try:
         r = subprocess.run(
@@ -203,7 +229,10 @@ def _run_trial(spec: dict, timeout_s: float) -> dict:
             row = {"error": f"rc={r.returncode}: {' | '.join(r.stderr.strip().splitlines()[-2:])[-300:]}"}
     except subprocess.TimeoutExpired:
         row = {"error": f"timed out after {timeout_s:.0f} s"}
+    finally:
+        _crowd.leave(mark)
     row["wall_s"] = round(time.perf_counter() - t0, 1)
+    row["alone"] = not mark["crowded"]
     status = "fits" if "error" not in row else ("OOM" if row.get("oom") else row["error"])
     print(
         f"  {spec['config']:<12} n={spec['n']:<5} ({layers(spec['n'])} layers): {status} [{row['wall_s']} s]",
@@ -276,7 +305,7 @@ def run(args: argparse.Namespace) -> dict:
         found = deepest[config]
         row = {"config": config, "n": None, "layers": None}
         if found is not None:
-            if jobs > 1:  # searched side by side: time the deepest depth again, alone
+            if not found.get("alone"):  # another trial ran beside it: time the deepest depth again, alone
                 again = _run_trial({**base, "config": config, "n": found["n"]}, timeout_s)
                 found = again if "error" not in again else {**found, "retime_error": again["error"]}
             row.update(found)

@@ -70,3 +70,17 @@ def test_materialize_on_host_initialises_every_module():
     assert conv.std() > 0 and conv.abs().max() <= 1  # kaiming uniform, not uninitialised memory
     x = torch.randn(2, 3, 32, 32)
     assert torch.isfinite(model(x)).all()
+
+
+def test_a_trial_with_company_is_marked_crowded():
+    from supermem.bench.depth import _Crowd
+
+    crowd = _Crowd()
+    a, b, c = {}, {}, {}
+    crowd.enter(a)
+    crowd.enter(b)  # b starts while a runs: both had company
+    crowd.leave(a)
+    crowd.leave(b)
+    crowd.enter(c)  # c runs alone
+    crowd.leave(c)
+    assert a["crowded"] and b["crowded"] and not c["crowded"]
