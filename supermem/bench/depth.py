@@ -79,7 +79,8 @@ def trial(spec: dict) -> dict:
         streamer = pool = None
         model.to(device)
         model.mode = ("checkpoint", 0) if config == "checkpoint" else ("plain", 0)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    # foreach: one call per op over all tensors (the default on CUDA; on the host 2x faster than a loop)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, foreach=True)
     g = torch.Generator().manual_seed(0)
     b, px, classes = spec["batch"], spec["px"], spec["classes"]
     x = torch.randn(b, 3, px, px, generator=g).to(device)
