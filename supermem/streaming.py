@@ -67,7 +67,7 @@ def stream(
     return Streamer(model, device, prefetch=prefetch, host_limit=host_limit, unit_bytes=unit_bytes)
 
 
-ALIGN = 64  # bytes: every parameter's offset in its unit's flat buffer (any dtype may view it)
+ALIGN = 512  # bytes between parameters in a flat buffer, as PyTorch's allocator: kernels choose alike
 
 
 class _Param:

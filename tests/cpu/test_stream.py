@@ -202,3 +202,41 @@ def test_steps_are_seen_without_calling_the_root():
         opt.zero_grad()
     assert s.stats()["prefetch_hits"] > 0
     s.close()
+
+
+def test_conf_stream_weights_streams_the_outermost_module(tmp_path):
+    """SUPERMEM_CONF=stream:weights's global hooks (in a fresh process: they stay for the process), with
+    the compute tier on the CPU: the outermost module is streamed at its first call and trains as plain."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(
+        """
+        import copy, torch, torch.nn as nn
+        from supermem import config, streaming
+        streaming._target_device = lambda module, args: torch.device("cpu")  # no CUDA here
+        torch.manual_seed(0)
+        inner = nn.Sequential(nn.Linear(6, 6), nn.Tanh())
+        plain = nn.Sequential(nn.Linear(6, 6), nn.ReLU(), inner, nn.Linear(6, 2))
+        model = copy.deepcopy(plain)
+        x = torch.randn(5, 6)
+        def train(m):
+            opt = torch.optim.AdamW(m.parameters(), lr=0.01)
+            for _ in range(3):
+                m(x).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+            return [p.detach().clone() for p in m.parameters()]
+        want = train(plain)
+        streaming.activate_from_config(config.current())
+        got = train(model)
+        s = model._supermem_streamer
+        assert s is not None and plain.__dict__.get("_supermem_streamer") is None
+        assert all(torch.equal(a, b) for a, b in zip(want, got))
+        assert s.stats()["fetches"] > 0 and s.stats()["prefetch_hits"] > 0
+        print("ok")
+        """
+    )
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr
