@@ -154,13 +154,16 @@ class _Fetch(torch.autograd.Function):
     def forward(ctx: Any, box: _Box, *params: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.box = box
         ctx.set_materialize_grads(False)
-        return tuple(p.device_view() for p in box.params)
+        views = tuple(p.device_view() for p in box.params)
+        frozen = [v for p, v in zip(box.params, views) if not p.param.requires_grad]
+        ctx.mark_non_differentiable(*frozen)  # as in plain training: no gradient computed for them
+        return views
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[None, ...]:
         streamer = ctx.box.streamer
         for p, g in zip(ctx.box.params, grads):
-            if g is not None:
+            if g is not None and p.param.requires_grad:
                 streamer._grad_ready(p, g)
         return (None,) * (1 + len(grads))
 
