@@ -94,7 +94,19 @@ class _Unit:
     its own parameters only). Its own parameters sit in one flat host block and come over in one copy;
     parameters it shares with units met earlier belong to those (`deps`), held along with it."""
 
-    __slots__ = ("module", "slots", "params", "deps", "flat", "nbytes", "copy", "ready", "version", "holds")
+    __slots__ = (
+        "module",
+        "slots",
+        "params",
+        "deps",
+        "flat",
+        "nbytes",
+        "copy",
+        "ready",
+        "used_on",
+        "version",
+        "holds",
+    )
 
     def __init__(self, module: torch.nn.Module, slots: list[tuple[torch.nn.Module, str, _Param]]):
         self.module = module
@@ -105,6 +117,7 @@ class _Unit:
         self.nbytes = 0
         self.copy: torch.Tensor | None = None  # the flat device copy, while held
         self.ready: Any = None  # the event the copy ends with (None on CPU)
+        self.used_on = -1  # the stream last made to wait for `ready`
         self.version: tuple[int, ...] = ()  # the host versions the copy was made from
         self.holds = 0
 
@@ -437,9 +450,11 @@ class Streamer:
             self._sequence.append(unit)
         elif position is not None:
             self._prefetch_from(position)
+        stream = torch.cuda.current_stream(self.device).cuda_stream if self.cuda else 0
         for u in (unit, *unit.deps):
-            if u.copy is not None:
+            if u.copy is not None and u.used_on != stream:  # once per copy and stream is enough
                 self.copies.use(u.copy, u.ready)
+                u.used_on = stream
 
     def _hold(self, unit: _Unit) -> None:
         for u in (unit, *unit.deps):
@@ -461,7 +476,7 @@ class Streamer:
     def _drop(self, unit: _Unit) -> None:
         if unit.copy is not None:
             self._by_ptr.pop(unit.copy.untyped_storage().data_ptr(), None)
-        unit.copy, unit.ready, unit.holds = None, None, 0
+        unit.copy, unit.ready, unit.used_on, unit.holds = None, None, -1, 0
 
     def _advance(self, unit: _Unit) -> int | None:
         """The position of this acquisition in the recorded sequence (None while recording or when the
