@@ -23,6 +23,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from ..cli_args import nonnegative_int, positive_int
 from .table import render
 
 ROW = "@@ROW "
@@ -37,17 +38,35 @@ def layers(n: int) -> int:
     return 3 * (3 + 8 + n + 3) + 2
 
 
+def _cap(text: str) -> int:
+    from supermem.units import parse_bytes
+
+    try:
+        value = parse_bytes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--cap", default="12GiB", help="device memory cap per trial (default 12GiB)")
+    p.add_argument("--cap", type=_cap, default="12GiB", help="device memory cap per trial (default 12GiB)")
     p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, of {', '.join(CONFIGS)}")
     p.add_argument(
-        "--max-layers", type=int, default=None, help="stop searching at this depth (default 15,000)"
+        "--max-layers", type=positive_int, default=None, help="stop searching at this depth (default 15,000)"
     )
     p.add_argument(
-        "--jobs", type=int, default=None, help="searches run side by side (default 4 on cuda, 1 on cpu)"
+        "--jobs",
+        type=positive_int,
+        default=None,
+        help="searches run side by side (default 4 on cuda, 1 on cpu)",
     )
     p.add_argument(
-        "--checkpoints", type=int, default=512, help="binomial checkpoints for supermem (default 512)"
+        "--checkpoints",
+        type=nonnegative_int,
+        default=512,
+        help="binomial checkpoints for supermem (default 512)",
     )
 
 
@@ -275,14 +294,12 @@ def search(spec: dict, start: int, max_n: int, probes: int, timeout_s: float) ->
 
 
 def run(args: argparse.Namespace) -> dict:
-    from supermem.units import parse_bytes
-
     cuda = args.device == "cuda"
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     bad = [c for c in configs if c not in CONFIGS]
     if bad:
         raise SystemExit(f"supermem bench depth: unknown config {bad[0]!r}; choose from {', '.join(CONFIGS)}")
-    cap_bytes = parse_bytes(args.cap) if cuda else None
+    cap_bytes = args.cap if cuda else None
     if args.quick:
         base = {"batch": 2, "px": 32, "width": 8, "classes": 10, "unit_bytes": 1 << 16}  # a unit per block
         start, max_n, probes = dict.fromkeys(CONFIGS, 2), 2, dict.fromkeys(CONFIGS, 1)
@@ -319,7 +336,7 @@ def run(args: argparse.Namespace) -> dict:
     card = next((r.get("gpu") for r in rows if r.get("gpu")), "cpu")
     print(
         f"\nbench depth: ResNet [3, 8, n, 3], batch {base['batch']}, {base['px']}px, fp32, "
-        f"one SGD-momentum step, cap {args.cap if cuda else 'none'}, on {card}"
+        f"one SGD-momentum step, cap {f'{args.cap / 2**30:g} GiB' if cuda else 'none'}, on {card}"
     )
     columns = [
         ("config", lambda r: r["config"], ""),

@@ -84,3 +84,15 @@ def test_a_trial_with_company_is_marked_crowded():
     crowd.enter(c)  # c runs alone
     crowd.leave(c)
     assert a["crowded"] and b["crowded"] and not c["crowded"]
+
+
+def test_bad_arguments_are_one_line_usage_errors():
+    for bad in (["--cap", "12XB"], ["--jobs", "0"], ["--checkpoints", "-1"], ["--configs", "nope"]):
+        r = subprocess.run(
+            [sys.executable, "-m", "supermem", "bench", "depth", "--device", "cpu", "--quick", *bad],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr
+        assert bad[0].lstrip("-") in r.stderr or "unknown config" in r.stderr, r.stderr
