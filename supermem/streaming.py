@@ -33,15 +33,16 @@ from __future__ import annotations
 import threading
 import weakref
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psutil
 import torch
 
 from .errors import UsageError
-from .tensor_pool.copy import CopyEngine
-from .tensor_pool.host import HostBlock, HostPool, pinned_available
 from .units import parse_bytes
+
+if TYPE_CHECKING:
+    from .tensor_pool.host import HostBlock
 
 _live: weakref.WeakSet[Streamer] = weakref.WeakSet()
 _optimizer_hook: Any = None
@@ -210,6 +211,10 @@ class Streamer:
             host_bytes = parse_bytes(host_limit, total_bytes=psutil.virtual_memory().total)
         except ValueError as e:
             raise UsageError(f"stream: bad host_limit: {e}") from None
+        # imported here, not at the top: SUPERMEM_CONF=stream:weights imports this module in `import torch`
+        from .tensor_pool.copy import CopyEngine
+        from .tensor_pool.host import HostPool, pinned_available
+
         self.host = HostPool(host_bytes, pinned=self.cuda and pinned_available())
         self.copies = CopyEngine(self.device)
         self.prefetch = prefetch
