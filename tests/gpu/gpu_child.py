@@ -103,9 +103,10 @@ def main(argv: list[str] | None = None) -> int:
         sys.path.insert(0, args.path)
     if not args.native:
         import supermem
+        from supermem.config import merge_conf
 
-        forced = os.environ.get("SUPERMEM_TEST_EXTRA_CONF")  # see gpu_harness.child_env
-        supermem.install(",".join(filter(None, [args.conf, forced])) or None)
+        forced = os.environ.get("SUPERMEM_TEST_EXTRA_CONF", "")  # see gpu_harness.child_env
+        supermem.install(merge_conf(args.conf or "", forced) or None)
     module = importlib.import_module(args.module)
     for name in args.names:
         print(BEGIN + name, flush=True)

@@ -47,7 +47,9 @@ def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     if forced:
         env["SUPERMEM_TEST_EXTRA_CONF"] = forced  # gpu_child.py adds it to its --conf
         if env.get("SUPERMEM_CONF"):
-            env["SUPERMEM_CONF"] += "," + forced
+            from supermem.config import merge_conf
+
+            env["SUPERMEM_CONF"] = merge_conf(env["SUPERMEM_CONF"], forced)
         elif env.get("SUPERMEM") == "1":
             env["SUPERMEM_CONF"] = forced
     return env
