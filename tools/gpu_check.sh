@@ -2,7 +2,7 @@
 # The GPU check in one call: build supermem, run tests/gpu, run the benchmarks, print a short summary.
 #
 #   tools/gpu_check.sh                      # everything, about 9 minutes on an H100
-#   STAGES=tests tools/gpu_check.sh         # any of install,tests,alloc,train,savers (comma-separated)
+#   STAGES=tests tools/gpu_check.sh         # any of install,tests,alloc,train,savers,relu,soak,depth
 #   BENCH=alloc tools/gpu_check.sh          # benchmarks: alloc,train,savers (default) or none
 #   PYTEST_ARGS="-k stats" TRAIN_ARGS="--model gpt" BUDGETS=1.0,0.75,0.6,0.5 tools/gpu_check.sh
 #
@@ -97,6 +97,21 @@ if wanted savers; then
     --modes checkpoint,save_on_cpu,pool --budgets "${BUDGETS:-0.75,0.5}" \
     --json "$LOGS/bench_savers.json" ${TRAIN_ARGS:-}
   while IFS= read -r line; do SUMMARY+=("         $line"); done < <(grep -E '^savers ' "$LOGS/savers.log" 2>/dev/null)
+fi
+
+if wanted relu; then
+  stage relu "${T_RELU:-90}" "$PY" -m supermem bench relu --json "$LOGS/bench_relu.json"
+  while IFS= read -r line; do SUMMARY+=("         $line"); done < <(grep -E '^target ' "$LOGS/relu.log" 2>/dev/null)
+fi
+
+if wanted soak; then
+  stage soak "${T_SOAK:-120}" "$PY" tools/soak.py
+  while IFS= read -r line; do SUMMARY+=("         $line"); done < <(grep -E '^soak: ' "$LOGS/soak.log" 2>/dev/null)
+fi
+
+if wanted depth; then
+  stage depth "${T_DEPTH:-480}" "$PY" -m supermem bench depth --json "$LOGS/bench_depth.json"
+  while IFS= read -r line; do SUMMARY+=("         $line"); done < <(grep -E '^target ' "$LOGS/depth.log" 2>/dev/null)
 fi
 
 echo
