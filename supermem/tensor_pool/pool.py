@@ -724,8 +724,11 @@ def _top_view() -> dict[str, Any]:
     entries: dict[str, int] = {}
     nbytes: dict[str, int] = {}
     host = host_limit = d2h = h2d = 0
+    plans = []
     for p in list(_live_pools):
         s = p.stats()
+        if s["plan"] is not None:
+            plans.append(s["plan"])
         for state, n in s["entries_by_state"].items():
             entries[state] = entries.get(state, 0) + n
             nbytes[state] = nbytes.get(state, 0) + s[f"{state}_bytes"]
@@ -740,6 +743,7 @@ def _top_view() -> dict[str, Any]:
         "host_bytes": host,
         "host_limit_bytes": host_limit,
         "link": link,
+        "plans": plans,  # each planned pool's predictions beside its last step's measurements
     }
 
 

@@ -222,3 +222,20 @@ def test_replans_on_a_new_shape_and_reuses_the_cached_plan():
     s = pool.stats()
     assert s["plans"] == 2, s  # one per shape: the big one again reuses its plan
     assert s["plan"]["plans_cached"] == 2
+
+
+def test_stats_and_top_show_the_plan_beside_the_measurements():
+    from supermem import top
+    from supermem.tensor_pool.pool import _top_view
+
+    g = torch.Generator().manual_seed(1)
+    pool = Pool(budget=40 << 10, policy="planned", host_limit="64MiB")
+    _train(pool, [torch.randn(32, 64, generator=g) for _ in range(4)])
+    plan = pool.stats()["plan"]
+    assert plan["predicted_peak_bytes"] > 0 and plan["measured_peak_bytes"] > 0
+    assert plan["predicted_step_s"] > 0 and plan["measured_step_s"] > 0 and plan["offload"] > 0
+    view = _top_view()
+    assert plan in view["plans"]
+    text = top.render({"pid": 1, "argv": ["x"], "time_unix_s": 0, "providers": {"pool": view}})
+    line = next(x for x in text.splitlines() if x.startswith("PLAN"))
+    assert f"offload {plan['offload']}" in line and "planned /" in line and "measured" in line
