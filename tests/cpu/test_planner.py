@@ -183,6 +183,9 @@ def _train(pool, batches, seed=0):
 
 
 def test_budget_makes_planned_the_default():
+    from supermem import config
+
+    assert config.parse_conf("pool:planned,budget:1GiB")["pool"] == "planned"
     assert Pool(budget="1MiB").policy.name == "planned"
     assert Pool().policy.name == "lru"
     assert Pool(budget="1MiB", policy="lru").policy.name == "lru"
