@@ -86,7 +86,7 @@ def simulate(p: Profile, offloads: set[int], units: set[int], budget: int) -> Si
         f = bisect.bisect_right(p.times_s, p.times_s[s.use] - c) - 1
         fetch[o] = min(s.use, max(f, p.backward_event, land[o]))
     for o in offloads:
-        a, b = land[o], fetch[o]
+        a, b = land[o], min(fetch[o], by[o].end)
         if a < b:
             diff[a] -= by[o].nbytes
             diff[b] += by[o].nbytes
@@ -95,8 +95,9 @@ def simulate(p: Profile, offloads: set[int], units: set[int], budget: int) -> Si
         if s.unit in units and s.ordinal not in offloads:
             members.setdefault(s.unit, []).append(s)
     for u, ms in members.items():
-        a, b = p.unit_ready[u], min(s.use for s in ms)
+        a, back = p.unit_ready[u], min(s.use for s in ms)
         for s in ms:
+            b = min(back, s.end)
             if a < b:
                 diff[a] -= s.nbytes
                 diff[b] += s.nbytes
@@ -109,12 +110,12 @@ def simulate(p: Profile, offloads: set[int], units: set[int], budget: int) -> Si
     over = [i for i in range(n) if curve[i] > budget]
     for o in sorted(offloads, key=lambda o: by[o].use):
         s, f = by[o], fetch[o]
-        if f >= s.use:
+        if f >= min(s.use, s.end):
             continue
         k = bisect.bisect_left(over, s.use) - 1
         if k >= 0 and over[k] >= f:
             later = over[k] + 1
-            for i in range(f, later):
+            for i in range(f, min(later, s.end)):
                 curve[i] -= s.nbytes
             fetch[o] = f = later
         if not p.sync_copies:
@@ -179,7 +180,9 @@ def _best_choice(p: Profile, sim: Simulated, peak: int, offloads: set, units: se
         free = [s for s in ms if s.ordinal not in offloads]
         if not free or not p.unit_ready[u] <= peak < min(s.use for s in free):
             continue
-        freed = sum(s.nbytes for s in free)
+        freed = sum(s.nbytes for s in free if peak < s.end)
+        if not freed:
+            continue
         score = p.unit_cost_s[u] / freed
         if score < best_score:
             best, best_score = ("recompute", u), score
@@ -188,7 +191,7 @@ def _best_choice(p: Profile, sim: Simulated, peak: int, offloads: set, units: se
     for s in p.saved:
         if not s.offloadable or s.ordinal in offloads or s.ordinal in taken or s.nbytes == 0:
             continue
-        if not s.save < peak < s.use:
+        if not s.save < peak < min(s.use, s.end):
             continue
         c = s.nbytes / p.link_bytes_per_s
         if p.sync_copies:

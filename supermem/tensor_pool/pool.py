@@ -516,6 +516,8 @@ class Pool:
                     self._device_bytes -= e.treatment.device_bytes(e)
                     if self._rec is not None and e.step is self._step:
                         self._rec.away -= e.nbytes - e.treatment.device_bytes(e)
+                if self._rec is not None and e.step is self._step:
+                    self._rec.died(e.ordinal)
                 e.tensor = None
                 if e.treatment is not None:
                     e.treatment.forget(self, e)

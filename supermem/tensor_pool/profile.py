@@ -27,6 +27,7 @@ class Saved:
     nbytes: int
     save: int  # its pack event
     use: int  # its first unpack event (the timeline's length when backward never used it)
+    end: int = -1  # the first event after it died (the timeline's length if it outlived the step)
     unit: int | None = None  # recompute unit (dropping it frees every member at once)
     offloadable: bool = True  # autocast weight copies are rebuilt, never copied to host
 
@@ -95,6 +96,12 @@ class Recorder:
             self.backward_event = i
         return i
 
+    def died(self, ordinal: int) -> None:
+        """The entry is gone (a region's input dies with the region, never unpacked by backward)."""
+        s = self.saved.get(ordinal)
+        if s is not None and s.end < 0:
+            s.end = self.events
+
     def recomputable(self, recipe: Any, cost: Any, ordinals: list[int], offloadable: bool) -> None:
         """`ordinals` may be dropped and rebuilt by `recipe` from the next event on, for `cost`
         seconds (or what `cost()` measures once the plan is made)."""
@@ -115,6 +122,8 @@ class Recorder:
         for s in saved:
             if s.use < 0:
                 s.use = n
+            if s.end < 0:
+                s.end = n
         p = Profile(
             saved,
             times,

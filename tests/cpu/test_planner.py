@@ -37,7 +37,7 @@ def gpt24_profile(link_bytes_per_s=55e9, spike_bytes=int(3.07 * GiB), block_cost
     times += [fwd_s + bwd_s * (k + 1) / n_saved for k in range(n_saved)]
     p = Profile(saved, times, [], [], link_bytes_per_s=link_bytes_per_s, backward_event=n_saved)
     for k, nbytes in enumerate(sizes):
-        s = Saved(k + 1, nbytes, save=k, use=2 * n_saved - 1 - k)
+        s = Saved(k + 1, nbytes, save=k, use=2 * n_saved - 1 - k, end=2 * n_saved - k)
         blk, pos = divmod(k, len(block) + 1)
         if k < 24 * (len(block) + 1):
             if pos == len(block):  # the weight copies: cast again from the parameters, never copied
@@ -70,7 +70,7 @@ def resident_curve(p: Profile, plan) -> list[int]:
         else:
             free_s = max(free_s, p.times_s[s.save]) + s.nbytes / p.link_bytes_per_s
             land = max(s.save + 1, bisect.bisect_left(p.times_s, free_s))
-        for i in range(land, fetched.get(o, s.use)):
+        for i in range(land, min(fetched.get(o, s.use), s.end)):
             away[i] += s.nbytes
     units: dict[int, list[Saved]] = {}
     for o, t in plan.treatment.items():
@@ -78,7 +78,7 @@ def resident_curve(p: Profile, plan) -> list[int]:
             units.setdefault(by[o].unit, []).append(by[o])
     for u, ms in units.items():
         for s in ms:
-            for i in range(p.unit_ready[u], min(m.use for m in ms)):
+            for i in range(p.unit_ready[u], min(min(m.use for m in ms), s.end)):
                 away[i] += s.nbytes
     return [b + t - a for b, t, a in zip(p.base_bytes, p.transient_bytes, away)]
 
@@ -242,3 +242,18 @@ def test_stats_and_top_show_the_plan_beside_the_measurements():
     text = top.render({"pid": 1, "argv": ["x"], "time_unix_s": 0, "providers": {"pool": view}})
     line = next(x for x in text.splitlines() if x.startswith("PLAN"))
     assert f"offload {plan['offload']}" in line and "planned /" in line and "measured" in line
+
+
+def test_a_tensor_that_died_frees_nothing_after_its_death():
+    """A region's input is kept for replays and dies with the region, never unpacked by backward:
+    offloading it cannot lower a point after its death (here the only over-budget point), so the
+    plan recomputes the tensor that is still alive there."""
+    a = Saved(1, 4 * MiB, save=0, use=5, end=2)  # never used (use = the timeline's length)
+    b = Saved(2, 2 * MiB, save=1, use=4, end=5, unit=0, offloadable=False)
+    base = [4 * MiB, 6 * MiB, 2 * MiB, 2 * MiB, 2 * MiB]
+    p = Profile([a, b], [0.0, 1.0, 2.0, 3.0, 4.0], base, [0, 0, 0, 5 * MiB, 0], backward_event=3)
+    p.unit_ready[0], p.unit_cost_s[0], p.link_bytes_per_s = 2, 1.0, 1e12
+    p.sync_copies = True
+    plan = make_plan(p, 6 * MiB)
+    assert plan.treatment == {2: "recompute"} and plan.feasible
+    assert max(resident_curve(p, plan)) <= 6 * MiB

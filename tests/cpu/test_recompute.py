@@ -133,6 +133,10 @@ def test_training_is_bitwise_plain_pytorch(case, policy, budget):
         assert s["regions"] > 0 and s["dropped"] > 0 and s["recomputes"] > 0, s
     elif policy == "lru" and budget == 0:
         assert s["dropped"] == 0 and s["offloads"] > 0
+    if policy == "planned" and budget == 0:  # steps 3 and 4 ran a plan; copies priced dear: it recomputes
+        assert s["plans"] == 1 and s["plan"]["recompute"] > 0, s
+    if policy == "planned" and budget == "64KiB" and s["plan"]["feasible"]:
+        assert s["plan"]["measured_peak_bytes"] <= 64 << 10, s
 
 
 @pytest.mark.parametrize("policy", live_names())
