@@ -43,6 +43,8 @@ PREFETCH_SCAN = 64  # entries looked at, going back from the one just used, for 
 CANDIDATES = 32  # least recently used entries priced per decision (the stalest score best anyway)
 CPU_COPY_BYTES_PER_S = 5e9  # host memcpy
 GPU_MEMORY_BYTES_PER_S = 2e12  # device copies (H200: 4.2 TB/s read+write)
+REPLAN_TOLERANCE = 0.01  # a planned step this far over the budget is planned again, lower
+MAX_REPLANS = 3  # per shape: a plan that keeps missing stays (the reactive fallback still acts)
 
 
 class Pool:
@@ -96,6 +98,8 @@ class Pool:
         self._plan_pending: list[weakref.ref[Entry]] = []  # planned for recompute, their call still running
         self._last_spike = 0  # the last step's true peak above the most the pool saw
         self._last_peak_bytes = 0  # the last step's measured peak
+        self._plan_aim: dict[tuple[int, ...], int] = {}  # by signature: plan this far below the budget
+        self._replans: dict[tuple[int, ...], int] = {}  # by signature: plans that overshot
         self._last_step_s = 0.0  # the last step's measured duration (host clock)
         self._step_peak = 0
         self.treatments = {t.name: t for t in (treatments or (Offload(), Recompute()))}
@@ -135,6 +139,7 @@ class Pool:
                 "pressure_calls",
                 "backpressure_waits",
                 "plans",
+                "replans",
             ),
             0,
         )
@@ -401,16 +406,38 @@ class Pool:
             self._last_peak_bytes = self._step_peak
         self._step_peak = 0
         rec, self._rec = self._rec, None
-        if rec is None or self._plan_ok or rec.backward_event is None or not rec.regions_on:
+        if rec is None or rec.backward_event is None:
+            return
+        if self._plan_ok:
+            self._check_plan(self._plan)
+            return
+        if not rec.regions_on:
             return
         profile = rec.profile(
             self._last_spike,
             self.treatments["offload"].rate(self) if "offload" in self.treatments else 1.0,
             sync_copies=not self.cuda,
         )
-        self._plan = make_plan(profile, self.budget_bytes)
+        aim = max(0, self.budget_bytes - self._plan_aim.get(profile.signature, 0))
+        self._plan = make_plan(profile, aim)
         self._plans[profile.signature] = self._plan
         self._counters["plans"] += 1
+
+    def _check_plan(self, plan: Plan) -> None:
+        """A step that ran a feasible plan and still rose over the budget (a transient that fell
+        elsewhere than the profile put it, a cost that changed): the next step of its shape is profiled
+        again and planned below the budget by the overshoot, a few times at most."""
+        over = self._last_peak_bytes - self.budget_bytes
+        sig = plan.signature
+        if not plan.feasible or over <= REPLAN_TOLERANCE * self.budget_bytes:
+            return
+        if self._replans.get(sig, 0) >= MAX_REPLANS:
+            return
+        self._replans[sig] = self._replans.get(sig, 0) + 1
+        self._plan_aim[sig] = self._plan_aim.get(sig, 0) + over
+        self._plans.pop(sig, None)
+        self._plan = None
+        self._counters["replans"] += 1
 
     def _choices(self, limit: int | None = None) -> list[Choice]:
         resident = [e for e in self._resident_entries(limit) if not any(e is x for x in self._in_use)]

@@ -257,3 +257,30 @@ def test_a_tensor_that_died_frees_nothing_after_its_death():
     plan = make_plan(p, 6 * MiB)
     assert plan.treatment == {2: "recompute"} and plan.feasible
     assert max(resident_curve(p, plan)) <= 6 * MiB
+
+
+def test_a_plan_that_overshoots_is_made_again_lower():
+    """A planned step whose measured peak rose over the budget (on a GPU: a transient the profile put
+    elsewhere): the next step of the shape is profiled again and planned below the budget by the
+    overshoot; the steps after run the new plan and train bitwise."""
+    g = torch.Generator().manual_seed(1)
+    batches = [torch.randn(32, 64, generator=g) for _ in range(8)]
+    ref_losses, ref_grads = _train(None, batches)
+    budget, spike = 40 << 10, 8 << 10
+    pool = Pool(budget=budget, policy="planned", host_limit="64MiB")
+    real = pool._step_ended
+    spiked = []
+
+    def step_ended(s):
+        if pool._plan_ok and not spiked:  # the first planned step: an unseen spike
+            spiked.append(s)
+            pool._step_peak += spike
+        real(s)
+
+    pool._step_ended = step_ended
+    plans, grads = _train(pool, batches)
+    assert all(torch.equal(a, b) for a, b in zip(ref_grads, grads))
+    s = pool.stats()
+    assert s["replans"] == 1 and s["plans"] == 2, (s, plans)
+    assert plans[-1]["predicted_peak_bytes"] <= budget - spike, plans
+    assert plans[-1]["measured_peak_bytes"] <= budget - spike, plans
