@@ -45,6 +45,7 @@ CPU_COPY_BYTES_PER_S = 5e9  # host memcpy
 GPU_MEMORY_BYTES_PER_S = 2e12  # device copies (H200: 4.2 TB/s read+write)
 REPLAN_TOLERANCE = 0.01  # a planned step this far over the budget is planned again, lower
 MAX_REPLANS = 3  # per shape: a plan that keeps missing stays (the reactive fallback still acts)
+MAX_PLANS = 64  # plans cached, one per shape signature
 
 
 class Pool:
@@ -421,6 +422,8 @@ class Pool:
         aim = max(0, self.budget_bytes - self._plan_aim.get(profile.signature, 0))
         self._plan = make_plan(profile, aim)
         self._plans[profile.signature] = self._plan
+        if len(self._plans) > MAX_PLANS:  # shapes that keep changing: the oldest plan goes
+            del self._plans[next(iter(self._plans))]
         self._counters["plans"] += 1
 
     def _check_plan(self, plan: Plan) -> None:

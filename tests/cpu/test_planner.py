@@ -284,3 +284,17 @@ def test_a_plan_that_overshoots_is_made_again_lower():
     assert s["replans"] == 1 and s["plans"] == 2, (s, plans)
     assert plans[-1]["predicted_peak_bytes"] <= budget - spike, plans
     assert plans[-1]["measured_peak_bytes"] <= budget - spike, plans
+
+
+def test_plan_cache_is_bounded(monkeypatch):
+    import sys
+
+    from supermem.tensor_pool.pool import MAX_PLANS
+
+    assert MAX_PLANS >= 8
+    monkeypatch.setattr(sys.modules["supermem.tensor_pool.pool"], "MAX_PLANS", 2)
+    g = torch.Generator().manual_seed(1)
+    batches = [torch.randn(n, 64, generator=g) for n in (8, 8, 8, 12, 12, 16, 16, 20, 20)]
+    pool = Pool(budget=8 << 10, policy="planned", host_limit="64MiB")
+    _train(pool, batches)
+    assert pool.stats()["plans"] >= 3 and len(pool._plans) == 2
