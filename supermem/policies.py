@@ -93,13 +93,15 @@ class CostAware(Policy):
         return start
 
 
-class Planned(Policy):
-    """Belady's optimal eviction: the block needed furthest in the future leaves first (replay only: a
-    live pool does not know the future)."""
+class Planned(CostAware):
+    """Live: profile the first step of each shape, then plan keep / offload / recompute for every saved
+    tensor so the step stays under the budget at every point for the least added time
+    (tensor_pool/planner.py); until a plan exists, and as a fallback, it acts as cost_aware. Replay
+    (block lifetimes only, the future known): Belady's optimal eviction, the block needed furthest
+    ahead leaves first."""
 
     name = "planned"
-    live = False
-    doc = "replay only: evict the block needed furthest ahead"
+    doc = "plan each saved tensor's treatment from a profiled step (replay: Belady)"
 
     def key(self, start: int, end: int) -> float:
         return -(end if end >= 0 else float("inf"))

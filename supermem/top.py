@@ -93,6 +93,15 @@ def render(snap: dict[str, Any]) -> str:
                 f"HOST    {format_bytes(pool['host_bytes'])} on host"
                 + (f" of {format_bytes(lim)}" if lim else "")
             )
+        for plan in pool.get("plans", []):
+            lines.append(
+                f"PLAN    keep {plan['keep']}  offload {plan['offload']}  recompute {plan['recompute']}"
+                f"  peak {format_bytes(plan['predicted_peak_bytes'])} planned"
+                f" / {format_bytes(plan['measured_peak_bytes'])} measured"
+                f"  step {plan['predicted_step_s'] * 1e3:.1f} ms planned"
+                f" / {plan['measured_step_s'] * 1e3:.1f} ms measured"
+                + ("" if plan["feasible"] else "  (over budget: infeasible)")
+            )
         link = pool.get("link", {})
         if link:
             lines.append(

@@ -63,6 +63,7 @@ def modes(device: str, budgets: list[float]) -> list[Mode]:
             out.append(
                 Mode(f"cost_aware {b:.0%}", "supermem", "pool", budget=b, options={"policy": "cost_aware"})
             )
+            out.append(Mode(f"planned {b:.0%}", "supermem", "pool", budget=b, options={"policy": "planned"}))
     return out
 
 

@@ -33,6 +33,8 @@ from ..units import parse_bytes
 from .copy import CopyEngine
 from .entry import Entry, Kept, State, check_version, movable
 from .host import HostPool, pinned_available
+from .planner import Plan, make_plan
+from .profile import Recorder
 from .region import Regions
 from .step import Step
 from .treatments import Cast, Offload, Recompute, Treatment, autocast_copy_of
@@ -41,6 +43,9 @@ PREFETCH_SCAN = 64  # entries looked at, going back from the one just used, for 
 CANDIDATES = 32  # least recently used entries priced per decision (the stalest score best anyway)
 CPU_COPY_BYTES_PER_S = 5e9  # host memcpy
 GPU_MEMORY_BYTES_PER_S = 2e12  # device copies (H200: 4.2 TB/s read+write)
+REPLAN_TOLERANCE = 0.01  # a planned step this far over the budget is planned again, lower
+MAX_REPLANS = 3  # per shape: a plan that keeps missing stays (the reactive fallback still acts)
+MAX_PLANS = 64  # plans cached, one per shape signature
 
 
 class Pool:
@@ -50,7 +55,9 @@ class Pool:
     budget: device bytes (int, "8GiB", "60%" or 0.6 of the card); None: act only when the supermem
         allocator would otherwise run out of memory. On CPU: bytes of saved tensors kept.
     policy: a name from supermem.policies ("lru": offload least recently used; "cost_aware": offload
-        or recompute, whichever frees bytes at the least exposed cost).
+        or recompute, whichever frees bytes at the least exposed cost; "planned": profile the first
+        step of each shape, plan every saved tensor's treatment, run the plan after). Default: planned
+        when a budget is given, else lru.
     host_limit: pinned host bytes the pool may use (int, size string or percentage of host RAM).
     min_bytes: smaller saved tensors stay where they are (default 1 MiB on GPU, 0 on CPU).
     treatments: the ways out (default: Offload and Recompute); the policy chooses among them.
@@ -59,7 +66,7 @@ class Pool:
     def __init__(
         self,
         budget: int | float | str | None = None,
-        policy: str = "lru",
+        policy: str | None = None,
         host_limit: int | float | str | None = "50%",
         *,
         device: torch.device | str | None = None,
@@ -80,7 +87,22 @@ class Pool:
                 f"{self.device} has no device memory to take it of; give bytes (e.g. 64MiB)"
             )
         self.budget_bytes = None if budget is None else _size("budget", budget, total)
+        if policy is None:
+            policy = "planned" if budget is not None else "lru"
         self.policy = _checked("policy", make_policy, policy)
+        self.planning = self.policy.name == "planned"
+        self._plans: dict[tuple[int, ...], Plan] = {}  # by shape signature (bytes per saved tensor)
+        self._plan: Plan | None = None  # the plan this step runs (or the last one made)
+        self._plan_ok = False  # this step matches the plan so far
+        self._rec: Recorder | None = None  # this step's timeline (planned policy)
+        self._by_ordinal: dict[int, weakref.ref[Entry]] = {}  # this step's entries, for the plan
+        self._plan_pending: list[weakref.ref[Entry]] = []  # planned for recompute, their call still running
+        self._last_spike = 0  # the last step's true peak above the most the pool saw
+        self._last_peak_bytes = 0  # the last step's measured peak
+        self._plan_aim: dict[tuple[int, ...], int] = {}  # by signature: plan this far below the budget
+        self._replans: dict[tuple[int, ...], int] = {}  # by signature: plans that overshot
+        self._last_step_s = 0.0  # the last step's measured duration (host clock)
+        self._step_peak = 0
         self.treatments = {t.name: t for t in (treatments or (Offload(), Recompute()))}
         host_bytes = _size(
             "host_limit", "50%" if host_limit is None else host_limit, psutil.virtual_memory().total
@@ -116,6 +138,9 @@ class Pool:
                 "sync_restores",
                 "host_full",
                 "pressure_calls",
+                "backpressure_waits",
+                "plans",
+                "replans",
             ),
             0,
         )
@@ -206,6 +231,8 @@ class Pool:
             self._counters["packed"] += 1
             self._add_resident(e)
             self._touch(e)
+            if self._rec is not None:
+                self._planned_pack(e)
             return e
 
     def _unpack(self, packed: Any) -> torch.Tensor:
@@ -218,9 +245,16 @@ class Pool:
             if self.regions.phase == "profiling":
                 self.regions.end_profiling()
             packed.step.unpacked()
+            event = None
+            if self._rec is not None and packed.step is self._step:
+                event = self._rec.used(packed.ordinal, self._used_bytes())
             t = self._materialize(packed)
             self._touch(packed)
-            self._prefetch_before(packed)
+            if self._plan_ok:
+                if event is not None:
+                    self._plan_events(event)
+            else:
+                self._prefetch_before(packed)
             return t
 
     def _unpack_input(self, packed: Any) -> Any:
@@ -242,10 +276,18 @@ class Pool:
                 self.regions.end_profiling()  # the first step ended without a backward
             self._learn_margin()  # a new step begins: the last one's peak is known
             self.copies.collect()  # finished copy timings: the link rate the policy prices copies at
+            if s is not None:
+                self._step_ended(s)
             self._capture = self._needed_last_step()
             self._left = False
             self._steps += 1
             s = self._step = Step(self._steps, self.cuda)
+            if self.planning and self.budget_bytes is not None:
+                self._plan_ok = self._plan is not None
+                self._rec = Recorder(self.cuda, timed=not self._plan_ok)
+                self._rec.regions_on = self.regions.phase == "on"
+                self._by_ordinal = {}
+                self._plan_pending = []
         return s
 
     def _capturing_regions(self) -> bool:
@@ -260,7 +302,7 @@ class Pool:
         """Capture regions only when the pool may need them: on the first steps, and after a step in
         which something left the device (an unneeded budget costs nothing per region; a step that
         newly needs room offloads, and the next one captures)."""
-        return self._steps < 2 or self._left
+        return self._steps < 2 or self._left or self.planning  # a plan's ordinals count the regions' inputs
 
     # ------------------------------------------------------------------ moving entries
 
@@ -282,9 +324,123 @@ class Pool:
             if over <= 0:
                 break
 
-    def _region_done(self) -> None:
-        """A region's entries just became recomputable: they may be what the budget needs."""
+    def _region_done(self, region: Any = None) -> None:
+        """A region's entries just became recomputable: they may be what the budget needs (or what
+        the plan said to drop)."""
+        if self._rec is not None and region is not None:
+            own = [x for ref in region.slots if ref is not None and (x := ref()) is not None]
+            regions, module = self.regions, region.module
+            ordinals = [x.ordinal for x in own if x.recipe is region]
+            self._rec.recomputable(region, lambda: regions.cost_s(module), ordinals, True)
+        if self._plan_pending:
+            still = []
+            for ref in self._plan_pending:
+                x = ref()
+                if x is None or x.recipe is None or x.state is not State.RESIDENT:
+                    continue
+                if x.recipe.ready:
+                    self._leave(x, self.treatments["recompute"])
+                else:
+                    still.append(ref)
+            self._plan_pending = still
         self._fit_budget()
+
+    # ------------------------------------------------------------------ the plan (planned policy)
+
+    def _planned_pack(self, e: Entry) -> None:
+        """Records the pack; runs the plan's treatment for it and whatever the plan set for this event."""
+        rec = self._rec
+        event = rec.packed(e.ordinal, e.nbytes, self._used_bytes())
+        if isinstance(e.recipe, Cast):
+            rec.recomputable(e.recipe, e.recipe.cost_s(self), [e.ordinal], False)
+        if not self._plan_ok:
+            return
+        if not self._plan_matches(e):
+            return
+        self._by_ordinal[e.ordinal] = weakref.ref(e)
+        how = self._plan.treatment.get(e.ordinal)
+        if how == "offload" and "offload" in self.treatments:
+            self._leave(e, self.treatments["offload"])
+        elif how == "recompute" and "recompute" in self.treatments:
+            if e.recipe is not None and e.recipe.ready:
+                self._leave(e, self.treatments["recompute"])
+            else:
+                self._plan_pending.append(weakref.ref(e))  # its call has not returned yet
+        self._plan_events(event)
+
+    def _plan_matches(self, e: Entry) -> bool:
+        """Whether this step still has the plan's shape; on a change, a cached plan of the new shape
+        (the same saves so far) or none: then this step is profiled and planned at its end."""
+        sig, k = self._plan.signature, e.ordinal - 1
+        if k < len(sig) and sig[k] == e.nbytes:
+            return True
+        seen = [self._rec.saved[o].nbytes for o in range(1, e.ordinal + 1)]
+        for plan in self._plans.values():
+            if list(plan.signature[: len(seen)]) == seen:
+                self._plan = plan
+                return True
+        self._plan_ok = False
+        return False
+
+    def _plan_events(self, event: int) -> None:
+        plan = self._plan
+        for o in plan.wait_at.get(event, ()):  # backpressure: the copy lands before the spike
+            x = self._planned_entry(o)
+            if x is not None and x.state is State.LEAVING and x.event is not None and not x.event.query():
+                self._counters["backpressure_waits"] += 1
+                self.copies.wait(x.event)
+        for o in plan.prefetch_at.get(event, ()):
+            x = self._planned_entry(o)
+            if x is not None and x.state in (State.LEAVING, State.AWAY) and x.treatment.prefetch:
+                x.treatment.come_back(self, x)
+                self._counters["prefetches"] += 1
+                self._prefetched_bytes += x.nbytes
+
+    def _planned_entry(self, ordinal: int) -> Entry | None:
+        ref = self._by_ordinal.get(ordinal)
+        return ref() if ref is not None else None
+
+    def _step_ended(self, s: Step) -> None:
+        """Measures the step; plans from it if it ran without a plan of its shape."""
+        self._last_step_s = time.perf_counter() - s.started_s
+        if not self.cuda:
+            self._last_peak_bytes = self._step_peak
+        self._step_peak = 0
+        rec, self._rec = self._rec, None
+        if rec is None or rec.backward_event is None:
+            return
+        if self._plan_ok:
+            self._check_plan(self._plan)
+            return
+        if not rec.regions_on:
+            return
+        profile = rec.profile(
+            self._last_spike,
+            self.treatments["offload"].rate(self) if "offload" in self.treatments else 1.0,
+            sync_copies=not self.cuda,
+        )
+        aim = max(0, self.budget_bytes - self._plan_aim.get(profile.signature, 0))
+        self._plan = make_plan(profile, aim)
+        self._plans[profile.signature] = self._plan
+        if len(self._plans) > MAX_PLANS:  # shapes that keep changing: the oldest plan goes
+            del self._plans[next(iter(self._plans))]
+        self._counters["plans"] += 1
+
+    def _check_plan(self, plan: Plan) -> None:
+        """A step that ran a feasible plan and still rose over the budget (a transient that fell
+        elsewhere than the profile put it, a cost that changed): the next step of its shape is profiled
+        again and planned below the budget by the overshoot, a few times at most."""
+        over = self._last_peak_bytes - self.budget_bytes
+        sig = plan.signature
+        if not plan.feasible or over <= REPLAN_TOLERANCE * self.budget_bytes:
+            return
+        if self._replans.get(sig, 0) >= MAX_REPLANS:
+            return
+        self._replans[sig] = self._replans.get(sig, 0) + 1
+        self._plan_aim[sig] = self._plan_aim.get(sig, 0) + over
+        self._plans.pop(sig, None)
+        self._plan = None
+        self._counters["replans"] += 1
 
     def _choices(self, limit: int | None = None) -> list[Choice]:
         resident = [e for e in self._resident_entries(limit) if not any(e is x for x in self._in_use)]
@@ -304,12 +460,16 @@ class Pool:
         e.treatment = t
         self._drop_resident(e)
         self._device_bytes += t.device_bytes(e)
+        if self._rec is not None and e.step is self._step:
+            self._rec.away += e.nbytes - t.device_bytes(e)
         self._left = True
         return True
 
     def _arrived(self, e: Entry, tensor: torch.Tensor, event: Any) -> None:
         """A treatment brought `e` back into `tensor` (ready after `event`, if any)."""
         self._device_bytes -= e.treatment.device_bytes(e)
+        if self._rec is not None and e.step is self._step:
+            self._rec.away -= e.nbytes - e.treatment.device_bytes(e)
         e.tensor = tensor
         e.event = event
         e.state = State.RETURNING if event is not None else State.RESIDENT
@@ -384,6 +544,10 @@ class Pool:
                     self._lru.pop(e.seq, None)
                 elif e.treatment is not None:
                     self._device_bytes -= e.treatment.device_bytes(e)
+                    if self._rec is not None and e.step is self._step:
+                        self._rec.away -= e.nbytes - e.treatment.device_bytes(e)
+                if self._rec is not None and e.step is self._step:
+                    self._rec.died(e.ordinal)
                 e.tensor = None
                 if e.treatment is not None:
                     e.treatment.forget(self, e)
@@ -395,6 +559,7 @@ class Pool:
     def _add_resident(self, e: Entry) -> None:
         self._device_bytes += e.nbytes
         self._peak_resident_bytes = max(self._peak_resident_bytes, self._device_bytes)
+        self._step_peak = max(self._step_peak, self._device_bytes)
         self._lru[e.seq] = weakref.ref(e)
 
     def _drop_resident(self, e: Entry) -> None:
@@ -429,6 +594,8 @@ class Pool:
         allocator's limit (or the card) less room for the largest entry, so prefetch never causes an
         OOM. On CPU: the budget (or no bound)."""
         if self.budget_bytes is not None:
+            if self._plan_ok:
+                return self.budget_bytes  # the plan made room for the step's transients already
             return max(0, self.budget_bytes - self._margin)
         if not self.cuda:
             return 1 << 62
@@ -443,10 +610,14 @@ class Pool:
         the pool cannot see (the loss, workspaces) are a property of the model, not of the target,
         so this settles in one step and does not oscillate."""
         alloc = self._supermem_allocator() if self.budget_bytes is not None else None
+        if alloc is None and self.cuda:
+            self._last_peak_bytes = self._seen_peak  # what the pool saw: PyTorch's allocator has no watermark
         if alloc is not None:
             peak = alloc.take_watermark()
+            self._last_peak_bytes = peak
             if self._seen_peak:
-                self._margin = min(self.budget_bytes, max(0, peak - self._seen_peak))
+                self._last_spike = max(0, peak - self._seen_peak)
+                self._margin = min(self.budget_bytes, self._last_spike)
         self._seen_peak = 0
 
     def _supermem_allocator(self) -> Any:
@@ -536,7 +707,24 @@ class Pool:
                 "copy_seconds": copy_seconds,
                 "wait_seconds": c.wait_seconds,
                 "hidden_fraction": max(0.0, 1 - c.wait_seconds / copy_seconds) if copy_seconds else 1.0,
+                "plan": self._plan_stats(),
             }
+
+    def _plan_stats(self) -> dict | None:
+        """The current plan's predictions beside the last step's measurements (planned policy)."""
+        p = self._plan
+        if p is None:
+            return None
+        return {
+            **p.counts(),
+            "feasible": p.feasible,
+            "predicted_peak_bytes": p.predicted_peak_bytes,
+            "measured_peak_bytes": self._last_peak_bytes,
+            "predicted_step_s": p.predicted_step_s,
+            "measured_step_s": self._last_step_s,
+            "plan_s": p.plan_s,
+            "plans_cached": len(self._plans),
+        }
 
     def synchronize(self) -> None:
         """Waits for every copy in flight and folds all timings into stats()."""
@@ -568,8 +756,11 @@ def _top_view() -> dict[str, Any]:
     entries: dict[str, int] = {}
     nbytes: dict[str, int] = {}
     host = host_limit = d2h = h2d = 0
+    plans = []
     for p in list(_live_pools):
         s = p.stats()
+        if s["plan"] is not None:
+            plans.append(s["plan"])
         for state, n in s["entries_by_state"].items():
             entries[state] = entries.get(state, 0) + n
             nbytes[state] = nbytes.get(state, 0) + s[f"{state}_bytes"]
@@ -584,6 +775,7 @@ def _top_view() -> dict[str, Any]:
         "host_bytes": host,
         "host_limit_bytes": host_limit,
         "link": link,
+        "plans": plans,  # each planned pool's predictions beside its last step's measurements
     }
 
 

@@ -374,7 +374,7 @@ class Regions:
             self._costs[id(module)][2].append(_stop_timer(region.timing, pool))
             region.timing = None
         if pool is not None and region.finish(pool):
-            pool._region_done()
+            pool._region_done(region)
 
     @contextlib.contextmanager
     def replaying(self) -> Any:

@@ -1,0 +1,154 @@
+"""Profiling one step: what the planner plans from.
+
+A step's timeline is its events in order: each saved tensor's pack (its first save) and its first
+unpack in backward. At each event the recorder notes the bytes resident (the allocator's count on a
+GPU, the pool's own on CPU) with what the pool had taken off the device added back, so the curve is
+the step's untreated memory; and the event's time (CUDA events on a GPU, read once when the plan is
+made; the host clock on CPU). The transient the pool cannot see (the loss's temporaries, workspaces) is
+the step's true peak (the allocator's watermark) above the most the pool saw; it is put at backward's
+start, where the loss's spike falls. Recompute units (a module call, an autocast weight copy) and
+their measured costs come from the regions; the link rate from the copy engine.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass(slots=True)
+class Saved:
+    """One saved tensor of the profiled step (events are indices into the profile's timeline)."""
+
+    ordinal: int
+    nbytes: int
+    save: int  # its pack event
+    use: int  # its first unpack event (the timeline's length when backward never used it)
+    end: int = -1  # the first event after it died (the timeline's length if it outlived the step)
+    unit: int | None = None  # recompute unit (dropping it frees every member at once)
+    offloadable: bool = True  # autocast weight copies are rebuilt, never copied to host
+
+
+@dataclass
+class Profile:
+    saved: list[Saved]
+    times_s: list[float]  # per event, from the step's start
+    base_bytes: list[int]  # per event: resident bytes with nothing treated
+    transient_bytes: list[int]  # per event: what the pool did not see (the loss's spike)
+    unit_ready: dict[int, int] = field(default_factory=dict)  # unit -> first event its members may leave
+    unit_cost_s: dict[int, float] = field(default_factory=dict)  # unit -> measured recompute seconds
+    link_bytes_per_s: float = 25e9
+    sync_copies: bool = False  # CPU: copies block the step
+    backward_event: int = 0  # the first unpack
+    step_s: float = 0.0
+
+    @property
+    def signature(self) -> tuple[int, ...]:
+        return tuple(s.nbytes for s in self.saved)
+
+
+class Recorder:
+    """Records one step's events as it runs; `profile()` turns them into a Profile afterwards."""
+
+    def __init__(self, cuda: bool, timed: bool):
+        self.cuda = cuda
+        self.timed = timed  # GPU: a CUDA event per event (profiling steps only)
+        self.start_s = time.perf_counter()
+        self.start_event = _event() if cuda and timed else None
+        self.bytes: list[int] = []
+        self.times: list[Any] = []
+        self.saved: dict[int, Saved] = {}  # ordinal -> record
+        self.away = 0  # bytes of this step's entries off the device now
+        # id(recipe) -> (its cost in seconds, or a call that measures it; ordinals; ready event). Not the
+        # recipe itself: a region holds its inputs' entries, which must die with the step.
+        self.units: dict[int, tuple[Any, list[int], int]] = {}
+        self.backward_event: int | None = None
+        self.regions_on = True  # regions were hooked when the step began (their inputs are entries)
+
+    @property
+    def events(self) -> int:
+        return len(self.bytes)
+
+    def _event(self, used: int) -> int:
+        self.bytes.append(used + self.away)
+        if self.start_event is not None:
+            self.times.append(_event())
+        else:
+            self.times.append(time.perf_counter() - self.start_s)
+        return len(self.bytes) - 1
+
+    def packed(self, ordinal: int, nbytes: int, used: int) -> int:
+        i = self._event(used)
+        self.saved[ordinal] = Saved(ordinal, nbytes, i, -1)
+        return i
+
+    def used(self, ordinal: int, used: int) -> int | None:
+        """First unpack of `ordinal`: an event; None when it is not the first."""
+        s = self.saved.get(ordinal)
+        if s is None or s.use >= 0:
+            return None
+        i = self._event(used)
+        s.use = i
+        if self.backward_event is None:
+            self.backward_event = i
+        return i
+
+    def died(self, ordinal: int) -> None:
+        """The entry is gone (a region's input dies with the region, never unpacked by backward)."""
+        s = self.saved.get(ordinal)
+        if s is not None and s.end < 0:
+            s.end = self.events
+
+    def recomputable(self, recipe: Any, cost: Any, ordinals: list[int], offloadable: bool) -> None:
+        """`ordinals` may be dropped and rebuilt by `recipe` from the next event on, for `cost`
+        seconds (or what `cost()` measures once the plan is made)."""
+        unit = self.units.setdefault(id(recipe), (cost, [], self.events))
+        unit[1].extend(o for o in ordinals if o in self.saved)
+        for o in ordinals:
+            if o in self.saved:
+                self.saved[o].offloadable = offloadable
+
+    def profile(self, spike_bytes: int, link_bytes_per_s: float, sync_copies: bool) -> Profile:
+        n = self.events
+        if self.start_event is not None:
+            self.times[-1].synchronize()
+            times = [self.start_event.elapsed_time(e) / 1e3 for e in self.times]
+        else:
+            times = list(self.times)
+        saved = sorted(self.saved.values(), key=lambda s: s.save)
+        for s in saved:
+            if s.use < 0:
+                s.use = n
+            if s.end < 0:
+                s.end = n
+        p = Profile(
+            saved,
+            times,
+            list(self.bytes),
+            [0] * n,
+            link_bytes_per_s=link_bytes_per_s,
+            sync_copies=sync_copies,
+            backward_event=self.backward_event if self.backward_event is not None else n,
+            step_s=time.perf_counter() - self.start_s,
+        )
+        if p.backward_event < n:
+            p.transient_bytes[p.backward_event] = spike_bytes
+        for k, (cost, ordinals, ready) in enumerate(self.units.values()):
+            if callable(cost):
+                cost = cost()
+            if cost is None or not ordinals:
+                continue
+            p.unit_ready[k] = ready
+            p.unit_cost_s[k] = cost
+            for o in ordinals:
+                self.saved[o].unit = k
+        return p
+
+
+def _event() -> torch.cuda.Event:
+    e = torch.cuda.Event(enable_timing=True)
+    e.record()
+    return e
