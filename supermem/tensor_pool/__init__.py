@@ -14,13 +14,12 @@ _global: dict[str, Pool] = {}
 
 def pool(
     budget: int | float | str | None = None,
-    policy: str | None = None,
+    policy: str = "lru",
     host_limit: int | float | str | None = "50%",
     **kwargs: Any,
 ) -> Pool:
     """A Pool for these options, created once and reused (its host memory and streams are kept), so
-    `with supermem.pool(budget="8GiB"):` can wrap every training step. The policy defaults to
-    planned when a budget is given, else lru."""
+    `with supermem.pool(budget="8GiB"):` can wrap every training step."""
     key = (budget, policy, host_limit, tuple(sorted(kwargs.items())))
     if key not in _pools:
         _pools[key] = Pool(budget, policy, host_limit, **kwargs)

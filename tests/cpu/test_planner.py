@@ -182,13 +182,14 @@ def _train(pool, batches, seed=0):
     return out, [p.grad for p in model.parameters()]
 
 
-def test_budget_makes_planned_the_default():
+def test_planned_is_chosen_by_name_and_lru_stays_the_default():
+    """planned is not the default yet: on the H100 it overshot the budget more than lru (see README)."""
     from supermem import config
 
     assert config.parse_conf("pool:planned,budget:1GiB")["pool"] == "planned"
-    assert Pool(budget="1MiB").policy.name == "planned"
+    assert Pool(budget="1MiB", policy="planned").policy.name == "planned"
+    assert Pool(budget="1MiB").policy.name == "lru"
     assert Pool().policy.name == "lru"
-    assert Pool(budget="1MiB", policy="lru").policy.name == "lru"
 
 
 def test_planned_steps_stay_under_the_budget_and_train_bitwise():
