@@ -194,3 +194,63 @@ def test_ddp_over_gloo_under_the_pool_trains_bitwise_like_plain_ddp(tmp_path):
     assert pooled["losses"] == plain["losses"]  # both ranks, every step (floats from JSON: exact)
     assert pooled["params"] == plain["params"]  # bitwise
     assert plain["losses"][0] != plain["losses"][1]  # the ranks saw different data
+
+
+# ---------------------------------------------------------------- report of several ranks
+
+
+def _rank_trace(tmp_path, monkeypatch, rank, layers):
+    """A trace of rank `rank` (of 2): a simulated device on which `layers` layers train 2 steps."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from trace_workload import Workload, make_allocator
+
+    import supermem.trace
+
+    monkeypatch.setenv("RANK", str(rank))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    alloc = make_allocator()
+    with supermem.trace(str(tmp_path / "r-{rank}.smtrace"), allocators=[(0, alloc)]):
+        Workload(alloc, layers=layers).run(2)
+    return tmp_path / f"r-{rank}.smtrace"
+
+
+def test_report_shows_ranks_side_by_side(tmp_path, monkeypatch, capsys):
+    from supermem import cli
+    from supermem.trace.analysis import analyze
+
+    paths = [_rank_trace(tmp_path, monkeypatch, r, layers) for r, layers in ((1, 9), (0, 4))]
+    single = {load(p).meta["rank"]: analyze(load(p)).devices[0].peak_bytes for p in paths}
+    assert single[0] != single[1]  # the ranks differ, so a mix-up shows
+    html_path = tmp_path / "report.html"
+    assert cli.main(["report", str(paths[0]), str(paths[1]), "-o", str(html_path), "--no-png", "-q"]) == 0
+    page = html_path.read_text()
+    assert page.count('<section class="device"') == 2
+    assert page.index("rank 0 · cuda:0") < page.index("rank 1 · cuda:0")  # rank order, not argument order
+    from supermem.trace.ranks import merge_ranks
+
+    merged = analyze(merge_ranks([load(p) for p in paths]))
+    assert [d.peak_bytes for d in merged.devices] == [single[0], single[1]]
+    # the same rank twice is a mistake: one line, no page
+    assert cli.main(["report", str(paths[0]), str(paths[0]), "-o", str(tmp_path / "x.html")]) == 2
+    assert "same rank" in capsys.readouterr().err
+    assert not (tmp_path / "x.html").exists()
+
+
+def test_rank_fields_of_a_trace_are_checked(tmp_path, monkeypatch):
+    import supermem.trace
+    from supermem.trace.format import TraceFormatError, read, write
+
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with supermem.trace(str(tmp_path / "t.smtrace"), allocators=[]):
+        pass
+    t = read(tmp_path / "t.smtrace")
+    for bad in ({"rank": 2}, {"rank": -1}, {"world_size": 0}, {"rank": "1"}):
+        t2 = read(tmp_path / "t.smtrace")
+        t2.meta.update(bad)
+        write(t2, tmp_path / "bad.smtrace")
+        with pytest.raises(TraceFormatError, match="rank|world_size"):
+            read(tmp_path / "bad.smtrace")
+    del t.meta["rank"], t.meta["world_size"]  # a trace from before ranks: read as rank 0 of 1
+    write(t, tmp_path / "old.smtrace")
+    assert "rank" not in read(tmp_path / "old.smtrace").meta
