@@ -254,3 +254,44 @@ def test_rank_fields_of_a_trace_are_checked(tmp_path, monkeypatch):
     del t.meta["rank"], t.meta["world_size"]  # a trace from before ranks: read as rank 0 of 1
     write(t, tmp_path / "old.smtrace")
     assert "rank" not in read(tmp_path / "old.smtrace").meta
+
+
+# ---------------------------------------------------------------- the bench's worker: DDP and FSDP2 over gloo
+
+
+def test_bench_train_ddp_quick_on_cpu(capsys):
+    import argparse
+
+    from supermem.bench import ddp
+
+    args = argparse.Namespace(
+        ddp=2, quick=True, device="cpu", steps=2, warmup=1, budgets="0.5", conf=None, timeout=120
+    )
+    out = ddp.run(args)
+    rows = out["rows"]
+    assert list(rows) == ["native DDP", "supermem", "pool 64KiB"]
+    assert all(not r["error"] for r in rows.values()), rows
+    native = rows["native DDP"]["ranks"]
+    for name in ("supermem", "pool 64KiB"):
+        assert [r["losses"] for r in rows[name]["ranks"]] == [r["losses"] for r in native]
+        assert [r["params_sha256"] for r in rows[name]["ranks"]] == [r["params_sha256"] for r in native]
+    assert all(r["pool"]["offloads"] > 0 for r in rows["pool 64KiB"]["ranks"])
+    assert "baseline: native DDP, this run" in capsys.readouterr().out
+    with pytest.raises(Exception, match="number of ranks"):
+        ddp.run(argparse.Namespace(**{**vars(args), "ddp": 0}))
+
+
+def test_fsdp2_over_gloo_under_the_pool_trains_bitwise_like_plain_fsdp2():
+    from supermem.bench import ddp
+
+    worker = [*ddp.QUICK, "--steps", "3", "--device", "cpu", "--wrap", "fsdp"]
+    plain, error = ddp.launch(2, worker, {"OMP_NUM_THREADS": "1"}, 120)
+    assert not error, error
+    pooled, error = ddp.launch(
+        2, worker, {"OMP_NUM_THREADS": "1", "SUPERMEM_CONF": "pool:lru,budget:64KiB"}, 120
+    )
+    assert not error, error
+    assert all(r["pool"]["offloads"] > 0 for r in pooled)
+    assert [r["losses"] for r in pooled] == [r["losses"] for r in plain]
+    assert [r["params_sha256"] for r in pooled] == [r["params_sha256"] for r in plain]  # each rank's shard
+    assert plain[0]["params_sha256"] != plain[1]["params_sha256"]  # shards, not copies
