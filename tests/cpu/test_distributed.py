@@ -295,3 +295,11 @@ def test_fsdp2_over_gloo_under_the_pool_trains_bitwise_like_plain_fsdp2():
     assert [r["losses"] for r in pooled] == [r["losses"] for r in plain]
     assert [r["params_sha256"] for r in pooled] == [r["params_sha256"] for r in plain]  # each rank's shard
     assert plain[0]["params_sha256"] != plain[1]["params_sha256"]  # shards, not copies
+
+
+def test_top_says_which_rank_it_watches():
+    from supermem import top
+
+    snap = {"pid": 42, "rank": 1, "world_size": 2, "argv": ["train.py"], "time_unix_s": 0, "providers": {}}
+    assert "pid 42  rank 1/2  train.py" in top.render(snap)
+    assert "rank" not in top.render({**snap, "rank": 0, "world_size": 1}).splitlines()[0]

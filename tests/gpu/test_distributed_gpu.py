@@ -7,6 +7,7 @@ Every run is `python -m torch.distributed.run --nproc-per-node 2 -m supermem.ben
 supermem switched on by the environment, as a user would (see supermem/bench/ddp_worker.py).
 """
 
+import json
 import os
 import subprocess
 import sys
@@ -138,3 +139,31 @@ def test_supermem_trace_under_torchrun_writes_one_trace_per_rank_and_a_report_of
     assert r.returncode == 0, r.stderr
     page = html.read_text()
     assert "rank 0 · cuda:0" in page and "rank 1 · cuda:1" in page
+
+
+PRESSURE_SCRIPT = """
+import json, torch
+from supermem.tensor_pool import Pool
+pools = [Pool(device=f"cuda:{d}") for d in (0, 1)]
+for p in pools:
+    p._register_pressure_handler()
+held = []
+try:
+    while True:  # fill cuda:1 under its 2 GiB limit: only its pool may be asked to free memory
+        held.append(torch.empty(256 << 20, dtype=torch.uint8, device="cuda:1"))
+except torch.OutOfMemoryError:
+    pass
+print("@@" + json.dumps([p.stats()["pressure_calls"] for p in pools]))
+"""
+
+
+@pytest.mark.skipif(NATIVE_DRY_RUN, reason="pressure handlers are supermem's allocator's")
+def test_pressure_on_one_device_asks_only_that_devices_pool():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SUPERMEM")}
+    env.update(PYTHONPATH=str(ROOT), SUPERMEM_CONF="limit:2GiB")
+    r = subprocess.run(
+        [sys.executable, "-c", PRESSURE_SCRIPT], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    calls = json.loads(next(x for x in r.stdout.splitlines() if x.startswith("@@"))[2:])
+    assert calls[0] == 0 and calls[1] > 0, calls  # before: every pool was asked, whatever device was short
