@@ -167,3 +167,17 @@ def test_pressure_on_one_device_asks_only_that_devices_pool():
     assert r.returncode == 0, r.stderr[-3000:]
     calls = json.loads(next(x for x in r.stdout.splitlines() if x.startswith("@@"))[2:])
     assert calls[0] == 0 and calls[1] > 0, calls  # before: every pool was asked, whatever device was short
+
+
+@pytest.mark.skipif(NATIVE_DRY_RUN, reason="supermem.pool")
+def test_supermem_pool_gives_a_pool_per_current_device():
+    code = (
+        "import torch, supermem\n"
+        "torch.cuda.set_device(1); a = supermem.pool(budget='1GiB')\n"
+        "torch.cuda.set_device(0); b = supermem.pool(budget='1GiB')\n"
+        "print('@@', a.device, b.device, supermem.pool(budget='1GiB') is b)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SUPERMEM")}
+    env.update(PYTHONPATH=str(ROOT))
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert "@@ cuda:1 cuda:0 True" in r.stdout, r.stderr[-3000:]  # before: the cuda:1 pool twice
