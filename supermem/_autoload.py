@@ -35,6 +35,6 @@ def _trace_rank() -> None:
     try:
         from .trace.run_script import start_from_env
 
-        start_from_env()
+        start_from_env(install=not wanted())  # with SUPERMEM=1 the hook below installs
     except Exception as e:  # noqa: BLE001  (the program runs on, untraced, rather than not at all)
         print(f"supermem trace: error: cannot record this rank: {type(e).__name__}: {e}", file=sys.stderr)

@@ -129,10 +129,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def _last_collective_without_python_hooks(torch) -> None:
     """SUPERMEM_CONF=pool:... pushes saved-tensor hooks (Python objects) for the whole process; gloo copies
-    the thread-local state, hooks included, into every work and drops it on its own thread, which then
-    needs the GIL. When DDP's Reducer is freed with the last reference to the process group (at the end
-    of main), the main thread joins that thread while holding the GIL: a deadlock if a work is still being
-    dropped (seen on CPU; NCCL works keep no such state). Training is over: take the hooks off first."""
+    the thread-local state, hooks included, into every work and drops it on one of its run-loop threads,
+    which then needs the GIL. Freed while the main thread joins those threads holding the GIL (DDP's
+    Reducer freeing the process group at the end of main) it deadlocks; during interpreter shutdown the
+    thread is unwound through a noexcept destructor: "terminate called without an active exception".
+    Training is over: take the hooks off, and let the run loops drop their last works (seen on CPU)."""
     import supermem.config
 
     if supermem.config.current().pool != "off":
@@ -140,6 +141,9 @@ def _last_collective_without_python_hooks(torch) -> None:
             torch._C._autograd._pop_saved_tensors_default_hooks()
         except RuntimeError:
             pass
+        import time
+
+        time.sleep(0.5)  # releases the GIL: gloo's other run-loop threads drop their works now
 
 
 def _tokens(torch, gen, args):

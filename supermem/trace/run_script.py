@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     return rc
 
 
-def start_from_env() -> bool:
+def start_from_env(install: bool = True) -> bool:
     """In a rank started by a launcher under `supermem trace` (the TRACE_ENV variable set, and RANK):
     installs the allocator where it can, starts the recording, and writes the trace (the output template
     with this rank filled in) when the process exits, also after an uncaught exception. Called by
@@ -87,10 +87,8 @@ def start_from_env() -> bool:
     except (ValueError, KeyError, TypeError):
         print(f"supermem trace: error: bad {TRACE_ENV}={spec!r}; not recording", file=sys.stderr)
         return False
-    if not _autoload_wanted():  # SUPERMEM=1 installs through its own path; trace alone installs too
-        install = getattr(supermem, "install", None)
-        if install is not None:
-            install()
+    if install and getattr(supermem, "install", None) is not None:  # False: SUPERMEM=1 installs anyway
+        supermem.install()
     try:
         rec = recorder.Recorder(capacity_events=capacity, stacks=stacks).start()
     except (ValueError, MemoryError, OSError) as e:
@@ -108,12 +106,6 @@ def start_from_env() -> bool:
 
     atexit.register(write)
     return True
-
-
-def _autoload_wanted() -> bool:
-    from .._autoload import wanted
-
-    return wanted()
 
 
 if __name__ == "__main__":

@@ -56,6 +56,9 @@ DDP_SCRIPT = textwrap.dedent(
         pool = tp.global_pool()
         out["pool"] = None if pool is None else pool.stats()
         json.dump(out, open(sys.argv[1], "w"), default=str)
+    from supermem.bench.ddp_worker import _last_collective_without_python_hooks
+    _last_collective_without_python_hooks(torch)  # a gloo shutdown hazard of Python hooks: see there
+    dist.barrier()
     dist.destroy_process_group()
     """
 )
