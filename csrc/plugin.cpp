@@ -310,10 +310,14 @@ void register_plugin(pybind11::module_& m) {
       if (a) hook(*a);
     p.on_create.push_back(std::move(hook));
   };
-  m.def("plugin_add_pressure_handler", [add_hook](py::function fn) {
+  // device >= 0: only that device's allocator asks this handler (a pool frees memory on its own device
+  // only: asked for another device's shortage, it would offload for nothing).
+  m.def("plugin_add_pressure_handler", [add_hook](py::function fn, int device) {
     auto h = pressure_handler_from_py(std::move(fn));
-    add_hook([h](CachingAllocator& a) { a.add_pressure_handler(h); });
-  }, py::arg("handler"));
+    add_hook([h, device](CachingAllocator& a) {
+      if (device < 0 || a.device()->index() == device) a.add_pressure_handler(h);
+    });
+  }, py::arg("handler"), py::arg("device") = -1);
   m.def("plugin_add_oom_observer", [add_hook](py::function fn) {
     auto o = oom_observer_from_py(std::move(fn));
     add_hook([o](CachingAllocator& a) { a.add_oom_observer(o); });

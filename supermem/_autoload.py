@@ -1,5 +1,6 @@
 """PyTorch's `torch.backends` entry point: runs at the end of `import torch`, before user code.
-It does nothing unless SUPERMEM (not "0") or SUPERMEM_CONF is set, and never initialises CUDA."""
+It does nothing unless SUPERMEM (not "0"), SUPERMEM_CONF or SUPERMEM_TRACE_CHILD (a rank under
+`supermem trace -- torchrun`) is set, and never initialises CUDA."""
 
 import os
 import sys
@@ -11,6 +12,8 @@ def wanted(environ: dict | None = None) -> bool:
 
 
 def hook() -> None:
+    if os.environ.get("SUPERMEM_TRACE_CHILD"):  # a rank under `supermem trace -- torchrun ...`
+        _trace_rank()
     if not wanted():
         return
     from .activate import install_from_env
@@ -26,3 +29,12 @@ def hook() -> None:
             file=sys.stderr,
         )
         raise SystemExit(2) from None
+
+
+def _trace_rank() -> None:
+    try:
+        from .trace.run_script import start_from_env
+
+        start_from_env(install=not wanted())  # with SUPERMEM=1 the hook below installs
+    except Exception as e:  # noqa: BLE001  (the program runs on, untraced, rather than not at all)
+        print(f"supermem trace: error: cannot record this rank: {type(e).__name__}: {e}", file=sys.stderr)

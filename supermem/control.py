@@ -9,7 +9,7 @@ Each connection's peer uid is read with SO_PEERCRED and anyone but this process'
 user is refused, so even a socket made reachable by mistake serves nobody else.
 
 Protocol: the client sends one line ("snapshot\\n"); the server answers one JSON object and closes:
-    {"pid", "argv", "time_unix_s", "providers": {name: provider() or {"error": "..."}}}
+    {"pid", "rank", "world_size", "argv", "time_unix_s", "providers": {name: provider() or {"error": "..."}}}
 Providers are plain functions returning JSON-able dicts, registered by the parts that own the data:
     control.register_provider("allocator", control.allocator_provider())   # allocated/reserved/limit
     control.register_provider("pool", pool.status)      # entries_by_state, host_bytes, link rates
@@ -66,7 +66,15 @@ def collect() -> dict[str, Any]:
             out[name] = fn()
         except Exception as e:  # one broken provider must not blank the whole view
             out[name] = {"error": f"{type(e).__name__}: {e}"}
-    return {"pid": os.getpid(), "argv": list(sys.argv), "time_unix_s": time.time(), "providers": out}
+    from . import distributed
+
+    return {
+        "pid": os.getpid(),
+        **distributed.info(),  # each rank serves its own socket (one per process): top tells them apart
+        "argv": list(sys.argv),
+        "time_unix_s": time.time(),
+        "providers": out,
+    }
 
 
 def process_status() -> dict[str, Any]:

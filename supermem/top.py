@@ -56,6 +56,8 @@ def render(snap: dict[str, Any]) -> str:
     proc = prov.get("process", {})
     argv = " ".join(map(str, snap.get("argv", [])))[:70]
     head = f"supermem top - pid {snap.get('pid')}  {argv}"
+    if snap.get("world_size", 1) > 1:  # one socket per rank: say which this is
+        head = head.replace("  ", f"  rank {snap.get('rank')}/{snap['world_size']}  ", 1)
     if "uptime_s" in proc:
         head += f"  up {proc['uptime_s']:.0f}s"
     if "rss_bytes" in proc:

@@ -208,9 +208,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--budgets", default="1.0,0.75,0.6,0.5", help="pool budgets, fractions of native's peak allocated"
     )
+    p.add_argument(
+        "--ddp", type=int, default=0, metavar="N", help="GPT under DDP on N ranks (see bench/ddp.py)"
+    )
 
 
 def run(args: argparse.Namespace) -> dict:
+    if args.ddp:
+        from . import ddp
+
+        return ddp.run(args)
     if args.quick:
         args.steps, args.warmup = 3, 2
     budgets = [float(b) for b in args.budgets.split(",") if b]

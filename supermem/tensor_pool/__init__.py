@@ -20,10 +20,20 @@ def pool(
 ) -> Pool:
     """A Pool for these options, created once and reused (its host memory and streams are kept), so
     `with supermem.pool(budget="8GiB"):` can wrap every training step."""
-    key = (budget, policy, host_limit, tuple(sorted(kwargs.items())))
+    key = (budget, policy, host_limit, _default_device(kwargs), tuple(sorted(kwargs.items())))
     if key not in _pools:
         _pools[key] = Pool(budget, policy, host_limit, **kwargs)
     return _pools[key]
+
+
+def _default_device(kwargs: dict) -> int | None:
+    """The CUDA device a Pool made without `device` would serve: part of the cache key, so that a
+    process using two GPUs (or a rank that switched device) gets a pool per device."""
+    import torch
+
+    if kwargs.get("device") is not None or not torch.cuda.is_available():
+        return None
+    return torch.cuda.current_device()
 
 
 def env_pool(cfg: Any) -> Pool:

@@ -181,7 +181,9 @@ class Pool:
         if installed():
             from .. import _C
 
-            _C.plugin_add_pressure_handler(_weak_method(self._on_pressure))
+            # its own device's allocator only: under DDP each rank's pool, and in one process one pool
+            # per device, offloads only where memory is short
+            _C.plugin_add_pressure_handler(_weak_method(self._on_pressure), self.device.index)
             self._pressure_registered = True
 
     # ------------------------------------------------------------------ hooks

@@ -14,8 +14,12 @@ from .output import OutputError, check_output
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("trace", help="a .smtrace file or a PyTorch memory snapshot pickle")
-    p.add_argument("-o", "--output", help="HTML file to write (default: TRACE with .html)")
+    p.add_argument(
+        "trace",
+        nargs="+",
+        help="a .smtrace file or a PyTorch memory snapshot pickle; several: one per rank, side by side",
+    )
+    p.add_argument("-o", "--output", help="HTML file to write (default: the first TRACE with .html)")
     p.add_argument("--png", help="PNG file to write (default: the HTML's name with .png)")
     p.add_argument("--no-png", action="store_true", help="do not write a PNG")
     p.add_argument(
@@ -32,16 +36,20 @@ def main(args: argparse.Namespace) -> int:
     from .report_html import write_report
 
     t0 = time.perf_counter()
-    src = Path(args.trace)
+    sources = [Path(t) for t in args.trace]
+    src = sources[0]
     # Both outputs are checked before the work, so a bad --png does not leave a lone HTML behind.
-    html_path = check_output(args.output or src.with_suffix(".html"), inputs=[src])
+    html_path = check_output(args.output or src.with_suffix(".html"), inputs=sources)
     png_path = None
     if not args.no_png:
-        png_path = check_output(args.png or html_path.with_suffix(".png"), inputs=[src])
+        png_path = check_output(args.png or html_path.with_suffix(".png"), inputs=sources)
         if png_path.resolve() == html_path.resolve():
             raise OutputError(f"{png_path}: is the same file as the HTML output; give --png another name")
-    trace = load(src)
-    rep = analyze(trace, width=max(10, args.width), max_blocks=max(0, args.max_blocks), source=src.name)
+    if len(sources) == 1:
+        trace, name = load(src), src.name
+    else:
+        trace, name = _merged(sources), ", ".join(s.name for s in sources)
+    rep = analyze(trace, width=max(10, args.width), max_blocks=max(0, args.max_blocks), source=name)
     write_report(rep, html_path)
     written = [str(html_path)]
     if png_path is not None:
@@ -51,3 +59,14 @@ def main(args: argparse.Namespace) -> int:
         print(summary_text(rep))
         print(f"wrote {', '.join(written)} in {time.perf_counter() - t0:.2f} s")
     return 0
+
+
+def _merged(sources: list[Path]):
+    from ..errors import UsageError
+    from .format import TraceFormatError
+    from .ranks import merge_ranks
+
+    try:
+        return merge_ranks([load(s) for s in sources], [s.name for s in sources])
+    except TraceFormatError as e:
+        raise UsageError(str(e)) from None

@@ -3,23 +3,34 @@ and writes the trace when it ends (also when it fails: an OOM's trace is the use
 
 The program runs in a child Python (`python -m supermem.trace.run_script`), which installs supermem's
 allocator when the installed supermem offers `supermem.install`, starts the recording, and runs the
-script as __main__ (runpy), so its sys.argv, exit code and exceptions are its own."""
+script as __main__ (runpy), so its sys.argv, exit code and exceptions are its own.
+
+Under a launcher (`-- torchrun ... train.py`, `-- python -m torch.distributed.run ...`) the command runs
+unchanged: the launcher starts the ranks, not us. The recording's settings travel in the environment
+(TRACE_ENV) and each rank's `import torch` starts its recording there (supermem's torch.backends entry
+point, see start_from_env in run_script.py); each rank fills in the output template ({rank}, {pid}) itself
+and writes its trace when it exits. The launcher's own process has no RANK and records nothing."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+from ..distributed import expand_path, is_template
 from ..errors import UsageError
 from .format import TraceFormatError
 from .output import check_output
 from .recorder import DEFAULT_CAPACITY_EVENTS
 
 _PYTHON = re.compile(r"^python[0-9.]*$")
+_LAUNCHER_MODULES = ("torch.distributed.run", "torch.distributed.launch")
+TRACE_ENV = "SUPERMEM_TRACE_CHILD"  # JSON {"output", "capacity", "stacks"} for each rank
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -45,6 +56,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+def is_launcher(command: list[str]) -> bool:
+    """True for torchrun and `python -m torch.distributed.run/launch`: they start the ranks."""
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command:
+        return False
+    if os.path.basename(command[0]) == "torchrun":
+        return True
+    return (
+        bool(_PYTHON.match(os.path.basename(command[0])))
+        and len(command) > 2
+        and command[1] == "-m"
+        and command[2] in _LAUNCHER_MODULES
+    )
+
+
 def child_argv(command: list[str], output: str, capacity: int, stacks: bool) -> list[str]:
     """The child's command line for `command` (python [-m mod | -c code | script.py] args...)."""
     if command and command[0] == "--":
@@ -57,7 +84,8 @@ def child_argv(command: list[str], output: str, capacity: int, stacks: bool) -> 
         python, rest = sys.executable, command
     else:
         raise UsageError(
-            "supermem trace runs Python programs (`-- python train.py` or `-- train.py`), "
+            "supermem trace runs Python programs (`-- python train.py`, `-- train.py`, or under "
+            "`-- torchrun ... train.py`), "
             f"not {command[0]!r}; "
             "for other launchers wrap the training code in `with supermem.trace('run.smtrace'):`"
         )
@@ -72,6 +100,11 @@ def child_argv(command: list[str], output: str, capacity: int, stacks: bool) -> 
 def main(args: argparse.Namespace) -> int:
     if args.capacity <= 0:
         raise UsageError(f"--capacity must be a number of events > 0, got {args.capacity}")
+    if is_launcher(args.program):
+        return _main_launcher(args)
+    if is_template(args.output):
+        # One process, but {rank}/{pid} still name its file: the child fills them in.
+        return _main_template(args, child_argv(args.program, _abs(args.output), args.capacity, args.stacks))
     argv = child_argv(args.program, str(Path(args.output).resolve()), args.capacity, args.stacks)
     # Every output is checked before the program runs: a run of hours must not end in a lost trace.
     script = argv[argv.index("--") + 1]
@@ -94,6 +127,58 @@ def main(args: argparse.Namespace) -> int:
             raise UsageError(str(e)) from None
         print(f"supermem trace: report {files['html']}", file=sys.stderr)
     return rc
+
+
+def _abs(template: str) -> str:
+    """The template made absolute without resolving it (its braces are not a path yet)."""
+    return template if os.path.isabs(template) else os.path.join(os.getcwd(), template)
+
+
+def _main_launcher(args: argparse.Namespace) -> int:
+    if not is_template(args.output):
+        raise UsageError(
+            f"under {args.program[args.program[0] == '--']} every rank writes its own trace: put {{rank}} in "
+            "the output, e.g. supermem trace -o run-{rank}.smtrace -- torchrun ..."
+        )
+    command = args.program[1:] if args.program[0] == "--" else args.program
+    env = dict(os.environ)
+    env[TRACE_ENV] = json.dumps(
+        {"output": _abs(args.output), "capacity": args.capacity, "stacks": args.stacks}
+    )
+    return _main_template(args, command, env)
+
+
+def _main_template(args: argparse.Namespace, argv: list[str], env: dict[str, str] | None = None) -> int:
+    """Runs `argv`; its processes write the files `args.output` names ({rank}, {pid} filled in)."""
+    template = _abs(args.output)
+    check_output(expand_path(template, rank=0, pid=0))  # the directory exists and is writable
+    started_ns = time.time_ns()
+    rc = subprocess.call(argv, env=env)
+    written = [p for p in _matching(template) if p.stat().st_mtime_ns >= started_ns - 2_000_000_000]
+    if not written:
+        print(f"supermem trace: the program ended (exit {rc}) without writing {args.output}", file=sys.stderr)
+        return rc or 1
+    for out in written:
+        if args.report:
+            from .report_html import write_report_files
+
+            try:
+                files = write_report_files(out)
+            except TraceFormatError as e:
+                raise UsageError(str(e)) from None
+            print(f"supermem trace: report {files['html']}", file=sys.stderr)
+    print(f"supermem trace: {len(written)} trace(s): {' '.join(map(str, written))}", file=sys.stderr)
+    return rc
+
+
+def _matching(template: str) -> list[Path]:
+    """Existing files the template can name (each field any run of digits), sorted by name."""
+    parts = re.split(r"\{(?:rank|world_size|local_rank|pid)\}", template)
+    pattern = re.compile("[0-9]+".join(map(re.escape, parts)) + "$")
+    directory = Path(template).parent
+    if not directory.is_dir():
+        return []
+    return sorted(p for p in directory.iterdir() if pattern.fullmatch(str(p)) and p.is_file())
 
 
 def _identity(path: Path) -> tuple[int, int] | None:

@@ -5,7 +5,8 @@ That records the OOM for `supermem top` and, if the `oom_snapshot` option names 
   - the trace of the recording in progress (a `supermem trace` run keeps recording), or else
   - what the allocators' always-on rings hold (option `trace:N`) plus their segments and blocks;
     with the ring off, the snapshot still lists every live block, its size and category.
-The path may contain {pid} and {n} (the OOM's number in this process); an existing file is replaced, so
+The path may contain {rank} (torch.distributed's, else RANK, else 0), {pid} and {n} (the OOM's number in
+this process); an existing file is replaced, so
 the last OOM wins. Writing never raises: the user's OOM error must reach the user unchanged.
 """
 
@@ -38,13 +39,13 @@ def ring_events_for_config() -> int:
 
 
 def oom_snapshot_path(n: int | None = None) -> str | None:
-    """The `oom_snapshot` option with {pid} and {n} filled in, or None when unset."""
-    from .. import config
+    """The `oom_snapshot` option with {rank}, {pid} and {n} filled in, or None when unset."""
+    from .. import config, distributed
 
     path = config.current().oom_snapshot
     if not path:
         return None
-    return str(path).replace("{pid}", str(os.getpid())).replace("{n}", str(_count if n is None else n))
+    return distributed.expand_path(path, n=_count if n is None else n)
 
 
 def note_oom(device: int, requested_bytes: int, message: str = "") -> int:
@@ -57,6 +58,7 @@ def note_oom(device: int, requested_bytes: int, message: str = "") -> int:
                 "n": _count,
                 "time_unix_s": time.time(),
                 "device": device,
+                "rank": _rank(),
                 "requested_bytes": int(requested_bytes),
                 "message": message[:300],
             }
@@ -69,6 +71,12 @@ def note_oom(device: int, requested_bytes: int, message: str = "") -> int:
     except ImportError:
         pass
     return n
+
+
+def _rank() -> int:
+    from .. import distributed
+
+    return distributed.rank()
 
 
 def recent_ooms() -> dict[str, Any]:

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import control, events, registry
+from .. import control, distributed, events, registry
 from ..errors import UsageError
 from . import attribution, format
 from .table import ALLOCATOR_ACTIONS, Trace, concat_columns, empty_columns
@@ -158,6 +158,7 @@ class Recorder:
         if path is not None:  # before the block runs: a bad path must not cost the user the whole run
             from .output import check_output
 
+            path = distributed.expand_path(path)  # {rank}, {pid}: one file per process
             for out in [
                 path,
                 *((Path(path).with_suffix(".html"), Path(path).with_suffix(".png")) if report else ()),
@@ -288,8 +289,8 @@ class Recorder:
             return trace
 
     def dump(self, path: str | os.PathLike) -> Path:
-        """Writes the trace so far to `path` (.smtrace); recording continues."""
-        path = Path(path)
+        """Writes the trace so far to `path` (.smtrace; {rank} and {pid} filled in); recording continues."""
+        path = Path(distributed.expand_path(path))
         format.write(self.build(), path)
         return path
 
@@ -327,6 +328,7 @@ class Recorder:
 
         return {
             "pid": os.getpid(),
+            **distributed.info(),  # rank, world_size (0 and 1 outside torch.distributed)
             "host": socket.gethostname(),
             "argv": list(sys.argv),
             "created_unix_s": time.time(),

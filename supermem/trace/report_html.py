@@ -143,6 +143,10 @@ def _header_line(rep: Report) -> str:
     m = rep.meta
     bits = [f"{rep.num_events} events", f"{len(rep.devices)} device(s)"]
     bits.append(f"{rep.span_s * 1e6:.0f} events" if rep.time_is_index else f"{rep.span_s:.3f} s")
+    if m.get("ranks"):  # several ranks merged (supermem.trace.ranks)
+        bits.append("ranks " + ", ".join(f"{r['rank']} ({r['file']})" for r in m["ranks"]))
+    elif m.get("world_size", 1) > 1:
+        bits.append(f"rank {m.get('rank', 0)} of {m['world_size']}")
     if m.get("pid"):
         bits.append(f"pid {m['pid']}")
     if m.get("argv"):

@@ -66,5 +66,47 @@ def main(argv: list[str] | None = None) -> int:
     return rc
 
 
+def start_from_env(install: bool = True) -> bool:
+    """In a rank started by a launcher under `supermem trace` (the TRACE_ENV variable set, and RANK):
+    installs the allocator where it can, starts the recording, and writes the trace (the output template
+    with this rank filled in) when the process exits, also after an uncaught exception. Called by
+    supermem's torch.backends entry point, at the end of `import torch`. Returns True if it recorded."""
+    import atexit
+    import json
+    import os
+
+    from .. import distributed
+    from .cli_trace import TRACE_ENV
+
+    spec = os.environ.get(TRACE_ENV)
+    if not spec or not distributed.is_distributed():  # the launcher itself records nothing
+        return False
+    try:
+        opts = json.loads(spec)
+        output, capacity, stacks = str(opts["output"]), int(opts["capacity"]), bool(opts["stacks"])
+    except (ValueError, KeyError, TypeError):
+        print(f"supermem trace: error: bad {TRACE_ENV}={spec!r}; not recording", file=sys.stderr)
+        return False
+    if install and getattr(supermem, "install", None) is not None:  # False: SUPERMEM=1 installs anyway
+        supermem.install()
+    try:
+        rec = recorder.Recorder(capacity_events=capacity, stacks=stacks).start()
+    except (ValueError, MemoryError, OSError) as e:
+        print(f"supermem trace: error: cannot start the recording: {e}", file=sys.stderr)
+        return False
+
+    def write() -> None:
+        try:
+            path = rec.stop(output)
+        except (ValueError, OSError) as e:
+            print(f"supermem trace: error: the trace was not written: {e}", file=sys.stderr)
+        else:
+            r = distributed.rank()
+            print(f"supermem trace: rank {r} wrote {path}", file=sys.stderr)
+
+    atexit.register(write)
+    return True
+
+
 if __name__ == "__main__":
     sys.exit(main())

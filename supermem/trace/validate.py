@@ -168,6 +168,10 @@ def meta(m: Any) -> dict[str, Any]:
     argv = m.get("argv", [])
     need(type(argv) is list and all(type(a) is str for a in argv), "meta: 'argv' must be a list of strings")
     need(is_int(m.get("pid", 0)), "meta: 'pid' must be an integer")
+    # rank and world_size: absent in traces from before torch.distributed support (rank 0 of 1)
+    world = m.get("world_size", 1)
+    need(is_int(world, 1, 1 << 24), "meta: 'world_size' must be an integer >= 1")
+    need(is_int(m.get("rank", 0), 0, world - 1), "meta: 'rank' must be an integer in [0, world_size)")
     return m
 
 
