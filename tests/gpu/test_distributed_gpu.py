@@ -7,7 +7,8 @@ Every run is `python -m torch.distributed.run --nproc-per-node 2 -m supermem.ben
 supermem switched on by the environment, as a user would (see supermem/bench/ddp_worker.py).
 
 On a 2-GPU machine (the device tool's nvidia-h100-x2), in one call of about 8 minutes:
-    pip install --no-build-isolation --no-deps -e . && export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+    pip install --no-build-isolation --no-deps -e .
+    export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
     timeout 280 python -m pytest -q -s -rs tests/gpu/test_distributed_gpu.py
     timeout 110 python -m supermem bench train --ddp 2 --budgets 0.75 --steps 10 --warmup 3
 """
