@@ -217,10 +217,16 @@ class _Schedule:
         got = torch.autograd.grad(y, wrt, grad, allow_unused=True) if y.requires_grad and wrt else ()
         _restore(saved)  # after the grad: the block's backward may read what its forward saved
         for p, g in zip(own, got[len(wrt) - len(own) :]):
+            if g is None:  # unused, or streamed (supermem.stream sends those gradients to the host itself)
+                continue
             slot = self.index.get(id(p))
-            if g is not None and slot is not None:
-                prev = self.grads[slot]
-                self.grads[slot] = g if prev is None else prev + g
+            if slot is None:
+                raise UsageError(
+                    f"binomial: block {k} holds a parameter it did not hold in the forward (replaced between "
+                    "forward and backward?); its gradient would be lost"
+                )
+            prev = self.grads[slot]
+            self.grads[slot] = g if prev is None else prev + g
         return got[0] if inp.requires_grad and got else None
 
     def _buffers(self, k: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

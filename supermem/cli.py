@@ -13,7 +13,7 @@ from .errors import ConfigError, UsageError
 COMMANDS = {
     "demo": ("supermem.demo", "train a small model with and without supermem; print memory and time"),
     "run": ("supermem.run", "run a Python program with supermem's allocator installed"),
-    "bench": ("supermem.bench.cli", "benchmarks beside their native baseline: alloc, train"),
+    "bench": ("supermem.bench.cli", "benchmarks with a native baseline: alloc, train, depth, trace, relu"),
     "trace": ("supermem.trace.cli_trace", "run a Python program and record its memory events to a .smtrace"),
     "report": ("supermem.trace.cli_report", "write a self-contained HTML report (and PNG) of a trace"),
     "export": ("supermem.trace.cli_export", "convert a .smtrace to PyTorch's memory snapshot pickle"),

@@ -7,9 +7,10 @@ and it imports none of them, nor torch nor _C at load: PyTorch's autoload hook c
 other supermem module is half-imported, and everything the hook needs must stay importable then.
 
 Subscribers (the trace recorder) hear of each allocator when it first appears here. Plug-in
-allocators appear when someone looks (`allocators()`, `device_allocator()`), not at their creation
-in C++ (calling Python from inside a malloc is not worth its deadlocks); so that nothing is lost in
-between, `set_recording_ring_events` sizes the trace ring of allocators created from then on.
+allocators appear when someone looks (`allocators()`, `device_allocator()` of a device not yet
+known), not at their creation in C++ (calling Python from inside a malloc is not worth its
+deadlocks); so that nothing is lost in between, `set_recording_ring_events` sizes the trace ring of
+allocators created from then on.
 """
 
 from __future__ import annotations
@@ -59,8 +60,11 @@ def installed() -> bool:
 def device_allocator(device: int = 0) -> Any:
     """The allocator serving PyTorch on CUDA device `device`, or None (not installed, or the device
     has not been used yet). The same object every time for a device."""
-    _poll()
-    return _device_allocators.get(device)
+    a = _device_allocators.get(device)
+    if a is None:  # a known one needs no look (the pool asks on every saved tensor)
+        _poll()
+        a = _device_allocators.get(device)
+    return a
 
 
 def allocators() -> list[tuple[int, Any]]:

@@ -1,7 +1,6 @@
 """Byte sizes: parsing ("8GiB", "512MB", "60%") and formatting."""
 
 import re
-from fractions import Fraction
 
 _UNITS = {
     "": 1,
@@ -59,8 +58,11 @@ def parse_bytes(value: int | str, total_bytes: int | None = None) -> int:
         raise ValueError(
             f"{text!r} is not a size: use bytes (1048576), a unit (64KiB, 8GiB, 512MB) or a percentage"
         )
-    # exact decimal arithmetic: a float would turn 400 digits into inf (OverflowError) and round others
-    return _checked(int(Fraction(m.group(1)) * _UNITS[m.group(2).lower()]), text)
+    # exact integer arithmetic: a float would turn 400 digits into inf (OverflowError) and round others
+    # (and fractions.Fraction would add an import to every `import torch` under SUPERMEM=1)
+    whole, _, frac = m.group(1).partition(".")
+    scaled = int(whole or "0") * 10 ** len(frac) + int(frac or "0")
+    return _checked(scaled * _UNITS[m.group(2).lower()] // 10 ** len(frac), text)
 
 
 def format_bytes(n: int | float) -> str:

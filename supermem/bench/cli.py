@@ -1,5 +1,6 @@
-"""`supermem bench alloc|train`: benchmarks with their native baseline, each configuration in a fresh
-process. Prints tables (and "target ..." verdict lines) on stdout; --json PATH writes the rows."""
+"""`supermem bench alloc|train|depth|trace|relu`: benchmarks with their native baseline, each configuration
+in a fresh process (relu runs in this one). Prints tables (and "target ..." verdict lines) on stdout;
+--json PATH writes the rows."""
 
 from __future__ import annotations
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import threading
@@ -24,9 +23,9 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ..cli_args import nonnegative_int, positive_int
+from .runner import ROW, child_env, parse_row
 from .table import render
 
-ROW = "@@ROW "
 CONFIGS = ("native", "checkpoint", "save_on_cpu", "supermem")
 # Where each search starts, in blocks of stage 3 (an H200 under 12 GiB, DESIGN.md: native 716 layers,
 # checkpoint 1,868, save_on_cpu about 2,540; supermem's target 10,000).
@@ -228,7 +227,7 @@ _crowd = _Crowd()
 
 
 def _run_trial(spec: dict, timeout_s: float) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SUPERMEM")}
+    env = child_env()
     mark: dict = {}
     _crowd.enter(mark)
     t0 = time.perf_counter()
@@ -240,12 +239,10 @@ def _run_trial(spec: dict, timeout_s: float) -> dict:
             text=True,
             timeout=timeout_s,
         )
-        rows = [json.loads(line[len(ROW) :]) for line in r.stdout.splitlines() if line.startswith(ROW)]
-        if rows:
-            row = rows[-1]
-        elif r.returncode < 0 or "out of memory" in r.stderr.lower():
+        row = parse_row(r.stdout)
+        if row is None and (r.returncode < 0 or "out of memory" in r.stderr.lower()):
             row = {"oom": True, "error": f"killed (rc={r.returncode})"}  # e.g. the host ran out
-        else:
+        elif row is None:
             row = {"error": f"rc={r.returncode}: {' | '.join(r.stderr.strip().splitlines()[-2:])[-300:]}"}
     except subprocess.TimeoutExpired:
         row = {"error": f"timed out after {timeout_s:.0f} s"}

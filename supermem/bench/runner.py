@@ -13,8 +13,7 @@ ROW = "@@ROW "
 
 def run(spec: dict, timeout_s: float, label: str = "") -> dict:
     """The worker's row for `spec`, plus "wall_s"; a row with "error" when the process failed."""
-    # The allocator is chosen by the spec, never by the caller's environment (SUPERMEM=1 would swap it).
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SUPERMEM")}
+    env = child_env()
     env["PYTHONUNBUFFERED"] = "1"
     print(f"  running {label or spec} ...", end="", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
@@ -26,7 +25,7 @@ def run(spec: dict, timeout_s: float, label: str = "") -> dict:
             text=True,
             timeout=timeout_s,
         )
-        row = _parse(r.stdout)
+        row = parse_row(r.stdout)
         if row is None:
             tail = " | ".join(r.stderr.strip().splitlines()[-3:])
             row = {"error": f"worker exited rc={r.returncode} without a row: {tail[-400:]}"}
@@ -38,7 +37,14 @@ def run(spec: dict, timeout_s: float, label: str = "") -> dict:
     return row
 
 
-def _parse(stdout: str) -> dict | None:
+def child_env() -> dict[str, str]:
+    """The caller's environment without SUPERMEM*: the allocator of a trial is chosen by its spec, never by
+    the caller's environment (SUPERMEM=1 would swap it)."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("SUPERMEM")}
+
+
+def parse_row(stdout: str) -> dict | None:
+    """The last `@@ROW {json}` line of a trial's output, or None."""
     for line in reversed(stdout.splitlines()):
         if line.startswith(ROW):
             return json.loads(line[len(ROW) :])

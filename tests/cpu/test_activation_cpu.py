@@ -256,3 +256,15 @@ def test_the_package_has_no_import_circles():
     cycles = _cycles(_import_graph(Path(supermem.__file__).parent))
     # Inside the tensor pool, entry <-> pool is one idea split over two files (not activation's concern).
     assert [c for c in cycles if not all(m.startswith("supermem.tensor_pool.") for m in c)] == []
+
+
+def test_import_torch_with_the_switch_on_loads_only_supermem_modules_beyond_plain_torch():
+    """The autoload hook runs inside every `import torch`: it must not drag in other modules (the
+    options are parsed there, sizes included)."""
+    code = "import sys, torch; print(' '.join(sorted(sys.modules)))"
+    plain = set(run([sys.executable, "-c", code]).stdout.split())
+    switch = {"SUPERMEM": "1", "SUPERMEM_CONF": "allocator:native,limit:1.5GiB"}
+    r = run([sys.executable, "-c", code], env=switch)
+    assert r.returncode == 0, r.stderr
+    extra = set(r.stdout.split()) - plain
+    assert extra and all(m.startswith("supermem") for m in extra), sorted(extra)

@@ -220,3 +220,14 @@ def test_double_backward_is_refused():
 def test_bad_input_gives_clear_errors(call, message):
     with pytest.raises(UsageError, match=message):
         call(make(3), torch.randn(2, 16, requires_grad=True))
+
+
+def test_parameter_replaced_between_forward_and_backward_is_an_error_not_a_lost_gradient():
+    # The rebuild differentiates the block's parameters as they are at backward time; one that was not
+    # there in the forward has no gradient slot, and its gradient must not vanish silently.
+    model = make(4)
+    x = torch.randn(8, 16, requires_grad=True)
+    y = binomial(model, x, 1)
+    model[2].lin.weight = nn.Parameter(model[2].lin.weight.detach().clone())
+    with pytest.raises(UsageError, match="block 2"):
+        y.sum().backward()

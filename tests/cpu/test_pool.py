@@ -8,21 +8,12 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from pool_policies import policy  # noqa: F401  (autouse: every test under every live policy)
 from torch.utils.checkpoint import checkpoint
 
 import supermem
 from supermem.errors import ConfigError
-from supermem.policies import live_names
 from supermem.tensor_pool import Pool
-
-
-@pytest.fixture(autouse=True, params=live_names())
-def policy(request, monkeypatch):
-    """Every test here runs under every live policy: it becomes Pool()'s default policy."""
-    defaults = list(Pool.__init__.__defaults__)
-    defaults[1] = request.param
-    monkeypatch.setattr(Pool.__init__, "__defaults__", tuple(defaults))
-    return request.param
 
 
 class Net(nn.Module):

@@ -5,21 +5,12 @@ import threading
 
 import pytest
 import torch
+from pool_policies import policy  # noqa: F401  (autouse: every test under every live policy)
 
 from supermem.errors import ConfigError
-from supermem.policies import live_names
 from supermem.tensor_pool import Pool
 
 BUDGETS = [0, "64KiB", "1GiB"]
-
-
-@pytest.fixture(autouse=True, params=live_names())
-def policy(request, monkeypatch):
-    """Every test here runs under every live policy: it becomes Pool()'s default policy."""
-    defaults = list(Pool.__init__.__defaults__)
-    defaults[1] = request.param
-    monkeypatch.setattr(Pool.__init__, "__defaults__", tuple(defaults))
-    return request.param
 
 
 def modified_after_save(x):
@@ -37,11 +28,11 @@ def plain_error(fn, x):
 
 @pytest.mark.parametrize("budget", BUDGETS)
 @pytest.mark.parametrize("size", [8, 256])  # below and above the pool's 64 KiB budget
-def test_inplace_change_after_save_raises_like_pytorch(budget, policy, size):
+def test_inplace_change_after_save_raises_like_pytorch(budget, size):
     x = torch.randn(size, size, requires_grad=True)
     ref = plain_error(modified_after_save, x)
     assert "modified by an inplace operation" in ref
-    pool = Pool(budget=budget, policy=policy, host_limit="64MiB", min_bytes=1024)
+    pool = Pool(budget=budget, host_limit="64MiB", min_bytes=1024)  # the policy fixture's default
     with pool, pytest.raises(RuntimeError, match="modified by an inplace operation") as info:
         modified_after_save(x).backward()
     assert "is at version 1; expected version 0 instead" in str(info.value)

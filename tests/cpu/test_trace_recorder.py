@@ -184,6 +184,20 @@ def test_discovery_lists_registered_then_device_allocators(plugin):
     assert [d for d, _ in recorder.discover_allocators()] == [1]
 
 
+def test_a_known_device_allocator_is_returned_without_asking_the_plugin(plugin, monkeypatch):
+    """The pool's budget check asks for its device's allocator on every saved tensor: once known, no
+    call into the plug-in (its device list) is needed. New devices are found by the next allocators()."""
+    plugin.malloc(0, 512)
+    first = supermem.device_allocator(0)
+    asked = []
+    monkeypatch.setattr(plugin, "devices", lambda: asked.append(1) or sorted(plugin.made))
+    for _ in range(3):
+        assert supermem.device_allocator(0) is first
+    assert asked == []
+    plugin.malloc(1, 512)
+    assert supermem.device_allocator(1) is not None and asked  # unknown: the plug-in is asked
+
+
 def test_device_allocators_made_after_the_recording_starts_are_recorded(plugin, tmp_path):
     """`supermem trace -- python train.py`: the recording starts before the first CUDA tensor, so
     every device allocator is made during it (issue 8.2: they recorded nothing)."""
