@@ -17,6 +17,7 @@ export LD_PRELOAD=$(gcc -print-file-name=libtsan.so)
 # exitcode=66: any report fails the run (also in a child process, which then exits 66).
 export TSAN_OPTIONS="suppressions=$root/tools/tsan.supp halt_on_error=1 exitcode=66 second_deadlock_stack=1 report_signal_unsafe=0"
 export PYTHONPATH="$work"
+export SUPERMEM_TSAN=1  # tests that loop on GIL hand-offs run fewer rounds (each costs ms under TSan)
 "$py" -c "import supermem._C as c; assert c.__file__.startswith('$work'), c.__file__"  # the TSan build
 tests=(tests/cpu/test_threads.py tests/cpu/test_fork.py tests/cpu/test_oom.py)
 (($#)) && tests=("$@")
