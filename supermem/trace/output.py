@@ -70,6 +70,8 @@ def atomic_output(path: str | os.PathLike) -> Iterator[BinaryIO]:
     except OSError as e:
         raise OutputError(f"{path}: cannot be written ({e.strerror})") from None
     try:
+        with contextlib.suppress(FileNotFoundError):  # a file replaced keeps its mode (a 0600 stays private)
+            os.fchmod(fd, stat.S_IMODE(os.stat(path).st_mode))
         with os.fdopen(fd, "wb") as f:
             yield f
         os.replace(tmp, path)

@@ -13,7 +13,7 @@ from trace_workload import Workload, make_allocator
 
 import supermem
 from supermem import cli
-from supermem.trace.output import OutputError, atomic_output, check_output
+from supermem.trace.output import OutputError, atomic_output, check_output, write_bytes
 
 
 @pytest.fixture(scope="module")
@@ -179,3 +179,17 @@ def test_a_trace_block_with_a_bad_path_fails_before_it_runs(tmp_path, report):
         with supermem.trace(str(tmp_path / "run.smtrace"), report=report):
             ran.append(2)
     assert ran == ([] if report else [2])
+
+
+def test_a_replaced_output_keeps_its_mode(tmp_path):
+    out = tmp_path / "private.html"
+    out.write_bytes(b"old")
+    os.chmod(out, 0o600)
+    write_bytes(out, b"new")
+    assert out.read_bytes() == b"new"
+    assert (out.stat().st_mode & 0o777) == 0o600
+    fresh = tmp_path / "fresh.html"
+    write_bytes(fresh, b"x")  # a new file: 0666 less the umask, as open() gives
+    umask = os.umask(0)
+    os.umask(umask)
+    assert (fresh.stat().st_mode & 0o777) == 0o666 & ~umask
