@@ -318,6 +318,17 @@ PYBIND11_MODULE(_C, m) {
       .def("set_memory_fraction", &CA::set_memory_fraction, py::arg("fraction"), nogil)
       .def("memory_fraction", &CA::memory_fraction, nogil)
       .def("take_watermark", &CA::take_watermark, nogil)
+      .def_property("soft_limit_bytes",
+                    [](CA& a) {
+                      py::gil_scoped_release g;
+                      return a.soft_limit();
+                    },
+                    [](CA& a, py::handle v) {
+                      size_t bytes = int_arg(v, "soft_limit_bytes", kMaxSize);
+                      py::gil_scoped_release g;
+                      a.set_soft_limit(bytes);
+                    })
+      .def("arm_soft_limit", &CA::arm_soft_limit, nogil)
       .def("reset_peak_stats", &CA::reset_peak_stats, nogil)
       .def("reset_accumulated_stats", &CA::reset_accumulated_stats, nogil)
       .def_property("limit_bytes",

@@ -208,6 +208,22 @@ class CachingAllocator:
         the peak stats, so the tensor pool can watch each step's peak without resetting the user's."""
         return self._impl.take_watermark()
 
+    @property
+    def soft_limit_bytes(self) -> int:
+        """The tensor pool's budget as the allocator keeps it: an allocation that would take allocated
+        bytes over it first asks the pressure handlers for the excess, then goes ahead whatever they
+        freed (0: off). After a call that freed less than asked, they are asked again only after
+        arm_soft_limit()."""
+        return self._impl.soft_limit_bytes
+
+    @soft_limit_bytes.setter
+    def soft_limit_bytes(self, nbytes: int) -> None:
+        self._impl.soft_limit_bytes = nbytes
+
+    def arm_soft_limit(self) -> None:
+        """The pressure handlers hold more that they could free: ask them again at the soft limit."""
+        self._impl.arm_soft_limit()
+
     def reset_peak_stats(self) -> None:
         self._impl.reset_peak_stats()
 

@@ -76,6 +76,7 @@ void* CachingAllocator::malloc(size_t nbytes, Stream stream) {
   if ((!events_.empty() || !deferred_.empty()) && captures_.empty()) process_events();
   if (nbytes > kMaxRequest) throw_oom(lk, nbytes, nbytes, 0);
   size_t size = round_size(nbytes);
+  if (soft_limit_ && stats_.allocated_bytes.s[kAll].current + size > soft_limit_) keep_soft_limit(lk, size);
   bool small = size <= kSmallBytes;
   Pool& pool = pool_for(stream);
   Block* b = take_free(pool, small, stream, size);
@@ -367,6 +368,22 @@ size_t CachingAllocator::run_pressure_handlers(Lock& lk, size_t need) {
   return freed;
 }
 
+void CachingAllocator::keep_soft_limit(Lock& lk, size_t size) {
+  if (!soft_armed_ || soft_busy_ || !captures_.empty() || handlers_.empty()) return;
+  size_t need = stats_.allocated_bytes.s[kAll].current + size - soft_limit_;
+  soft_busy_ = true;
+  size_t freed = 0;
+  try {
+    freed = run_pressure_handlers(lk, need);
+  } catch (...) {
+    soft_busy_ = false;
+    throw;
+  }
+  soft_busy_ = false;
+  if (freed < need) soft_armed_ = false;  // nothing more to give until the pool holds more again
+  if (captures_.empty()) process_events();
+}
+
 void CachingAllocator::throw_oom(Lock& lk, size_t nbytes, size_t alloc_size, size_t evicted) {
   ++stats_.num_ooms;
   trace_.push(TraceKind::oom, nullptr, alloc_size, 0);
@@ -520,6 +537,22 @@ size_t CachingAllocator::take_watermark() {
   size_t w = watermark_;
   watermark_ = stats_.allocated_bytes.s[kAll].current;
   return w;
+}
+
+void CachingAllocator::set_soft_limit(size_t bytes) {
+  std::lock_guard<std::mutex> g(mu_);
+  soft_limit_ = bytes;
+  soft_armed_ = true;
+}
+
+size_t CachingAllocator::soft_limit() {
+  std::lock_guard<std::mutex> g(mu_);
+  return soft_limit_;
+}
+
+void CachingAllocator::arm_soft_limit() {
+  std::lock_guard<std::mutex> g(mu_);
+  soft_armed_ = true;
 }
 
 void CachingAllocator::reset_peak_stats() {

@@ -78,6 +78,12 @@ class CachingAllocator {
 
   Stats stats();
   size_t take_watermark();  // highest allocated bytes since the last call (then restarts at the current)
+  // The soft limit (a tensor pool's budget): an allocation that would take allocated bytes over it
+  // first asks the pressure handlers for the excess, then goes ahead whatever they freed. After a call
+  // that freed less than it asked, they are not asked again until arm_soft_limit(). 0: off.
+  void set_soft_limit(size_t bytes);
+  size_t soft_limit();
+  void arm_soft_limit();
   void reset_peak_stats();
   void reset_accumulated_stats();
   size_t limit_bytes();
@@ -113,6 +119,7 @@ class CachingAllocator {
   void sync_events();
   void insert_events(Block* b);
   size_t run_pressure_handlers(Lock& lk, size_t need);
+  void keep_soft_limit(Lock& lk, size_t size);
   void check_locked();
   std::string describe_bad_pointer(void* ptr);
   [[noreturn]] void throw_oom(Lock& lk, size_t nbytes, size_t alloc_size, size_t evicted);
@@ -135,6 +142,9 @@ class CachingAllocator {
   std::vector<OomObserver> oom_observers_;
   int next_handler_id_ = 1;
   Stats stats_;
+  size_t soft_limit_ = 0;
+  bool soft_armed_ = true;
+  bool soft_busy_ = false;  // handlers are running for the soft limit: their own allocations go ahead
   int64_t watermark_ = 0;  // like the allocated peak, but the tensor pool's own (user peaks untouched)
   TraceRing trace_;
 };

@@ -149,6 +149,8 @@ class Pool:
         self._local = threading.local()  # per thread: the stack of entered hook contexts
         self.always_active = False  # SUPERMEM_CONF's pool: hooks pushed for every thread's backward
         self._pressure_registered = False
+        self._soft: Any = None  # the allocator keeping the budget as its soft limit (supermem's, on CUDA)
+        self._urgent = False  # pricing for the pressure handler: every byte is needed now
         _serve_to_top(self)
 
     # ------------------------------------------------------------------ activation
@@ -185,6 +187,19 @@ class Pool:
             # per device, offloads only where memory is short
             _C.plugin_add_pressure_handler(_weak_method(self._on_pressure), self.device.index)
             self._pressure_registered = True
+        self._keep_budget()
+
+    def _keep_budget(self) -> None:
+        """The budget becomes the allocator's soft limit: an allocation the pool never sees coming (the
+        loss's temporaries, a workspace) that would take the device over it first makes entries leave,
+        through the pressure handler. Needs supermem's allocator, and its device allocator made."""
+        if self._soft is not None or self.budget_bytes is None or not self._pressure_registered:
+            return
+        alloc = self._supermem_allocator()
+        if alloc is not None:
+            alloc.soft_limit_bytes = self.budget_bytes
+            self._soft = alloc
+            weakref.finalize(self, _drop_soft_limit, alloc, self.budget_bytes)
 
     # ------------------------------------------------------------------ hooks
 
@@ -309,6 +324,8 @@ class Pool:
     def _fit_budget(self) -> None:
         if self.budget_bytes is None:
             return
+        if self._soft is None:
+            self._keep_budget()
         target = self._target()
         over = self._used_bytes() - target
         if over <= 0:
@@ -507,16 +524,22 @@ class Pool:
             self._prefetched_bytes += x.nbytes
 
     def _on_pressure(self, need_bytes: int) -> int:
-        """The allocator is about to fail: entries leave, cheapest first by the policy (offloads wait
-        for their copy), until the device really has `need_bytes` more free (an entry that something
-        else still references frees nothing when it leaves)."""
+        """The allocator is about to fail, or an allocation would take the device over the budget (its
+        soft limit): entries leave, cheapest first by the policy, priced as urgent (a copy hides
+        nothing now, offloads wait for theirs, so recompute wins where it is cheap), until the device
+        really has `need_bytes` more free (an entry something else still references frees nothing)."""
         with self._lock:
             self._counters["pressure_calls"] += 1
             self._left = True
             before, freed = self._used_bytes(), 0
+            self._urgent = True
+            try:
+                choices = self._choices()
+            finally:
+                self._urgent = False
             ranked = [
                 (c.frees, self.treatments[c.treatment])
-                for c in self.policy.choose(self._choices(), 1 << 62, self._tick)
+                for c in self.policy.choose(choices, 1 << 62, self._tick)
             ]
             # Prefetched entries not used yet go last: they come back soonest.
             ranked += [((x,), x.treatment) for x in self._restoring_entries()]
@@ -557,6 +580,8 @@ class Pool:
             pass
 
     def _add_resident(self, e: Entry) -> None:
+        if self._soft is not None:
+            self._soft.arm_soft_limit()  # something it could free again
         self._device_bytes += e.nbytes
         self._peak_resident_bytes = max(self._peak_resident_bytes, self._device_bytes)
         self._step_peak = max(self._step_peak, self._device_bytes)
@@ -792,6 +817,15 @@ def _is_fraction(value: Any) -> bool:
 
 def _size(name: str, value: Any, total: int | None) -> int:
     return _checked(name, lambda v: parse_bytes(v, total), value)
+
+
+def _drop_soft_limit(alloc: Any, budget: int) -> None:
+    """A pool's end: its budget stops being the allocator's soft limit (unless another pool set its own)."""
+    try:
+        if alloc.soft_limit_bytes == budget:
+            alloc.soft_limit_bytes = 0
+    except Exception:  # noqa: BLE001  (interpreter shutdown)
+        pass
 
 
 def _alive_anyway(t: torch.Tensor) -> bool:

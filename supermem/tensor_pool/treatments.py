@@ -93,8 +93,8 @@ class Offload(Treatment):
         """Bytes the link can still carry before backward starts, judging by the last step's forward
         (what it already carries this step counts against it). On CPU copies are synchronous: none."""
         step = pool._step
-        if not pool.cuda or step is None or not pool._last_forward_s:
-            return 0
+        if not pool.cuda or step is None or not pool._last_forward_s or pool._urgent:
+            return 0  # (urgent: the allocator waits for these bytes, so a copy hides nothing)
         elapsed = time.perf_counter() - step.started_s
         queued = max(0.0, step.offloaded - bps * elapsed)
         return int(bps * max(0.0, pool._last_forward_s - elapsed) - queued)

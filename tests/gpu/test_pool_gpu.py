@@ -1,6 +1,7 @@
 """The tensor pool on a GPU: real offload to pinned memory on side streams, bitwise-equal results,
 no stream races, and the pool as the allocator's pressure handler."""
 
+import json
 import os
 import subprocess
 import sys
@@ -236,57 +237,70 @@ def test_cost_aware_gpt_dropout_bf16_is_bitwise():
             assert s["offloads"] == 0 and s["dropped"] == 0, s
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 9's target, not met yet (H100, 2026-11-26): at 75% of native's peak, lru peaked 8% over "
-    "the budget at 41.3 ms, cost_aware 11% over at 54.0 ms (native 12.8 ms); the planner is the fix",
-)
-def test_cost_aware_keeps_the_peak_at_the_budget_with_supermem():
-    """In a fresh process with supermem's allocator (it reports the true peak, so the pool learns the
-    step's transient spike): after warm-up the peak stays within 5% of the budget, and below lru's."""
-    out = _run(
-        """
-        import torch, supermem
-        from supermem.bench.models import GPT, loss_fn
-        supermem.install()
-        torch.manual_seed(0)
-        model = GPT(layers=8, d=1024, heads=16, vocab=8192, ctx=512).cuda()
-        opt = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
-        idx = torch.randint(0, 8192, (8, 513), device="cuda")
-        x, y = idx[:, :-1].contiguous(), idx[:, 1:].contiguous()
-        plain = torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
-        def step(pool=None):
-            with pool if pool is not None else plain:
-                with torch.autocast("cuda", torch.bfloat16):
-                    loss = loss_fn(model(x), y)
-                loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        def peak(pool=None, warm=4, timed=3):
-            for _ in range(warm):
-                step(pool)
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            t = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            t[0].record()
-            for _ in range(timed):
-                step(pool)
-            t[1].record()
-            torch.cuda.synchronize()
-            return torch.cuda.max_memory_allocated(), t[0].elapsed_time(t[1]) / timed
-        native, native_ms = peak()
-        budget = int(0.75 * native)
-        for policy in ("lru", "cost_aware"):
-            p, ms = peak(supermem.pool(budget=budget, policy=policy))
-            print(policy, "peak", p, "budget", budget, "native", native, "ms", round(ms, 1),
-                  "native_ms", round(native_ms, 1))
-        """
+_BUDGET_RUN = """
+import json, sys, torch, supermem
+from supermem.bench.models import GPT, loss_fn
+supermem.install()
+torch.manual_seed(0)
+model = GPT(layers=8, d=1024, heads=16, vocab=8192, ctx=512).cuda()
+opt = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
+idx = torch.randint(0, 8192, (8, 513), device="cuda")
+x, y = idx[:, :-1].contiguous(), idx[:, 1:].contiguous()
+plain = torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
+def step(pool=None):
+    with pool if pool is not None else plain:
+        with torch.autocast("cuda", torch.bfloat16):
+            loss = loss_fn(model(x), y)
+        loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+def peak(pool=None, warm=4, timed=5):
+    for _ in range(warm):
+        step(pool)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    t = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t[0].record()
+    for _ in range(timed):
+        step(pool)
+    t[1].record()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated(), t[0].elapsed_time(t[1]) / timed
+native, native_ms = peak()
+budget = int(0.75 * native)
+rows = {"native": {"peak": native, "ms": native_ms}}
+for policy in sys.argv[1:]:
+    pool = supermem.pool(budget=budget, policy=policy)
+    p, ms = peak(pool)
+    s = pool.stats()
+    keys = ("offloads", "dropped", "recomputes", "prefetches", "sync_restores", "pressure_calls", "plans")
+    rows[policy] = {"peak": p, "ms": ms, "budget": budget, **{k: s[k] for k in keys}, "plan": s["plan"]}
+print(json.dumps(rows))
+"""
+
+
+def _budget_rows(*policies: str) -> dict:
+    """A small GPT (8 blocks, d1024, bf16) in a fresh process with supermem's allocator: native, then
+    each policy at 75% of native's peak after warm-up; per row the peak, step ms and pool counters."""
+    r = subprocess.run(
+        [sys.executable, "-c", _BUDGET_RUN, *policies], capture_output=True, text=True, timeout=300
     )
-    rows = {line.split()[0]: line.split() for line in out.splitlines() if " peak " in line}
-    lru_peak, ca_peak, budget = int(rows["lru"][2]), int(rows["cost_aware"][2]), int(rows["cost_aware"][4])
-    print("\n" + out)
-    assert ca_peak <= 1.05 * budget, out
-    assert ca_peak <= lru_peak, out
+    assert r.returncode == 0, r.stdout + r.stderr  # a crashed child is an error, never a missed target
+    rows = json.loads(r.stdout.strip().splitlines()[-1])
+    for name, row in rows.items():
+        print(f"{name:<10} peak {row['peak'] / 2**30:.3f} GiB  {row['ms']:.1f} ms  {row}")
+    return rows
+
+
+def test_cost_aware_keeps_the_peak_at_the_budget_and_beats_lru():
+    """The budget is the allocator's soft limit, so the loss's transient (which the pool never sees at
+    a save) makes entries leave too: the peak stays within 5% of the budget; cost_aware (recompute
+    where cheaper) is faster than lru (offload only) and peaks no higher."""
+    rows = _budget_rows("lru", "cost_aware")
+    lru, ca = rows["lru"], rows["cost_aware"]
+    assert ca["peak"] <= 1.05 * ca["budget"], rows
+    assert ca["peak"] <= 1.01 * lru["peak"], rows
+    assert ca["ms"] < lru["ms"], rows
 
 
 # ---- the planned policy ----------------------------------------------------------------------------
@@ -313,60 +327,9 @@ def test_planned_gpt_dropout_bf16_is_bitwise():
             assert s["offloads"] == 0 and s["dropped"] == 0, s
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 10's target, not met yet (H100, 2026-11-26): planned peaked 2.38 GB against a 2.15 GB "
-    "budget (predicted 1.90 GB) at 82.6 ms, lru 2.33 GB at 62.5 ms: the plan misses the step's transient",
-)
 def test_planned_keeps_the_peak_at_the_budget_and_beats_lru():
-    """The harness of test_cost_aware_keeps_the_peak_at_the_budget_with_supermem (small GPT, bf16,
-    75% of native's peak): planned's peak within 5% of the budget and its step faster than lru's;
-    the plan's predicted peak and step time are printed beside the measured ones."""
-    out = _run(
-        """
-        import torch, supermem
-        from supermem.bench.models import GPT, loss_fn
-        supermem.install()
-        torch.manual_seed(0)
-        model = GPT(layers=8, d=1024, heads=16, vocab=8192, ctx=512).cuda()
-        opt = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
-        idx = torch.randint(0, 8192, (8, 513), device="cuda")
-        x, y = idx[:, :-1].contiguous(), idx[:, 1:].contiguous()
-        plain = torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
-        def step(pool=None):
-            with pool if pool is not None else plain:
-                with torch.autocast("cuda", torch.bfloat16):
-                    loss = loss_fn(model(x), y)
-                loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        def peak(pool=None, warm=4, timed=5):
-            for _ in range(warm):
-                step(pool)
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            t = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            t[0].record()
-            for _ in range(timed):
-                step(pool)
-            t[1].record()
-            torch.cuda.synchronize()
-            return torch.cuda.max_memory_allocated(), t[0].elapsed_time(t[1]) / timed
-        native, native_ms = peak()
-        budget = int(0.75 * native)
-        for policy in ("lru", "planned"):
-            pool = supermem.pool(budget=budget, policy=policy)
-            p, ms = peak(pool)
-            print(policy, "peak", p, "budget", budget, "native", native, "ms", round(ms, 1),
-                  "native_ms", round(native_ms, 1))
-            s = pool.stats()
-            print("stats", policy, {k: s[k] for k in ("offloads", "dropped", "recomputes", "prefetches",
-                  "sync_restores", "backpressure_waits", "plans", "hidden_fraction")}, "plan", s["plan"])
-        """
-    )
-    rows = {line.split()[0]: line.split() for line in out.splitlines() if " peak " in line}
-    lru_ms, planned_ms = float(rows["lru"][8]), float(rows["planned"][8])
-    planned_peak, budget = int(rows["planned"][2]), int(rows["planned"][4])
-    print("\n" + out)
-    assert planned_peak <= 1.05 * budget, out
-    assert planned_ms < lru_ms, out
+    """planned's peak within 5% of the budget and its step faster than lru's; the plan's predicted peak
+    and step time are printed beside the measured ones."""
+    rows = _budget_rows("lru", "planned")
+    assert rows["planned"]["peak"] <= 1.05 * rows["planned"]["budget"], rows
+    assert rows["planned"]["ms"] < rows["lru"]["ms"], rows

@@ -1,0 +1,82 @@
+"""The soft limit: the tensor pool's budget kept by the allocator. An allocation that would take
+allocated bytes over it asks the pressure handlers for the excess first (with the lock released), then
+goes ahead whatever they freed; a handler that had too little is not asked again until re-armed."""
+
+import pytest
+from alloc_spec import MiB, rounded
+from test_oom import run_with_deadline
+
+from supermem.allocator import CachingAllocator, SimulatedDevice
+
+SOFT = 8 * MiB
+
+
+@pytest.fixture
+def alloc():
+    a = CachingAllocator(SimulatedDevice(64 * MiB))
+    a.soft_limit_bytes = SOFT
+    yield a
+    a.check()
+
+
+def test_an_allocation_over_the_soft_limit_asks_for_the_excess_first(alloc):
+    victim = alloc.malloc(6 * MiB)
+    asked = []
+
+    def handler(need_bytes):
+        asked.append((need_bytes, alloc.stats()["allocated_bytes"]))  # runs unlocked
+        alloc.free(victim)
+        return rounded(6 * MiB)
+
+    alloc.add_pressure_handler(handler)
+    alloc.free(alloc.malloc(MiB))  # under the limit: nobody asked
+    assert asked == []
+    p = run_with_deadline(lambda: alloc.malloc(4 * MiB))
+    assert asked == [(rounded(6 * MiB) + rounded(4 * MiB) - SOFT, rounded(6 * MiB))]
+    s = alloc.stats()
+    assert s["allocated_bytes"] == rounded(4 * MiB) and s["allocated_bytes_peak"] <= SOFT
+    alloc.free(p)
+
+
+def test_it_goes_ahead_when_the_handlers_free_too_little_and_then_stops_asking(alloc):
+    calls = []
+    alloc.add_pressure_handler(lambda need_bytes: calls.append(need_bytes) or 0)
+    a = alloc.malloc(6 * MiB)
+    b = alloc.malloc(6 * MiB)  # over the soft limit: asked once, nothing freed, allocated anyway
+    c = alloc.malloc(MiB)  # not asked again: the handlers said they had nothing
+    assert len(calls) == 1 and alloc.stats()["allocated_bytes"] == 13 * MiB
+    alloc.arm_soft_limit()  # the pool holds something again
+    d = alloc.malloc(MiB)
+    assert len(calls) == 2
+    for p in (a, b, c, d):
+        alloc.free(p)
+
+
+def test_an_allocation_made_by_a_handler_does_not_call_it_again(alloc):
+    depth = []
+
+    def handler(need_bytes):
+        depth.append(need_bytes)
+        alloc.free(alloc.malloc(MiB))  # a handler's own allocation goes ahead
+        return 0
+
+    alloc.add_pressure_handler(handler)
+    p = alloc.malloc(10 * MiB)
+    assert len(depth) == 1
+    alloc.free(p)
+
+
+def test_off_by_default_and_when_zero(alloc):
+    calls = []
+    alloc.add_pressure_handler(lambda need_bytes: calls.append(need_bytes) or 0)
+    alloc.soft_limit_bytes = 0
+    alloc.free(alloc.malloc(20 * MiB))
+    assert calls == [] and alloc.soft_limit_bytes == 0
+    assert CachingAllocator(SimulatedDevice(MiB)).soft_limit_bytes == 0
+
+
+@pytest.mark.parametrize("bad", [-1, 2**64, "8MiB", 1.5])
+def test_bad_soft_limits_are_refused(alloc, bad):
+    with pytest.raises((ValueError, TypeError), match="soft_limit_bytes"):
+        alloc.soft_limit_bytes = bad
+    assert alloc.soft_limit_bytes == SOFT
