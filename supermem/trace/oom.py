@@ -90,9 +90,16 @@ def on_oom(device: int = -1, requested_bytes: int = 0, message: str = "") -> Pat
     path = oom_snapshot_path(n)
     if path is None:
         return None
-    return write_oom_snapshot(
-        path, note={"device": device, "requested_bytes": requested_bytes, "message": message}
-    )
+    from .. import distributed
+
+    note = {
+        "device": device,
+        "rank": distributed.rank(),
+        "world_size": distributed.world_size(),
+        "requested_bytes": requested_bytes,
+        "message": message,
+    }
+    return write_oom_snapshot(path, note=note)
 
 
 def write_oom_snapshot(

@@ -148,7 +148,9 @@ def test_oom_snapshot_writes_trace_and_report(tmp_path, recording):
     if recording:  # a recording in progress: the snapshot is its trace so far
         body = body.replace("held = []", "rec = supermem.trace.record(allocators=[alloc]).start()\nheld = []")
     script.write_text(body)
-    env = dict(os.environ, SUPERMEM_CONF=f"oom_snapshot:{tmp_path}/oom-{{pid}}.smtrace")
+    env = dict(
+        os.environ, SUPERMEM_CONF=f"oom_snapshot:{tmp_path}/oom-{{pid}}.smtrace", RANK="3", WORLD_SIZE="4"
+    )
     r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 0, r.stderr
     words = r.stdout.split()
@@ -159,6 +161,7 @@ def test_oom_snapshot_writes_trace_and_report(tmp_path, recording):
     assert held == 9 and (int(words[5]) == 65536 or recording)  # 9 x 10 MiB fit under 96 MiB
     tr = load(path)
     assert tr.meta["oom"]["requested_bytes"] == 10 << 20
+    assert (tr.meta["oom"]["rank"], tr.meta["oom"]["world_size"]) == (3, 4)  # torchrun's, from the env
     oom_events = tr.cols["action"] == tr.actions.index("oom")
     assert int(oom_events.sum()) == 1
     lt = lifetimes(tr, 0)
