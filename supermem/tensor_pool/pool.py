@@ -56,8 +56,8 @@ class Pool:
         allocator would otherwise run out of memory. On CPU: bytes of saved tensors kept.
     policy: a name from supermem.policies ("lru": offload least recently used; "cost_aware": offload
         or recompute, whichever frees bytes at the least exposed cost; "planned": profile the first
-        step of each shape, plan every saved tensor's treatment, run the plan after). Default: lru;
-        planned becomes the default once it beats lru on the GPU (it does not yet: README).
+        step of each shape, plan every saved tensor's treatment, run the plan after). Default:
+        cost_aware, the fastest at every budget measured (README); planned does not beat it yet.
     host_limit: pinned host bytes the pool may use (int, size string or percentage of host RAM).
     min_bytes: smaller saved tensors stay where they are (default 1 MiB on GPU, 0 on CPU).
     treatments: the ways out (default: Offload and Recompute); the policy chooses among them.
@@ -66,7 +66,7 @@ class Pool:
     def __init__(
         self,
         budget: int | float | str | None = None,
-        policy: str = "lru",
+        policy: str = "cost_aware",
         host_limit: int | float | str | None = "50%",
         *,
         device: torch.device | str | None = None,
