@@ -14,3 +14,4 @@ def test_demo_runs_on_cpu_and_losses_are_identical():
     assert r.returncode == 0, r.stdout + r.stderr
     assert "losses identical: True" in r.stdout
     assert "memory saved:" in r.stdout and "supermem pool" in r.stdout
+    assert "checkpoint per block" in r.stdout and "supermem pool at checkpoint's peak" in r.stdout
