@@ -109,8 +109,8 @@ def run(args: argparse.Namespace) -> dict:
     if native and "peak_alloc_bytes" in native[0]:
         top = max(r["peak_alloc_bytes"] for r in native)
         for b in budgets:
-            conf = f"pool:lru,budget:{int(top * b)}" + (f",{args.conf}" if args.conf else "")
-            one(f"pool {b:g}", {"SUPERMEM_CONF": conf})
+            conf = f"pool:cost_aware,budget:{int(top * b)}" + (f",{args.conf}" if args.conf else "")
+            one(f"cost_aware {b:g}", {"SUPERMEM_CONF": conf})
     elif native:  # CPU: the pool's budget counts saved bytes; one small budget shows it works
         one("pool 64KiB", {"SUPERMEM_CONF": "pool:lru,budget:64KiB"})
     print(table(out), file=sys.stdout)

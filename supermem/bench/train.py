@@ -59,7 +59,7 @@ def modes(device: str, budgets: list[float]) -> list[Mode]:
         out.append(Mode("save_on_cpu", "native", "save_on_cpu"))
     if cuda and hasattr(supermem, "pool"):
         for b in budgets:
-            out.append(Mode(f"pool {b:.0%}", "supermem", "pool", budget=b, options={"policy": "lru"}))
+            out.append(Mode(f"lru {b:.0%}", "supermem", "pool", budget=b, options={"policy": "lru"}))
             out.append(
                 Mode(f"cost_aware {b:.0%}", "supermem", "pool", budget=b, options={"policy": "cost_aware"})
             )
@@ -347,7 +347,7 @@ def _print_targets(label: str, native: dict, rows: list[dict]) -> None:
     for r in rows:
         if not r["config"].startswith("cost_aware "):
             continue
-        lru = by_name.get("pool " + r["config"].split(" ", 1)[1], {})
+        lru = by_name.get("lru " + r["config"].split(" ", 1)[1], {})
         x, lx, peak, lpeak = (
             r.get("step_x"),
             lru.get("step_x"),
