@@ -16,7 +16,7 @@ def _bench(tmp_path, *args):
         + ["--json", str(out)],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=300,  # the quick train rows take ~60 s alone, ~110 s on a busy 2-core machine
         env=env,
     )
     assert r.returncode == 0, r.stdout + r.stderr
