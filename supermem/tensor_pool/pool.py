@@ -151,7 +151,6 @@ class Pool:
         self._pressure_registered = False
         self._soft: Any = None  # the allocator keeping the budget as its soft limit (supermem's, on CUDA)
         self._urgent = False  # pricing for the pressure handler: every byte is needed now
-        self._urgent_bytes = 0  # freed by the pressure handler in this step
         _serve_to_top(self)
 
     # ------------------------------------------------------------------ activation
@@ -507,14 +506,8 @@ class Pool:
             self._in_use.pop()
 
     def _prefetch_before(self, e: Entry) -> None:
-        """Prefetches the entries of the same step saved just before `e`: backward needs them next. In
-        backward the loss's transient is past, so the margin no longer applies; a reserve of 1/16 of
-        the budget stays for gradients and replays (over it, the soft limit would send back what was
-        just fetched)."""
-        if self.budget_bytes is not None:
-            room = self.budget_bytes - self.budget_bytes // 16 - self._used_bytes()
-        else:
-            room = self._target() - self._used_bytes()
+        """Prefetches the entries of the same step saved just before `e`: backward needs them next."""
+        room = self._target() - self._used_bytes()
         pos = bisect.bisect_left(self._seqs, e.seq)
         for seq in reversed(self._seqs[max(0, pos - PREFETCH_SCAN) : pos]):
             ref = self._entries.get(seq)
@@ -557,7 +550,6 @@ class Pool:
                 freed = before - self._used_bytes()
                 if freed >= need_bytes:
                     break
-            self._urgent_bytes += max(freed, 0)
             return max(freed, 0)
 
     # ------------------------------------------------------------------ bookkeeping
@@ -639,10 +631,9 @@ class Pool:
         return cap - 2 * self._largest_entry
 
     def _learn_margin(self) -> None:
-        """The margin: how far below the budget this step's saves aim, so that what the last step had
-        to free in a hurry (at the soft limit: the loss's temporaries, which the pool never sees at a
-        save) leaves during the forward instead, where a copy can hide and recompute is chosen at
-        leisure (next_margin). Also the last step's true peak and unseen spike, for the planner."""
+        """The margin is the last step's spike: its true peak above the most the pool saw. Transients
+        the pool cannot see (the loss, workspaces) are a property of the model, not of the target,
+        so this settles in one step and does not oscillate."""
         alloc = self._supermem_allocator() if self.budget_bytes is not None else None
         if alloc is None and self.cuda:
             self._last_peak_bytes = self._seen_peak  # what the pool saw: PyTorch's allocator has no watermark
@@ -651,8 +642,7 @@ class Pool:
             self._last_peak_bytes = peak
             if self._seen_peak:
                 self._last_spike = max(0, peak - self._seen_peak)
-                self._margin = next_margin(self._margin, self._urgent_bytes, self.budget_bytes, peak)
-        self._urgent_bytes = 0
+                self._margin = min(self.budget_bytes, self._last_spike)
         self._seen_peak = 0
 
     def _supermem_allocator(self) -> Any:
@@ -827,15 +817,6 @@ def _is_fraction(value: Any) -> bool:
 
 def _size(name: str, value: Any, total: int | None) -> int:
     return _checked(name, lambda v: parse_bytes(v, total), value)
-
-
-def next_margin(margin: int, urgent_bytes: int, budget: int, peak: int) -> int:
-    """The next step's margin below the budget: this one's, plus what the step had to free in a hurry,
-    less half the headroom left at its peak (so it settles at the step's unseen transient instead of
-    growing), at most half the budget (a step whose hurry comes from its backward cannot push its
-    forward's aim to nothing)."""
-    headroom = max(0, budget - peak)
-    return min(budget // 2, max(0, margin + urgent_bytes - headroom // 2))
 
 
 def _drop_soft_limit(alloc: Any, budget: int) -> None:

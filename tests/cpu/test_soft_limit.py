@@ -80,25 +80,3 @@ def test_bad_soft_limits_are_refused(alloc, bad):
     with pytest.raises((ValueError, TypeError), match="soft_limit_bytes"):
         alloc.soft_limit_bytes = bad
     assert alloc.soft_limit_bytes == SOFT
-
-
-def test_the_margin_settles_at_the_transient_the_soft_limit_caught():
-    """A step whose unseen transient (say the loss's temporaries) needs `spike` bytes over what its
-    saves leave: the soft limit frees them in a hurry; the next steps aim lower by that much, so the
-    hurry goes away and the margin stays put; with headroom to spare it shrinks back."""
-    from supermem.tensor_pool.pool import next_margin
-
-    budget, spike, resident = 100, 30, 95  # the saves alone would sit at 95; the transient adds 30
-    margin, urgent_history = 0, []
-    for _ in range(6):
-        level = min(resident, budget - margin)  # the saves aim at budget - margin
-        urgent = max(0, level + spike - budget)  # what the soft limit must free at the transient
-        peak = min(budget, level + spike)
-        urgent_history.append(urgent)
-        margin = next_margin(margin, urgent, budget, peak)
-    # 95 + 30 is 25 over; aiming 25 lower still leaves 5 (the saves fall with the aim): then none
-    assert urgent_history == [25, 5, 0, 0, 0, 0]
-    assert margin == spike
-    assert next_margin(25, 0, budget, 60) == 5  # headroom of 40 at the peak: give half back
-    assert next_margin(0, 0, budget, 10) == 0  # never below 0
-    assert next_margin(40, 80, budget, budget) == 50  # never above half the budget
