@@ -217,6 +217,7 @@ class Streamer:
 
         self.host = HostPool(host_bytes, pinned=self.cuda and pinned_available())
         self.copies = CopyEngine(self.device)
+        self.host.copy_streams.update(self.copies.stream_ids)
         self.prefetch = prefetch
         self.unit_bytes = unit_bytes
         self.model = model
@@ -583,8 +584,9 @@ class Streamer:
             yield slot.param
 
     def close(self) -> None:
-        """Stops streaming. Parameters and gradients move to ordinary host memory (their pinned blocks
-        return to the pool); the Parameter objects stay the same."""
+        """Stops streaming. Parameters and gradients move to ordinary host memory and their pinned blocks
+        return to the pool (each when its last view dies: at once, unless the caller kept one); the
+        Parameter objects stay the same."""
         self.sync()
         for h in self._handles:
             h.remove()
@@ -596,6 +598,9 @@ class Streamer:
                 p.grad = p.grad.clone()
         for unit in self.units:
             self._drop(unit)
+            unit.flat = None
+        for slot in self._params.values():
+            slot.grad_block = None
         self.model._supermem_streamer = None
         _live.discard(self)
 

@@ -9,6 +9,7 @@ chunks are ordinary host memory (a SimulatedDevice), so the pool runs and is tes
 from __future__ import annotations
 
 import ctypes
+import weakref
 
 import torch
 
@@ -20,13 +21,22 @@ CHUNK_BYTES = 256 << 20
 
 
 class HostBlock:
-    __slots__ = ("address", "nbytes", "tensor")
+    """A block of the host pool, seen as a uint8 tensor. The tensor's storage owns the block: when the
+    last view of it dies (or at `HostPool.give_back`, whichever comes first) the block returns to the
+    pool, reused only after the copies queued so far on the pool's copy streams have finished. So a
+    user who drops a block without giving it back (a streamer that is closed or collected) leaks
+    nothing, and one who gives it back while a view lives on is the only way to alias it."""
 
-    def __init__(self, address: int, nbytes: int):
+    __slots__ = ("address", "nbytes", "tensor", "_release")
+
+    def __init__(self, pool: HostPool, address: int, nbytes: int):
         self.address = address
         self.nbytes = nbytes
-        buf = (ctypes.c_uint8 * nbytes).from_address(address)
-        self.tensor = torch.frombuffer(buf, dtype=torch.uint8)  # aliases the block, no copy
+        buf = (ctypes.c_uint8 * max(nbytes, 1)).from_address(address)
+        # the finalizer holds the pool, never the buffer: the storage's reference is the last one
+        self._release = weakref.finalize(buf, pool._free, address)
+        self._release.atexit = False  # at exit the process's memory goes anyway
+        self.tensor = torch.frombuffer(buf, dtype=torch.uint8)  # aliases the block, keeps `buf` alive
 
 
 class HostPool:
@@ -39,19 +49,27 @@ class HostPool:
             source = SimulatedDevice(limit_bytes)
         self.pinned = pinned
         self.allocator = CachingAllocator(source, segment_bytes=min(CHUNK_BYTES, limit_bytes))
+        self.copy_streams: set[int] = set()  # what a block returned by its last view's death waits for
 
     def take(self, nbytes: int) -> HostBlock | None:
-        """A block of `nbytes`, or None when the host limit is reached."""
+        """A block of `nbytes` (at least 1), or None when the host limit is reached."""
         try:
-            return HostBlock(self.allocator.malloc(nbytes), nbytes)
+            return HostBlock(self, self.allocator.malloc(max(nbytes, 1)), nbytes)
         except OutOfMemoryError:
             return None
 
     def give_back(self, block: HostBlock, streams: tuple[int, ...] = ()) -> None:
-        """Frees `block`; it is reused only after the work queued on `streams` so far has finished."""
-        for s in streams:
-            self.allocator.record_stream(block.address, s)
-        self.allocator.free(block.address)
+        """Frees `block` now (views of it must be dead by then); it is reused only after the work queued
+        on `streams` so far has finished. Giving a block back twice is harmless."""
+        if block._release.alive:
+            for s in streams:
+                self.allocator.record_stream(block.address, s)
+            block._release()
+
+    def _free(self, address: int) -> None:
+        for s in self.copy_streams:
+            self.allocator.record_stream(address, s)
+        self.allocator.free(address)
 
     @property
     def reserved_bytes(self) -> int:
