@@ -213,9 +213,9 @@ class Streamer:
             raise UsageError(f"stream: bad host_limit: {e}") from None
         # imported here, not at the top: SUPERMEM_CONF=stream:weights imports this module in `import torch`
         from .tensor_pool.copy import CopyEngine
-        from .tensor_pool.host import HostPool, pinned_available
+        from .tensor_pool.host import shared_host_pool
 
-        self.host = HostPool(host_bytes, pinned=self.cuda and pinned_available())
+        self.host = shared_host_pool(self.device, host_bytes)  # one per device, shared with the tensor pool
         self.copies = CopyEngine(self.device)
         self.host.copy_streams.update(self.copies.stream_ids)
         self.prefetch = prefetch
@@ -320,10 +320,13 @@ class Streamer:
         self.units.append(unit)
 
     def _take(self, nbytes: int) -> HostBlock:
-        block = self.host.take(max(nbytes, 1))
+        host = self.host
+        block = host.take(max(nbytes, 1))
         if block is None:
             raise torch.OutOfMemoryError(
-                f"supermem.stream: host_limit reached ({self.host.reserved_bytes} bytes of host memory used)"
+                f"supermem.stream: no host memory for {nbytes} more bytes: the streamer holds "
+                f"{host.in_use_bytes} of its host_limit {host.limit_bytes} bytes; the device's host pool "
+                f"(shared with the tensor pool) {host.reserved_bytes} of {host.pool.limit_bytes}"
             )
         return block
 
@@ -566,7 +569,8 @@ class Streamer:
 
     def stats(self) -> dict[str, Any]:
         """Counts and bytes: units, fetches (device copies made), prefetch_hits, grads_to_host, h2d_bytes,
-        d2h_bytes, h2d_gbps, d2h_gbps, wait_s (compute stalled for copies), host_bytes."""
+        d2h_bytes, h2d_gbps, d2h_gbps, wait_s (compute stalled for copies), host_bytes (its host blocks:
+        parameters and gradients)."""
         s = self.copies.collect()
         return {
             "units": len(self.units),
@@ -576,7 +580,7 @@ class Streamer:
             "h2d_gbps": s.h2d_bytes / s.h2d_seconds / 1e9 if s.h2d_seconds else 0.0,
             "d2h_gbps": s.d2h_bytes / s.d2h_seconds / 1e9 if s.d2h_seconds else 0.0,
             "wait_s": s.wait_seconds,
-            "host_bytes": self.host.reserved_bytes,
+            "host_bytes": self.host.in_use_bytes,
         }
 
     def parameters(self) -> Iterator[torch.nn.Parameter]:

@@ -268,9 +268,35 @@ def test_close_gives_every_host_block_back():
         model(x).sum().backward()
         s.sync()
         host = s.host
-        assert host.allocator.allocated_bytes > 0
+        assert host.in_use_bytes > 0
         s.close()
-        assert host.allocator.allocated_bytes == 0
+        assert host.in_use_bytes == 0
         # what close() handed over is intact: ordinary memory, not the blocks given back
         for p, q in zip(model.parameters(), want.parameters(), strict=True):
             assert torch.equal(p, q) and torch.equal(p.grad, q.grad)
+
+
+def test_the_streamer_and_the_tensor_pool_share_one_host_pool(monkeypatch):
+    """One host budget per device: the pool's offloads and the streamer's weights come from one host
+    pool, whose limit is the larger host_limit (not one pool each, pinning the sum)."""
+    from supermem.tensor_pool import host
+
+    monkeypatch.setattr(host, "_shared", {})  # no host pool made yet in this process
+    torch.manual_seed(5)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64))
+    x = torch.randn(32, 64)
+    want = copy.deepcopy(model)
+    want(x).square().mean().backward()
+    s = supermem.stream(model, "cpu", host_limit="1MiB")
+    pool = supermem.tensor_pool.Pool(budget=0, host_limit="2MiB", device="cpu", min_bytes=0)
+    with pool:
+        model(x).square().mean().backward()
+    s.sync()
+    assert pool.stats()["offloads"] > 0
+    assert pool.host.pool is s.host.pool and s.host.pool.limit_bytes == 2 << 20
+    assert s.host.reserved_bytes <= 2 << 20
+    assert s.host.in_use_bytes > 0 and pool.host.in_use_bytes == 0  # the weights and grads stay, nothing else
+    for p, q in zip(model.parameters(), want.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad)
+    s.close()
+    assert s.host.in_use_bytes == 0
