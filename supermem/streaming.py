@@ -631,19 +631,27 @@ def _sync_all(optimizer: Any, args: Any, kwargs: Any) -> None:
 
 def activate_from_config(cfg: Any) -> None:
     """SUPERMEM_CONF=stream:weights: the first outermost module called with its parameters on a CUDA
-    device, or with CPU parameters and a CUDA input, is streamed to that device from then on. Runs
-    during `import torch`: nothing here may touch CUDA."""
+    device, or with CPU parameters and a CUDA input, is the model: it is streamed to that device from
+    then on. Finding it takes two global module hooks, which run on every module call of the process;
+    they are removed once the model is found, so later calls cost nothing (PyTorch's hook-free path).
+    Other models are not streamed: give them to supermem.stream(). Runs during `import torch`: nothing
+    here may touch CUDA."""
     from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
     depth = threading.local()
+    handles: list[Any] = []
 
     def pre(module: torch.nn.Module, args: Any) -> None:
         level = getattr(depth, "n", 0)
         depth.n = level + 1
-        if level or getattr(module, "_supermem_streamer", None) is not None:
+        if level:
             return
         device = _target_device(module, args)
-        if device is not None:
+        if device is None:
+            return
+        for h in handles:  # safe here: PyTorch iterates over a copy of the global hooks
+            h.remove()
+        if getattr(module, "_supermem_streamer", None) is None:  # else streamed by hand already
             streamer = Streamer(module, device, host_limit=cfg.host_limit)
             # this call already passed the module's own pre-hooks: run the ones streaming just added
             streamer._step_start(module, args)
@@ -653,8 +661,8 @@ def activate_from_config(cfg: Any) -> None:
     def post(module: torch.nn.Module, args: Any, output: Any) -> None:
         depth.n = max(getattr(depth, "n", 1) - 1, 0)
 
-    register_module_forward_pre_hook(pre)
-    register_module_forward_hook(post, always_call=True)
+    handles.append(register_module_forward_pre_hook(pre))
+    handles.append(register_module_forward_hook(post, always_call=True))
 
 
 def _target_device(module: torch.nn.Module, args: Any) -> torch.device | None:

@@ -300,3 +300,39 @@ def test_the_streamer_and_the_tensor_pool_share_one_host_pool(monkeypatch):
         assert torch.equal(p.grad, q.grad)
     s.close()
     assert s.host.in_use_bytes == 0
+
+
+def test_conf_stream_weights_streams_the_model_then_costs_nothing_per_call():
+    """SUPERMEM_CONF=stream:weights's global module hooks run on every module call of the process: once
+    the model (the first outermost module with parameters) is streamed they are gone, so later calls
+    take PyTorch's hook-free path, and another module with parameters called afterwards stays as it is."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(
+        """
+        import torch, torch.nn as nn
+        from torch.nn.modules import module as M
+        from supermem import config, streaming
+        # no CUDA here: a module with parameters goes to the CPU compute tier
+        has_params = lambda m: next(m.parameters(), None) is not None
+        streaming._target_device = lambda m, a: torch.device("cpu") if has_params(m) else None
+        before = (len(M._global_forward_pre_hooks), len(M._global_forward_hooks))
+        streaming.activate_from_config(config.current())
+        assert (len(M._global_forward_pre_hooks), len(M._global_forward_hooks)) != before
+        nn.ReLU()(torch.randn(3))  # no parameters: not the model
+        model = nn.Sequential(nn.Linear(6, 6), nn.ReLU(), nn.Linear(6, 2))
+        model(torch.randn(5, 6)).sum().backward()
+        assert model.__dict__.get("_supermem_streamer") is not None
+        assert (len(M._global_forward_pre_hooks), len(M._global_forward_hooks)) == before
+        other = nn.Linear(6, 6)
+        other(torch.randn(5, 6))
+        assert other.__dict__.get("_supermem_streamer") is None
+        model(torch.randn(5, 6)).sum().backward()  # still streamed
+        assert model._supermem_streamer.stats()["prefetch_hits"] > 0
+        print("ok")
+        """
+    )
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr
