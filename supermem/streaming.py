@@ -55,6 +55,7 @@ def stream(
     prefetch: int = 2,
     host_limit: int | float | str = "50%",
     unit_bytes: int = 64 << 20,
+    optimizer_step: str = "host",
 ) -> Streamer:
     """Streams `model`'s parameters from host memory to `device` (default: the current CUDA device,
     else "cpu", where a host tier and a compute tier both on the CPU exercise the same machinery).
@@ -63,9 +64,19 @@ def stream(
     unit_bytes: a module whose parameters (with its children's) are at most this many bytes is fetched
         as one unit, in one copy; larger ones are split into their children.
     host_limit: host memory for parameters and gradients (bytes, "32GiB" or a percentage of RAM).
+    optimizer_step: "host" (the optimizer steps where the parameters live) or "device" (unit by unit on
+        the device, its state in host blocks: streaming_step.py). Which is faster depends on the
+        optimizer, the link and the host; tests/gpu/test_stream_gpu.py prints both.
     Returns the Streamer (also a context manager: leaving it stops streaming, parameters stay on the host).
     """
-    return Streamer(model, device, prefetch=prefetch, host_limit=host_limit, unit_bytes=unit_bytes)
+    return Streamer(
+        model,
+        device,
+        prefetch=prefetch,
+        host_limit=host_limit,
+        unit_bytes=unit_bytes,
+        optimizer_step=optimizer_step,
+    )
 
 
 ALIGN = 512  # bytes between parameters in a flat buffer, as PyTorch's allocator: kernels choose alike
@@ -193,6 +204,7 @@ class Streamer:
         prefetch: int = 2,
         host_limit: int | float | str = "50%",
         unit_bytes: int = 64 << 20,
+        optimizer_step: str = "host",
     ):
         if not isinstance(model, torch.nn.Module):
             raise UsageError(f"stream: model must be an nn.Module, got {type(model).__name__}")
@@ -201,6 +213,11 @@ class Streamer:
         for name, value in (("prefetch", prefetch), ("unit_bytes", unit_bytes)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise UsageError(f"stream: {name} must be an int >= 0, got {value!r}")
+        if optimizer_step not in ("host", "device"):
+            raise UsageError(f'stream: optimizer_step must be "host" or "device", got {optimizer_step!r}')
+        self.optimizer_step = optimizer_step
+        self._hidden_grads: list[tuple[torch.nn.Parameter, torch.Tensor | None]] = []  # during a user's step
+        self._state_views: list[tuple[dict, str, torch.Tensor]] = []  # optimizer state in host blocks
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
@@ -605,6 +622,10 @@ class Streamer:
             unit.flat = None
         for slot in self._params.values():
             slot.grad_block = None
+        for state, key, view in self._state_views:  # the device step's optimizer state
+            if state.get(key) is view:
+                state[key] = view.clone()
+        self._state_views = []
         self.model._supermem_streamer = None
         _live.discard(self)
 
@@ -616,17 +637,34 @@ class Streamer:
 
 
 def _install_optimizer_hook() -> None:
-    """Every optimizer step first syncs the streamers: their gradients must have landed."""
+    """Every optimizer step first syncs the streamers (their gradients must have landed) and runs the
+    device steps; after it, the gradients those hid come back."""
     global _optimizer_hook
     if _optimizer_hook is None:
-        from torch.optim.optimizer import register_optimizer_step_pre_hook
+        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-        _optimizer_hook = register_optimizer_step_pre_hook(_sync_all)
+        _optimizer_hook = (
+            register_optimizer_step_pre_hook(_sync_all),
+            register_optimizer_step_post_hook(_after_step),
+        )
 
 
 def _sync_all(optimizer: Any, args: Any, kwargs: Any) -> None:
     for streamer in list(_live):
         streamer._before_optimizer_step()
+        closure = args or kwargs.get("closure") is not None  # a closure re-runs the model: host step
+        if streamer.optimizer_step == "device" and not closure:
+            from .streaming_step import device_step
+
+            device_step(streamer, optimizer)
+
+
+def _after_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+    for streamer in list(_live):
+        if streamer._hidden_grads:
+            from .streaming_step import restore_grads
+
+            restore_grads(streamer)
 
 
 def activate_from_config(cfg: Any) -> None:

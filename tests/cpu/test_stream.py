@@ -72,9 +72,11 @@ def optimizer(kind, params):
     return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.05)
 
 
-def train(model, x, kind, steps, *, streamed, pool=False, zero_to_none=True, unit_bytes=64 << 20):
+def train(
+    model, x, kind, steps, *, streamed, pool=False, zero_to_none=True, unit_bytes=64 << 20, step="host"
+):
     """Losses, gradients after each step, and the final parameters and buffers."""
-    streamer = supermem.stream(model, "cpu", unit_bytes=unit_bytes) if streamed else None
+    streamer = supermem.stream(model, "cpu", unit_bytes=unit_bytes, optimizer_step=step) if streamed else None
     opt = optimizer(kind, model.parameters())
     torch.manual_seed(7)
     out = []
@@ -336,3 +338,58 @@ def test_conf_stream_weights_streams_the_model_then_costs_nothing_per_call():
     )
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("unit_bytes", [0, 1 << 20], ids=["unit=module", "unit=model"])
+@pytest.mark.parametrize("kind", ["sgd", "adamw"])
+@pytest.mark.parametrize("make,shape", [(Tied, (9, 12)), (ConvNorm, (4, 3, 8, 8))])
+def test_the_device_optimizer_step_is_bitwise_plain(kind, make, shape, unit_bytes):
+    """optimizer_step="device": each unit's parameters, gradients and state come to the device ("cpu"
+    here: the same code path), step there and go back; training is bitwise plain training."""
+    torch.manual_seed(0)
+    model = make()
+    x = torch.randn(shape)
+    plain = train(copy.deepcopy(model), x, kind, 4, streamed=False)
+    streamed = train(copy.deepcopy(model), x, kind, 4, streamed=True, unit_bytes=unit_bytes, step="device")
+    assert_bitwise(plain, streamed)
+
+
+def test_the_device_step_keeps_state_in_host_blocks_and_steps_the_rest_as_usual():
+    """The optimizer's state lives in the streamer's host blocks (handed back as ordinary memory at
+    close); a parameter of the same optimizer that is not streamed steps in the optimizer's own call."""
+    torch.manual_seed(6)
+    model, extra = ConvNorm(), nn.Parameter(torch.randn(5))
+    x = torch.randn(2, 3, 8, 8)
+    twin, twin_extra = copy.deepcopy(model), extra.detach().clone().requires_grad_()
+    s = supermem.stream(model, "cpu", unit_bytes=0, optimizer_step="device")
+    opts = [torch.optim.AdamW([*m.parameters(), e], lr=1e-2) for m, e in ((model, extra), (twin, twin_extra))]
+    for _ in range(3):
+        for m, e, opt in zip((model, twin), (extra, twin_extra), opts):
+            (m(x).square().mean() + e.square().sum()).backward()
+            opt.step()
+            opt.zero_grad()
+    held = s.host.in_use_bytes
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert held >= 2 * param_bytes + param_bytes  # parameters, gradients, and AdamW's two moments
+    s.close()
+    assert s.host.in_use_bytes == 0
+    for a, b in zip([*model.parameters(), extra], [*twin.parameters(), twin_extra], strict=True):
+        assert torch.equal(a, b)
+        assert torch.equal(opts[0].state[a]["exp_avg_sq"], opts[1].state[b]["exp_avg_sq"])
+
+
+def test_the_device_step_between_forward_and_backward_is_an_error():
+    model = nn.Linear(4, 4)
+    supermem.stream(model, "cpu", optimizer_step="device")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loss = model(torch.randn(2, 4, requires_grad=True)).sum()
+    model.weight.grad = torch.ones_like(model.weight)
+    model.bias.grad = torch.ones_like(model.bias)
+    opt.step()
+    with pytest.raises(RuntimeError, match="modified by an inplace"):
+        loss.backward()
+
+
+def test_bad_optimizer_step_is_a_usage_error():
+    with pytest.raises(UsageError, match="optimizer_step"):
+        supermem.stream(nn.Linear(2, 2), "cpu", optimizer_step="gpu")
