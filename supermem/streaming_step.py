@@ -16,12 +16,12 @@ parameter, except "step" (PyTorch's optimizers keep that scalar on the host unle
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-if TYPE_CHECKING:
-    from .streaming import Streamer, _Unit
+# streaming.py imports this module: its Streamer and _Unit are named here, not imported (no circle)
+Streamer = _Unit = Any
 
 
 class _OnDevice:
