@@ -217,6 +217,7 @@ class Streamer:
             raise UsageError(f'stream: optimizer_step must be "host" or "device", got {optimizer_step!r}')
         self.optimizer_step = optimizer_step
         self._hidden_grads: list[tuple[torch.nn.Parameter, torch.Tensor | None]] = []  # during a user's step
+        self._stepping = False  # a device step is running
         self._state_views: list[tuple[dict, str, torch.Tensor]] = []  # optimizer state in host blocks
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
@@ -532,6 +533,10 @@ class Streamer:
         """Starts copying one gradient contribution to the host; the sum lands in `.grad` at the end of
         this backward (in arrival order, as autograd's own sum)."""
         with self._lock:
+            if self._hidden_grads:  # a device step's optimizer raised before its post-hook gave them back
+                from .streaming_step import restore_grads
+
+                restore_grads(self)
             items = self._pending.setdefault(slot, [])
             p = slot.param
             if not items and p.grad is None:
@@ -651,8 +656,11 @@ def _install_optimizer_hook() -> None:
 
 def _sync_all(optimizer: Any, args: Any, kwargs: Any) -> None:
     for streamer in list(_live):
+        if streamer._stepping or streamer._hidden_grads:
+            continue  # inside a step already under way (an optimizer calling super().step(), say)
         streamer._before_optimizer_step()
-        closure = args or kwargs.get("closure") is not None  # a closure re-runs the model: host step
+        # args[0] is the optimizer; a closure re-runs the model: that step stays on the host
+        closure = (len(args) > 1 and args[1] is not None) or kwargs.get("closure") is not None
         if streamer.optimizer_step == "device" and not closure:
             from .streaming_step import device_step
 

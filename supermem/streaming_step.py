@@ -42,7 +42,6 @@ def device_step(streamer: Streamer, optimizer: torch.optim.Optimizer) -> bool:
     """Steps `optimizer` over the streamer's parameters on its device and hides their gradients from
     the optimizer's own step (`restore_grads` gives them back). False if the optimizer cannot be
     confined to a unit (no undecorated step): then it steps on the host as usual."""
-    restore_grads(streamer)  # hidden by a step that raised before its post-hook
     step = getattr(type(optimizer).step, "__wrapped__", None)
     if step is None:
         return False
@@ -58,6 +57,7 @@ def device_step(streamer: Streamer, optimizer: torch.optim.Optimizer) -> bool:
     saved = [g["params"] for g in groups]
     pending: list[Any] = []  # copies back to the host, waited for at the end
     todo = [_OnDevice(unit, unit_groups) for unit, unit_groups in members.items()]
+    streamer._stepping = True  # an optimizer whose step calls super().step() runs the hooks again
     try:
         _bring(streamer, optimizer, todo[0])
         for i, here in enumerate(todo):
@@ -71,8 +71,12 @@ def device_step(streamer: Streamer, optimizer: torch.optim.Optimizer) -> bool:
             pending += _send_back(streamer, optimizer, here)
             here.flat, here.waits = None, []  # the device copies go (after the copies that read them)
     finally:
+        streamer._stepping = False
         for g, ps in zip(groups, saved):
             g["params"] = ps
+        for here in todo:
+            if here.flat is not None:  # brought, not sent back: a step raised; the host copies stay
+                _swap_back(optimizer, here)
     for event in pending:
         streamer.copies.wait(event)  # the next forward's fetches read these host copies
     for here in todo:
@@ -125,7 +129,7 @@ def _send_back(streamer: Streamer, optimizer: torch.optim.Optimizer, here: _OnDe
     events = [copies.to_host(here.flat, unit.flat.tensor[: unit.nbytes])]
     for ps in here.groups:
         for p in ps:
-            host_data, host_grad, host_state = here.swapped[id(p)]
+            host_state = here.swapped[id(p)][2]
             state = optimizer.state[p]
             for key, t in list(state.items()):
                 if not _is_elementwise(key, t, p):
@@ -133,11 +137,22 @@ def _send_back(streamer: Streamer, optimizer: torch.optim.Optimizer, here: _OnDe
                 host = host_state.get(key)
                 if host is None:  # made by this step
                     nbytes = t.numel() * t.element_size()
-                    host = streamer._take(nbytes).tensor[:nbytes].view(t.dtype).view(t.shape)
+                    host = host_state[key] = (
+                        streamer._take(nbytes).tensor[:nbytes].view(t.dtype).view(t.shape)
+                    )
                     streamer._state_views.append((state, key, host))
                 events.append(copies.to_host(t, host))
-                state[key] = host
+    _swap_back(optimizer, here)
+    return events
+
+
+def _swap_back(optimizer: torch.optim.Optimizer, here: _OnDevice) -> None:
+    """The host tensors back into the unit's parameters and state (state the device step made stays
+    in host blocks: _send_back put it there)."""
+    for ps in here.groups:
+        for p in ps:
+            host_data, host_grad, host_state = here.swapped[id(p)]
+            optimizer.state[p].update(host_state)
             p.grad = None
             p.data = host_data
             p.grad = host_grad
-    return events

@@ -96,6 +96,7 @@ def train(
         opt.zero_grad(set_to_none=zero_to_none)
     state = [p.detach().clone() for p in model.parameters()] + [b.clone() for b in model.buffers()]
     if streamer is not None:
+        assert bool(streamer._state_views) == (step == "device")  # the optimizer's state in host blocks
         streamer.close()
     return out, state
 
@@ -363,14 +364,15 @@ def test_the_device_step_keeps_state_in_host_blocks_and_steps_the_rest_as_usual(
     twin, twin_extra = copy.deepcopy(model), extra.detach().clone().requires_grad_()
     s = supermem.stream(model, "cpu", unit_bytes=0, optimizer_step="device")
     opts = [torch.optim.AdamW([*m.parameters(), e], lr=1e-2) for m, e in ((model, extra), (twin, twin_extra))]
-    for _ in range(3):
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    for i in range(3):
         for m, e, opt in zip((model, twin), (extra, twin_extra), opts):
             (m(x).square().mean() + e.square().sum()).backward()
+            held = s.host.in_use_bytes
             opt.step()
+            if m is model:  # AdamW's two moments of every streamed parameter went to host blocks
+                assert s.host.in_use_bytes - held == (2 * param_bytes if i == 0 else 0)
             opt.zero_grad()
-    held = s.host.in_use_bytes
-    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    assert held >= 2 * param_bytes + param_bytes  # parameters, gradients, and AdamW's two moments
     s.close()
     assert s.host.in_use_bytes == 0
     for a, b in zip([*model.parameters(), extra], [*twin.parameters(), twin_extra], strict=True):
@@ -393,3 +395,57 @@ def test_the_device_step_between_forward_and_backward_is_an_error():
 def test_bad_optimizer_step_is_a_usage_error():
     with pytest.raises(UsageError, match="optimizer_step"):
         supermem.stream(nn.Linear(2, 2), "cpu", optimizer_step="gpu")
+
+
+def test_a_device_step_that_raises_leaves_the_parameters_on_the_host():
+    class Flaky(torch.optim.SGD):
+        calls = 0
+
+        def step(self, closure=None):
+            Flaky.calls += 1
+            if Flaky.calls == 2:  # the second unit
+                raise RuntimeError("boom")
+            return super().step(closure)
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    s = supermem.stream(model, "cpu", unit_bytes=0, optimizer_step="device")
+    opt = Flaky(model.parameters(), lr=0.1)
+    model(torch.randn(2, 4)).sum().backward()
+    s.sync()
+    host = [(p.data.data_ptr(), p.grad.clone()) for p in model.parameters()]
+    with pytest.raises(RuntimeError, match="boom"):
+        opt.step()
+    for p, (ptr, grad) in zip(model.parameters(), host, strict=True):
+        assert p.data.data_ptr() == ptr and torch.equal(p.grad, grad)
+    assert all(g is None or g.device.type == "cpu" for g in (p.grad for p in model.parameters()))
+    opt.step()  # steps again, on the device
+    model(torch.randn(2, 4)).sum().backward()
+    s.close()
+
+
+def test_gradients_hidden_from_a_users_step_that_raised_come_back_at_the_next_backward():
+    class RaisesAfterTheDeviceStep(torch.optim.SGD):
+        def step(self, closure=None):
+            if not supermem_streamer._stepping:  # the user's own call, after the device step
+                raise RuntimeError("boom")
+            return super().step(closure)
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    supermem_streamer = s = supermem.stream(model, "cpu", unit_bytes=0, optimizer_step="device")
+    opt = RaisesAfterTheDeviceStep(model.parameters(), lr=0.1)
+    x = torch.randn(2, 4)
+    model(x).sum().backward()
+    s.sync()
+    first = [p.grad.clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match="boom"):
+        opt.step()
+    assert all(p.grad is None for p in model.parameters())  # hidden: the post-hook did not run
+    model(x).sum().backward()  # accumulates onto them, as after a host step that raised
+    s.sync()
+    second = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    model(x).sum().backward()
+    s.sync()
+    for a, b, p in zip(first, second, model.parameters(), strict=True):
+        assert torch.equal(b, a + p.grad)
+    s.close()
