@@ -93,6 +93,7 @@ def streamed(model, x, kind, steps, pool=False, unit_bytes=64 << 20, step="host"
         opt.step()
         opt.zero_grad()
     assert all(p.device.type == "cpu" for p in model.parameters())
+    assert bool(s._state_views) == (step == "device")  # the device step kept the state in host blocks
     state = [p.detach().clone() for p in model.parameters()] + [b.cpu() for b in model.buffers()]
     s.close()
     return out, state
@@ -273,6 +274,7 @@ def test_optimizer_step_times_host_and_device(kind):
             times[where] = time.perf_counter() - t0
             opt.zero_grad()
         params[where] = [p.detach().clone() for p in model.parameters()]
+        assert bool(s._state_views) == (where == "device")
         s.close()
     print(
         f"{kind} optimizer step, 768 MiB of parameters: host {times['host'] * 1e3:.1f} ms, "
