@@ -258,7 +258,18 @@ class Streamer:
         self._own_slots: dict[torch.nn.Module, list] = {}
         self._params: dict[int, _Param] = {}  # by id(parameter)
         self._handles: list[Any] = []
-        self._plan(model)
+        self._moved: list[tuple[torch.nn.Parameter, torch.Tensor, Any]] = []  # (param, data, grad) before
+        try:
+            self._plan(model)
+        except BaseException:  # the host limit, say: the model stays as it was
+            for h in self._handles:
+                h.remove()
+            for p, data, grad in reversed(self._moved):
+                p.grad = None
+                p.data = data
+                p.grad = grad
+            raise
+        self._moved = []
         model._supermem_streamer = self
         # first, before the root's own fetch: a step starts before anything of it is fetched
         self._handles.append(model.register_forward_pre_hook(self._step_start, prepend=True))
@@ -328,6 +339,7 @@ class Streamer:
             unit.flat = self._take(unit.nbytes)
             for slot in unit.params:
                 p = slot.param
+                self._moved.append((p, p.data, p.grad))
                 host = unit.flat.tensor[slot.offset : slot.offset + slot.nbytes].view(p.dtype).view(p.shape)
                 with torch.no_grad():
                     host.copy_(p.data)

@@ -449,3 +449,16 @@ def test_gradients_hidden_from_a_users_step_that_raised_come_back_at_the_next_ba
     for a, b, p in zip(first, second, model.parameters(), strict=True):
         assert torch.equal(b, a + p.grad)
     s.close()
+
+
+def test_a_host_limit_too_small_is_a_clear_error_that_leaves_the_model_as_it_was():
+    torch.manual_seed(8)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64))
+    model(torch.randn(2, 64)).sum().backward()
+    before = [(p.data_ptr(), p.grad) for p in model.parameters()]
+    with pytest.raises(torch.OutOfMemoryError, match="host_limit"):
+        supermem.stream(model, "cpu", host_limit=20000, unit_bytes=0)  # room for the first Linear only
+    for p, (ptr, grad) in zip(model.parameters(), before, strict=True):
+        assert p.data_ptr() == ptr and p.grad is grad
+    s = supermem.stream(model, "cpu")  # not "already streamed"
+    s.close()
