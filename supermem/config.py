@@ -138,15 +138,17 @@ OPTIONS: tuple[Option, ...] = (
         _size_or_fraction,
         "50%",
         "bytes, 32GiB or a percentage of host RAM",
-        "Pinned host memory the pool may use for offloaded tensors.",
+        "Pinned host memory for offloaded tensors and streamed weights (one host pool per device, shared "
+        "by both).",
     ),
     Option(
         "stream",
         _choice("off", "weights"),
         "off",
         "off | weights",
-        "`weights`: parameters, gradients and optimizer state live in pinned host memory; each module's "
-        "weights are fetched just in time (supermem.stream).",
+        "`weights`: the model (the first outermost module called with parameters on the GPU) keeps its "
+        "parameters, gradients and optimizer state in pinned host memory; each module's weights are "
+        "fetched just in time (supermem.stream).",
     ),
     Option(
         "oom_snapshot",

@@ -55,6 +55,7 @@ def stream(
     prefetch: int = 2,
     host_limit: int | float | str = "50%",
     unit_bytes: int = 64 << 20,
+    optimizer_step: str = "host",
 ) -> Streamer:
     """Streams `model`'s parameters from host memory to `device` (default: the current CUDA device,
     else "cpu", where a host tier and a compute tier both on the CPU exercise the same machinery).
@@ -63,9 +64,19 @@ def stream(
     unit_bytes: a module whose parameters (with its children's) are at most this many bytes is fetched
         as one unit, in one copy; larger ones are split into their children.
     host_limit: host memory for parameters and gradients (bytes, "32GiB" or a percentage of RAM).
+    optimizer_step: "host" (the optimizer steps where the parameters live) or "device" (unit by unit on
+        the device, its state in host blocks: streaming_step.py). Which is faster depends on the
+        optimizer, the link and the host; tests/gpu/test_stream_gpu.py prints both.
     Returns the Streamer (also a context manager: leaving it stops streaming, parameters stay on the host).
     """
-    return Streamer(model, device, prefetch=prefetch, host_limit=host_limit, unit_bytes=unit_bytes)
+    return Streamer(
+        model,
+        device,
+        prefetch=prefetch,
+        host_limit=host_limit,
+        unit_bytes=unit_bytes,
+        optimizer_step=optimizer_step,
+    )
 
 
 ALIGN = 512  # bytes between parameters in a flat buffer, as PyTorch's allocator: kernels choose alike
@@ -193,6 +204,7 @@ class Streamer:
         prefetch: int = 2,
         host_limit: int | float | str = "50%",
         unit_bytes: int = 64 << 20,
+        optimizer_step: str = "host",
     ):
         if not isinstance(model, torch.nn.Module):
             raise UsageError(f"stream: model must be an nn.Module, got {type(model).__name__}")
@@ -201,6 +213,12 @@ class Streamer:
         for name, value in (("prefetch", prefetch), ("unit_bytes", unit_bytes)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise UsageError(f"stream: {name} must be an int >= 0, got {value!r}")
+        if optimizer_step not in ("host", "device"):
+            raise UsageError(f'stream: optimizer_step must be "host" or "device", got {optimizer_step!r}')
+        self.optimizer_step = optimizer_step
+        self._hidden_grads: list[tuple[torch.nn.Parameter, torch.Tensor | None]] = []  # during a user's step
+        self._stepping = False  # a device step is running
+        self._state_views: list[tuple[dict, str, torch.Tensor]] = []  # optimizer state in host blocks
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
@@ -213,10 +231,11 @@ class Streamer:
             raise UsageError(f"stream: bad host_limit: {e}") from None
         # imported here, not at the top: SUPERMEM_CONF=stream:weights imports this module in `import torch`
         from .tensor_pool.copy import CopyEngine
-        from .tensor_pool.host import HostPool, pinned_available
+        from .tensor_pool.host import shared_host_pool
 
-        self.host = HostPool(host_bytes, pinned=self.cuda and pinned_available())
+        self.host = shared_host_pool(self.device, host_bytes)  # one per device, shared with the tensor pool
         self.copies = CopyEngine(self.device)
+        self.host.copy_streams.update(self.copies.stream_ids)
         self.prefetch = prefetch
         self.unit_bytes = unit_bytes
         self.model = model
@@ -239,7 +258,18 @@ class Streamer:
         self._own_slots: dict[torch.nn.Module, list] = {}
         self._params: dict[int, _Param] = {}  # by id(parameter)
         self._handles: list[Any] = []
-        self._plan(model)
+        self._moved: list[tuple[torch.nn.Parameter, torch.Tensor, Any]] = []  # (param, data, grad) before
+        try:
+            self._plan(model)
+        except BaseException:  # the host limit, say: the model stays as it was
+            for h in self._handles:
+                h.remove()
+            for p, data, grad in reversed(self._moved):
+                p.grad = None
+                p.data = data
+                p.grad = grad
+            raise
+        self._moved = []
         model._supermem_streamer = self
         # first, before the root's own fetch: a step starts before anything of it is fetched
         self._handles.append(model.register_forward_pre_hook(self._step_start, prepend=True))
@@ -309,6 +339,7 @@ class Streamer:
             unit.flat = self._take(unit.nbytes)
             for slot in unit.params:
                 p = slot.param
+                self._moved.append((p, p.data, p.grad))
                 host = unit.flat.tensor[slot.offset : slot.offset + slot.nbytes].view(p.dtype).view(p.shape)
                 with torch.no_grad():
                     host.copy_(p.data)
@@ -319,10 +350,13 @@ class Streamer:
         self.units.append(unit)
 
     def _take(self, nbytes: int) -> HostBlock:
-        block = self.host.take(max(nbytes, 1))
+        host = self.host
+        block = host.take(max(nbytes, 1))
         if block is None:
             raise torch.OutOfMemoryError(
-                f"supermem.stream: host_limit reached ({self.host.reserved_bytes} bytes of host memory used)"
+                f"supermem.stream: no host memory for {nbytes} more bytes: the streamer holds "
+                f"{host.in_use_bytes} of its host_limit {host.limit_bytes} bytes; the device's host pool "
+                f"(shared with the tensor pool) {host.reserved_bytes} of {host.pool.limit_bytes}"
             )
         return block
 
@@ -511,6 +545,10 @@ class Streamer:
         """Starts copying one gradient contribution to the host; the sum lands in `.grad` at the end of
         this backward (in arrival order, as autograd's own sum)."""
         with self._lock:
+            if self._hidden_grads:  # a device step's optimizer raised before its post-hook gave them back
+                from .streaming_step import restore_grads
+
+                restore_grads(self)
             items = self._pending.setdefault(slot, [])
             p = slot.param
             if not items and p.grad is None:
@@ -565,7 +603,8 @@ class Streamer:
 
     def stats(self) -> dict[str, Any]:
         """Counts and bytes: units, fetches (device copies made), prefetch_hits, grads_to_host, h2d_bytes,
-        d2h_bytes, h2d_gbps, d2h_gbps, wait_s (compute stalled for copies), host_bytes."""
+        d2h_bytes, h2d_gbps, d2h_gbps, wait_s (compute stalled for copies), host_bytes (its host blocks:
+        parameters and gradients)."""
         s = self.copies.collect()
         return {
             "units": len(self.units),
@@ -575,7 +614,7 @@ class Streamer:
             "h2d_gbps": s.h2d_bytes / s.h2d_seconds / 1e9 if s.h2d_seconds else 0.0,
             "d2h_gbps": s.d2h_bytes / s.d2h_seconds / 1e9 if s.d2h_seconds else 0.0,
             "wait_s": s.wait_seconds,
-            "host_bytes": self.host.reserved_bytes,
+            "host_bytes": self.host.in_use_bytes,
         }
 
     def parameters(self) -> Iterator[torch.nn.Parameter]:
@@ -583,8 +622,9 @@ class Streamer:
             yield slot.param
 
     def close(self) -> None:
-        """Stops streaming. Parameters and gradients move to ordinary host memory (their pinned blocks
-        return to the pool); the Parameter objects stay the same."""
+        """Stops streaming. Parameters and gradients move to ordinary host memory and their pinned blocks
+        return to the pool (each when its last view dies: at once, unless the caller kept one); the
+        Parameter objects stay the same."""
         self.sync()
         for h in self._handles:
             h.remove()
@@ -596,6 +636,13 @@ class Streamer:
                 p.grad = p.grad.clone()
         for unit in self.units:
             self._drop(unit)
+            unit.flat = None
+        for slot in self._params.values():
+            slot.grad_block = None
+        for state, key, view in self._state_views:  # the device step's optimizer state
+            if state.get(key) is view:
+                state[key] = view.clone()
+        self._state_views = []
         self.model._supermem_streamer = None
         _live.discard(self)
 
@@ -607,34 +654,62 @@ class Streamer:
 
 
 def _install_optimizer_hook() -> None:
-    """Every optimizer step first syncs the streamers: their gradients must have landed."""
+    """Every optimizer step first syncs the streamers (their gradients must have landed) and runs the
+    device steps; after it, the gradients those hid come back."""
     global _optimizer_hook
     if _optimizer_hook is None:
-        from torch.optim.optimizer import register_optimizer_step_pre_hook
+        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-        _optimizer_hook = register_optimizer_step_pre_hook(_sync_all)
+        _optimizer_hook = (
+            register_optimizer_step_pre_hook(_sync_all),
+            register_optimizer_step_post_hook(_after_step),
+        )
 
 
 def _sync_all(optimizer: Any, args: Any, kwargs: Any) -> None:
     for streamer in list(_live):
+        if streamer._stepping or streamer._hidden_grads:
+            continue  # inside a step already under way (an optimizer calling super().step(), say)
         streamer._before_optimizer_step()
+        # args[0] is the optimizer; a closure re-runs the model: that step stays on the host
+        closure = (len(args) > 1 and args[1] is not None) or kwargs.get("closure") is not None
+        if streamer.optimizer_step == "device" and not closure:
+            from .streaming_step import device_step
+
+            device_step(streamer, optimizer)
+
+
+def _after_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+    for streamer in list(_live):
+        if streamer._hidden_grads:
+            from .streaming_step import restore_grads
+
+            restore_grads(streamer)
 
 
 def activate_from_config(cfg: Any) -> None:
     """SUPERMEM_CONF=stream:weights: the first outermost module called with its parameters on a CUDA
-    device, or with CPU parameters and a CUDA input, is streamed to that device from then on. Runs
-    during `import torch`: nothing here may touch CUDA."""
+    device, or with CPU parameters and a CUDA input, is the model: it is streamed to that device from
+    then on. Finding it takes two global module hooks, which run on every module call of the process;
+    they are removed once the model is found, so later calls cost nothing (PyTorch's hook-free path).
+    Other models are not streamed: give them to supermem.stream(). Runs during `import torch`: nothing
+    here may touch CUDA."""
     from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
     depth = threading.local()
+    handles: list[Any] = []
 
     def pre(module: torch.nn.Module, args: Any) -> None:
         level = getattr(depth, "n", 0)
         depth.n = level + 1
-        if level or getattr(module, "_supermem_streamer", None) is not None:
+        if level:
             return
         device = _target_device(module, args)
-        if device is not None:
+        if device is None:
+            return
+        for h in handles:  # safe here: PyTorch iterates over a copy of the global hooks
+            h.remove()
+        if getattr(module, "_supermem_streamer", None) is None:  # else streamed by hand already
             streamer = Streamer(module, device, host_limit=cfg.host_limit)
             # this call already passed the module's own pre-hooks: run the ones streaming just added
             streamer._step_start(module, args)
@@ -644,8 +719,8 @@ def activate_from_config(cfg: Any) -> None:
     def post(module: torch.nn.Module, args: Any, output: Any) -> None:
         depth.n = max(getattr(depth, "n", 1) - 1, 0)
 
-    register_module_forward_pre_hook(pre)
-    register_module_forward_hook(post, always_call=True)
+    handles.append(register_module_forward_pre_hook(pre))
+    handles.append(register_module_forward_hook(post, always_call=True))
 
 
 def _target_device(module: torch.nn.Module, args: Any) -> torch.device | None:

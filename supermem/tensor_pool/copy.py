@@ -1,5 +1,6 @@
 """The copy engine: moves tensors between a GPU and pinned host memory on two side streams (one per
-direction, so offload and prefetch run at once), ordered against the compute stream with events.
+direction, so offload and prefetch run at once; one pair per device, shared by every engine on it),
+ordered against the compute stream with events.
 
 Timing events around every copy measure the achieved bandwidth; a pair around every wait of the
 compute stream measures how long compute stalled for a copy. On CPU, copies are plain and timed
@@ -31,8 +32,7 @@ class CopyEngine:
         self.cuda = device.type == "cuda"
         self.stats = CopyStats()
         if self.cuda:
-            self.d2h = torch.cuda.Stream(device)
-            self.h2d = torch.cuda.Stream(device)
+            self.d2h, self.h2d = _copy_streams(device)
 
     @property
     def stream_ids(self) -> tuple[int, ...]:
@@ -120,6 +120,18 @@ class CopyEngine:
         else:
             self.stats.h2d_bytes += nbytes
             self.stats.h2d_seconds += seconds
+
+
+_streams: dict[str, tuple[torch.cuda.Stream, torch.cuda.Stream]] = {}
+
+
+def _copy_streams(device: torch.device) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
+    """The device's (d2h, h2d) pair, one per device: the tensor pool and the streamer share the link
+    (copies queue in the order they were asked for) and the host pool's blocks wait for two streams."""
+    key = str(device)
+    if key not in _streams:
+        _streams[key] = (torch.cuda.Stream(device), torch.cuda.Stream(device))
+    return _streams[key]
 
 
 def _timing_event() -> torch.cuda.Event:

@@ -32,7 +32,7 @@ from ..policies import Choice, make_policy
 from ..units import parse_bytes
 from .copy import CopyEngine
 from .entry import Entry, Kept, State, check_version, movable
-from .host import HostPool, pinned_available
+from .host import shared_host_pool
 from .planner import Plan, make_plan
 from .profile import Recorder
 from .region import Regions
@@ -105,8 +105,9 @@ class Pool:
         host_bytes = _size(
             "host_limit", "50%" if host_limit is None else host_limit, psutil.virtual_memory().total
         )
-        self.host = HostPool(host_bytes, pinned=self.cuda and pinned_available())
+        self.host = shared_host_pool(self.device, host_bytes)  # one per device, shared with the streamer
         self.copies = CopyEngine(self.device)
+        self.host.copy_streams.update(self.copies.stream_ids)
         self.min_bytes = (1 << 20 if self.cuda else 0) if min_bytes is None else min_bytes
         self.regions = Regions(self)
         self._lock = threading.RLock()
@@ -789,10 +790,10 @@ def _top_view() -> dict[str, Any]:
         for state, n in s["entries_by_state"].items():
             entries[state] = entries.get(state, 0) + n
             nbytes[state] = nbytes.get(state, 0) + s[f"{state}_bytes"]
-        host += s["host_reserved_bytes"]
-        host_limit += p.host.allocator.device.total_bytes
         d2h += s["d2h_gbps"] * 1e9
         h2d += s["h2d_gbps"] * 1e9
+    for h in {id(p.host.pool): p.host.pool for p in list(_live_pools)}.values():  # shared: once each
+        host, host_limit = host + h.reserved_bytes, host_limit + h.limit_bytes
     link = {"d2h_bytes_per_s": d2h, "h2d_bytes_per_s": h2d}
     return {
         "entries_by_state": entries,

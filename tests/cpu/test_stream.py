@@ -72,9 +72,11 @@ def optimizer(kind, params):
     return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.05)
 
 
-def train(model, x, kind, steps, *, streamed, pool=False, zero_to_none=True, unit_bytes=64 << 20):
+def train(
+    model, x, kind, steps, *, streamed, pool=False, zero_to_none=True, unit_bytes=64 << 20, step="host"
+):
     """Losses, gradients after each step, and the final parameters and buffers."""
-    streamer = supermem.stream(model, "cpu", unit_bytes=unit_bytes) if streamed else None
+    streamer = supermem.stream(model, "cpu", unit_bytes=unit_bytes, optimizer_step=step) if streamed else None
     opt = optimizer(kind, model.parameters())
     torch.manual_seed(7)
     out = []
@@ -94,6 +96,7 @@ def train(model, x, kind, steps, *, streamed, pool=False, zero_to_none=True, uni
         opt.zero_grad(set_to_none=zero_to_none)
     state = [p.detach().clone() for p in model.parameters()] + [b.clone() for b in model.buffers()]
     if streamer is not None:
+        assert bool(streamer._state_views) == (step == "device")  # the optimizer's state in host blocks
         streamer.close()
     return out, state
 
@@ -252,3 +255,210 @@ def test_frozen_parameters_get_no_gradient():
     plain = train(copy.deepcopy(model), x, "sgd", 2, streamed=False)
     streamed = train(copy.deepcopy(model), x, "sgd", 2, streamed=True)
     assert_bitwise(plain, streamed)
+
+
+def test_close_gives_every_host_block_back():
+    """close() returns the parameters' and the gradients' host blocks to the host pool: repeated
+    stream/close cycles of one model keep nothing (a GPU soak kept 2x the model per cycle)."""
+    torch.manual_seed(4)
+    model = ConvNorm()
+    x = torch.randn(2, 3, 8, 8)
+    want = copy.deepcopy(model)
+    want(x).sum().backward()
+    for _ in range(3):
+        model.zero_grad(set_to_none=True)
+        s = supermem.stream(model, "cpu", unit_bytes=0)
+        model(x).sum().backward()
+        s.sync()
+        host = s.host
+        assert host.in_use_bytes > 0
+        s.close()
+        assert host.in_use_bytes == 0
+        # what close() handed over is intact: ordinary memory, not the blocks given back
+        for p, q in zip(model.parameters(), want.parameters(), strict=True):
+            assert torch.equal(p, q) and torch.equal(p.grad, q.grad)
+
+
+def test_the_streamer_and_the_tensor_pool_share_one_host_pool(monkeypatch):
+    """One host budget per device: the pool's offloads and the streamer's weights come from one host
+    pool, whose limit is the larger host_limit (not one pool each, pinning the sum)."""
+    from supermem.tensor_pool import host
+
+    monkeypatch.setattr(host, "_shared", {})  # no host pool made yet in this process
+    torch.manual_seed(5)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64))
+    x = torch.randn(32, 64)
+    want = copy.deepcopy(model)
+    want(x).square().mean().backward()
+    s = supermem.stream(model, "cpu", host_limit="1MiB")
+    pool = supermem.tensor_pool.Pool(budget=0, host_limit="2MiB", device="cpu", min_bytes=0)
+    with pool:
+        model(x).square().mean().backward()
+    s.sync()
+    assert pool.stats()["offloads"] > 0
+    assert pool.host.pool is s.host.pool and s.host.pool.limit_bytes == 2 << 20
+    assert s.host.reserved_bytes <= 2 << 20
+    assert s.host.in_use_bytes > 0 and pool.host.in_use_bytes == 0  # the weights and grads stay, nothing else
+    for p, q in zip(model.parameters(), want.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad)
+    s.close()
+    assert s.host.in_use_bytes == 0
+
+
+def test_conf_stream_weights_streams_the_model_then_costs_nothing_per_call():
+    """SUPERMEM_CONF=stream:weights's global module hooks run on every module call of the process: once
+    the model (the first outermost module with parameters) is streamed they are gone, so later calls
+    take PyTorch's hook-free path, and another module with parameters called afterwards stays as it is."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(
+        """
+        import torch, torch.nn as nn
+        from torch.nn.modules import module as M
+        from supermem import config, streaming
+        # no CUDA here: a module with parameters goes to the CPU compute tier
+        has_params = lambda m: next(m.parameters(), None) is not None
+        streaming._target_device = lambda m, a: torch.device("cpu") if has_params(m) else None
+        before = (len(M._global_forward_pre_hooks), len(M._global_forward_hooks))
+        streaming.activate_from_config(config.current())
+        assert (len(M._global_forward_pre_hooks), len(M._global_forward_hooks)) != before
+        nn.ReLU()(torch.randn(3))  # no parameters: not the model
+        model = nn.Sequential(nn.Linear(6, 6), nn.ReLU(), nn.Linear(6, 2))
+        model(torch.randn(5, 6)).sum().backward()
+        assert model.__dict__.get("_supermem_streamer") is not None
+        assert (len(M._global_forward_pre_hooks), len(M._global_forward_hooks)) == before
+        other = nn.Linear(6, 6)
+        other(torch.randn(5, 6))
+        assert other.__dict__.get("_supermem_streamer") is None
+        model(torch.randn(5, 6)).sum().backward()  # still streamed
+        assert model._supermem_streamer.stats()["prefetch_hits"] > 0
+        print("ok")
+        """
+    )
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("unit_bytes", [0, 1 << 20], ids=["unit=module", "unit=model"])
+@pytest.mark.parametrize("kind", ["sgd", "adamw"])
+@pytest.mark.parametrize("make,shape", [(Tied, (9, 12)), (ConvNorm, (4, 3, 8, 8))])
+def test_the_device_optimizer_step_is_bitwise_plain(kind, make, shape, unit_bytes):
+    """optimizer_step="device": each unit's parameters, gradients and state come to the device ("cpu"
+    here: the same code path), step there and go back; training is bitwise plain training."""
+    torch.manual_seed(0)
+    model = make()
+    x = torch.randn(shape)
+    plain = train(copy.deepcopy(model), x, kind, 4, streamed=False)
+    streamed = train(copy.deepcopy(model), x, kind, 4, streamed=True, unit_bytes=unit_bytes, step="device")
+    assert_bitwise(plain, streamed)
+
+
+def test_the_device_step_keeps_state_in_host_blocks_and_steps_the_rest_as_usual():
+    """The optimizer's state lives in the streamer's host blocks (handed back as ordinary memory at
+    close); a parameter of the same optimizer that is not streamed steps in the optimizer's own call."""
+    torch.manual_seed(6)
+    model, extra = ConvNorm(), nn.Parameter(torch.randn(5))
+    x = torch.randn(2, 3, 8, 8)
+    twin, twin_extra = copy.deepcopy(model), extra.detach().clone().requires_grad_()
+    s = supermem.stream(model, "cpu", unit_bytes=0, optimizer_step="device")
+    opts = [torch.optim.AdamW([*m.parameters(), e], lr=1e-2) for m, e in ((model, extra), (twin, twin_extra))]
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    for i in range(3):
+        for m, e, opt in zip((model, twin), (extra, twin_extra), opts):
+            (m(x).square().mean() + e.square().sum()).backward()
+            held = s.host.in_use_bytes
+            opt.step()
+            if m is model:  # AdamW's two moments of every streamed parameter went to host blocks
+                assert s.host.in_use_bytes - held == (2 * param_bytes if i == 0 else 0)
+            opt.zero_grad()
+    s.close()
+    assert s.host.in_use_bytes == 0
+    for a, b in zip([*model.parameters(), extra], [*twin.parameters(), twin_extra], strict=True):
+        assert torch.equal(a, b)
+        assert torch.equal(opts[0].state[a]["exp_avg_sq"], opts[1].state[b]["exp_avg_sq"])
+
+
+def test_the_device_step_between_forward_and_backward_is_an_error():
+    model = nn.Linear(4, 4)
+    supermem.stream(model, "cpu", optimizer_step="device")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loss = model(torch.randn(2, 4, requires_grad=True)).sum()
+    model.weight.grad = torch.ones_like(model.weight)
+    model.bias.grad = torch.ones_like(model.bias)
+    opt.step()
+    with pytest.raises(RuntimeError, match="modified by an inplace"):
+        loss.backward()
+
+
+def test_bad_optimizer_step_is_a_usage_error():
+    with pytest.raises(UsageError, match="optimizer_step"):
+        supermem.stream(nn.Linear(2, 2), "cpu", optimizer_step="gpu")
+
+
+def test_a_device_step_that_raises_leaves_the_parameters_on_the_host():
+    class Flaky(torch.optim.SGD):
+        calls = 0
+
+        def step(self, closure=None):
+            Flaky.calls += 1
+            if Flaky.calls == 2:  # the second unit
+                raise RuntimeError("boom")
+            return super().step(closure)
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    s = supermem.stream(model, "cpu", unit_bytes=0, optimizer_step="device")
+    opt = Flaky(model.parameters(), lr=0.1)
+    model(torch.randn(2, 4)).sum().backward()
+    s.sync()
+    host = [(p.data.data_ptr(), p.grad.clone()) for p in model.parameters()]
+    with pytest.raises(RuntimeError, match="boom"):
+        opt.step()
+    for p, (ptr, grad) in zip(model.parameters(), host, strict=True):
+        assert p.data.data_ptr() == ptr and torch.equal(p.grad, grad)
+    assert all(g is None or g.device.type == "cpu" for g in (p.grad for p in model.parameters()))
+    opt.step()  # steps again, on the device
+    model(torch.randn(2, 4)).sum().backward()
+    s.close()
+
+
+def test_gradients_hidden_from_a_users_step_that_raised_come_back_at_the_next_backward():
+    class RaisesAfterTheDeviceStep(torch.optim.SGD):
+        def step(self, closure=None):
+            if not supermem_streamer._stepping:  # the user's own call, after the device step
+                raise RuntimeError("boom")
+            return super().step(closure)
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    supermem_streamer = s = supermem.stream(model, "cpu", unit_bytes=0, optimizer_step="device")
+    opt = RaisesAfterTheDeviceStep(model.parameters(), lr=0.1)
+    x = torch.randn(2, 4)
+    model(x).sum().backward()
+    s.sync()
+    first = [p.grad.clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match="boom"):
+        opt.step()
+    assert all(p.grad is None for p in model.parameters())  # hidden: the post-hook did not run
+    model(x).sum().backward()  # accumulates onto them, as after a host step that raised
+    s.sync()
+    second = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    model(x).sum().backward()
+    s.sync()
+    for a, b, p in zip(first, second, model.parameters(), strict=True):
+        assert torch.equal(b, a + p.grad)
+    s.close()
+
+
+def test_a_host_limit_too_small_is_a_clear_error_that_leaves_the_model_as_it_was():
+    torch.manual_seed(8)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64))
+    model(torch.randn(2, 64)).sum().backward()
+    before = [(p.data_ptr(), p.grad) for p in model.parameters()]
+    with pytest.raises(torch.OutOfMemoryError, match="host_limit"):
+        supermem.stream(model, "cpu", host_limit=20000, unit_bytes=0)  # room for the first Linear only
+    for p, (ptr, grad) in zip(model.parameters(), before, strict=True):
+        assert p.data_ptr() == ptr and p.grad is grad
+    s = supermem.stream(model, "cpu")  # not "already streamed"
+    s.close()
