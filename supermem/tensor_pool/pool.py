@@ -256,6 +256,9 @@ class Pool:
 
     def _unpack(self, packed: Any) -> torch.Tensor:
         if type(packed) is Kept:
+            if self.regions.phase == "profiling":  # backward began, and maybe no entry was saved at all
+                with self._lock:
+                    self.regions.end_profiling()
             return packed.unpack()
         if not isinstance(packed, Entry):
             return packed

@@ -45,6 +45,30 @@ class Head(nn.Module):
         return self.head(self.body(x))
 
 
+class Mixed(nn.Module):
+    """Blocks that are part eager, part compiled: the pool's regions are the blocks, and replaying one
+    calls its compiled part again (which saves as many tensors, in the same order)."""
+
+    def __init__(self, backend, d=64, blocks=4):
+        super().__init__()
+        self.blocks = nn.ModuleList(MixedBlock(backend, d) for _ in range(blocks))
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+class MixedBlock(nn.Module):
+    def __init__(self, backend, d):
+        super().__init__()
+        self.eager = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d), nn.Dropout(0.1))
+        self.compiled = torch.compile(nn.Sequential(nn.Linear(d, d), nn.Tanh()), backend=backend)
+
+    def forward(self, x):
+        return self.compiled(self.eager(x)) + x
+
+
 def mlp_batch(g):
     return torch.randn(32, 64, generator=g), None
 
@@ -57,6 +81,7 @@ CASES = {
     "mlp": (lambda backend: torch.compile(MLP(), backend=backend), mlp_batch),
     "gpt-quick": (lambda backend: torch.compile(PRESETS["gpt-quick"].build(), backend=backend), gpt_batch),
     "eager-head": (Head, mlp_batch),
+    "mixed": (Mixed, mlp_batch),
 }
 
 
@@ -87,6 +112,7 @@ def train(case, pool=None, backend="aot_eager", steps=STEPS):
     model = build(counter)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     x, y = batch(torch.Generator().manual_seed(1))
+    torch.manual_seed(2)  # dropout
     out, compiles = [], []
     for _ in range(steps):
         opt.zero_grad()
@@ -147,6 +173,18 @@ def test_eager_code_around_a_compiled_graph_is_still_pooled():
 
 
 @pytest.mark.parametrize("policy", ["cost_aware", "planned"])
+def test_a_region_with_a_compiled_part_is_recomputed_bitwise(policy):
+    ref, _ = train("mixed")
+    pool = Pool(budget=0, policy=policy, host_limit="256MiB")
+    pool.treatments["offload"].link_bytes_per_s = 1e3  # copies priced dear: it recomputes what it can
+    got, compiles = train("mixed", pool)
+    assert same(ref, got)
+    assert sum(compiles[2:]) == 0, compiles
+    s = pool.stats()
+    assert s["recomputes"] > 0 and s["compiled_kept_bytes"] > 0, s
+
+
+@pytest.mark.parametrize("policy", ["cost_aware", "planned"])
 def test_region_hooks_do_not_break_a_compile(policy):
     """The pool's region profiling hooks are live while the model is first compiled: dynamo must see
     them as nothing (no graph break, no failed compile)."""
@@ -190,3 +228,23 @@ def test_the_pool_every_backward_steps_aside_too():
     s = json.loads(r.stdout.splitlines()[-1])
     assert r.stderr.count(HINT) == 1, r.stderr
     assert s["compiled_kept_bytes"] > 0, s
+
+
+@pytest.mark.parametrize("policy", ["cost_aware", "planned"])
+def test_region_profiling_ends_when_everything_saved_is_a_compiled_graphs(policy):
+    """The profiling step's global module hooks go at the first backward even when every tensor saved
+    was left to a compiled graph (they ran on every module call, and kept every call's record)."""
+    if not backend_works("aot_eager"):
+        pytest.skip("torch.compile does not run here")
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = MLP()
+    step = torch.compile(lambda x: model(x).square().mean(), backend="aot_eager")
+    pool = Pool(budget=0, policy=policy, host_limit="256MiB")
+    hooks_before = len(torch.nn.modules.module._global_forward_pre_hooks)
+    for _ in range(2):
+        with pool:
+            step(torch.randn(32, 64)).backward()
+    assert pool.stats()["compiled_kept_bytes"] > 0 and pool.stats()["offloads"] == 0
+    assert pool.regions.phase == "on"
+    assert len(torch.nn.modules.module._global_forward_pre_hooks) == hooks_before
