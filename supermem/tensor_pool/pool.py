@@ -30,6 +30,7 @@ import torch
 from ..errors import ConfigError
 from ..policies import Choice, make_policy
 from ..units import parse_bytes
+from .compiled import CompiledGraphs
 from .copy import CopyEngine
 from .entry import Entry, Kept, State, check_version, movable
 from .host import shared_host_pool
@@ -110,6 +111,7 @@ class Pool:
         self.host.copy_streams.update(self.copies.stream_ids)
         self.min_bytes = (1 << 20 if self.cuda else 0) if min_bytes is None else min_bytes
         self.regions = Regions(self)
+        self.compiled = CompiledGraphs()  # torch.compile'd graphs' saved tensors: left to the compiler
         self._lock = threading.RLock()
         self._entries: dict[int, weakref.ref[Entry]] = {}  # live entries by pack order
         self._seqs: list[int] = []  # pack order, with dead seqs compacted away now and then
@@ -205,6 +207,8 @@ class Pool:
     # ------------------------------------------------------------------ hooks
 
     def _pack(self, t: torch.Tensor) -> Any:
+        if self.compiled.saved_by_graph(t):
+            return Kept(t)  # moving it would cost time and save nothing: compiled.py
         packed = self._pack_tensor(t)
         region = self.regions.top()
         if region is not None:
@@ -253,6 +257,9 @@ class Pool:
 
     def _unpack(self, packed: Any) -> torch.Tensor:
         if type(packed) is Kept:
+            if self.regions.phase == "profiling":  # backward began, and maybe no entry was saved at all
+                with self._lock:
+                    self.regions.end_profiling()
             return packed.unpack()
         if not isinstance(packed, Entry):
             return packed
@@ -725,6 +732,7 @@ class Pool:
                 "prefetched_bytes": self._prefetched_bytes,
                 "dropped_bytes": self._dropped_bytes,
                 "regions": len(self.regions.modules),
+                "compiled_kept_bytes": self.compiled.kept_bytes,
                 "steps": self._steps,
                 **self._counters,
                 "host_reserved_bytes": self.host.reserved_bytes,

@@ -436,6 +436,8 @@ def _weak(method: Any) -> Any:
     ref = weakref.WeakMethod(method)
 
     def call(*args: Any) -> Any:
+        if torch.compiler.is_compiling():
+            return None  # traced by dynamo: nothing in the graph (recompute cannot reach inside one)
         m = ref()
         return m(*args) if m is not None else None
 

@@ -1,0 +1,250 @@
+"""The tensor pool under torch.compile, on CPU: a compiled model trains bitwise as it does compiled without
+the pool, under every policy at a tiny budget; the pool steps aside for the tensors a compiled graph saves
+(says so once on stderr) and keeps pooling what the eager code around it saves; nothing recompiles from
+one step to the next (the policies that recompute profile their first step with global module hooks,
+which dynamo guards on: one extra compile when they go, then none); the pool's region hooks do not break
+or crash a compile."""
+
+import functools
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+
+from supermem.bench.models import PRESETS, loss_fn
+from supermem.policies import live_names
+from supermem.tensor_pool import Pool
+
+dynamo = pytest.importorskip("torch._dynamo")
+from torch._dynamo.testing import CompileCounterWithBackend  # noqa: E402
+
+STEPS = 4
+HINT = "activation_memory_budget"
+
+
+class MLP(nn.Sequential):
+    def __init__(self, d=64, layers=4):
+        super().__init__(
+            *[nn.Sequential(nn.Linear(d, d), nn.GELU(), nn.Linear(d, d), nn.Tanh()) for _ in range(layers)]
+        )
+
+
+class Head(nn.Module):
+    """A compiled body and an eager head: the head's saved tensors are the pool's as usual."""
+
+    def __init__(self, backend):
+        super().__init__()
+        self.body = torch.compile(MLP(), backend=backend)
+        self.head = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
+
+    def forward(self, x):
+        return self.head(self.body(x))
+
+
+class Mixed(nn.Module):
+    """Blocks that are part eager, part compiled: the pool's regions are the blocks, and replaying one
+    calls its compiled part again (which saves as many tensors, in the same order)."""
+
+    def __init__(self, backend, d=64, blocks=4):
+        super().__init__()
+        self.blocks = nn.ModuleList(MixedBlock(backend, d) for _ in range(blocks))
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+class MixedBlock(nn.Module):
+    def __init__(self, backend, d):
+        super().__init__()
+        self.eager = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d), nn.Dropout(0.1))
+        self.compiled = torch.compile(nn.Sequential(nn.Linear(d, d), nn.Tanh()), backend=backend)
+
+    def forward(self, x):
+        return self.compiled(self.eager(x)) + x
+
+
+def mlp_batch(g):
+    return torch.randn(32, 64, generator=g), None
+
+
+def gpt_batch(g):
+    return PRESETS["gpt-quick"].batch(torch.device("cpu"), g)
+
+
+CASES = {
+    "mlp": (lambda backend: torch.compile(MLP(), backend=backend), mlp_batch),
+    "gpt-quick": (lambda backend: torch.compile(PRESETS["gpt-quick"].build(), backend=backend), gpt_batch),
+    "eager-head": (Head, mlp_batch),
+    "mixed": (Mixed, mlp_batch),
+}
+
+
+@functools.cache
+def backend_works(name):
+    """Whether torch.compile with this backend runs here (inductor needs a working C++ compiler)."""
+    torch._dynamo.reset()
+    try:
+        f = torch.compile(lambda x: (x * 2).sin(), backend=name)
+        x = torch.ones(4, requires_grad=True)
+        f(x).sum().backward()
+        return True
+    except Exception:  # noqa: BLE001  (any failure: no compiler, no backend)
+        return False
+    finally:
+        torch._dynamo.reset()
+
+
+def train(case, pool=None, backend="aot_eager", steps=STEPS):
+    """`steps` SGD steps of a fresh compiled model; every loss, gradient, parameter and buffer, and the
+    graphs compiled in each step."""
+    if not backend_works(backend):
+        pytest.skip(f"torch.compile backend {backend!r} does not run here")
+    torch._dynamo.reset()  # a fresh model of the same code would otherwise count as a recompile
+    counter = CompileCounterWithBackend(backend)
+    build, batch = CASES[case]
+    torch.manual_seed(0)
+    model = build(counter)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    x, y = batch(torch.Generator().manual_seed(1))
+    torch.manual_seed(2)  # dropout
+    out, compiles = [], []
+    for _ in range(steps):
+        opt.zero_grad()
+        ctx = pool if pool is not None else torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
+        with ctx:
+            o = model(x)
+            loss = o.float().square().mean() if y is None else loss_fn(o, y)
+            loss.backward()
+        if pool is not None:
+            pool.check()
+        compiles.append(counter.frame_count - sum(compiles))
+        out.append(loss.detach())
+        opt.step()
+    assert counter.frame_count > 0, "nothing was compiled: the test tests eager code"
+    return out + [p.grad for p in model.parameters()] + list(model.state_dict().values()), compiles
+
+
+def recompiles_expected(pool):
+    """Compiles after the first step: one where the pool profiled regions in its first step (its global
+    module hooks were in dynamo's guards), none otherwise."""
+    return int(pool is not None and pool.regions.phase != "off")
+
+
+def same(a, b):
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("case", ["mlp", "gpt-quick"])
+@pytest.mark.parametrize("policy", live_names())
+def test_compiled_training_is_bitwise_without_recompiles(case, policy):
+    ref, ref_compiles = train(case)
+    pool = Pool(budget=0, policy=policy, host_limit="256MiB")
+    got, compiles = train(case, pool)
+    assert same(ref, got)
+    assert sum(ref_compiles[1:]) == 0 and sum(compiles[1:]) == recompiles_expected(pool), compiles
+    assert sum(compiles[2:]) == 0, compiles
+    s = pool.stats()
+    assert s["compiled_kept_bytes"] > 0 and s["dropped"] == 0, s
+    if case == "mlp":  # the only tensor saved outside the graph: the loss's input, the model's output
+        assert s["offloaded_bytes"] == STEPS * 32 * 64 * 4, s
+
+
+def test_steps_aside_for_a_compiled_graph_and_says_so_once(capfd):
+    pool = Pool(budget=0, policy="lru", host_limit="256MiB")
+    train("mlp", pool)
+    err = capfd.readouterr().err
+    assert err.count("supermem:") == 1 and err.count(HINT) == 1, err
+    assert pool.stats()["compiled_kept_bytes"] > 0
+
+
+def test_eager_code_around_a_compiled_graph_is_still_pooled():
+    ref, _ = train("eager-head")
+    pool = Pool(budget=0, policy="lru", host_limit="256MiB")
+    got, compiles = train("eager-head", pool)
+    assert same(ref, got) and sum(compiles[1:]) == 0
+    s = pool.stats()
+    assert s["offloads"] > 0 and s["compiled_kept_bytes"] > 0, s
+
+
+@pytest.mark.parametrize("policy", ["cost_aware", "planned"])
+def test_a_region_with_a_compiled_part_is_recomputed_bitwise(policy):
+    ref, _ = train("mixed")
+    pool = Pool(budget=0, policy=policy, host_limit="256MiB")
+    pool.treatments["offload"].link_bytes_per_s = 1e3  # copies priced dear: it recomputes what it can
+    got, compiles = train("mixed", pool)
+    assert same(ref, got)
+    assert sum(compiles[2:]) == 0, compiles
+    s = pool.stats()
+    assert s["recomputes"] > 0 and s["compiled_kept_bytes"] > 0, s
+
+
+@pytest.mark.parametrize("policy", ["cost_aware", "planned"])
+def test_region_hooks_do_not_break_a_compile(policy):
+    """The pool's region profiling hooks are live while the model is first compiled: dynamo must see
+    them as nothing (no graph break, no failed compile)."""
+    ref, _ = train("mlp")
+    torch._dynamo.utils.counters.clear()
+    got, _ = train("mlp", Pool(budget=0, policy=policy, host_limit="256MiB"))
+    assert same(ref, got)
+    assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
+
+
+@pytest.mark.parametrize("policy", ["lru", "cost_aware"])
+def test_inductor(policy):
+    ref, _ = train("mlp", backend="inductor", steps=3)
+    pool = Pool(budget=0, policy=policy, host_limit="256MiB")
+    got, compiles = train("mlp", pool, backend="inductor", steps=3)
+    assert same(ref, got)
+    assert sum(compiles[1:]) == recompiles_expected(pool), compiles
+    assert pool.stats()["offloaded_bytes"] == 3 * 32 * 64 * 4
+
+
+ENV_SCRIPT = """
+import json, sys, torch
+from supermem import activate, tensor_pool
+activate._pool_every_backward()  # what SUPERMEM_CONF=pool:... sets up, without the CUDA allocator
+torch.manual_seed(0)
+model = torch.compile(torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU()), backend="aot_eager")
+for _ in range(3):
+    model(torch.randn(32, 64)).square().mean().backward()
+print(json.dumps(tensor_pool.global_pool().stats()))
+"""
+
+
+def test_the_pool_every_backward_steps_aside_too():
+    """SUPERMEM_CONF's pool packs through other frames of its own (activate's hook): still recognised."""
+    if not backend_works("aot_eager"):
+        pytest.skip("torch.compile does not run here")
+    env = dict(os.environ, SUPERMEM_CONF="pool:lru,budget:64KiB", OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-c", ENV_SCRIPT]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    s = json.loads(r.stdout.splitlines()[-1])
+    assert r.stderr.count(HINT) == 1, r.stderr
+    assert s["compiled_kept_bytes"] > 0, s
+
+
+@pytest.mark.parametrize("policy", ["cost_aware", "planned"])
+def test_region_profiling_ends_when_everything_saved_is_a_compiled_graphs(policy):
+    """The profiling step's global module hooks go at the first backward even when every tensor saved
+    was left to a compiled graph (they ran on every module call, and kept every call's record)."""
+    if not backend_works("aot_eager"):
+        pytest.skip("torch.compile does not run here")
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = MLP()
+    step = torch.compile(lambda x: model(x).square().mean(), backend="aot_eager")
+    pool = Pool(budget=0, policy=policy, host_limit="256MiB")
+    hooks_before = len(torch.nn.modules.module._global_forward_pre_hooks)
+    for _ in range(2):
+        with pool:
+            step(torch.randn(32, 64)).backward()
+    assert pool.stats()["compiled_kept_bytes"] > 0 and pool.stats()["offloads"] == 0
+    assert pool.regions.phase == "on"
+    assert len(torch.nn.modules.module._global_forward_pre_hooks) == hooks_before
