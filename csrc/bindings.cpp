@@ -202,6 +202,8 @@ OomObserver oom_observer_from_py(py::function fn) {
     try {
       (*f)(device, requested, message);
     } catch (py::error_already_set& e) {
+      // As in a pressure handler: Ctrl-C and sys.exit() reach the caller of malloc, instead of the OOM.
+      if (e.matches(PyExc_KeyboardInterrupt) || e.matches(PyExc_SystemExit)) throw;
       e.discard_as_unraisable("supermem OOM observer");
     }
   };
