@@ -63,14 +63,19 @@ bool bool_arg(py::handle v, const char* name) {
   return v.ptr() == Py_True;
 }
 
-// Resizes a trace ring; the host failing to allocate it is a MemoryError naming the size asked for.
+// The host failing to allocate a trace ring: a MemoryError naming the size asked for.
+[[noreturn]] void raise_trace_ring_memory_error(size_t capacity) {
+  std::string msg = "supermem: cannot allocate a trace ring of " + std::to_string(capacity) + " events";
+  PyErr_SetString(PyExc_MemoryError, msg.c_str());
+  throw py::error_already_set();
+}
+
+// Resizes a trace ring (left as it was when the new one cannot be allocated).
 void set_trace_capacity(TraceRing& ring, size_t capacity) {
   try {
     ring.set_capacity(capacity);
   } catch (const std::bad_alloc&) {
-    std::string msg = "supermem: cannot allocate a trace ring of " + std::to_string(capacity) + " events";
-    PyErr_SetString(PyExc_MemoryError, msg.c_str());
-    throw py::error_already_set();
+    raise_trace_ring_memory_error(capacity);
   }
 }
 
@@ -202,6 +207,8 @@ OomObserver oom_observer_from_py(py::function fn) {
     try {
       (*f)(device, requested, message);
     } catch (py::error_already_set& e) {
+      // As in a pressure handler: Ctrl-C and sys.exit() reach the caller of malloc, instead of the OOM.
+      if (e.matches(PyExc_KeyboardInterrupt) || e.matches(PyExc_SystemExit)) throw;
       e.discard_as_unraisable("supermem OOM observer");
     }
   };
@@ -279,10 +286,7 @@ PYBIND11_MODULE(_C, m) {
              try {
                return std::make_shared<CA>(std::move(dev), o);
              } catch (const std::bad_alloc&) {  // only the trace ring is big enough to fail
-               std::string msg = "supermem: cannot allocate a trace ring of " + std::to_string(o.trace_capacity) +
-                                 " events";
-               PyErr_SetString(PyExc_MemoryError, msg.c_str());
-               throw py::error_already_set();
+               raise_trace_ring_memory_error(o.trace_capacity);
              }
            }),
            py::arg("device"), py::arg("limit_bytes") = 0, py::arg("passthrough") = false,

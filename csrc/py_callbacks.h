@@ -1,6 +1,7 @@
 // Python callables as allocator callbacks: they take the GIL when called, are kept alive by C++,
 // and are released with the GIL held (or leaked at interpreter exit). Errors they raise are reported
-// as unraisable and never cross into the allocator.
+// as unraisable and never cross into the allocator, except KeyboardInterrupt and SystemExit: those are
+// the user's and reach the caller of malloc.
 #pragma once
 
 #include <pybind11/pybind11.h>

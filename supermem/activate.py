@@ -136,7 +136,7 @@ def _pool_every_backward() -> None:
     """SUPERMEM_CONF=pool:...: the pool serves every backward of this thread. tensor_pool is imported
     at the first saved tensor, not now: this runs inside `import torch`, which tensor_pool itself may
     have started, and the Pool must not touch CUDA before the program does."""
-    import torch
+    from . import process_hooks
 
     made: list[Any] = []
 
@@ -147,9 +147,7 @@ def _pool_every_backward() -> None:
             made.append(env_pool(config.current()))
         return made[0]
 
-    torch._C._autograd._push_saved_tensors_default_hooks(
-        lambda t: env_pool()._pack(t), lambda packed: env_pool()._unpack(packed)
-    )
+    process_hooks.push(env_pool)
 
 
 # ---------------------------------------------------------------- torch.cuda.memory_* answers

@@ -122,8 +122,7 @@ def relu_pack(t: torch.Tensor, *, exact: bool = True) -> Packed:
 
 def relu_unpack(packed: Packed) -> torch.Tensor:
     """The tensor `packed` was made from, bitwise, on packed.device."""
-    if not isinstance(packed, Packed):
-        raise UsageError(f"relu_unpack takes what relu_pack returned, got {type(packed).__name__}")
+    _check_packed(packed)
     out = torch.empty_strided(packed.shape, packed.stride, dtype=packed.dtype, device=packed.device)
     flat, _ = _flat(out)
     if out.is_cuda:
@@ -154,6 +153,9 @@ def relu_mask_unpack(packed: PackedMask) -> torch.Tensor:
     """The mask as a bool tensor of the packed tensor's shape (and strides, as relu_unpack)."""
     if not isinstance(packed, PackedMask):
         raise UsageError(f"relu_mask_unpack takes what relu_mask_pack returned, got {type(packed).__name__}")
+    bad = "relu_mask_unpack: inconsistent PackedMask: "
+    _check_part(bad, "bitmap", packed.bitmap, torch.uint8, _bitmap_bytes(packed.numel), packed.bitmap)
+    _check_layout(bad, packed.shape, packed.stride)
     out = torch.empty_strided(packed.shape, packed.stride, dtype=torch.bool, device=packed.device)
     flat, _ = _flat(out)
     n = flat.numel()
@@ -240,17 +242,83 @@ def _pack_reference(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
 
 def _unpack_reference(packed: Packed) -> torch.Tensor:
     int_dtype, _ = _FORMATS[packed.dtype]
-    n = packed.numel
-    nonzero = _bytes_to_bits(packed.bitmap, n)
-    nnz = int(nonzero.sum())
-    if packed.offsets.numel() != _num_blocks(n) + 1 or packed.nnz != nnz or packed.values.numel() < nnz:
-        raise UsageError(
-            f"relu_unpack: inconsistent Packed: {nnz} bits set, offsets say {packed.nnz}, "
-            f"{packed.values.numel()} values"
-        )
-    bits = torch.zeros(n, dtype=int_dtype, device=packed.device)
-    bits[nonzero] = packed.values[:nnz].view(int_dtype)
+    nonzero = _bytes_to_bits(packed.bitmap, packed.numel)
+    bits = torch.zeros(packed.numel, dtype=int_dtype, device=packed.device)
+    bits[nonzero] = packed.values[: packed.nnz].view(int_dtype)
     return bits.view(packed.dtype)
+
+
+# ---- checks on a Packed ------------------------------------------------------------------------------
+
+
+def _check_packed(packed: object) -> None:
+    """UsageError unless `packed` holds what relu_pack makes: the parts' dtypes, sizes, device and layout,
+    which both unpack paths read through raw extents (the CUDA kernel through pointers); then, on CPU,
+    offsets and values agreeing with the bitmap. On CUDA that last check would cost a host sync, which
+    relu_unpack never makes (tests/gpu), so there the contents of well-formed parts are trusted."""
+    if not isinstance(packed, Packed):
+        raise UsageError(f"relu_unpack takes what relu_pack returned, got {type(packed).__name__}")
+    bad = "relu_unpack: inconsistent Packed: "
+    if packed.dtype not in _FORMATS:
+        raise UsageError(f"{bad}dtype {packed.dtype}")
+    n = packed.numel
+    _check_part(bad, "bitmap", packed.bitmap, torch.uint8, _bitmap_bytes(n), packed.bitmap)
+    _check_part(bad, "offsets", packed.offsets, torch.int64, _num_blocks(n) + 1, packed.bitmap)
+    _check_part(bad, "values", packed.values, packed.dtype, None, packed.bitmap)
+    _check_layout(bad, packed.shape, packed.stride)
+    if packed.device.type != "cpu":
+        return
+    per_word = _word_popcounts(packed.bitmap)
+    per_word = torch.nn.functional.pad(per_word, (0, _WORDS_PER_BLOCK * _num_blocks(n) - per_word.numel()))
+    expected = torch.zeros_like(packed.offsets)
+    torch.cumsum(per_word.view(-1, _WORDS_PER_BLOCK).sum(1), 0, out=expected[1:])
+    blocks_agree, nnz = torch.equal(packed.offsets, expected), int(expected[-1])
+    if not blocks_agree or packed.values.numel() < nnz:
+        raise UsageError(
+            f"{bad}{nnz} bits set, offsets say {packed.nnz} (per block they "
+            f"{'agree' if blocks_agree else 'disagree'}), {packed.values.numel()} values"
+        )
+
+
+def _check_part(
+    bad: str, name: str, part: object, dtype: torch.dtype, numel: int | None, first: object
+) -> None:
+    """A part of a Packed (PackedMask): a contiguous 1-D tensor of `dtype` (and `numel` elements) on the
+    device of `first`, the bitmap."""
+    device = first.device if isinstance(first, torch.Tensor) else None
+    if not (
+        isinstance(part, torch.Tensor)
+        and (part.dtype, part.dim(), part.device) == (dtype, 1, device)
+        and part.is_contiguous()
+        and (numel is None or part.numel() == numel)
+    ):
+        got = f"{part.dtype}{list(part.shape)} on {part.device}" if isinstance(part, torch.Tensor) else part
+        size = "" if numel is None else f"{numel} x "
+        raise UsageError(f"{bad}{name} must be a contiguous 1-D {size}{dtype} tensor on {device}, got {got}")
+
+
+def _check_layout(bad: str, shape: torch.Size, stride: tuple[int, ...]) -> None:
+    """Unpacking writes through a flat view of torch.empty_strided(shape, stride): it must have one, a
+    layout without gaps or overlaps."""
+    dims = sorted((p for p in zip(shape, stride) if p[0] != 1), key=lambda p: p[1])
+    expected, dense = 1, len(stride) == len(shape)
+    for size, step in dims:
+        dense = dense and (step == expected or size == 0)
+        expected *= size
+    if not dense and math.prod(shape) != 0:
+        raise UsageError(f"{bad}stride {tuple(stride)} does not lay out shape {list(shape)} densely")
+
+
+_WORDS_PER_BLOCK = BLOCK_ELEMS // 32
+
+
+def _word_popcounts(bitmap: torch.Tensor) -> torch.Tensor:
+    """Bits set in each 32-bit word of the bitmap (int64), by the usual SWAR steps."""
+    x = bitmap.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    x = x - ((x >> 1) & 0x55555555)
+    x = (x & 0x33333333) + ((x >> 2) & 0x33333333)
+    x = (x + (x >> 4)) & 0x0F0F0F0F
+    return ((x * 0x01010101) & 0xFFFFFFFF) >> 24
 
 
 # ---- CUDA kernels ------------------------------------------------------------------------------------
@@ -299,6 +367,8 @@ def _pack_cuda(flat: torch.Tensor, exact: bool) -> tuple[torch.Tensor, torch.Ten
 
 
 def _unpack_cuda(packed: Packed, flat: torch.Tensor) -> None:
+    """Unpacks into `flat` on the current stream; `packed` passed _check_packed (the kernel reads raw
+    pointers)."""
     _C = _kernels()
     with torch.cuda.device(flat.device):
         stream = torch.cuda.current_stream(flat.device).cuda_stream

@@ -40,3 +40,36 @@ def words(t):
 
 def bitwise_equal(a, b):
     return a.dtype == b.dtype and a.shape == b.shape and np.array_equal(words(a), words(b))
+
+
+def _replace(packed, **parts):
+    from dataclasses import replace
+
+    return replace(packed, **parts)
+
+
+# Ways a Packed can be corrupt, each a function of a good Packed of 5000 elements (3 blocks) holding some
+# nonzeros. relu_unpack must refuse every one with a UsageError on CPU and on CUDA, before any kernel reads
+# a buffer: the checks on the parts themselves (what the CUDA kernel would read out of bounds).
+CORRUPT_PARTS = {
+    "too few values": lambda p: _replace(p, values=p.values[:-1]),
+    "values of another dtype": lambda p: _replace(p, values=p.values.half()),
+    "values not contiguous": lambda p: _replace(p, values=torch.stack([p.values, p.values], 1)[:, 0]),
+    "values on another device": lambda p: _replace(
+        p, values=p.values.cpu() if p.values.is_cuda else p.values.to("meta")
+    ),
+    "offsets of another dtype": lambda p: _replace(p, offsets=p.offsets.int()),
+    "one offset missing": lambda p: _replace(p, offsets=p.offsets[:-1]),
+    "bitmap one word short": lambda p: _replace(p, bitmap=p.bitmap[:-4]),
+    "bitmap of another dtype": lambda p: _replace(p, bitmap=p.bitmap.to(torch.int16)),
+    "stride of another rank": lambda p: _replace(p, stride=(1, 1)),
+    "stride with gaps": lambda p: _replace(p, stride=(2,)),
+}
+# Corrupt contents: offsets that disagree with the bitmap. Checked where reading them is free (CPU); on
+# CUDA that would cost the host sync relu_unpack never makes, so there the contents are trusted.
+CORRUPT_CONTENTS = {
+    "an inner offset off by one": lambda p: _replace(p, offsets=p.offsets + torch.tensor([0, 1, 0, 0])),
+    "a bit set past the end": lambda p: _replace(
+        p, bitmap=p.bitmap.clone().index_fill_(0, torch.tensor([-1]), 128)
+    ),
+}

@@ -4,20 +4,13 @@
 #   tools/sanitize.sh [pytest args]        (default: the conformance, fuzz, thread, OOM and input tests)
 # Needs the project's .venv (make build). Leak checking is off: Python itself "leaks" at exit.
 set -euo pipefail
-root=$(cd "$(dirname "$0")/.." && pwd)
-py=${PYTHON:-$root/.venv/bin/python}
-work=$(mktemp -d)
-trap 'rm -rf "$work"' EXIT
-git -C "$root" ls-files -z | (cd "$root" && xargs -0 cp --parents -t "$work")
-cd "$work"
-SUPERMEM_SANITIZE=address,undefined "$py" setup.py -q build_ext --inplace >build.log 2>&1 || { tail -30 build.log; exit 1; }
+source "$(dirname "$0")/sanitizer_build.sh" address,undefined
 asan=$(gcc -print-file-name=libasan.so)
 ubsan=$(gcc -print-file-name=libubsan.so)
 export LD_PRELOAD="$asan:$ubsan"
 export ASAN_OPTIONS=detect_leaks=0:abort_on_error=1:halt_on_error=1
 export UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1
-export PYTHONPATH="$work"
-"$py" -c "import supermem._C as c, sys; assert c.__file__.startswith('$work'), c.__file__"  # the sanitized build
+check_sanitized_build
 tests=(tests/cpu/test_conformance.py tests/cpu/test_fuzz.py tests/cpu/test_threads.py tests/cpu/test_oom.py
        tests/cpu/test_streams.py tests/cpu/test_pools.py tests/cpu/test_pool.py tests/cpu/test_core_inputs.py
        tests/cpu/test_torch_compat.py tests/cpu/test_fork.py)

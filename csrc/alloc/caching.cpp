@@ -407,13 +407,10 @@ void CachingAllocator::throw_oom(Lock& lk, size_t nbytes, size_t alloc_size, siz
   auto observers = oom_observers_;
   std::string msg = std::move(m);
   lk.unlock();  // observers may allocate, free or take the GIL
-  for (auto& obs : observers) {
-    try {
-      obs(device_->index(), nbytes, msg);
-    } catch (...) {
-      // An observer's failure must not replace the OOM the caller is about to see.
-    }
-  }
+  // Observers report their own failures (the Python ones as unraisable): what still escapes is the
+  // user's (Ctrl-C, sys.exit() from Python) and reaches the caller instead of the OOM, as from a
+  // pressure handler.
+  for (auto& obs : observers) obs(device_->index(), nbytes, msg);
   throw OutOfMemory(msg, nbytes);
 }
 

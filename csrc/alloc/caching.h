@@ -36,7 +36,8 @@ struct AllocatorOptions {
 
 // Called under memory pressure with the allocator lock released; returns the bytes it freed.
 using PressureHandler = std::function<size_t(size_t need_bytes)>;
-// Called with the lock released just before an OutOfMemory is thrown (e.g. to write a snapshot).
+// Called with the lock released just before an OutOfMemory is thrown (e.g. to write a snapshot). It
+// reports its own failures; an exception it throws (Ctrl-C from Python) propagates instead of the OOM.
 using OomObserver = std::function<void(int device, size_t requested_bytes, const std::string& message)>;
 using PoolId = std::pair<uint64_t, uint64_t>;
 using StreamFilter = std::function<bool(Stream)>;

@@ -121,29 +121,8 @@ def main(argv: list[str] | None = None) -> int:
         )
     with open(os.path.join(args.out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(out, f)
-    _last_collective_without_python_hooks(torch)
-    dist.barrier()
     dist.destroy_process_group()
     return 0
-
-
-def _last_collective_without_python_hooks(torch) -> None:
-    """SUPERMEM_CONF=pool:... pushes saved-tensor hooks (Python objects) for the whole process; gloo copies
-    the thread-local state, hooks included, into every work and drops it on one of its run-loop threads,
-    which then needs the GIL. Freed while the main thread joins those threads holding the GIL (DDP's
-    Reducer freeing the process group at the end of main) it deadlocks; during interpreter shutdown the
-    thread is unwound through a noexcept destructor: "terminate called without an active exception".
-    Training is over: take the hooks off, and let the run loops drop their last works (seen on CPU)."""
-    import supermem.config
-
-    if supermem.config.current().pool != "off":
-        try:
-            torch._C._autograd._pop_saved_tensors_default_hooks()
-        except RuntimeError:
-            pass
-        import time
-
-        time.sleep(0.5)  # releases the GIL: gloo's other run-loop threads drop their works now
 
 
 def _tokens(torch, gen, args):

@@ -10,7 +10,7 @@ from pathlib import Path
 from ..cli_args import positive_int
 from .analysis import analyze, summary_text
 from .loader import load_for_cli as load
-from .output import OutputError, check_output
+from .output import OutputError, check_output, same_file
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -43,7 +43,7 @@ def main(args: argparse.Namespace) -> int:
     png_path = None
     if not args.no_png:
         png_path = check_output(args.png or html_path.with_suffix(".png"), inputs=sources)
-        if png_path.resolve() == html_path.resolve():
+        if same_file(png_path, html_path):
             raise OutputError(f"{png_path}: is the same file as the HTML output; give --png another name")
     if len(sources) == 1:
         trace, name = load(src), src.name

@@ -27,7 +27,9 @@ class OutputError(UsageError):
     an input of the same command, or a failed write)."""
 
 
-def _same_file(a: Path, b: Path) -> bool:
+def same_file(a: Path, b: Path) -> bool:
+    """True when a and b name one file: through links (hard or symbolic) too, or, when either does not
+    exist yet, the same resolved path."""
     try:
         return os.path.samefile(a, b)
     except OSError:  # either does not exist: compare where they would be
@@ -38,7 +40,7 @@ def check_output(path: str | os.PathLike, inputs: Iterable[str | os.PathLike] = 
     """Raises OutputError unless `path` can be written as a new regular file without touching an input."""
     path = Path(path)
     for src in inputs:
-        if _same_file(path, Path(src)):
+        if same_file(path, Path(src)):
             raise OutputError(f"{path}: is the same file as the input {src}; choose another output")
     try:
         st = os.stat(path)

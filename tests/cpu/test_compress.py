@@ -1,6 +1,7 @@
 """ReLU compression on CPU (supermem.compress's torch reference, which the GPU tests hold the kernels
 to): lossless round trips, and a format checked against independent numpy computations."""
 
+import dataclasses
 import json
 import math
 import os
@@ -10,7 +11,18 @@ import sys
 import numpy as np
 import pytest
 import torch
-from compress_cases import DENSITIES, DTYPES, SIZES, SPECIAL_BITS, bitwise_equal, from_bits, sparse, words
+from compress_cases import (
+    CORRUPT_CONTENTS,
+    CORRUPT_PARTS,
+    DENSITIES,
+    DTYPES,
+    SIZES,
+    SPECIAL_BITS,
+    bitwise_equal,
+    from_bits,
+    sparse,
+    words,
+)
 
 from supermem import _C
 from supermem.compress import (
@@ -174,6 +186,23 @@ def test_unpack_rejects_other_objects_and_corrupt_packs():
     bad = Packed(packed.bitmap, packed.offsets, packed.values[:-1], packed.dtype, packed.shape, packed.stride)
     with pytest.raises(UsageError, match="inconsistent"):
         relu_unpack(bad)
+
+
+@pytest.mark.parametrize("corrupt", [*CORRUPT_PARTS, *CORRUPT_CONTENTS])
+def test_unpack_refuses_a_corrupt_pack(corrupt):
+    """The checks relu_unpack makes before either path (CPU reference, CUDA kernel) reads a buffer."""
+    packed = relu_pack(sparse(5000, 0.5, torch.float32))
+    assert bitwise_equal(relu_unpack(packed), sparse(5000, 0.5, torch.float32))  # the good one unpacks
+    bad = {**CORRUPT_PARTS, **CORRUPT_CONTENTS}[corrupt](packed)
+    with pytest.raises(UsageError, match="relu_unpack: inconsistent Packed"):
+        relu_unpack(bad)
+
+
+def test_mask_unpack_refuses_a_corrupt_mask():
+    mask = relu_mask_pack(sparse(5000, 0.5, torch.float32))
+    for bad in (dataclasses.replace(mask, bitmap=mask.bitmap[:-4]), dataclasses.replace(mask, stride=(2,))):
+        with pytest.raises(UsageError, match="relu_mask_unpack: inconsistent PackedMask"):
+            relu_mask_unpack(bad)
 
 
 def test_kernel_constants_match():

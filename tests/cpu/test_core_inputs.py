@@ -1,6 +1,6 @@
 """Bad input to the C++ core gives a clear Python error and leaves the allocator as it was: constructor
 arguments of every class in supermem.allocator / supermem._C, huge sizes, failed trace-ring resizes,
-and exceptions a pressure handler must not swallow (KeyboardInterrupt, SystemExit).
+and exceptions a pressure handler or OOM observer must not swallow (KeyboardInterrupt, SystemExit).
 
 Anything that used to segfault runs in a child process, so a crash fails the test instead of pytest."""
 
@@ -228,6 +228,38 @@ def test_other_handler_errors_are_still_reported_not_raised(monkeypatch):
     a = CachingAllocator(SimulatedDevice(16 * MiB), limit_bytes=8 * MiB)
     a.malloc(6 * MiB)
     a.add_pressure_handler(lambda need: 1 // 0)
+    with pytest.raises(OutOfMemoryError):
+        a.malloc(6 * MiB)
+    assert [type(e) for e in seen] == [ZeroDivisionError]
+
+
+# OOM observers (the OOM snapshot writer) run as the allocator raises: a failing observer must not hide
+# the OOM, but Ctrl-C and sys.exit() in one are the user's, as in a pressure handler.
+@pytest.mark.parametrize("exc", [KeyboardInterrupt, SystemExit])
+def test_oom_observer_lets_interrupts_reach_the_caller_of_malloc(exc):
+    a = CachingAllocator(SimulatedDevice(16 * MiB), limit_bytes=8 * MiB)
+    held = a.malloc(6 * MiB)
+    calls = []
+
+    def observer(device, requested_bytes, message):
+        calls.append(requested_bytes)
+        raise exc()
+
+    a._impl.add_oom_observer(observer)
+    with pytest.raises(exc):
+        a.malloc(6 * MiB)
+    assert calls == [6 * MiB]
+    a.free(held)
+    a.free(a.malloc(6 * MiB))  # the allocator is usable afterwards
+    a.check()
+
+
+def test_other_oom_observer_errors_are_reported_and_the_oom_raised(monkeypatch):
+    seen = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda u: seen.append(u.exc_value))
+    a = CachingAllocator(SimulatedDevice(16 * MiB), limit_bytes=8 * MiB)
+    a.malloc(6 * MiB)
+    a._impl.add_oom_observer(lambda device, requested_bytes, message: 1 // 0)
     with pytest.raises(OutOfMemoryError):
         a.malloc(6 * MiB)
     assert [type(e) for e in seen] == [ZeroDivisionError]

@@ -56,9 +56,6 @@ DDP_SCRIPT = textwrap.dedent(
         pool = tp.global_pool()
         out["pool"] = None if pool is None else pool.stats()
         json.dump(out, open(sys.argv[1], "w"), default=str)
-    from supermem.bench.ddp_worker import _last_collective_without_python_hooks
-    _last_collective_without_python_hooks(torch)  # a gloo shutdown hazard of Python hooks: see there
-    dist.barrier()
     dist.destroy_process_group()
     """
 )
@@ -197,6 +194,51 @@ def test_ddp_over_gloo_under_the_pool_trains_bitwise_like_plain_ddp(tmp_path):
     assert pooled["losses"] == plain["losses"]  # both ranks, every step (floats from JSON: exact)
     assert pooled["params"] == plain["params"]  # bitwise
     assert plain["losses"][0] != plain["losses"][1]  # the ranks saw different data
+
+
+# The pool's hooks at gloo's shutdown (issue 13). SUPERMEM_CONF=pool:... keeps the pool's saved-tensor hooks
+# (Python functions) in the main thread's thread-local state; gloo copies that state into every work and
+# frees the copy on its run-loop thread, which needs the GIL to drop the hooks. A barrier's work holds
+# nothing else of Python's: without the pool the same script is clean. The main thread keeps the GIL until
+# it blocks here (a long switch interval makes deterministic what a busy machine does at random), so:
+# - "reducer": DDP's Reducer, the group's last owner after destroy_process_group (as at the end of a
+#   main()), joins gloo's threads holding the GIL while one of them waits for it: a hang;
+# - "exit": a gloo thread that asks for the GIL during finalisation aborts the process ("terminate called
+#   without an active exception" / "FATAL: exception not rethrown").
+GLOO_SHUTDOWN_SCRIPT = textwrap.dedent(
+    """
+    import faulthandler, gc, sys, torch, torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    faulthandler.dump_traceback_later(30, exit=True)  # a hang fails the run, with its stacks
+    dist.init_process_group("gloo")
+    if sys.argv[1] == "reducer":
+        group = dist.new_group(backend="gloo")
+        ddp = DDP(torch.nn.Linear(4, 4), process_group=group)
+        ddp(torch.ones(2, 4)).sum().backward()
+        reducer = ddp.reducer
+        del ddp
+        gc.collect()
+        sys.setswitchinterval(1000)
+        dist.barrier(group=group, async_op=True)  # the handle is dropped: a gloo thread frees the work
+        dist.destroy_process_group(group)
+        del group
+        del reducer  # the group's last owner: joins gloo's threads
+    else:
+        sys.setswitchinterval(1000)
+        dist.barrier(async_op=True)  # freed by a gloo thread while this process exits
+    print("clean", flush=True)
+    """
+)
+
+
+@pytest.mark.parametrize("scenario", ["reducer", "exit"])
+@pytest.mark.parametrize("extra", [{}, {"SUPERMEM_CONF": "pool:lru,budget:64KiB"}], ids=["plain", "pool"])
+def test_gloo_shuts_down_cleanly_under_the_pool(tmp_path, extra, scenario):
+    script = tmp_path / "shutdown.py"
+    script.write_text(GLOO_SHUTDOWN_SCRIPT)
+    cmd = _torchrun(str(script), scenario)
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=_env(**extra))
+    assert r.returncode == 0 and r.stdout.count("clean") == 2, (r.stdout + r.stderr)[-3000:]
 
 
 # ---------------------------------------------------------------- report of several ranks

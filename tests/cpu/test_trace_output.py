@@ -71,6 +71,17 @@ def test_no_command_writes_over_its_input(trace_copy, capsys, argv):
     assert listing(d) == before
 
 
+@pytest.mark.parametrize("link", [os.link, os.symlink], ids=["hard link", "symlink"])
+def test_report_png_that_is_the_html_through_a_link_is_refused(trace_copy, capsys, link):
+    d = trace_copy.parent
+    (d / "r.html").write_text("an older report")
+    link(d / "r.html", d / "r.png")
+    before = listing(d)
+    rc, err = run_cli(capsys, "report", trace_copy, "-o", d / "r.html", "--png", d / "r.png", "-q")
+    assert rc == 2 and "same file as the HTML output" in err and "Traceback" not in err, err
+    assert listing(d) == before
+
+
 @pytest.mark.parametrize("cmd", ["report", "export", "png"])
 @pytest.mark.parametrize("where", ["dir", "missing", "devfull"])
 def test_bad_output_paths_give_one_line(trace_copy, capsys, cmd, where):

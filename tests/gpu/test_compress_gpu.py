@@ -7,10 +7,21 @@ import math
 
 import pytest
 import torch
-from compress_cases import DENSITIES, DTYPES, INT, SIZES, SPECIAL_BITS, bitwise_equal, from_bits, sparse
+from compress_cases import (
+    CORRUPT_PARTS,
+    DENSITIES,
+    DTYPES,
+    INT,
+    SIZES,
+    SPECIAL_BITS,
+    bitwise_equal,
+    from_bits,
+    sparse,
+)
 
 from supermem import _C
 from supermem.compress import relu_mask_pack, relu_mask_unpack, relu_pack, relu_unpack
+from supermem.errors import UsageError
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -255,3 +266,14 @@ def test_large_tensor_one_warp_per_block_unpack(dtype):
     assert torch.equal(packed.values.view(INT[dtype]), values.view(INT[dtype]))
     y = relu_unpack(packed)
     assert torch.equal(y.view(INT[dtype]), x.view(INT[dtype]))
+
+
+@pytest.mark.parametrize("corrupt", list(CORRUPT_PARTS))
+def test_unpack_refuses_a_corrupt_pack_before_the_kernel_reads_it(corrupt):
+    """The CPU path's checks on the parts, on CUDA too: values on the host, a short bitmap, ... would
+    have the kernel read out of bounds. The autouse fixture's synchronize shows a kernel fault here."""
+    x = sparse(5000, 0.5, torch.float32)
+    packed = relu_pack(x.cuda())
+    assert bitwise_equal(relu_unpack(packed), x)
+    with pytest.raises(UsageError, match="relu_unpack: inconsistent Packed"):
+        relu_unpack(CORRUPT_PARTS[corrupt](packed))
