@@ -19,11 +19,26 @@ def pool(
     **kwargs: Any,
 ) -> Pool:
     """A Pool for these options, created once and reused (its host memory and streams are kept), so
-    `with supermem.pool(budget="8GiB"):` can wrap every training step."""
+    `with supermem.pool(budget="8GiB"):` can wrap every training step. `treatments` may name them:
+    ("offload", "recompute", "compress")."""
+    if kwargs.get("treatments") is not None:
+        kwargs["treatments"] = tuple(kwargs["treatments"])  # names, hashable: the same pool each call
     key = (budget, policy, host_limit, _default_device(kwargs), tuple(sorted(kwargs.items())))
     if key not in _pools:
+        if kwargs.get("treatments") is not None:
+            kwargs["treatments"] = _checked_treatments(kwargs["treatments"])
         _pools[key] = Pool(budget, policy, host_limit, **kwargs)
     return _pools[key]
+
+
+def _checked_treatments(spec: tuple) -> tuple:
+    from ..errors import ConfigError
+    from .treatments import make_treatments
+
+    try:
+        return make_treatments(spec)
+    except ValueError as e:
+        raise ConfigError(f"bad pool option treatments={spec!r}: {e}") from None
 
 
 def _default_device(kwargs: dict) -> int | None:

@@ -325,3 +325,17 @@ def test_cost_aware_offers_compression_lru_does_not():
     pool = Pool(budget=0, policy="lru", host_limit="64MiB", treatments=(Offload(), Compress()))
     train("mlp", pool, steps=1)
     assert pool.stats().get("compressions", 0) == 0 and pool.stats()["offloads"] > 0
+
+
+def test_supermem_pool_takes_treatment_names_and_reuses_its_pool():
+    """supermem.pool(...) wraps every step: treatments by name give the same Pool each time (objects
+    made per call would make a new Pool per step); an unknown name is a clear error."""
+    import supermem
+    from supermem.errors import ConfigError
+
+    a = supermem.pool(budget=0, policy="cost_aware", treatments=("offload", "recompute", "compress"))
+    b = supermem.pool(budget=0, policy="cost_aware", treatments=["offload", "recompute", "compress"])
+    assert a is b and set(a.treatments) == {"offload", "recompute", "compress"}
+    assert isinstance(a.treatments["compress"], Compress)
+    with pytest.raises(ConfigError, match=r"unknown treatment 'zip'.*known: offload, recompute, compress"):
+        supermem.pool(budget=0, treatments=("offload", "zip"))
