@@ -241,8 +241,8 @@ class Compress(Treatment):
             return False
         if e.recipe is not None and not e.recipe.ready:
             return False  # a call still running decides at its end, as for offload
-        if t.is_cuda and not _kernels_built():
-            return False
+        if t.is_cuda and (not _kernels_built() or torch.cuda.is_current_stream_capturing()):
+            return False  # no kernels; or a CUDA graph is being captured, and a pack syncs
         fn = t.grad_fn
         return fn is not None and type(fn).__name__ in RELU_MADE
 
@@ -283,8 +283,13 @@ class Compress(Treatment):
         return True
 
     def come_back(self, pool: Pool, e: Entry) -> None:
+        p = e.payload
         with self._timing["unpack"].timed(pool, e.nbytes):
-            t = relu_unpack(e.payload)
+            t = relu_unpack(p)
+        if t.is_cuda:  # read on this stream; packed on the saving op's (the same one, but for odd models)
+            stream = torch.cuda.current_stream(t.device)
+            for x in (p.bitmap, p.offsets, p.values):
+                x.record_stream(stream)
         _count(pool, decompressions=1)
         pool._arrived(e, t, None)
         self.arrived(pool, e)
