@@ -364,3 +364,14 @@ def test_with_compression_the_only_way_out_every_relu_output_is_compressed():
     pool = forced()
     train("resnet", pool, steps=1)
     assert pool.stats()["compressions"] == len(relu_outputs)
+
+
+def test_treatment_names_as_one_string_and_bad_values():
+    import supermem
+    from supermem.errors import ConfigError
+
+    a = supermem.pool(budget=0, policy="cost_aware", treatments="offload, compress")
+    assert set(a.treatments) == {"offload", "compress"}
+    assert supermem.pool(budget=0, policy="cost_aware", treatments=("offload", "compress")) is a
+    with pytest.raises(ConfigError, match="treatments=3: give names"):
+        supermem.pool(budget=0, treatments=3)
