@@ -232,7 +232,7 @@ class Compress(Treatment):
         self._tensor_bytes = 0  # over all packs: what they took and what they made
         self._packed_bytes = 0
         self._timing = {"pack": _Timing(), "unpack": _Timing()}
-        self._packing = 0  # packs in progress: they allocate; pressure inside one chooses other treatments
+        self._packing = 0  # packs in progress (see leave)
         self._incompressible: weakref.WeakSet[Entry] = weakref.WeakSet()
 
     def applies(self, e: Entry) -> bool:
@@ -264,13 +264,19 @@ class Compress(Treatment):
         return out
 
     def leave(self, pool: Pool, e: Entry) -> bool:
+        if e.state is not State.RESIDENT or e.tensor is None:
+            return False  # taken off by a pressure call nested in another pack
+        # The payload's allocation may call the pool's pressure handler from inside this pack: it must
+        # neither pack again nor take this entry from under it.
         self._packing += 1
+        pool._in_use.append(e)
         try:
             with self._timing["pack"].timed(pool, e.nbytes):
                 packed = relu_pack(e.tensor)
         except torch.OutOfMemoryError:
             return False  # no room for the payload even after pressure: another treatment frees
         finally:
+            pool._in_use.remove(e)
             self._packing -= 1
         self._tensor_bytes += e.nbytes
         self._packed_bytes += packed.nbytes

@@ -375,3 +375,60 @@ def test_treatment_names_as_one_string_and_bad_values():
     assert supermem.pool(budget=0, policy="cost_aware", treatments=("offload", "compress")) is a
     with pytest.raises(ConfigError, match="treatments=3: give names"):
         supermem.pool(budget=0, treatments=3)
+
+
+def pressure_inside_packs(monkeypatch, pool, times=1):
+    """Makes the first `times` packs call the pool's pressure handler, as an allocation of the payload
+    would on a GPU whose memory is full; returns the list of what those calls freed."""
+    from supermem.tensor_pool import treatments
+
+    freed = []
+    pack = treatments.relu_pack
+
+    def pack_under_pressure(t):
+        if len(freed) < times:
+            freed.append(pool._on_pressure(1 << 30))
+        return pack(t)
+
+    monkeypatch.setattr(treatments, "relu_pack", pack_under_pressure)
+    return freed
+
+
+def test_pressure_inside_a_pack_frees_by_other_treatments(monkeypatch):
+    """A pack allocates its payload; on a GPU that allocation can call the pool's pressure handler
+    from inside the pack. There compression is not offered (it would pack again from inside a pack)
+    and the entry being packed is not taken (it would be offloaded from under the pack); the handler
+    frees by the other treatments."""
+    pool = Pool(budget=None, policy="cost_aware", host_limit="64MiB", treatments=(Offload(), Compress()))
+    freed = pressure_inside_packs(monkeypatch, pool)
+    ref = train("mlp", steps=1)
+    seen = {}
+
+    def compress_one(p):
+        e = next(e for e in live_entries(p) if p.treatments["compress"].applies(e))
+        seen["left"] = p._leave(e, p.treatments["compress"])
+        seen["entry"] = e
+
+    got = train("mlp", pool, steps=1, during=compress_one)
+    assert same(ref, got)
+    s = pool.stats()
+    assert freed and freed[0] > 0 and s["offloads"] > 0, (freed, s)  # the nested call offloaded others
+    assert seen["left"] and seen["entry"].treatment.name == "compress"
+    assert s["compressions"] == 1, s
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="Pool._on_pressure ranks its victims first, then takes them off one by one; a pressure call "
+    "nested in a pack takes some of them first, and the outer loop then leaves an entry that is no "
+    "longer resident (an offload counted twice: the device-bytes counter goes wrong). Fix in the pool's "
+    "pressure path: skip victims that no longer hold a device tensor (victim.tensor is None)",
+)
+def test_pressure_nested_in_a_pressure_call_keeps_the_accounting(monkeypatch):
+    pool = Pool(budget=None, policy="cost_aware", host_limit="64MiB", treatments=(Offload(), Compress()))
+    pool.treatments["offload"].link_bytes_per_s = 1e3  # copies priced dear: compression ranks first
+    freed = pressure_inside_packs(monkeypatch, pool)
+    ref = train("mlp", steps=1)
+    got = train("mlp", pool, steps=1, during=lambda p: p._on_pressure(1 << 30))
+    assert same(ref, got)
+    assert freed and pool.stats()["compressions"] > 0
