@@ -1,11 +1,12 @@
 """Treatments: what happens to a saved tensor that leaves the device, one small class each.
 
 A treatment releases an entry's device memory (`leave`), brings it back (`come_back`, then `ready`
-before compute uses it), says what the entry costs while away (`device_bytes`, `host_bytes`) and what
-leaving costs (`choices`, in estimated exposed seconds, for the policy), frees its payload when the
-entry dies (`forget`) and checks its own invariant (`check`). The pool's core only moves entries
-between states and keeps the byte counters; a new treatment (ReLU compression: a device payload
-smaller than the tensor) is a new class here and an entry in `Pool(treatments=...)`.
+before compute uses it), hears when the entry is back by any way (`arrived`: a region's replay too),
+says what the entry costs while away (`device_bytes`, `host_bytes`) and what leaving costs
+(`choices`, in estimated exposed seconds, for the policy), frees its payload when the entry dies
+(`forget`) and checks its own invariant (`check`). The pool's core only moves entries between states
+and keeps the byte counters; a new treatment is a new class here, in `TREATMENTS`, and passed in
+`Pool(treatments=...)` (Compress: a device payload smaller than the tensor).
 """
 
 from __future__ import annotations
