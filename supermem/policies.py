@@ -78,11 +78,12 @@ class LRU(Policy):
 
 class CostAware(Policy):
     """DTR's rule: the smallest cost / (bytes x staleness) leaves first, over offload (whose cost is
-    the copy time the link cannot hide) and recompute (whose cost is the measured forward time of the
-    region rebuilt). A trace has no costs, so the replayer runs it as lru."""
+    the copy time the link cannot hide), recompute (the measured forward time of the region rebuilt)
+    and compress (the measured pack + unpack time; only where the pool has that treatment). A trace
+    has no costs, so the replayer runs it as lru."""
 
     name = "cost_aware"
-    treatments = ("offload", "recompute")
+    treatments = ("offload", "recompute", "compress")
     doc = "offload or recompute, whichever costs less per byte freed (DTR)"
 
     def score(self, c: Choice, now: int) -> float:
@@ -101,6 +102,7 @@ class Planned(CostAware):
     ahead leaves first."""
 
     name = "planned"
+    treatments = ("offload", "recompute")  # the planner does not model compression (yet)
     doc = "plan each saved tensor's treatment from a profiled step (replay: Belady)"
 
     def key(self, start: int, end: int) -> float:

@@ -6,8 +6,9 @@ Two tables per model, each with the native row of this run as its baseline:
   Targets: step <= 1.01x native, fragmentation <= native's.
 - savers: what a user can do to use less memory: checkpoint every block, checkpoint the first half of
   the blocks, save_on_cpu (pure PyTorch, native allocator), and supermem's tensor pool at budgets of
-  native's peak, under the `lru` policy ("pool N%") and the `cost_aware` one ("cost_aware N%"). Step
-  ms, ratio, peak allocated, bytes offloaded and recomputed, copy GB/s, % copy hidden.
+  native's peak, under the `lru` policy ("pool N%"), the `cost_aware` one ("cost_aware N%") and, on
+  ResNet, cost_aware with ReLU compression as a third treatment ("cost_aware+compress N%"). Step
+  ms, ratio, peak allocated, bytes offloaded, recomputed and compressed, copy GB/s, % copy hidden.
   Targets: each cost_aware row beats the lru row of its budget in step time and peak, and its peak is
   within 5% of its budget.
 
@@ -43,6 +44,11 @@ class Mode:
     budget: float | None = None  # pool: the fraction of the native row's peak allocated bytes
     table: str = "savers"  # "allocator" | "savers"
     options: dict = field(default_factory=dict)  # extra spec keys for the saver, e.g. {"policy": "lru"}
+    models: tuple[str, ...] = ()  # the models it runs for ("gpt", "resnet"); empty: all
+
+
+def runs_on(m: Mode, model: str) -> bool:
+    return not m.models or model in m.models
 
 
 def modes(device: str, budgets: list[float]) -> list[Mode]:
@@ -62,6 +68,18 @@ def modes(device: str, budgets: list[float]) -> list[Mode]:
             out.append(Mode(f"lru {b:.0%}", "supermem", "pool", budget=b, options={"policy": "lru"}))
             out.append(
                 Mode(f"cost_aware {b:.0%}", "supermem", "pool", budget=b, options={"policy": "cost_aware"})
+            )
+            # ReLU compression as a third treatment; ResNet only (GPT has no ReLU: the same as cost_aware)
+            compress = {"policy": "cost_aware", "treatments": ["offload", "recompute", "compress"]}
+            out.append(
+                Mode(
+                    f"cost_aware+compress {b:.0%}",
+                    "supermem",
+                    "pool",
+                    b,
+                    options=compress,
+                    models=("resnet",),
+                )
             )
             out.append(Mode(f"planned {b:.0%}", "supermem", "pool", budget=b, options={"policy": "planned"}))
     return out
@@ -83,7 +101,9 @@ def _save_on_cpu(spec: dict) -> Callable[[], contextlib.AbstractContextManager]:
 def _pool(spec: dict) -> Callable[[], contextlib.AbstractContextManager]:
     import supermem
 
-    return lambda: supermem.pool(budget=spec["budget_bytes"], policy=spec.get("policy", "lru"))
+    # Treatments by name: supermem.pool reuses one Pool for the same names on every step.
+    kw = {"treatments": tuple(spec["treatments"])} if spec.get("treatments") else {}
+    return lambda: supermem.pool(budget=spec["budget_bytes"], policy=spec.get("policy", "lru"), **kw)
 
 
 # saver name -> (spec -> a context-manager factory entered around forward+backward). "checkpoint" and
@@ -171,7 +191,7 @@ def _saver_stats(entered: list, steps: int) -> dict | None:
     if hasattr(ctx, "synchronize"):
         ctx.synchronize()
     stats = {k: v for k, v in ctx.stats().items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-    for key in ("offloaded_bytes", "prefetched_bytes", "dropped_bytes"):
+    for key in ("offloaded_bytes", "prefetched_bytes", "dropped_bytes", "compressed_bytes"):
         if key in stats:
             stats[key + "_per_step"] = stats[key] / steps
     return stats
@@ -225,7 +245,7 @@ def run(args: argparse.Namespace) -> dict:
     chosen = [m for m in modes(args.device, budgets) if _selected(m, wanted)]
     out = {"bench": "train", "device": args.device, "models": {}}
     for model in ("gpt", "resnet") if args.model == "all" else (args.model,):
-        rows = _run_model(model, chosen, args)
+        rows = _run_model(model, [m for m in chosen if runs_on(m, model)], args)
         out["models"][model] = rows
         out.setdefault("env", rows[0].get("env"))
         _print_tables(model, rows, args)
@@ -312,6 +332,7 @@ def _print_tables(model: str, rows: list[dict], args: argparse.Namespace) -> Non
             ("peak alloc GiB", _gib("peak_alloc_bytes"), ".2f"),
             ("offloaded GiB/step", lambda r: r["pool"]["offloaded_bytes_per_step"] / GiB, ".2f"),
             ("recomputed GiB/step", lambda r: r["pool"]["dropped_bytes_per_step"] / GiB, ".2f"),
+            ("compressed GiB/step", lambda r: r["pool"]["compressed_bytes_per_step"] / GiB, ".2f"),
             ("copy GB/s d2h/h2d", lambda r: f"{r['pool']['d2h_gbps']:.1f}/{r['pool']['h2d_gbps']:.1f}", ""),
             ("hidden %", lambda r: 100 * r["pool"]["hidden_fraction"], ".0f"),
             ("note", _note, ""),

@@ -150,6 +150,7 @@ class Region:
                         "its forward is not deterministic in what it saves"
                     )
                 pool._arrived(x, t.detach(), None)
+                x.treatment.arrived(pool, x)  # e.g. compressed: its payload goes
                 if not want:
                     raise _Stop
             return None

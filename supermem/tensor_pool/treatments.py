@@ -1,22 +1,26 @@
 """Treatments: what happens to a saved tensor that leaves the device, one small class each.
 
 A treatment releases an entry's device memory (`leave`), brings it back (`come_back`, then `ready`
-before compute uses it), says what the entry costs while away (`device_bytes`, `host_bytes`) and what
-leaving costs (`choices`, in estimated exposed seconds, for the policy), frees its payload when the
-entry dies (`forget`) and checks its own invariant (`check`). The pool's core only moves entries
-between states and keeps the byte counters; a new treatment (ReLU compression: a device payload
-smaller than the tensor) is a new class here and an entry in `Pool(treatments=...)`.
+before compute uses it), hears when the entry is back by any way (`arrived`: a region's replay too),
+says what the entry costs while away (`device_bytes`, `host_bytes`) and what leaving costs
+(`choices`, in estimated exposed seconds, for the policy), frees its payload when the entry dies
+(`forget`) and checks its own invariant (`check`). The pool's core only moves entries between states
+and keeps the byte counters; a new treatment is a new class here, in `TREATMENTS`, and passed in
+`Pool(treatments=...)` (Compress: a device payload smaller than the tensor).
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
+import weakref
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import torch
 
 from .. import events
+from ..compress import Packed, relu_pack, relu_unpack
 from ..policies import Choice
 from .entry import Entry, State
 
@@ -52,6 +56,10 @@ class Treatment:
         """Makes a returning entry usable on the current stream."""
         e.event = None
         e.state = State.RESIDENT
+
+    def arrived(self, pool: Pool, e: Entry) -> None:
+        """The entry is back on the device, by this treatment or another way (a region's replay
+        rebuilds every dropped entry of its call): drop what need not be kept."""
 
     def device_bytes(self, e: Entry) -> int:
         """Device bytes the entry still takes while away (a compressed payload; 0 when none)."""
@@ -200,6 +208,184 @@ class Recompute(Treatment):
         assert e.recipe is not None and e.payload is None, f"{e}: away without a recipe"
 
 
+RELU_MADE = frozenset({"ReluBackward0", "ReluBackward1", "ThresholdBackward0", "ThresholdBackward1"})
+PACKED_RATIO_PRIOR = 0.55  # packed / tensor bytes before any pack: half zeros, plus the bitmap
+PRIOR_PASSES = 4  # before any timing: pack reads the tensor twice and unpack writes it, about 4 passes
+TIMED_USES = 8  # packs (and unpacks) timed; the fastest per byte prices them (the first one warms up)
+
+
+class Compress(Treatment):
+    """Packs a ReLU's output (about half zeros) into a bitmap and its nonzeros on the device
+    (supermem.compress), unpacks it when backward needs it. It frees about half the tensor and needs
+    no link; its payload stays on the device, so the pool's device bytes count the packed bytes. A
+    saved tensor qualifies when a relu/relu_/threshold made it (its grad_fn) and it is dense in memory
+    (it comes back with its exact strides). On a GPU each pack reads the nonzero count back (one host
+    sync: the payload's size depends on the data); the CUDA events that time the first packs include
+    the idle GPU time that sync leaves.
+
+    ReLU's own backward reads only the mask (1 bit per element), but the same tensor is almost always
+    the next layer's input too (one entry, saved twice), which needs the values: the mask-only form is
+    not used, since the pool does not know which ops saved an entry."""
+
+    name = "compress"
+
+    def __init__(self):
+        self._tensor_bytes = 0  # over all packs: what they took and what they made
+        self._packed_bytes = 0
+        self._timing = {"pack": _Timing(), "unpack": _Timing()}
+        self._packing = 0  # packs in progress (see leave)
+        self._incompressible: weakref.WeakSet[Entry] = weakref.WeakSet()
+
+    def applies(self, e: Entry) -> bool:
+        t = e.tensor
+        if t is None or t.dtype not in _PACKABLE or e in self._incompressible or not _dense(t):
+            return False
+        if e.recipe is not None and not e.recipe.ready:
+            return False  # a call still running decides at its end, as for offload
+        if t.is_cuda and (not _kernels_built() or torch.cuda.is_current_stream_capturing()):
+            return False  # no kernels; or a CUDA graph is being captured, and a pack syncs
+        fn = t.grad_fn
+        return fn is not None and type(fn).__name__ in RELU_MADE
+
+    def measured(self) -> bool:
+        return all(x.s_per_byte is not None for x in self._timing.values())
+
+    def choices(self, pool: Pool, resident: Iterable[Entry]) -> list[Choice]:
+        _count(pool)
+        if self._packing:
+            return []
+        prior = PRIOR_PASSES / 2 / pool._device_bytes_per_s()
+        s_per_byte = sum(x.s_per_byte_or(prior) for x in self._timing.values())
+        ratio = self._packed_bytes / self._tensor_bytes if self._tensor_bytes else PACKED_RATIO_PRIOR
+        out = []
+        for e in resident:
+            if self.applies(e):
+                freed = e.nbytes - int(ratio * e.nbytes)
+                out.append(Choice(e, self.name, freed, s_per_byte * e.nbytes, e.last_use, (e,)))
+        return out
+
+    def leave(self, pool: Pool, e: Entry) -> bool:
+        if e.state is not State.RESIDENT or e.tensor is None:
+            return False  # taken off by a pressure call nested in another pack
+        # The payload's allocation may call the pool's pressure handler from inside this pack: it must
+        # neither pack again nor take this entry from under it.
+        self._packing += 1
+        pool._in_use.append(e)
+        try:
+            with self._timing["pack"].timed(pool, e.nbytes):
+                packed = relu_pack(e.tensor)
+        except torch.OutOfMemoryError:
+            return False  # no room for the payload even after pressure: another treatment frees
+        finally:
+            pool._in_use.remove(e)
+            self._packing -= 1
+        self._tensor_bytes += e.nbytes
+        self._packed_bytes += packed.nbytes
+        if packed.nbytes >= e.nbytes:  # dense after all: packing it again would free nothing
+            self._incompressible.add(e)
+            return False
+        e.payload = packed
+        e.state = State.AWAY
+        _count(pool, compressions=1, compressed_bytes=e.nbytes, compressed_payload_bytes=packed.nbytes)
+        return True
+
+    def come_back(self, pool: Pool, e: Entry) -> None:
+        p = e.payload
+        with self._timing["unpack"].timed(pool, e.nbytes):
+            t = relu_unpack(p)
+        if t.is_cuda:  # read on this stream; packed on the saving op's (the same one, but for odd models)
+            stream = torch.cuda.current_stream(t.device)
+            for x in (p.bitmap, p.offsets, p.values):
+                x.record_stream(stream)
+        _count(pool, decompressions=1)
+        pool._arrived(e, t, None)
+        self.arrived(pool, e)
+
+    def arrived(self, pool: Pool, e: Entry) -> None:
+        """The entry is back on the device (unpacked, or rebuilt by a region's replay): its payload,
+        device memory the pool no longer counts, goes."""
+        e.payload = None
+
+    def device_bytes(self, e: Entry) -> int:
+        return e.payload.nbytes if e.payload is not None else 0
+
+    def check(self, pool: Pool, e: Entry) -> None:
+        p = e.payload
+        assert isinstance(p, Packed), f"{e}: away without its packed payload"
+        assert (p.shape, p.stride, p.dtype) == (e.shape, e.stride, e.dtype), f"{e}: packed as another tensor"
+
+
+class _Timing:
+    """Seconds per byte of one operation, from its first TIMED_USES runs: CUDA events on a GPU (read
+    when done, never waited for), the host clock on CPU. The fastest run prices it."""
+
+    def __init__(self):
+        self.s_per_byte: float | None = None
+        self._runs = 0
+        self._pending: list[tuple[torch.cuda.Event, torch.cuda.Event, int]] = []
+
+    def s_per_byte_or(self, prior: float) -> float:
+        self._collect()
+        return prior if self.s_per_byte is None else self.s_per_byte
+
+    @contextlib.contextmanager
+    def timed(self, pool: Pool, nbytes: int):
+        if self._runs >= TIMED_USES or nbytes == 0:
+            yield
+            return
+        self._runs += 1
+        if not pool.cuda:
+            t0 = time.perf_counter()
+            yield
+            self._add(time.perf_counter() - t0, nbytes)
+            return
+        stream = torch.cuda.current_stream(pool.device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(stream)
+        yield
+        end.record(stream)
+        self._pending.append((start, end, nbytes))
+
+    def _collect(self) -> None:
+        still = []
+        for start, end, nbytes in self._pending:
+            if end.query():
+                self._add(start.elapsed_time(end) / 1e3, nbytes)
+            else:
+                still.append((start, end, nbytes))
+        self._pending = still
+
+    def _add(self, seconds: float, nbytes: int) -> None:
+        v = seconds / nbytes
+        self.s_per_byte = v if self.s_per_byte is None else min(self.s_per_byte, v)
+
+
+_PACKABLE = (torch.float32, torch.float16, torch.bfloat16)
+_COUNTERS = ("compressions", "decompressions", "compressed_bytes", "compressed_payload_bytes")
+
+
+def _count(pool: Pool, **add: int) -> None:
+    """Compress's counters, kept in the pool's (stats() shows them, reset_stats() zeroes them) from
+    the first decision compression is offered in."""
+    for k in _COUNTERS:
+        pool._counters.setdefault(k, 0)
+    for k, n in add.items():
+        pool._counters[k] += n
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Elements dense in memory in some dimension order: relu_pack keeps such a layout exactly."""
+    if t.is_contiguous():
+        return True
+    return t.permute(sorted(range(t.dim()), key=t.stride, reverse=True)).is_contiguous()
+
+
+def _kernels_built() -> bool:
+    from .. import _C
+
+    return bool(getattr(_C, "has_relu_kernels", False))
+
+
 class Cast:
     """Recipe for an autocast copy of a parameter (about 8% of GPT-24's saved bytes): cast it again."""
 
@@ -228,6 +414,23 @@ class Cast:
         with torch.no_grad():
             flat = self.param.detach().to(self.dtype).reshape(-1)
         pool._arrived(e, flat.as_strided(self.shape, self.stride, self.offset), None)
+
+
+TREATMENTS: dict[str, type[Treatment]] = {t.name: t for t in (Offload, Recompute, Compress)}
+
+
+def make_treatments(spec: Iterable[str | Treatment]) -> tuple[Treatment, ...]:
+    """Treatments from names ("offload", "recompute", "compress") or objects; ValueError naming the
+    known ones for an unknown name."""
+    out = []
+    for t in spec:
+        if isinstance(t, Treatment):
+            out.append(t)
+        elif t in TREATMENTS:
+            out.append(TREATMENTS[t]())
+        else:
+            raise ValueError(f"unknown treatment {t!r}; known: {', '.join(TREATMENTS)}")
+    return tuple(out)
 
 
 def autocast_copy_of(t: torch.Tensor) -> torch.Tensor | None:
