@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -80,6 +81,19 @@ def trial(spec: dict) -> dict:
     cuda = spec["device"] == "cuda"
     config = spec["config"]
     cap = spec.get("cap_bytes")
+    if spec.get("threads"):  # searches side by side share the cores: 4 x 16 OpenMP threads thrash 16 cores
+        torch.set_num_threads(spec["threads"])
+    phase_s: dict[str, float] = {}
+    t_phase = time.perf_counter()
+
+    def phase(name: str) -> None:  # where a trial's wall time goes (the row carries it)
+        nonlocal t_phase
+        sync()
+        now = time.perf_counter()
+        phase_s[name] = round(phase_s.get(name, 0.0) + now - t_phase, 3)
+        t_phase = now
+
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     if cuda and config == "supermem":
         supermem.install({"limit": cap} if cap else None)
     device = torch.device(spec["device"])
@@ -88,6 +102,7 @@ def trial(spec: dict) -> dict:
         torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total))
     torch.manual_seed(0)
     model = _model(spec)
+    phase("build")
     if config == "supermem":
         streamer = supermem.stream(model, device, unit_bytes=spec["unit_bytes"])
         model.mode = ("binomial", spec["checkpoints"])
@@ -97,17 +112,19 @@ def trial(spec: dict) -> dict:
         streamer = pool = None
         model.to(device)
         model.mode = ("checkpoint", 0) if config == "checkpoint" else ("plain", 0)
+    phase("place")  # streaming set up, or the model moved to the device
     # foreach: one call per op over all tensors (the default on CUDA; on the host 2x faster than a loop)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, foreach=True)
     g = torch.Generator().manual_seed(0)
     b, px, classes = spec["batch"], spec["px"], spec["classes"]
     x = torch.randn(b, 3, px, px, generator=g).to(device)
     y = torch.randint(0, classes, (b,), generator=g).to(device)
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
     times = []
-    for _ in range(spec.get("steps", 2)):
+    for i in range(spec.get("steps", 2)):
         sync()
         t0 = time.perf_counter()
+        t_phase = t0
+        last = i == spec.get("steps", 2) - 1  # phases of the timed step; the first is "build" .. "place"
         if config == "save_on_cpu":
             with torch.autograd.graph.save_on_cpu(pin_memory=cuda):
                 loss = torch.nn.functional.cross_entropy(model(x), y)
@@ -116,12 +133,16 @@ def trial(spec: dict) -> dict:
                 loss = torch.nn.functional.cross_entropy(model(x), y)
         else:
             loss = torch.nn.functional.cross_entropy(model(x), y)
+        phase("forward" if last else "step1")
         loss.backward()
+        phase("backward" if last else "step1")
         opt.step()
         opt.zero_grad(set_to_none=True)
-        sync()
+        phase("optimizer" if last else "step1")
         times.append(time.perf_counter() - t0)
     row = {"n": spec["n"], "layers": layers(spec["n"]), "step_s": times[-1], "loss": float(loss)}
+    row["phase_s"] = phase_s
+    row["threads"] = torch.get_num_threads()
     if cuda:
         row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
         row["gpu"] = torch.cuda.get_device_name(0)
@@ -198,7 +219,10 @@ def _trial_main(argv: list[str]) -> int:
     except Exception as e:  # noqa: BLE001  (the parent reports it)
         row = {"error": f"{type(e).__name__}: {str(e).strip()[:300]}"}
     print(ROW + json.dumps(row), flush=True)
-    return 0
+    sys.stderr.flush()
+    # no interpreter teardown: a deep supermem trial holds tens of GB of pinned and pageable host memory,
+    # freed block by block at exit (seconds of a trial's wall time); the process's end returns it at once
+    os._exit(0)
 
 
 # ---------------------------------------------------------------- the search (parent process)
@@ -307,11 +331,13 @@ def run(args: argparse.Namespace) -> dict:
         start, probes = START_N, PROBES
     base.update(device=args.device, cap_bytes=cap_bytes, checkpoints=args.checkpoints)
     jobs = args.jobs or (4 if cuda else 1)
+    cores = len(os.sched_getaffinity(0))
+    searching = {**base, "threads": max(1, cores // max(1, jobs))}  # the retime alone keeps them all
     timeout_s = args.timeout
     print(f"searching the deepest ResNet [3, 8, n, 3] per config ({jobs} side by side) ...", file=sys.stderr)
 
     def one(config: str) -> dict | None:
-        return search({**base, "config": config}, start[config], max_n, probes[config], timeout_s)
+        return search({**searching, "config": config}, start[config], max_n, probes[config], timeout_s)
 
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
         deepest = dict(zip(configs, pool.map(one, configs), strict=True))
@@ -320,7 +346,8 @@ def run(args: argparse.Namespace) -> dict:
         found = deepest[config]
         row = {"config": config, "n": None, "layers": None}
         if found is not None:
-            if not found.get("alone"):  # another trial ran beside it: time the deepest depth again, alone
+            # another trial ran beside it, or it had a share of the cores: time the deepest depth again, alone
+            if not found.get("alone") or found.get("threads", cores) < cores:
                 again = _run_trial({**base, "config": config, "n": found["n"]}, timeout_s)
                 found = again if "error" not in again else {**found, "retime_error": again["error"]}
             row.update(found)

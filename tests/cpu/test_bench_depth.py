@@ -96,3 +96,27 @@ def test_bad_arguments_are_one_line_usage_errors():
         )
         assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr
         assert bad[0].lstrip("-") in r.stderr or "unknown config" in r.stderr, r.stderr
+
+
+def test_a_trial_row_says_where_its_time_went():
+    """One trial process: its row splits the wall time into phases (the timed step's forward, backward and
+    optimizer add up to step_s) and the process ran on the threads it was given."""
+    spec = {"config": "supermem", "device": "cpu", "n": 2, "batch": 2, "px": 32, "width": 8, "classes": 10}
+    spec.update(unit_bytes=1 << 16, checkpoints=1, cap_bytes=None, threads=1)
+    r = subprocess.run(
+        [sys.executable, "-m", "supermem.bench.depth", json.dumps(spec)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr
+    from supermem.bench.runner import parse_row
+
+    row = parse_row(r.stdout)
+    assert "error" not in row, row
+    assert row["threads"] == 1
+    phases = row["phase_s"]
+    assert set(phases) == {"build", "place", "step1", "forward", "backward", "optimizer"}
+    assert all(v >= 0 for v in phases.values())
+    timed = phases["forward"] + phases["backward"] + phases["optimizer"]
+    assert abs(timed - row["step_s"]) < 0.01 + 0.05 * row["step_s"]
