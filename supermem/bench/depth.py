@@ -309,8 +309,11 @@ def _run_trial(spec: dict, timeout_s: float) -> dict:
     row["wall_s"] = round(time.perf_counter() - t0, 1)
     row["alone"] = not mark["crowded"]
     status = "fits" if "error" not in row else ("OOM" if row.get("oom") else row["error"])
+    # where the wall time went: the process's start and imports are what the phases leave out
+    split = "".join(f", {k} {v:.1f}" for k, v in row.get("phase_s", {}).items())
+    where = f"{spec['config']:<12} n={spec['n']:<5} ({layers(spec['n'])} layers)"
     print(
-        f"  {spec['config']:<12} n={spec['n']:<5} ({layers(spec['n'])} layers): {status} [{row['wall_s']} s]",
+        f"  {where}: {status} [{row['wall_s']} s{split}]",
         file=sys.stderr,
         flush=True,
     )
