@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -80,6 +81,19 @@ def trial(spec: dict) -> dict:
     cuda = spec["device"] == "cuda"
     config = spec["config"]
     cap = spec.get("cap_bytes")
+    if spec.get("threads"):  # searches side by side share the cores: 4 x 16 OpenMP threads thrash 16 cores
+        torch.set_num_threads(spec["threads"])
+    phase_s: dict[str, float] = {}
+    t_phase = time.perf_counter()
+
+    def phase(name: str) -> None:  # where a trial's wall time goes (the row carries it)
+        nonlocal t_phase
+        sync()
+        now = time.perf_counter()
+        phase_s[name] = round(phase_s.get(name, 0.0) + now - t_phase, 3)
+        t_phase = now
+
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     if cuda and config == "supermem":
         supermem.install({"limit": cap} if cap else None)
     device = torch.device(spec["device"])
@@ -88,6 +102,7 @@ def trial(spec: dict) -> dict:
         torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total))
     torch.manual_seed(0)
     model = _model(spec)
+    phase("build")
     if config == "supermem":
         streamer = supermem.stream(model, device, unit_bytes=spec["unit_bytes"])
         model.mode = ("binomial", spec["checkpoints"])
@@ -97,17 +112,19 @@ def trial(spec: dict) -> dict:
         streamer = pool = None
         model.to(device)
         model.mode = ("checkpoint", 0) if config == "checkpoint" else ("plain", 0)
+    phase("place")  # streaming set up, or the model moved to the device
     # foreach: one call per op over all tensors (the default on CUDA; on the host 2x faster than a loop)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, foreach=True)
     g = torch.Generator().manual_seed(0)
     b, px, classes = spec["batch"], spec["px"], spec["classes"]
     x = torch.randn(b, 3, px, px, generator=g).to(device)
     y = torch.randint(0, classes, (b,), generator=g).to(device)
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
     times = []
-    for _ in range(spec.get("steps", 2)):
+    for i in range(spec.get("steps", 2)):
         sync()
         t0 = time.perf_counter()
+        t_phase = t0
+        last = i == spec.get("steps", 2) - 1  # phases of the timed step; the first is "build" .. "place"
         if config == "save_on_cpu":
             with torch.autograd.graph.save_on_cpu(pin_memory=cuda):
                 loss = torch.nn.functional.cross_entropy(model(x), y)
@@ -116,12 +133,16 @@ def trial(spec: dict) -> dict:
                 loss = torch.nn.functional.cross_entropy(model(x), y)
         else:
             loss = torch.nn.functional.cross_entropy(model(x), y)
+        phase("forward" if last else "step1")
         loss.backward()
+        phase("backward" if last else "step1")
         opt.step()
         opt.zero_grad(set_to_none=True)
-        sync()
+        phase("optimizer" if last else "step1")
         times.append(time.perf_counter() - t0)
     row = {"n": spec["n"], "layers": layers(spec["n"]), "step_s": times[-1], "loss": float(loss)}
+    row["phase_s"] = phase_s
+    row["threads"] = torch.get_num_threads()
     if cuda:
         row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
         row["gpu"] = torch.cuda.get_device_name(0)
@@ -167,23 +188,57 @@ def _model(spec: dict) -> Any:
     return materialize_on_host(model, "cuda")
 
 
-def materialize_on_host(model: Any, init_device: str) -> Any:
+def materialize_on_host(model: Any, init_device: str, chunk_bytes: int = 256 << 20) -> Any:
     """A model built on the meta device, initialised one module at a time on `init_device` (as its
-    reset_parameters does) and kept in host memory."""
+    reset_parameters does, in module order: the values of a model built there directly), its parameters
+    kept in host memory and its buffers on `init_device` (where they are used).
+
+    Initialised tensors come to the host about `chunk_bytes` at a time, in one copy: one copy (and
+    synchronisation) per tensor took seconds per thousand blocks on CUDA. The parameters view those
+    chunks (supermem.stream copies them into its own blocks)."""
     import torch
+
+    pending: list[tuple[Any, str, torch.Tensor]] = []  # (module, name, initialised parameter)
+    pending_bytes = 0
+
+    def flush() -> None:
+        nonlocal pending, pending_bytes
+        if not pending:
+            return
+        sizes = [-(-t.nbytes // 64) * 64 for _, _, t in pending]  # 64-byte aligned views
+        flat = torch.empty(sum(sizes), dtype=torch.uint8, device=init_device)
+        offset = 0
+        for (_, _, t), size in zip(pending, sizes):
+            flat[offset : offset + t.nbytes].view(t.dtype).view(t.shape).copy_(t)
+            offset += size
+        flat = flat.cpu()
+        offset = 0
+        for (m, name, t), size in zip(pending, sizes):
+            view = flat[offset : offset + t.nbytes].view(t.dtype).view(t.shape)
+            m._parameters[name] = torch.nn.Parameter(view, m._parameters[name].requires_grad)
+            offset += size
+        pending, pending_bytes = [], 0
 
     for m in model.modules():
         if not m._parameters and not m._buffers:
             continue
-        m.to_empty(device=init_device, recurse=False)
+        # torch.empty, not to_empty: empty_like of a meta tensor goes through Python reference code
+        for name, p in m._parameters.items():
+            if p is not None:
+                new = torch.empty(p.shape, dtype=p.dtype, device=init_device)
+                m._parameters[name] = torch.nn.Parameter(new, p.requires_grad)
+        for name, b in m._buffers.items():
+            if b is not None:
+                m._buffers[name] = torch.empty(b.shape, dtype=b.dtype, device=init_device)
         if hasattr(m, "reset_parameters"):
             m.reset_parameters()
         for name, p in m._parameters.items():
             if p is not None:
-                m._parameters[name] = torch.nn.Parameter(p.detach().cpu(), p.requires_grad)
-        for name, b in m._buffers.items():
-            if b is not None:
-                m._buffers[name] = b.cpu()
+                pending.append((m, name, p.detach()))  # detached: the copy into the chunk is no graph
+                pending_bytes += p.nbytes
+        if pending_bytes >= chunk_bytes:
+            flush()
+    flush()
     return model
 
 
@@ -198,7 +253,10 @@ def _trial_main(argv: list[str]) -> int:
     except Exception as e:  # noqa: BLE001  (the parent reports it)
         row = {"error": f"{type(e).__name__}: {str(e).strip()[:300]}"}
     print(ROW + json.dumps(row), flush=True)
-    return 0
+    sys.stderr.flush()
+    # no interpreter teardown: a deep supermem trial holds tens of GB of pinned and pageable host memory,
+    # freed block by block at exit (seconds of a trial's wall time); the process's end returns it at once
+    os._exit(0)
 
 
 # ---------------------------------------------------------------- the search (parent process)
@@ -251,8 +309,11 @@ def _run_trial(spec: dict, timeout_s: float) -> dict:
     row["wall_s"] = round(time.perf_counter() - t0, 1)
     row["alone"] = not mark["crowded"]
     status = "fits" if "error" not in row else ("OOM" if row.get("oom") else row["error"])
+    # where the wall time went: the process's start and imports are what the phases leave out
+    split = "".join(f", {k} {v:.1f}" for k, v in row.get("phase_s", {}).items())
+    where = f"{spec['config']:<12} n={spec['n']:<5} ({layers(spec['n'])} layers)"
     print(
-        f"  {spec['config']:<12} n={spec['n']:<5} ({layers(spec['n'])} layers): {status} [{row['wall_s']} s]",
+        f"  {where}: {status} [{row['wall_s']} s{split}]",
         file=sys.stderr,
         flush=True,
     )
@@ -307,11 +368,13 @@ def run(args: argparse.Namespace) -> dict:
         start, probes = START_N, PROBES
     base.update(device=args.device, cap_bytes=cap_bytes, checkpoints=args.checkpoints)
     jobs = args.jobs or (4 if cuda else 1)
+    cores = len(os.sched_getaffinity(0))
+    searching = {**base, "threads": max(1, cores // max(1, jobs))}  # the retime alone keeps them all
     timeout_s = args.timeout
     print(f"searching the deepest ResNet [3, 8, n, 3] per config ({jobs} side by side) ...", file=sys.stderr)
 
     def one(config: str) -> dict | None:
-        return search({**base, "config": config}, start[config], max_n, probes[config], timeout_s)
+        return search({**searching, "config": config}, start[config], max_n, probes[config], timeout_s)
 
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
         deepest = dict(zip(configs, pool.map(one, configs), strict=True))
@@ -320,7 +383,8 @@ def run(args: argparse.Namespace) -> dict:
         found = deepest[config]
         row = {"config": config, "n": None, "layers": None}
         if found is not None:
-            if not found.get("alone"):  # another trial ran beside it: time the deepest depth again, alone
+            # another trial ran beside it, or it had a share of the cores: time the deepest depth again, alone
+            if not found.get("alone") or found.get("threads", cores) < cores:
                 again = _run_trial({**base, "config": config, "n": found["n"]}, timeout_s)
                 found = again if "error" not in again else {**found, "retime_error": again["error"]}
             row.update(found)

@@ -96,3 +96,49 @@ def test_bad_arguments_are_one_line_usage_errors():
         )
         assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr
         assert bad[0].lstrip("-") in r.stderr or "unknown config" in r.stderr, r.stderr
+
+
+def test_a_trial_row_says_where_its_time_went():
+    """One trial process: its row splits the wall time into phases (the timed step's forward, backward and
+    optimizer add up to step_s) and the process ran on the threads it was given."""
+    spec = {"config": "supermem", "device": "cpu", "n": 2, "batch": 2, "px": 32, "width": 8, "classes": 10}
+    spec.update(unit_bytes=1 << 16, checkpoints=1, cap_bytes=None, threads=1)
+    r = subprocess.run(
+        [sys.executable, "-m", "supermem.bench.depth", json.dumps(spec)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr
+    from supermem.bench.runner import parse_row
+
+    row = parse_row(r.stdout)
+    assert "error" not in row, row
+    assert row["threads"] == 1
+    phases = row["phase_s"]
+    assert set(phases) == {"build", "place", "step1", "forward", "backward", "optimizer"}
+    assert all(v >= 0 for v in phases.values())
+    timed = phases["forward"] + phases["backward"] + phases["optimizer"]
+    assert abs(timed - row["step_s"]) < 0.01 + 0.05 * row["step_s"]
+
+
+def test_materialize_on_host_gives_the_values_of_a_direct_build():
+    """Built on meta and materialised (in chunks of any size), a model holds bitwise the parameters and
+    buffers of one built directly under the same seed: every configuration of the bench starts alike."""
+    import torch
+
+    from supermem.bench.depth import materialize_on_host
+    from supermem.bench.models import ResNet
+
+    torch.manual_seed(0)
+    direct = ResNet((1, 2, 3, 1), width=4, classes=3)
+    for chunk_bytes in (1, 4096, 1 << 30):
+        torch.manual_seed(0)
+        with torch.device("meta"):
+            model = ResNet((1, 2, 3, 1), width=4, classes=3)
+        materialize_on_host(model, "cpu", chunk_bytes=chunk_bytes)
+        got, want = model.state_dict(), direct.state_dict()
+        assert list(got) == list(want)
+        for name in want:
+            assert got[name].dtype == want[name].dtype and torch.equal(got[name], want[name]), name
+        assert all(p.requires_grad and p.is_leaf for p in model.parameters())
