@@ -468,12 +468,17 @@ class Pool:
         self._counters["replans"] += 1
 
     def _choices(self, limit: int | None = None) -> list[Choice]:
-        resident = [e for e in self._resident_entries(limit) if not any(e is x for x in self._in_use)]
+        """The policy's ways to free bytes now, over the `limit` least recently used resident entries
+        that one of its treatments can take (entries none can take do not use up the window)."""
+        ways = [t for name in self.policy.treatments if (t := self.treatments.get(name)) is not None]
+
+        def takeable(e: Entry) -> bool:
+            return not any(e is x for x in self._in_use) and any(t.applies(e) for t in ways)
+
+        resident = self._resident_entries(limit, takeable)
         out = []
-        for name in self.policy.treatments:
-            t = self.treatments.get(name)
-            if t is not None:
-                out += t.choices(self, resident)
+        for t in ways:
+            out += t.choices(self, resident)
         return out
 
     def _leave(self, e: Entry, t: Treatment) -> bool:
@@ -553,6 +558,8 @@ class Pool:
             ranked += [((x,), x.treatment) for x in self._restoring_entries()]
             for frees, t in ranked:
                 for victim in frees:
+                    if victim.tensor is None:
+                        continue  # a pressure call nested in one of these leaves (a pack's payload) took it
                     if self._leave(victim, t):
                         self.copies.wait(victim.event)
                 freed = before - self._used_bytes()
@@ -610,13 +617,18 @@ class Pool:
     def _restoring_entries(self) -> list[Entry]:
         return [x for ref in self._lru.values() if (x := ref()) is not None and x.state is State.RETURNING]
 
-    def _resident_entries(self, limit: int | None = None) -> list[Entry]:
-        """Resident entries, least recently used first (in-flight returns excluded); the first
-        `limit` of them when given."""
+    def _resident_entries(self, limit: int | None = None, keep: Any = None) -> list[Entry]:
+        """Resident entries, least recently used first (in-flight returns excluded), those `keep`
+        accepts when given; the first `limit` of them when given."""
         out = []
         for ref in self._lru.values():
             x = ref()
-            if x is not None and x.state is State.RESIDENT and x.tensor is not None:
+            if (
+                x is not None
+                and x.state is State.RESIDENT
+                and x.tensor is not None
+                and (keep is None or keep(x))
+            ):
                 out.append(x)
                 if limit is not None and len(out) >= limit:
                     break

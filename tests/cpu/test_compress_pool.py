@@ -341,12 +341,6 @@ def test_supermem_pool_takes_treatment_names_and_reuses_its_pool():
         supermem.pool(budget=0, treatments=("offload", "zip"))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="pool._fit_budget prices only the 32 least recently used resident entries (CANDIDATES): with "
-    "compression the only way out, entries nothing can take off (BatchNorm inputs and statistics) fill "
-    "that window and the later ReLU outputs are never offered; a fix belongs in the pool's fitting",
-)
 def test_with_compression_the_only_way_out_every_relu_output_is_compressed():
     build, batch = CASES["resnet"]
     torch.manual_seed(0)
@@ -417,13 +411,6 @@ def test_pressure_inside_a_pack_frees_by_other_treatments(monkeypatch):
     assert s["compressions"] == 1, s
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Pool._on_pressure ranks its victims first, then takes them off one by one; a pressure call "
-    "nested in a pack takes some of them first, and the outer loop then leaves an entry that is no "
-    "longer resident (an offload counted twice: the device-bytes counter goes wrong). Fix in the pool's "
-    "pressure path: skip victims that no longer hold a device tensor (victim.tensor is None)",
-)
 def test_pressure_nested_in_a_pressure_call_keeps_the_accounting(monkeypatch):
     pool = Pool(budget=None, policy="cost_aware", host_limit="64MiB", treatments=(Offload(), Compress()))
     pool.treatments["offload"].link_bytes_per_s = 1e3  # copies priced dear: compression ranks first
