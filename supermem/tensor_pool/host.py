@@ -88,7 +88,7 @@ class HostPool:
             block._release()
 
     def _free(self, address: int, nbytes: int) -> None:
-        for s in self.copy_streams:
+        for s in tuple(self.copy_streams):  # a copy: a pool or a streamer may add its streams meanwhile
             self.allocator.record_stream(address, s)
         self.allocator.free(address)
 
