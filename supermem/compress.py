@@ -55,6 +55,9 @@ class Packed:
     dtype: torch.dtype
     shape: torch.Size
     stride: tuple[int, ...]  # of the tensor relu_unpack makes
+    # nnz as the host learned it when packing (a CPU pack, or exact=True on CUDA); None: not known there
+    # (exact=False), and then values must have room for every element
+    host_nnz: int | None = None
 
     @property
     def device(self) -> torch.device:
@@ -82,7 +85,7 @@ class Packed:
         nnz = self.nnz
         if self.values.numel() == nnz:
             return self
-        return dataclasses.replace(self, values=self.values[:nnz].clone())
+        return dataclasses.replace(self, values=self.values[:nnz].clone(), host_nnz=nnz)
 
 
 @dataclass(frozen=True, eq=False, repr=False)
@@ -117,7 +120,8 @@ def relu_pack(t: torch.Tensor, *, exact: bool = True) -> Packed:
         bitmap, offsets, values = _pack_cuda(flat, exact)
     else:
         bitmap, offsets, values = _pack_reference(flat)
-    return Packed(bitmap, offsets, values, t.dtype, t.shape, stride)
+    known = values.numel() if not flat.is_cuda or exact else None  # exact sizes: values hold nnz
+    return Packed(bitmap, offsets, values, t.dtype, t.shape, stride, known)
 
 
 def relu_unpack(packed: Packed) -> torch.Tensor:
@@ -266,7 +270,10 @@ def _check_packed(packed: object) -> None:
     _check_part(bad, "offsets", packed.offsets, torch.int64, _num_blocks(n) + 1, packed.bitmap)
     _check_part(bad, "values", packed.values, packed.dtype, None, packed.bitmap)
     _check_layout(bad, packed.shape, packed.stride)
-    if packed.device.type != "cpu":
+    if packed.device.type != "cpu":  # the values the kernel may read, by what the host knows without a sync
+        need = n if packed.host_nnz is None else packed.host_nnz
+        if packed.values.numel() < need:
+            raise UsageError(f"{bad}{packed.values.numel()} values, the pack made room for {need}")
         return
     per_word = _word_popcounts(packed.bitmap)
     per_word = torch.nn.functional.pad(per_word, (0, _WORDS_PER_BLOCK * _num_blocks(n) - per_word.numel()))
