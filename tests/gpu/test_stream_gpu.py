@@ -254,7 +254,11 @@ def test_device_optimizer_step_bitwise_plain_cuda_training(kind, unit_bytes):
 @pytest.mark.parametrize("kind", ["sgd", "adamw"])
 def test_optimizer_step_times_host_and_device(kind):
     """Prints the optimizer step's time both ways for a 768 MiB model (which is faster decides the
-    default); asserts only that both step the same parameters to within CPU-vs-CUDA rounding."""
+    default); asserts only that both step the same parameters to within CPU-vs-CUDA rounding. (That
+    the device step is exactly CUDA's own step is test_device_optimizer_step_bitwise_plain_cuda_training.)
+    AdamW divides by sqrt(v) + eps: where a gradient is near eps, the host's IEEE subnormals and the
+    GPU's flush-to-zero send that element a different way, by up to lr per step (H100: 0.2% of the
+    elements, at most 0.0134 after 3 steps at lr 1e-2); every other element agrees to rounding."""
     import time
 
     layers, width = 12, 4096
@@ -280,5 +284,11 @@ def test_optimizer_step_times_host_and_device(kind):
         f"{kind} optimizer step, 768 MiB of parameters: host {times['host'] * 1e3:.1f} ms, "
         f"device {times['device'] * 1e3:.1f} ms"
     )
+    lr = make_opt(kind, [torch.zeros(1, requires_grad=True)]).defaults["lr"]
     for a, b in zip(params["host"], params["device"], strict=True):
-        torch.testing.assert_close(a, b)
+        if kind == "sgd":
+            torch.testing.assert_close(a, b)
+            continue
+        apart = ~torch.isclose(a, b)
+        assert apart.float().mean() < 0.01, f"{int(apart.sum())} of {a.numel()} elements apart"
+        assert (a - b).abs().max() <= 2 * lr * 3  # 3 steps, each moving an element by about lr at most
