@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from small_models import ResNet
 
 from supermem.bench.models import ResNet as BottleneckResNet
 from supermem.bench.models import loss_fn
@@ -16,35 +17,6 @@ from supermem.policies import make_policy
 from supermem.tensor_pool import Pool
 from supermem.tensor_pool.entry import State
 from supermem.tensor_pool.treatments import Compress, Offload, Recompute
-
-
-class BasicBlock(nn.Module):
-    """torchvision's: BatchNorm, and an in-place ReLU on the residual sum."""
-
-    def __init__(self, c):
-        super().__init__()
-        self.c1, self.b1 = nn.Conv2d(c, c, 3, 1, 1, bias=False), nn.BatchNorm2d(c)
-        self.c2, self.b2 = nn.Conv2d(c, c, 3, 1, 1, bias=False), nn.BatchNorm2d(c)
-        self.relu = nn.ReLU(inplace=True)
-
-    def forward(self, x):
-        y = self.relu(self.b1(self.c1(x)))
-        y = self.b2(self.c2(y))
-        y += x
-        return self.relu(y)
-
-
-class ResNet(nn.Module):
-    def __init__(self, c=8, blocks=3):
-        super().__init__()
-        self.stem = nn.Sequential(
-            nn.Conv2d(3, c, 3, 1, 1, bias=False), nn.BatchNorm2d(c), nn.ReLU(inplace=True)
-        )
-        self.blocks = nn.Sequential(*[BasicBlock(c) for _ in range(blocks)])
-        self.fc = nn.Linear(c, 10)
-
-    def forward(self, x):
-        return self.fc(F.adaptive_avg_pool2d(self.blocks(self.stem(x)), 1).flatten(1))
 
 
 def relu_mlp(d=64, layers=4):
@@ -67,7 +39,7 @@ def images(g):
 
 
 CASES = {
-    "resnet": (ResNet, images),
+    "resnet": (lambda: ResNet(blocks=3), images),
     "bottleneck": (lambda: BottleneckResNet((1, 1), width=4, classes=10), images),
     "mlp": (relu_mlp, lambda g: (torch.randn(32, 64, generator=g), None)),
     "blocks": (relu_blocks, lambda g: (torch.randn(32, 64, generator=g), None)),

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from small_models import ResNet
 
 from supermem.bench.models import GPT, loss_fn
 from supermem.errors import ConfigError
@@ -20,35 +21,6 @@ class MLP(nn.Sequential):
         super().__init__(
             *[nn.Sequential(nn.Linear(d, d), nn.GELU(), nn.Linear(d, d), nn.Tanh()) for _ in range(layers)]
         )
-
-
-class BasicBlock(nn.Module):
-    """torchvision's: BatchNorm, and an in-place ReLU on the residual sum."""
-
-    def __init__(self, c):
-        super().__init__()
-        self.c1, self.b1 = nn.Conv2d(c, c, 3, 1, 1, bias=False), nn.BatchNorm2d(c)
-        self.c2, self.b2 = nn.Conv2d(c, c, 3, 1, 1, bias=False), nn.BatchNorm2d(c)
-        self.relu = nn.ReLU(inplace=True)
-
-    def forward(self, x):
-        y = self.relu(self.b1(self.c1(x)))
-        y = self.b2(self.c2(y))
-        y += x
-        return self.relu(y)
-
-
-class ResNet(nn.Module):
-    def __init__(self, c=8, blocks=4):
-        super().__init__()
-        self.stem = nn.Sequential(
-            nn.Conv2d(3, c, 3, 1, 1, bias=False), nn.BatchNorm2d(c), nn.ReLU(inplace=True)
-        )
-        self.blocks = nn.Sequential(*[BasicBlock(c) for _ in range(blocks)])
-        self.fc = nn.Linear(c, 10)
-
-    def forward(self, x):
-        return self.fc(F.adaptive_avg_pool2d(self.blocks(self.stem(x)), 1).flatten(1))
 
 
 class Shared(nn.Module):
