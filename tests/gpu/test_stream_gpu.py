@@ -256,9 +256,10 @@ def test_optimizer_step_times_host_and_device(kind):
     """Prints the optimizer step's time both ways for a 768 MiB model (which is faster decides the
     default); asserts only that both step the same parameters to within CPU-vs-CUDA rounding. (That
     the device step is exactly CUDA's own step is test_device_optimizer_step_bitwise_plain_cuda_training.)
-    AdamW divides by sqrt(v) + eps: where a gradient is near eps, the host's IEEE subnormals and the
-    GPU's flush-to-zero send that element a different way, by up to lr per step (H100: 0.2% of the
-    elements, at most 0.0134 after 3 steps at lr 1e-2); every other element agrees to rounding."""
+    CPU and CUDA AdamW round differently (an ulp), so from the second step the gradients differ by a
+    little; where one is near zero its sign can flip, and AdamW's normalised update (m / (sqrt(v) +
+    eps)) turns that into up to lr per step (H100: 0.2% of the elements apart, at most 0.0134 after 3
+    steps at lr 1e-2); SGD's update is proportional to the gradient and stays within rounding."""
     import time
 
     layers, width = 12, 4096
