@@ -45,6 +45,7 @@ class Mode:
     table: str = "savers"  # "allocator" | "savers"
     options: dict = field(default_factory=dict)  # extra spec keys for the saver, e.g. {"policy": "lru"}
     models: tuple[str, ...] = ()  # the models it runs for ("gpt", "resnet"); empty: all
+    budget_of: str = "native"  # the row (run earlier) whose peak allocated bytes `budget` is a fraction of
 
 
 def runs_on(m: Mode, model: str) -> bool:
@@ -85,6 +86,30 @@ def modes(device: str, budgets: list[float]) -> list[Mode]:
     return out
 
 
+SWEEP_BUDGETS = (0.9, 0.75, 0.6, 0.5)
+COMPILE_BUDGETS = (1.0, 0.5, 0.2)  # torch._functorch.config.activation_memory_budget
+
+
+def sweep_modes(device: str) -> list[Mode]:
+    """--sweep: every baseline, then cost_aware and planned at fractions of native's peak and at
+    checkpoint's own peak. torch.compile rows run on CUDA only: inductor's C++ builds on a CPU take
+    minutes, too slow for the smoke test."""
+    cuda = device == "cuda"
+    out = [Mode("native", "native", "none", table="allocator"), Mode("checkpoint", "native", "checkpoint")]
+    for name, f in (("quarter", 0.25), ("half", 0.5), ("three quarters", 0.75)):
+        out.append(Mode(f"checkpoint first {name}", "native", "checkpoint_first", options={"fraction": f}))
+    if cuda:
+        out.append(Mode("save_on_cpu", "native", "save_on_cpu"))
+        for b in COMPILE_BUDGETS:
+            out.append(Mode(f"compile budget {b}", "native", "compile", options={"memory_budget": b}))
+    for policy in ("cost_aware", "planned"):
+        opts = {"policy": policy}
+        for b in SWEEP_BUDGETS:
+            out.append(Mode(f"{policy} {b:.0%}", "supermem", "pool", budget=b, options=opts))
+        out.append(Mode(f"{policy} ckpt peak", "supermem", "pool", 1.0, options=opts, budget_of="checkpoint"))
+    return out
+
+
 # ---- worker side ---------------------------------------------------------------------------------
 
 
@@ -106,14 +131,17 @@ def _pool(spec: dict) -> Callable[[], contextlib.AbstractContextManager]:
     return lambda: supermem.pool(budget=spec["budget_bytes"], policy=spec.get("policy", "lru"), **kw)
 
 
-# saver name -> (spec -> a context-manager factory entered around forward+backward). "checkpoint" and
-# "checkpoint_half" also set model.checkpoint_blocks (all blocks, the first half). When the `as` value
-# has stats() (the pool: cumulative counters), they are read over the timed steps (reset_stats()
-# before, synchronize() after, when it has them).
+# saver name -> (spec -> a context-manager factory entered around forward+backward). "checkpoint",
+# "checkpoint_half" and "checkpoint_first" also set model.checkpoint_blocks (all blocks, the first half,
+# the first spec["fraction"]); "compile" runs torch.compile(model) under spec["memory_budget"]. When
+# the `as` value has stats() (the pool: cumulative counters), they are read over the timed steps
+# (reset_stats() before, synchronize() after, when it has them).
 SAVERS = {
     "none": _no_saver,
     "checkpoint": _no_saver,
     "checkpoint_half": _no_saver,
+    "checkpoint_first": _no_saver,
+    "compile": _no_saver,
     "save_on_cpu": _save_on_cpu,
     "pool": _pool,
 }
@@ -135,19 +163,30 @@ def measure(spec: dict) -> dict:
     torch.manual_seed(0)
     with device:
         model = preset.build()
-    model.checkpoint_blocks = {"checkpoint": True, "checkpoint_half": len(model.blocks) // 2}.get(
+    n = len(model.blocks)
+    first = int(spec.get("fraction", 0) * n)
+    model.checkpoint_blocks = {"checkpoint": True, "checkpoint_half": n // 2, "checkpoint_first": first}.get(
         spec["saver"], False
     )
+    forward = model
+    if spec["saver"] == "compile":
+        import torch._functorch.config
+
+        # read when the backward graph is partitioned, at the first step
+        torch._functorch.config.activation_memory_budget = spec["memory_budget"]
+        forward = torch.compile(model)
     x, y = preset.batch(device, torch.Generator().manual_seed(0))
     opt = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
     saver = SAVERS[spec["saver"]](spec)
     amp = preset.bf16 and cuda
     entered: list = []  # the saver's `as` value, when it keeps stats (the pool)
+    # CPU has no allocator watermark: --sweep counts the bytes saved for backward (what the pool budgets)
+    saved = _SavedBytes(model) if spec.get("saved_peak") and not cuda and spec["saver"] != "pool" else None
 
     def step() -> torch.Tensor:
-        with saver() as ctx:
+        with saver() as ctx, saved or contextlib.nullcontext():
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
-                loss = loss_fn(model(x), y)
+                loss = loss_fn(forward(x), y)
             loss.backward()
         if hasattr(ctx, "stats") and not entered:
             entered.append(ctx)
@@ -179,6 +218,10 @@ def measure(spec: dict) -> dict:
         alloc, reserved = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
         row.update(peak_alloc_bytes=alloc, peak_reserved_bytes=reserved, frag=reserved / alloc)
     row["pool"] = _saver_stats(entered, spec["steps"])
+    if saved is not None:
+        row["peak_alloc_bytes"] = saved.peak_bytes
+    elif spec.get("saved_peak") and not cuda and row["pool"]:
+        row["peak_alloc_bytes"] = row["pool"]["peak_resident_bytes"]
     row["loss"] = float(step())
     return row
 
@@ -190,11 +233,63 @@ def _saver_stats(entered: list, steps: int) -> dict | None:
     ctx = entered[0]
     if hasattr(ctx, "synchronize"):
         ctx.synchronize()
-    stats = {k: v for k, v in ctx.stats().items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    all_stats = ctx.stats()
+    stats = {k: v for k, v in all_stats.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    if all_stats.get("plan"):  # the planned policy: predictions beside the last step's measurements
+        stats["plan"] = all_stats["plan"]
     for key in ("offloaded_bytes", "prefetched_bytes", "dropped_bytes", "compressed_bytes"):
         if key in stats:
             stats[key + "_per_step"] = stats[key] / steps
     return stats
+
+
+class _SavedBytes:
+    """Saved-tensor hooks that count the bytes autograd holds for backward (parameters excluded, each
+    storage once) and their peak since the first step. Checkpointed blocks' own hooks win inside them."""
+
+    def __init__(self, model) -> None:
+        import torch
+
+        self.params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self.held: dict[int, list] = {}  # storage data_ptr -> [holders alive, bytes]
+        self.live_bytes = self.peak_bytes = 0
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda h: h.t)
+
+    def __enter__(self):
+        return self.hooks.__enter__()
+
+    def __exit__(self, *exc):
+        return self.hooks.__exit__(*exc)
+
+    def _pack(self, t) -> _Held:
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr in self.params:
+            return _Held(t)
+        held = self.held.setdefault(ptr, [0, storage.nbytes()])
+        if held[0] == 0:
+            self.live_bytes += held[1]
+            self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        held[0] += 1
+        return _Held(t, lambda: self._release(ptr))
+
+    def _release(self, ptr: int) -> None:
+        held = self.held[ptr]
+        held[0] -= 1
+        if held[0] == 0:
+            self.live_bytes -= held[1]
+            del self.held[ptr]
+
+
+class _Held:
+    """A saved tensor; autograd frees it with the graph after backward, and then it is released."""
+
+    def __init__(self, t, release: Callable[[], None] | None = None) -> None:
+        self.t, self.release = t, release
+
+    def __del__(self) -> None:
+        if self.release is not None:
+            self.release()
 
 
 def _timed(step: Callable[[], object], cuda: bool) -> float:
@@ -229,6 +324,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--budgets", default="1.0,0.75,0.6,0.5", help="pool budgets, fractions of native's peak allocated"
     )
     p.add_argument(
+        "--sweep",
+        action="store_true",
+        help="every baseline and the pool (cost_aware, planned) at 90/75/60/50%% of native's peak and at"
+        " checkpoint's: one table sorted by peak, a Pareto line per pool row",
+    )
+    p.add_argument(
         "--ddp", type=int, default=0, metavar="N", help="GPT under DDP on N ranks (see bench/ddp.py)"
     )
 
@@ -242,13 +343,15 @@ def run(args: argparse.Namespace) -> dict:
         args.steps, args.warmup = 3, 2
     budgets = [float(b) for b in args.budgets.split(",") if b]
     wanted = set(filter(None, args.modes.split(",")))
-    chosen = [m for m in modes(args.device, budgets) if _selected(m, wanted)]
+    sweep = getattr(args, "sweep", False)
+    all_modes = sweep_modes(args.device) if sweep else modes(args.device, budgets)
+    chosen = [m for m in all_modes if _selected(m, wanted)]
     out = {"bench": "train", "device": args.device, "models": {}}
     for model in ("gpt", "resnet") if args.model == "all" else (args.model,):
         rows = _run_model(model, [m for m in chosen if runs_on(m, model)], args)
         out["models"][model] = rows
         out.setdefault("env", rows[0].get("env"))
-        _print_tables(model, rows, args)
+        (_print_sweep if sweep else _print_tables)(model, rows, args)
     return out
 
 
@@ -261,6 +364,8 @@ def _run_model(model: str, chosen: list[Mode], args: argparse.Namespace) -> list
     preset = model + ("-quick" if args.quick else "")
     base = {"bench": "train", "preset": preset, "device": args.device, "steps": args.steps}
     base["warmup"] = args.warmup
+    if getattr(args, "sweep", False):
+        base["saved_peak"] = True  # a peak on CPU too: the sweep's budgets are fractions of it
 
     def spec(m: Mode) -> dict:
         conf = args.conf if m.allocator == "supermem" else None
@@ -273,16 +378,16 @@ def _run_model(model: str, chosen: list[Mode], args: argparse.Namespace) -> list
         for m in alloc_modes:
             runs[m.name].append(runner.run(spec(m), args.timeout, f"{model} {m.name}"))
     rows = {name: _best(rs) for name, rs in runs.items()}
-    native_peak = rows["native"].get("peak_alloc_bytes")
     for m in chosen:
         if m.name in rows:
             continue
         s = spec(m)
         if m.budget is not None:
-            if not native_peak:
-                rows[m.name] = {"error": "no native peak to take the budget from"}
+            ref_peak = rows.get(m.budget_of, {}).get("peak_alloc_bytes")
+            if not ref_peak:
+                rows[m.name] = {"error": f"no {m.budget_of} peak to take the budget from"}
                 continue
-            s["budget_bytes"] = int(m.budget * native_peak)
+            s["budget_bytes"] = int(m.budget * ref_peak)
         rows[m.name] = runner.run(s, args.timeout, f"{model} {m.name}")
         rows[m.name]["budget_bytes"] = s.get("budget_bytes")
     out = []
@@ -350,6 +455,55 @@ def _print_tables(model: str, rows: list[dict], args: argparse.Namespace) -> Non
             f"{r['config']} {_fmt(r.get('step_x'), '.2f')}x {_fmt(_peak_gib(r), '.2f')}GiB" for r in savers
         ]
         print(f"savers {label}: " + ", ".join(parts))
+
+
+def _print_sweep(model: str, rows: list[dict], args: argparse.Namespace) -> None:
+    """One table sorted by peak (rows without one last), then a Pareto line per pool row. On CPU the
+    peaks are bytes saved for backward (eager rows: each storage once; pool rows: the pool's count)."""
+    unit, size = ("MiB", 1 << 20) if args.quick else ("GiB", GiB)
+    native = next(r for r in rows if r["config"] == "native")
+    for r in rows:
+        r["step_x"] = table.ratio(r.get("step_ms"), native.get("step_ms"))
+    label = native.get("preset", model)
+    peak_of = lambda r: r.get("peak_alloc_bytes") or float("inf")  # noqa: E731
+    print(f"\n{label}: sweep (baseline: native, this run; sorted by peak)")
+    columns = [
+        ("config", lambda r: r["config"], ""),
+        ("step ms", lambda r: r["step_ms"], ".1f"),
+        ("x native", lambda r: r["step_x"], ".2f"),
+        (f"budget {unit}", lambda r: r["budget_bytes"] / size, ".2f"),
+        (f"peak alloc {unit}", lambda r: r["peak_alloc_bytes"] / size, ".2f"),
+        ("note", _note, ""),
+    ]
+    print(table.render(columns, sorted(rows, key=peak_of)))
+    mem = lambda b: f"{b / size:.2f}{unit}"  # noqa: E731
+    eager = [r for r in rows if r["allocator"] == "native" and not r["config"].startswith("compile")]
+    for r in rows:
+        if r["allocator"] == "native":
+            continue
+        x, peak = r.get("step_x"), r.get("peak_alloc_bytes")
+        line = f"pareto {label} {r['config']}: {_fmt(x, '.2f')}x {mem(peak) if peak else '-'}"
+        if None in (x, peak):
+            line += ", NO DATA"
+        else:
+            dom = [
+                e
+                for e in eager
+                if e.get("peak_alloc_bytes") is not None
+                and e.get("step_x") is not None
+                and e["peak_alloc_bytes"] <= peak
+                and e["step_x"] < x
+            ]
+            names = ", ".join(f"{e['config']} ({e['step_x']:.2f}x {mem(e['peak_alloc_bytes'])})" for e in dom)
+            line += f", dominated by {names}" if dom else ", no eager baseline dominates it"
+        plan = (r.get("pool") or {}).get("plan")
+        if plan:
+            line += (
+                f"; plan peak {mem(plan['predicted_peak_bytes'])} predicted /"
+                f" {mem(plan['measured_peak_bytes'])} measured, step {plan['predicted_step_s'] * 1e3:.1f}"
+                f" predicted / {plan['measured_step_s'] * 1e3:.1f} measured ms"
+            )
+        print(line)
 
 
 def _peak_gib(r: dict) -> float | None:

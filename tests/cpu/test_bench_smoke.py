@@ -45,3 +45,35 @@ def test_bench_alloc_quick_cpu(tmp_path):
     assert row["config"] == "native" and "error" not in row
     assert 0 < row["pair_us"] < 1e4 and 0 < row["burst500_us"] < 1e4
     assert "pair us" in stdout
+
+
+def test_bench_train_sweep_quick_cpu(tmp_path):
+    stdout, result = _bench(tmp_path, "train", "--sweep", "--model", "gpt")
+    by_name = {r["config"]: r for r in result["models"]["gpt"]}
+    parts = ("quarter", "half", "three quarters")
+    baselines = ["native", "checkpoint"] + [f"checkpoint first {p}" for p in parts]
+    budgets = ["90%", "75%", "60%", "50%", "ckpt peak"]
+    pool_rows = [f"{policy} {b}" for policy in ("cost_aware", "planned") for b in budgets]
+    assert set(by_name) == set(baselines + pool_rows)  # no save_on_cpu or compile rows on CPU
+    for name, row in by_name.items():
+        assert "error" not in row, f"{name}: {row['error']}"
+        assert row["peak_alloc_bytes"] > 0 and math.isfinite(row["loss"])
+    native, ckpt = by_name["native"], by_name["checkpoint"]
+    # CPU peaks are bytes saved for backward: checkpointing more blocks keeps fewer
+    assert (
+        ckpt["peak_alloc_bytes"]
+        < by_name["checkpoint first half"]["peak_alloc_bytes"]
+        < native["peak_alloc_bytes"]
+    )
+    for policy in ("cost_aware", "planned"):
+        assert by_name[f"{policy} ckpt peak"]["budget_bytes"] == ckpt["peak_alloc_bytes"]
+        assert by_name[f"{policy} 75%"]["budget_bytes"] == int(0.75 * native["peak_alloc_bytes"])
+    for b in budgets:
+        assert by_name[f"planned {b}"]["pool"]["plan"]["predicted_peak_bytes"] > 0
+    table = stdout[stdout.index("sweep (baseline: native") :]
+    order = [line.split("  ")[0] for line in table.splitlines()[3 : 3 + len(by_name)]]
+    peaks = [by_name[name]["peak_alloc_bytes"] for name in order]
+    assert sorted(order) == sorted(by_name) and peaks == sorted(peaks), "one table, sorted by peak"
+    pareto = [line for line in stdout.splitlines() if line.startswith("pareto ")]
+    assert [line.split(": ")[0].split(" ", 2)[2] for line in pareto] == pool_rows
+    assert all("predicted" in line for line in pareto if " planned " in line)
