@@ -59,7 +59,7 @@ def copies() -> int:
     return _pack_refs() - _own_refs if _hooks else 0
 
 
-def drain(settle_s: float = 0.1, timeout_s: float = 10.0) -> int:
+def drain(settle_s: float = 0.5, timeout_s: float = 10.0) -> int:
     """Lets go of the GIL until gloo's threads have freed their copies of the hooks: until none is left, or
     none was freed for settle_s (what is left belongs to something Python holds, a work handle in a
     variable say, which this thread frees itself), or after timeout_s. Returns the copies left."""
