@@ -213,6 +213,8 @@ class OpReplays:
         pool = self._pool()
         if pool is None or any(x is e for x in leaves):
             return None
+        if pool.cuda and torch.cuda.is_current_stream_capturing():
+            return None  # a CUDA graph is being captured: a verification would read a result back
         params = [x for x in leaves if not isinstance(x, Entry)]
         key = (
             tuple((name, args) for name, _, args, _ in prog),
