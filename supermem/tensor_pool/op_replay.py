@@ -33,6 +33,7 @@ input is away by an op recipe does not drop, nor does an entry that a dropped op
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -170,17 +171,18 @@ class OpReplay:
         return not any(_away_by_op(r()) for r in e.readers or ())
 
     def rebuild(self, pool: Pool, e: Entry) -> None:
-        params = iter(self.param_versions)
-        inputs = []
-        for x in self.leaves:
-            if isinstance(x, Entry):
-                inputs.append(pool._unpack_input(x))  # rebuilt or brought back if away; versions checked
-            else:
-                _check(x, x._version, next(params), x.shape)
-                inputs.append(x)
-        timer = self.site.timer(pool)
-        base = _run(self.prog, inputs, self.site.variant, pool)
-        self.site.timed(timer, pool)
+        with _holding(pool, self.leaves):
+            params = iter(self.param_versions)
+            inputs = []
+            for x in self.leaves:
+                if isinstance(x, Entry):
+                    inputs.append(pool._unpack_input(x))  # rebuilt or brought back if away; versions checked
+                else:
+                    _check(x, x._version, next(params), x.shape)
+                    inputs.append(x)
+            timer = self.site.timer(pool)
+            base = _run(self.prog, inputs, self.site.variant, pool)
+            self.site.timed(timer, pool)
         pool._counters["replays"] += 1
         pool._arrived(e, base.as_strided(e.shape, e.stride, self.offset), None)
 
@@ -237,19 +239,20 @@ class OpReplays:
         return recipe
 
     def _verify(self, pool: Pool, base: torch.Tensor, prog: list, leaves: list, params: list) -> _Site:
-        # An input already taken off the device comes back for this once (its host copy is kept).
-        inputs = [pool._unpack_input(x) if isinstance(x, Entry) else x for x in leaves]
         site = _Site(params)
         variants = [v for name, _, _, _ in prog for v in [OPS[name].variants] if v != (None,)]
         if len(variants) > 1:
             return site  # two ops each with unknowns: not tried
-        for v in variants[0] if variants else (None,):
-            timer = site.timer(pool)
-            out = _run(prog, inputs, v, pool)
-            site.timed(timer, pool)
-            if _bitwise_equal(out, base):
-                site.ok, site.variant = True, v
-                break
+        with _holding(pool, leaves):
+            # An input already taken off the device comes back for this once (its host copy is kept).
+            inputs = [pool._unpack_input(x) if isinstance(x, Entry) else x for x in leaves]
+            for v in variants[0] if variants else (None,):
+                timer = site.timer(pool)
+                out = _run(prog, inputs, v, pool)
+                site.timed(timer, pool)
+                if _bitwise_equal(out, base):
+                    site.ok, site.variant = True, v
+                    break
         return site
 
 
@@ -298,6 +301,19 @@ def _run(prog: list, inputs: list, variant: Any, pool: Pool) -> torch.Tensor:
             for _, op, args, operands in prog:
                 values.append(op.run(args, variant, *[values[k] for k in operands]))
     return values[-1]
+
+
+@contextlib.contextmanager
+def _holding(pool: Pool, leaves: list) -> Any:
+    """A replay's allocations may call the pool's pressure handler: its input entries are not to be
+    taken meanwhile (that frees nothing while the replay holds them, and costs another rebuild later)."""
+    held = [x for x in leaves if isinstance(x, Entry)]
+    pool._in_use.extend(held)
+    try:
+        yield
+    finally:
+        for x in held:
+            pool._in_use.remove(x)
 
 
 def _entry_at(node: Any, nr: int) -> Entry | None:

@@ -270,3 +270,27 @@ def test_no_cascades_of_op_replays():
     with pool:
         out.sum().backward()
     assert pool.stats()["replays"] == 1
+
+
+def test_pressure_during_a_replay_leaves_its_inputs(monkeypatch):
+    """The allocator may call the pool's pressure handler while a replay runs: the inputs it just
+    brought back must stay (taking them frees nothing while the replay holds them, and costs another
+    rebuild later)."""
+    from supermem.tensor_pool import op_replay
+
+    torch.manual_seed(0)
+    pool, out, by_ops = saved_recipes(ConvBN(), IMG)
+    e = by_ops[("NativeBatchNormBackward0", "ReluBackward0")]
+    (leaf,) = [x for x in e.recipe.leaves if not isinstance(x, torch.Tensor)]
+    states = []
+    bn = op_replay.OPS["NativeBatchNormBackward0"]
+
+    def under_pressure(a, v, *inputs):
+        pool._on_pressure(1 << 40)  # everything the handler may take
+        states.append(leaf.state.value)
+        return bn.run(a, v, *inputs)
+
+    monkeypatch.setitem(op_replay.OPS, "NativeBatchNormBackward0", op_replay.Op(3, bn.read, under_pressure))
+    e.recipe.prog[0] = (e.recipe.prog[0][0], op_replay.OPS["NativeBatchNormBackward0"], *e.recipe.prog[0][2:])
+    drop_and_backward(pool, out, [e])
+    assert states == ["resident"]
