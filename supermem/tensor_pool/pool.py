@@ -5,8 +5,8 @@ Entry of the current Step. When device memory would exceed the budget, the polic
 leave the device and by which treatment (treatments.py): offload to pinned host memory (asynchronously,
 on the copy engine's D2H stream, as soon as they are saved; prefetched back during backward as far
 ahead as the budget has room) or recompute (dropped, and rebuilt by replaying the module call that made
-them, region.py). With supermem's allocator installed, the pool is also its pressure handler: before an
-OOM is raised, entries leave synchronously.
+them, region.py, or the cheap op that made them, op_replay.py). With supermem's allocator installed,
+the pool is also its pressure handler: before an OOM is raised, entries leave synchronously.
 
 Budget: device bytes for everything on the device (parameters, gradients, temporaries and the
 activations the pool keeps), measured from the allocator as the step runs. Between the pool's moves
