@@ -213,8 +213,8 @@ class OpReplays:
         except _Unsupported:
             return None
         pool = self._pool()
-        if pool is None or any(x is e for x in leaves):
-            return None
+        if pool is None or any(x is e or (isinstance(x, Entry) and x._pool() is not pool) for x in leaves):
+            return None  # itself, or an entry of another pool (not this one's to bring back)
         if pool.cuda and torch.cuda.is_current_stream_capturing():
             return None  # a CUDA graph is being captured: a verification would read a result back
         params = [x for x in leaves if not isinstance(x, Entry)]

@@ -294,3 +294,18 @@ def test_pressure_during_a_replay_leaves_its_inputs(monkeypatch):
     e.recipe.prog[0] = (e.recipe.prog[0][0], op_replay.OPS["NativeBatchNormBackward0"], *e.recipe.prog[0][2:])
     drop_and_backward(pool, out, [e])
     assert states == ["resident"]
+
+
+def test_inputs_held_by_another_pool_are_not_used():
+    """Two pools over one graph: an entry of the other pool is not this pool's to bring back."""
+    torch.manual_seed(0)
+    model = Gelu()
+    a = Pool(budget="1GiB", policy="cost_aware", host_limit="64MiB")
+    b = Pool(budget="1GiB", policy="cost_aware", host_limit="64MiB")
+    with a:
+        g = F.gelu(model.a(X16))  # gelu saves its input in pool a
+    with b:
+        out = model.b(g)  # the linear saves gelu's output in pool b
+    entries = [e for r in b._entries.values() if (e := r()) is not None]
+    assert entries and not any(isinstance(e.recipe, OpReplay) for e in entries)
+    out.sum().backward()
