@@ -57,6 +57,7 @@ class Entry:
         "step",
         "ordinal",
         "recipe",
+        "readers",
     )
 
     def __init__(self, pool: Pool, seq: int, tensor: torch.Tensor, key: tuple, step: Step):
@@ -79,7 +80,8 @@ class Entry:
         self.watch: torch.Tensor | None = None  # shares the saved tensor's version counter, no storage
         self.step = step  # the step (forward + backward) it was saved in
         self.ordinal = step.next_ordinal()  # its place in that step
-        self.recipe: Any = None  # how to rebuild it on the device (a region slot, a cast), if any
+        self.recipe: Any = None  # how to rebuild it on the device (region, cast, op replay), if any
+        self.readers: list | None = None  # weakrefs to entries whose op replay reads this one
 
     def device_span(self) -> torch.Tensor:
         """The device tensor's storage span, flat: what a copy moves."""

@@ -5,8 +5,8 @@ Entry of the current Step. When device memory would exceed the budget, the polic
 leave the device and by which treatment (treatments.py): offload to pinned host memory (asynchronously,
 on the copy engine's D2H stream, as soon as they are saved; prefetched back during backward as far
 ahead as the budget has room) or recompute (dropped, and rebuilt by replaying the module call that made
-them, region.py). With supermem's allocator installed, the pool is also its pressure handler: before an
-OOM is raised, entries leave synchronously.
+them, region.py, or the cheap op that made them, op_replay.py). With supermem's allocator installed,
+the pool is also its pressure handler: before an OOM is raised, entries leave synchronously.
 
 Budget: device bytes for everything on the device (parameters, gradients, temporaries and the
 activations the pool keeps), measured from the allocator as the step runs. Between the pool's moves
@@ -34,6 +34,7 @@ from .compiled import CompiledGraphs
 from .copy import CopyEngine
 from .entry import Entry, Kept, State, check_version, movable
 from .host import shared_host_pool
+from .op_replay import OpReplay, OpReplays
 from .planner import Plan, make_plan
 from .profile import Recorder
 from .region import Regions
@@ -111,6 +112,9 @@ class Pool:
         self.host.copy_streams.update(self.copies.stream_ids)
         self.min_bytes = (1 << 20 if self.cuda else 0) if min_bytes is None else min_bytes
         self.regions = Regions(self)
+        self.op_replays = OpReplays(self)
+        # op recipes are made only where the policy may recompute (their first run verifies them)
+        self._op_recipes = "recompute" in self.policy.treatments and "recompute" in self.treatments
         self.compiled = CompiledGraphs()  # torch.compile'd graphs' saved tensors: left to the compiler
         self._lock = threading.RLock()
         self._entries: dict[int, weakref.ref[Entry]] = {}  # live entries by pack order
@@ -142,6 +146,7 @@ class Pool:
                 "backpressure_waits",
                 "plans",
                 "replans",
+                "replays",
             ),
             0,
         )
@@ -243,6 +248,10 @@ class Pool:
             param = autocast_copy_of(t)
             if param is not None:
                 e.recipe = Cast(param, t)
+            elif self._op_recipes:
+                e.recipe = self.op_replays.recipe_for(e, t)
+            if self._op_recipes:
+                self.op_replays.remember(e, t)
             step.saved_bytes += e.nbytes
             self._largest_entry = max(self._largest_entry, e.nbytes)
             self._entries[seq] = weakref.ref(e)
@@ -378,6 +387,8 @@ class Pool:
         event = rec.packed(e.ordinal, e.nbytes, self._used_bytes())
         if isinstance(e.recipe, Cast):
             rec.recomputable(e.recipe, e.recipe.cost_s(self), [e.ordinal], False)
+        elif isinstance(e.recipe, OpReplay):  # its cost by its site: the recipe holds entries of this step
+            rec.recomputable(e.recipe, e.recipe.site.cost_s, [e.ordinal], True)
         if not self._plan_ok:
             return
         if not self._plan_matches(e):

@@ -127,6 +127,9 @@ class Region:
     def cost_s(self, pool: Pool) -> float | None:
         return pool.regions.cost_s(self.module)
 
+    def droppable(self, e: Entry) -> bool:
+        return True  # an op replay reading it rebuilds it first: one region replay, bounded
+
     def rebuild(self, pool: Pool, e: Entry) -> None:
         want: dict[int, Entry] = {}  # slot -> dropped entry, each entry once (one saved twice has two slots)
         for k, ref in enumerate(self.slots):

@@ -168,12 +168,13 @@ class Offload(Treatment):
 class Recompute(Treatment):
     """Drops the tensor; rebuilds it when backward needs it, from its recipe: a module call replayed
     from its saved inputs (tensor_pool/region.py), or an autocast weight copy cast again from its
-    parameter. Dropping frees the memory at once; nothing crosses the link."""
+    parameter, or the cheap op that made it run again on its inputs (tensor_pool/op_replay.py).
+    Dropping frees the memory at once; nothing crosses the link."""
 
     name = "recompute"
 
     def applies(self, e: Entry) -> bool:
-        return e.recipe is not None and e.recipe.ready
+        return e.recipe is not None and e.recipe.ready and e.recipe.droppable(e)
 
     def choices(self, pool: Pool, resident: Iterable[Entry]) -> list[Choice]:
         groups: dict[int, list[Entry]] = {}
@@ -195,6 +196,8 @@ class Recompute(Treatment):
         return out
 
     def leave(self, pool: Pool, e: Entry) -> bool:
+        if not e.recipe.droppable(e):
+            return False  # an op replay's input changed, or dropping it would make a cascade (op_replay.py)
         e.state = State.AWAY
         pool._counters["dropped"] += 1
         pool._dropped_bytes += e.nbytes
@@ -404,6 +407,9 @@ class Cast:
 
     def cost_s(self, pool: Pool) -> float:
         return 3 * self.param.nbytes / pool._device_bytes_per_s()  # read fp32, write bf16
+
+    def droppable(self, e: Entry) -> bool:
+        return True
 
     def rebuild(self, pool: Pool, e: Entry) -> None:
         if self.param._version != self.param_version:
