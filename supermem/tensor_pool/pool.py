@@ -555,28 +555,38 @@ class Pool:
         with self._lock:
             self._counters["pressure_calls"] += 1
             self._left = True
-            before, freed = self._used_bytes(), 0
-            self._urgent = True
-            try:
-                choices = self._choices()
-            finally:
-                self._urgent = False
-            ranked = [
-                (c.frees, self.treatments[c.treatment])
-                for c in self.policy.choose(choices, 1 << 62, self._tick)
-            ]
-            # Prefetched entries not used yet go last: they come back soonest.
-            ranked += [((x,), x.treatment) for x in self._restoring_entries()]
-            for frees, t in ranked:
-                for victim in frees:
-                    if victim.tensor is None:
-                        continue  # a pressure call nested in one of these leaves (a pack's payload) took it
-                    if self._leave(victim, t):
-                        self.copies.wait(victim.event)
-                freed = before - self._used_bytes()
-                if freed >= need_bytes:
+            before = self._used_bytes()
+            # The stalest CANDIDATES first (used last in backward; pricing all ~1000 entries at each of
+            # a step's dozens of calls cost more than it saved), then everything if they free too little.
+            for limit in (CANDIDATES, None):
+                if self._free_by_choices(limit, before, need_bytes):
                     break
-            return max(freed, 0)
+            # Prefetched entries not used yet go last: they come back soonest.
+            for x in self._restoring_entries():
+                if before - self._used_bytes() >= need_bytes:
+                    break
+                if x.tensor is not None and self._leave(x, x.treatment):
+                    self.copies.wait(x.event)
+            return max(before - self._used_bytes(), 0)
+
+    def _free_by_choices(self, limit: int | None, before: int, need_bytes: int) -> bool:
+        """Entries leave, the policy's cheapest choices (priced as urgent) over `limit` resident ones
+        first, until `need_bytes` are free since `before`; whether they are."""
+        self._urgent = True
+        try:
+            choices = self._choices(limit)
+        finally:
+            self._urgent = False
+        for c in self.policy.choose(choices, 1 << 62, self._tick):
+            t = self.treatments[c.treatment]
+            for victim in c.frees:
+                if victim.tensor is None:
+                    continue  # a pressure call nested in one of these leaves (a pack's payload) took it
+                if self._leave(victim, t):
+                    self.copies.wait(victim.event)
+            if before - self._used_bytes() >= need_bytes:
+                return True
+        return False
 
     # ------------------------------------------------------------------ bookkeeping
 
