@@ -26,6 +26,7 @@ from typing import Any
 
 import psutil
 import torch
+from torch.utils._pytree import tree_map
 
 from ..errors import ConfigError
 from ..policies import Choice, make_policy
@@ -355,8 +356,7 @@ class Pool:
         if self._rec is not None and region is not None:
             own = [x for ref in region.slots if ref is not None and (x := ref()) is not None]
             regions, module = self.regions, region.module
-            ordinals = [x.ordinal for x in own if x.recipe is region]
-            self._rec.recomputable(region, lambda: regions.cost_s(module), ordinals, True)
+            self._plan_recipe(region, [x for x in own if x.recipe is region], lambda: regions.cost_s(module))
         if self._plan_pending:
             still = []
             for ref in self._plan_pending:
@@ -376,8 +376,10 @@ class Pool:
         """Records the pack; runs the plan's treatment for it and whatever the plan set for this event."""
         rec = self._rec
         event = rec.packed(e.ordinal, e.nbytes, self._used_bytes())
-        if isinstance(e.recipe, Cast):
-            rec.recomputable(e.recipe, e.recipe.cost_s(self), [e.ordinal], False)
+        if e.recipe is not None and e.recipe.ready:  # made at pack: a weight copy, an op's replay
+            self._plan_recipe(
+                e.recipe, [e], e.recipe.cost_s(self), offloadable=not isinstance(e.recipe, Cast)
+            )
         if not self._plan_ok:
             return
         if not self._plan_matches(e):
@@ -392,6 +394,13 @@ class Pool:
             else:
                 self._plan_pending.append(weakref.ref(e))  # its call has not returned yet
         self._plan_events(event)
+
+    def _plan_recipe(self, recipe: Any, entries: list[Entry], cost: Any, offloadable: bool = True) -> None:
+        """Tells this step's profile that `recipe` can rebuild `entries` from now on, for `cost` seconds
+        (or a call that measures them), reading the entries `_recipe_inputs` names."""
+        step = self._step
+        inputs = [x.ordinal for x in _recipe_inputs(recipe) if x.step is step]
+        self._rec.recomputable(recipe, cost, [x.ordinal for x in entries], offloadable, inputs)
 
     def _plan_matches(self, e: Entry) -> bool:
         """Whether this step still has the plan's shape; on a change, a cached plan of the new shape
@@ -847,6 +856,20 @@ def _drop_soft_limit(alloc: Any, budget: int) -> None:
             alloc.soft_limit_bytes = 0
     except Exception:  # noqa: BLE001  (interpreter shutdown)
         pass
+
+
+def _recipe_inputs(recipe: Any) -> list[Entry]:
+    """The entries a recipe's rebuild reads: its `input_entries()` when it has one, else the entries
+    behind a region's packed arguments (a weight copy reads a parameter: none)."""
+    get = getattr(recipe, "input_entries", None)
+    if get is not None:
+        return [x for x in get() if isinstance(x, Entry)]
+    out: list[Entry] = []
+    tree_map(
+        lambda x: out.append(x.packed) if isinstance(getattr(x, "packed", None), Entry) else None,
+        getattr(recipe, "args", None),
+    )
+    return out
 
 
 def _alive_anyway(t: torch.Tensor) -> bool:

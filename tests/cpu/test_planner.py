@@ -60,6 +60,11 @@ def gpt24_profile(link_bytes_per_s=55e9, spike_bytes=int(3.07 * GiB), block_cost
 def resident_curve(p: Profile, plan) -> list[int]:
     by = {s.ordinal: s for s in p.saved}
     fetched = {o: e for e, os in plan.prefetch_at.items() for o in os}
+    replay = replay_events(p, plan)
+    for o in plan.treatment:  # an offloaded input of a replayed unit must be back for the replay
+        for v, inputs in p.unit_inputs.items():
+            if o in inputs and v in replay and plan.treatment[o] == "offload":
+                fetched[o] = min(fetched.get(o, replay[v]), replay[v])
     away = [0] * len(p.base_bytes)
     free_s = 0.0
     offloads = sorted((o for o, t in plan.treatment.items() if t == "offload"), key=lambda o: by[o].save)
@@ -76,18 +81,38 @@ def resident_curve(p: Profile, plan) -> list[int]:
     for o, t in plan.treatment.items():
         if t == "recompute":
             units.setdefault(by[o].unit, []).append(by[o])
+    replay = replay_events(p, plan)
     for u, ms in units.items():
         for s in ms:
-            for i in range(p.unit_ready[u], min(min(m.use for m in ms), s.end)):
+            for i in range(p.unit_ready[u], min(replay[u], s.end)):
                 away[i] += s.nbytes
     return [b + t - a for b, t, a in zip(p.base_bytes, p.transient_bytes, away)]
+
+
+def replay_events(p: Profile, plan) -> dict[int, int]:
+    """Recomputed unit -> the event it is replayed: the first event any of its recomputed members is
+    needed, at its own first use or at the replay of a recomputed unit that reads it (to a fixed point)."""
+    by = {s.ordinal: s for s in p.saved}
+    units = {by[o].unit for o, t in plan.treatment.items() if t == "recompute"}
+    members = {
+        u: [o for o, t in plan.treatment.items() if t == "recompute" and by[o].unit == u] for u in units
+    }
+    replay = {u: min(by[o].use for o in members[u]) for u in units}
+    changed = True
+    while changed:
+        changed = False
+        for u in units:
+            for v in units:
+                if set(p.unit_inputs.get(v, ())) & set(members[u]) and replay[v] < replay[u]:
+                    replay[u], changed = replay[v], True
+    return replay
 
 
 def native_peak(p: Profile) -> int:
     return max(b + t for b, t in zip(p.base_bytes, p.transient_bytes))
 
 
-@pytest.mark.parametrize("share", [0.9, 0.75, 0.6])
+@pytest.mark.parametrize("share", [0.9, 0.75, 0.6, 0.5])
 def test_gpt24_plan_stays_under_the_budget_at_every_point_within_a_second(share):
     p = gpt24_profile()
     budget = int(share * native_peak(p))
@@ -95,9 +120,10 @@ def test_gpt24_plan_stays_under_the_budget_at_every_point_within_a_second(share)
     plan = make_plan(p, budget)
     took = time.perf_counter() - t0
     assert took < 1.0, took
-    assert plan.feasible
+    assert plan.feasible or share == 0.5  # at 50% the recompute units and the copies that hide fall short
     curve = resident_curve(p, plan)
-    assert max(curve) <= budget, (max(curve) / GiB, budget / GiB)
+    if plan.feasible:
+        assert max(curve) <= budget, (max(curve) / GiB, budget / GiB)
     assert plan.predicted_peak_bytes == max(curve)
     assert plan.added_s > 0 and plan.predicted_step_s == pytest.approx(p.step_s + plan.added_s)
     # Prefetches are issued from backward progress, before the use.
@@ -301,3 +327,126 @@ def test_plan_cache_is_bounded(monkeypatch):
     pool = Pool(budget=8 << 10, policy="planned", host_limit="64MiB")
     _train(pool, batches)
     assert pool.stats()["plans"] >= 3 and len(pool._plans) == 2
+
+
+# ---- the cost model: what an offload cannot hide, and what a replay reads ------------------------------
+
+
+def _small_profile(sizes_mib, times_s, uses, transient, backward_event, link=MiB):
+    """Saved tensors k = 1.. of `sizes_mib`, saved at events 0.., first used at `uses`; resident bytes are
+    the tensors saved and not yet used; link: bytes per second (MiB/s: a copy takes its size in seconds)."""
+    saved = [Saved(k + 1, m * MiB, save=k, use=u, end=u + 1) for k, (m, u) in enumerate(zip(sizes_mib, uses))]
+    n = len(times_s)
+    base = [sum(s.nbytes for s in saved if s.save <= i <= s.use) for i in range(n)]
+    p = Profile(saved, list(times_s), base, [t * MiB for t in transient], backward_event=backward_event)
+    p.link_bytes_per_s = link
+    p.step_s = times_s[-1]
+    return p
+
+
+def test_an_offload_whose_return_cannot_hide_is_recomputed_instead():
+    """A's copy out lands long before the peak at backward's start, but A is used 0.1 s after it and a
+    prefetch may not start before that point (it would raise the peak): the copy back (1 s) is exposed.
+    Recomputing A's unit (0.5 s) is cheaper, though the copy's slowdown of compute alone (0.08 s) is not."""
+    p = _small_profile(
+        [1, 1], [0.0, 1.0, 3.0, 3.1, 3.2], uses=[3, 4], transient=[0, 0, 1, 0, 0], backward_event=2
+    )
+    p.saved[0].unit, p.unit_ready[0], p.unit_cost_s[0] = 0, 1, 0.5
+    plan = make_plan(p, 2 * MiB)
+    assert plan.treatment == {1: "recompute"}, plan.treatment
+    assert plan.added_s == pytest.approx(0.5)
+    assert max(resident_curve(p, plan)) <= 2 * MiB
+
+
+def test_prefetches_share_one_link():
+    """A and B land before the peak at backward's start (4 s); both are needed 1.5 s into backward and
+    each copy back takes 1 s: one hides, two in a row do not (0.5 s exposed). The plan offloads one and
+    recomputes the other (0.4 s)."""
+    p = _small_profile(
+        [1, 1, 0],
+        [0.0, 0.0, 3.0, 4.0, 4.01, 5.5, 5.5, 6.0],
+        uses=[5, 6, 4],
+        transient=[0, 0, 0, 2, 0, 0, 0, 0],
+        backward_event=3,
+    )
+    for k in (0, 1):
+        p.saved[k].unit, p.unit_ready[k], p.unit_cost_s[k] = k, k + 1, 0.4
+    plan = make_plan(p, 2 * MiB)
+    assert sorted(plan.treatment.values()) == ["offload", "recompute"], plan.treatment
+    assert plan.added_s < 0.4 + 2 * 2 * 0.08 + 1e-9, plan.added_s
+    assert max(resident_curve(p, plan)) <= 2 * MiB
+
+
+def test_a_replay_that_reads_a_recomputed_tensor_rebuilds_it_first():
+    """A ResNet block's output is the next block's input: replaying unit 1 (B) at B's use rebuilds unit 0
+    (A) first, so A is back from event 3, before its own use at 5, and a transient at 4 sees it. The plan
+    must say what the step will measure: its predicted peak is the true curve's."""
+    p = _small_profile(
+        [4, 4], [0.0, 1.0, 2.0, 3.0, 4.0, 5.0], uses=[5, 3], transient=[0, 0, 8, 0, 6, 0], backward_event=2
+    )
+    p.saved[0].unit, p.unit_ready[0], p.unit_cost_s[0] = 0, 1, 0.1
+    p.saved[1].unit, p.unit_ready[1], p.unit_cost_s[1] = 1, 2, 0.1
+    p.unit_inputs[1] = (1,)
+    for s in p.saved:
+        s.offloadable = False
+    plan = make_plan(p, 8 * MiB)
+    curve = resident_curve(p, plan)
+    assert plan.predicted_peak_bytes == max(curve), (plan.predicted_peak_bytes / MiB, max(curve) / MiB)
+    assert not plan.feasible and max(curve) > 8 * MiB
+
+
+def test_an_offloaded_input_of_a_replayed_unit_is_prefetched_for_the_replay():
+    """I is a region's input, kept for its replay and never used by backward itself (it dies with the
+    region at the end); its unit's member M is recomputed, so I must be back before M's replay."""
+    i_ = Saved(1, 8 * MiB, save=0, use=7, end=6)
+    m = Saved(2, 4 * MiB, save=1, use=5, end=6, unit=0, offloadable=False)
+    x = Saved(3, 0, save=2, use=4, end=5)
+    times = [0.0, 0.001, 0.002, 2.0, 2.5, 3.0, 3.1]
+    base = [8 * MiB] + [12 * MiB] * 5 + [8 * MiB]
+    p = Profile(
+        [i_, m, x], times, base, [0, 0, 0, 8 * MiB, 0, 0, 0], backward_event=3, link_bytes_per_s=64 * MiB
+    )
+    p.unit_ready[0], p.unit_cost_s[0], p.unit_inputs[0] = 2, 0.01, (1,)
+    p.step_s = 3.1
+    plan = make_plan(p, 12 * MiB)
+    assert plan.treatment == {1: "offload", 2: "recompute"}, plan.treatment
+    fetched = {o: e for e, os in plan.prefetch_at.items() for o in os}
+    assert 1 in fetched and p.backward_event <= fetched[1] < m.use, plan.prefetch_at
+    assert max(resident_curve(p, plan)) <= 12 * MiB
+
+
+def test_gpt24_prefers_recompute_to_copies_that_slow_compute_both_ways():
+    """DESIGN.md's GPT-24: a block rebuilds at 1.9 ms per GiB; a copy at 55 GB/s slows compute by 8% of
+    its 19.5 ms per GiB each way (3.1 ms per GiB both): at 75% the plan recomputes only."""
+    p = gpt24_profile()
+    plan = make_plan(p, int(0.75 * native_peak(p)))
+    assert plan.feasible and "offload" not in plan.treatment.values(), plan.counts()
+    assert max(resident_curve(p, plan)) <= int(0.75 * native_peak(p))
+
+
+def test_the_profile_names_what_each_region_replay_reads(monkeypatch):
+    """Each layer of the MLP is a region; its replay reads the layer's input (the Linear saves it), an
+    entry of the step that is no member of the region: the profile's unit_inputs name it, so the plan
+    keeps it on the device (or brings it back) for the replay."""
+    import sys
+
+    mod = sys.modules["supermem.tensor_pool.pool"]
+    profiles = []
+    real = mod.make_plan
+
+    def capture(p, budget):
+        profiles.append(p)
+        return real(p, budget)
+
+    monkeypatch.setattr(mod, "make_plan", capture)
+    g = torch.Generator().manual_seed(1)
+    pool = Pool(budget=40 << 10, policy="planned", host_limit="64MiB")
+    _train(pool, [torch.randn(32, 64, generator=g) for _ in range(3)])
+    (p,) = profiles
+    by = {s.ordinal: s for s in p.saved}
+    regions = [u for u in p.unit_inputs if any(by[o].offloadable for o in by if by[o].unit == u)]
+    assert len(regions) == 6, p.unit_inputs
+    for u in regions:
+        (i,) = p.unit_inputs[u]
+        assert by[i].unit != u and by[i].nbytes == 32 * 64 * 4
+        assert by[i].save < p.unit_ready[u]
