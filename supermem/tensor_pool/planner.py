@@ -2,15 +2,15 @@
 
 The simulator replays the profile's timeline with a set of treatments and prices them in seconds the
 step loses:
-- a recomputed unit's members are off from the unit's end until the unit is replayed, which is the first
-  time any of them is needed: its own first use, or the replay of a recomputed unit that reads it (a
-  ResNet block's output is the next block's input, so replaying block k rebuilds block k-1 first). It
-  costs the unit's measured seconds.
+- a recomputed unit's members are off from the unit's end until the unit is replayed, at the first use
+  of any of them. It costs the unit's measured seconds. A member that another unit's replay reads (a ResNet block's output
+  is the next block's input) is never dropped by the plan: recomputing a chain of such units would
+  replay all of them at the first replay in backward.
 - an offloaded tensor is off from the event its copy lands until its prefetch is issued. Copies to the
   host go one after another on one stream at the link rate, from each save; where the plan needs a copy
   to have landed (before the point it was chosen to lower) and it has not, compute waits: those seconds
   are exposed. Prefetches go one after another on the other stream, issued from backward progress as
-  late as lets each land before it is needed (its first use, or the replay that reads it), never before
+  late as lets each land before it is needed (its first use, or the replay of a recomputed unit that reads it), never before
   backward, never before the copy out landed, never where the curve is over the budget (a prefetch must
   not raise the peak); what does not land by then is exposed. Copies beside compute slow it by
   COPY_INTERFERENCE of their seconds, each way. On CPU copies are synchronous: both ways exposed.
@@ -19,7 +19,8 @@ The greedy: while the simulated curve is over the budget somewhere, take its hig
 the treatments that lower it, apply the one with the least added seconds per byte freed there, added
 seconds measured by simulating the plan with it (so an offload that delays the copies queued behind it,
 or that cannot come back in time, pays for that). Offloads are considered only for tensors saved in the
-forward whose copy can land before that point. Decisions are never undone, so it ends after at most one
+forward whose copy can land before that point; only where nothing else lowers it, a copy that lands
+later, compute waiting for it before the point (backpressure: priced as exposed). Decisions are never undone, so it ends after at most one
 step per tensor. If nothing lowers the highest point, the plan says it is infeasible and the pool's
 reactive fallback does what it can.
 """
@@ -73,32 +74,22 @@ class _Index:
 
     def __init__(self, p: Profile):
         self.by = {s.ordinal: s for s in p.saved}
-        self.members: dict[int, list] = {}
-        for s in p.saved:
-            if s.unit is not None and s.unit in p.unit_cost_s:
-                self.members.setdefault(s.unit, []).append(s)
         self.readers: dict[int, list[int]] = {}  # ordinal -> units whose replay reads it
         for u, inputs in p.unit_inputs.items():
             for o in inputs:
                 self.readers.setdefault(o, []).append(u)
+        # What recomputing a unit drops. Not a tensor another unit's replay reads (a ResNet block's
+        # output, the next block's input): kept, as checkpointing keeps block boundaries, or a chain of
+        # blocks each recomputed would replay all of them at the first replay in backward.
+        self.members: dict[int, list] = {}
+        for s in p.saved:
+            if s.unit is not None and s.unit in p.unit_cost_s and s.ordinal not in self.readers:
+                self.members.setdefault(s.unit, []).append(s)
         self.n = len(p.base_bytes)
 
 
-def _replays(p: Profile, ix: _Index, units: set[int], offloads: set[int]) -> dict[int, int]:
-    """Chosen unit -> the event it is replayed: the first need of any member it rebuilds. A member is
-    needed at its first use or at the replay of a chosen unit that reads it, which comes later in the
-    forward and so earlier in backward: units are resolved in reverse order of their forward."""
-    back: dict[int, int] = {}
-    for u in sorted(units, key=lambda u: -p.unit_ready[u]):
-        need = ix.n
-        for s in ix.members[u]:
-            if s.ordinal not in offloads:
-                need = min(need, _need(ix, s, back))
-        back[u] = need
-    return back
-
-
 def _need(ix: _Index, s, back: dict[int, int]) -> int:
+    """When `s` must be on the device: its first use, or the replay of a chosen unit that reads it."""
     need = s.use
     for v in ix.readers.get(s.ordinal, ()):
         if v in back:
@@ -120,12 +111,10 @@ def simulate(
     n, by, times = ix.n, ix.by, p.times_s
     diff = [0] * (n + 1)
     added = 0.0
-    back = _replays(p, ix, units, offloads)
+    back = {u: min(s.use for s in ix.members[u]) for u in units}  # replayed at the first use of one
     for u in units:
         a = p.unit_ready[u]
         for s in ix.members[u]:
-            if s.ordinal in offloads:
-                continue
             b = min(back[u], s.end)
             if a < b:
                 diff[a] -= s.nbytes
@@ -206,7 +195,9 @@ def make_plan(p: Profile, budget: int) -> Plan:
         peak = max(range(len(sim.curve)), key=sim.curve.__getitem__)
         if sim.curve[peak] <= budget:
             break
-        best = _best_choice(p, ix, sim, peak, offloads, units, deadline, budget)
+        best = _best_choice(p, ix, sim, peak, offloads, units, deadline, budget, False)
+        if best is None:  # the last resort: a copy that lands late, compute waiting for it before the point
+            best = _best_choice(p, ix, sim, peak, offloads, units, deadline, budget, True)
         if best is None:
             feasible = False
             break
@@ -234,11 +225,20 @@ def make_plan(p: Profile, budget: int) -> Plan:
 
 
 def _best_choice(
-    p: Profile, ix: _Index, sim: Simulated, peak: int, offloads: set, units: set, deadline: dict, budget: int
+    p: Profile,
+    ix: _Index,
+    sim: Simulated,
+    peak: int,
+    offloads: set,
+    units: set,
+    deadline: dict,
+    budget: int,
+    late: bool,
 ):
     """The treatment that lowers the curve at `peak` for the least added seconds per byte freed there:
     candidates in order of a lower bound on that (their own cost over the most they could free), each
-    priced exactly by simulating the plan with it, until the bound passes the best exact price."""
+    priced exactly by simulating the plan with it, until the bound passes the best exact price. `late`:
+    offloads whose copies land after `peak` count too (compute waits for them: priced, not hidden)."""
     cands = []  # (lower bound per byte, kind, key)
     for u, ms in ix.members.items():
         if u in units or any(s.ordinal in offloads for s in ms):
@@ -262,9 +262,10 @@ def _best_choice(
         else:
             k = bisect.bisect_right(saves, s.save)
             free_s = queue[k - 1][1] if k else 0.0
-            if max(p.times_s[s.save], free_s) + c > p.times_s[peak]:
+            wait_s = max(p.times_s[s.save], free_s) + c - p.times_s[peak]
+            if wait_s > 0 and not late:
                 continue  # its copy cannot land before the point it must lower
-            cost = 2 * COPY_INTERFERENCE * c
+            cost = 2 * COPY_INTERFERENCE * c + max(0.0, wait_s)
         cands.append((cost / s.nbytes, "offload", s.ordinal))
     cands.sort(key=lambda c: c[0])
     best, best_score, tries = None, float("inf"), 0
@@ -277,7 +278,7 @@ def _best_choice(
         else:
             trial = simulate(p, offloads, units | {key}, budget, deadline, ix)
         freed = sim.curve[peak] - trial.curve[peak]
-        if freed <= 0 or (trial.late and not sim.late):
+        if freed <= 0 or (trial.late and not sim.late and not late):
             continue  # it frees nothing there, or it delays a copy queued behind it past its point
         score = max(0.0, trial.added_s - sim.added_s) / freed
         if score < best_score:
