@@ -3,26 +3,27 @@
 The simulator replays the profile's timeline with a set of treatments and prices them in seconds the
 step loses:
 - a recomputed unit's members are off from the unit's end until the unit is replayed, at the first use
-  of any of them. It costs the unit's measured seconds. A member that another unit's replay reads (a ResNet block's output
-  is the next block's input) is never dropped by the plan: recomputing a chain of such units would
-  replay all of them at the first replay in backward.
+  of any of them. It costs the unit's measured seconds. A member that another unit's replay reads (a
+  ResNet block's output is the next block's input) is never dropped by the plan: recomputing a chain
+  of such units would replay all of them at the first replay in backward.
 - an offloaded tensor is off from the event its copy lands until its prefetch is issued. Copies to the
   host go one after another on one stream at the link rate, from each save; where the plan needs a copy
   to have landed (before the point it was chosen to lower) and it has not, compute waits: those seconds
   are exposed. Prefetches go one after another on the other stream, issued from backward progress as
-  late as lets each land before it is needed (its first use, or the replay of a recomputed unit that reads it), never before
-  backward, never before the copy out landed, never where the curve is over the budget (a prefetch must
-  not raise the peak); what does not land by then is exposed. Copies beside compute slow it by
-  COPY_INTERFERENCE of their seconds, each way. On CPU copies are synchronous: both ways exposed.
+  late as lets each land before it is needed (its first use, or the replay of a recomputed unit that
+  reads it), never before backward, never before the copy out landed, never where the curve is over
+  the budget (a prefetch must not raise the peak); what does not land by then is exposed. Copies
+  beside compute slow it by COPY_INTERFERENCE of their seconds, each way. On CPU copies are
+  synchronous: both ways exposed.
 
 The greedy: while the simulated curve is over the budget somewhere, take its highest point and, among
 the treatments that lower it, apply the one with the least added seconds per byte freed there, added
 seconds measured by simulating the plan with it (so an offload that delays the copies queued behind it,
 or that cannot come back in time, pays for that). Offloads are considered only for tensors saved in the
 forward whose copy can land before that point; only where nothing else lowers it, a copy that lands
-later, compute waiting for it before the point (backpressure: priced as exposed). Decisions are never undone, so it ends after at most one
-step per tensor. If nothing lowers the highest point, the plan says it is infeasible and the pool's
-reactive fallback does what it can.
+later, compute waiting for it before the point (backpressure: priced as exposed). Decisions are never
+undone, so it ends after at most one step per tensor. If nothing lowers the highest point, the plan
+says it is infeasible and the pool's reactive fallback does what it can.
 """
 
 from __future__ import annotations
