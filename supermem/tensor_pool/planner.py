@@ -50,6 +50,8 @@ class Plan:
     added_s: float = 0.0
     feasible: bool = True
     plan_s: float = 0.0
+    untreated_peak_bytes: int = 0  # the profiled step's curve with nothing treated, the spike included
+    untreated_step_s: float = 0.0  # the profiled step's seconds, less what the reactive fallback cost
 
     def counts(self) -> dict[str, int]:
         out = {"offload": 0, "recompute": 0}
@@ -218,6 +220,8 @@ def make_plan(p: Profile, budget: int) -> Plan:
     for u in units:
         for s in ix.members[u]:
             plan.treatment.setdefault(s.ordinal, "recompute")
+    plan.untreated_peak_bytes = max((b + t for b, t in zip(p.base_bytes, p.transient_bytes)), default=0)
+    plan.untreated_step_s = p.step_s
     plan.predicted_peak_bytes = max(sim.curve, default=0)
     plan.added_s = sim.added_s
     plan.predicted_step_s = p.step_s + sim.added_s

@@ -520,12 +520,26 @@ class Pool:
         try:
             if e.state in (State.LEAVING, State.AWAY):  # not brought back in time: compute waits
                 self._counters["sync_restores"] += 1
+                t0 = time.perf_counter()
                 e.treatment.come_back(self, e)
+                if self._rec is not None and not self._plan_ok and e.step is self._step:
+                    self._rec.fallback_s += self._restore_s(e, time.perf_counter() - t0)
             if e.state is State.RETURNING:
                 e.treatment.ready(self, e)
             return e.tensor
         finally:
             self._in_use.pop()
+
+    def _restore_s(self, e: Entry, host_s: float) -> float:
+        """Seconds a synchronous restore cost the step: the host's on CPU; on a GPU, where the work is
+        queued, the recipe's measured cost or the copy back at the link rate."""
+        if not self.cuda:
+            return host_s
+        if e.treatment.name == "recompute":
+            return e.recipe.cost_s(self) or 0.0
+        if e.treatment.name == "offload":
+            return e.nbytes / self.treatments["offload"].rate(self)
+        return 0.0
 
     def _prefetch_before(self, e: Entry) -> None:
         """Prefetches the entries of the same step saved just before `e`: backward needs them next."""
@@ -773,11 +787,15 @@ class Pool:
         return {
             **p.counts(),
             "feasible": p.feasible,
+            "budget_bytes": p.budget_bytes,
             "predicted_peak_bytes": p.predicted_peak_bytes,
             "measured_peak_bytes": self._last_peak_bytes,
             "predicted_step_s": p.predicted_step_s,
             "measured_step_s": self._last_step_s,
             "plan_s": p.plan_s,
+            "added_s": p.added_s,
+            "untreated_peak_bytes": p.untreated_peak_bytes,
+            "untreated_step_s": p.untreated_step_s,
             "plans_cached": len(self._plans),
         }
 

@@ -74,6 +74,10 @@ class Recorder:
         # ordinals). Not the recipe itself: a region holds its inputs' entries, which must die with the step.
         self.units: dict[int, tuple[Any, list[int], int, list[int]]] = {}
         self.backward_event: int | None = None
+        # Seconds the step lost to the reactive fallback so far (rebuilds and copies it waited for): the
+        # plan replaces those choices, so the timeline and the step's time are taken without them.
+        self.fallback_s = 0.0
+        self.fallback_at: list[float] = []  # per event: fallback_s when it happened
         self.regions_on = True  # regions were hooked when the step began (their inputs are entries)
 
     @property
@@ -82,6 +86,7 @@ class Recorder:
 
     def _event(self, used: int) -> int:
         self.bytes.append(used + self.away)
+        self.fallback_at.append(self.fallback_s)
         if self.start_event is not None:
             self.times.append(_event())
         else:
@@ -130,6 +135,7 @@ class Recorder:
             times = [self.start_event.elapsed_time(e) / 1e3 for e in self.times]
         else:
             times = list(self.times)
+        times = [t - x for t, x in zip(times, self.fallback_at)]
         saved = sorted(self.saved.values(), key=lambda s: s.save)
         for s in saved:
             if s.use < 0:
@@ -144,7 +150,7 @@ class Recorder:
             link_bytes_per_s=link_bytes_per_s,
             sync_copies=sync_copies,
             backward_event=self.backward_event if self.backward_event is not None else n,
-            step_s=time.perf_counter() - self.start_s,
+            step_s=time.perf_counter() - self.start_s - self.fallback_s,
         )
         if p.backward_event < n:
             p.transient_bytes[p.backward_event] = spike_bytes

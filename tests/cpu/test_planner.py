@@ -266,6 +266,8 @@ def test_stats_and_top_show_the_plan_beside_the_measurements():
     plan = pool.stats()["plan"]
     assert plan["predicted_peak_bytes"] > 0 and plan["measured_peak_bytes"] > 0
     assert plan["predicted_step_s"] > 0 and plan["measured_step_s"] > 0 and plan["offload"] > 0
+    assert plan["untreated_peak_bytes"] > plan["budget_bytes"] >= plan["predicted_peak_bytes"], plan
+    assert plan["predicted_step_s"] == pytest.approx(plan["untreated_step_s"] + plan["added_s"])
     view = _top_view()
     assert plan in view["plans"]
     text = top.render({"pid": 1, "argv": ["x"], "time_unix_s": 0, "providers": {"pool": view}})
@@ -454,3 +456,42 @@ def test_the_profile_names_what_each_region_replay_reads(monkeypatch):
         (i,) = p.unit_inputs[u]
         assert by[i].unit != u and by[i].nbytes == 32 * 64 * 4
         assert by[i].save < p.unit_ready[u]
+
+
+def test_the_profile_leaves_out_what_the_reactive_fallback_cost(monkeypatch):
+    """The profiled step runs before there is a plan, under the reactive fallback: what it lost to the
+    fallback's rebuilds and waits is not the step's, or the plan's predicted step time counts it twice."""
+    from supermem.tensor_pool import profile as profile_mod
+
+    now = [10.0]
+    monkeypatch.setattr(profile_mod.time, "perf_counter", lambda: now[0])
+    rec = profile_mod.Recorder(cuda=False, timed=False)
+    rec.packed(1, MiB, MiB)
+    now[0] += 1.0
+    rec.used(1, MiB)  # backward's first unpack, 1 s in
+    now[0] += 2.0
+    rec.fallback_s += 1.5  # a rebuild the fallback waited for
+    rec.packed(2, MiB, MiB)
+    now[0] += 1.0
+    p = rec.profile(0, 1e9, sync_copies=True)
+    assert p.times_s == [0.0, 1.0, 1.5]
+    assert p.step_s == pytest.approx(2.5)
+
+
+def test_a_restore_the_fallback_waits_for_is_counted_in_the_profiled_step(monkeypatch):
+    """Live: in the profiled step (no plan yet), each synchronous restore adds what it cost to the
+    recorder's fallback seconds; once the plan runs, nothing is added."""
+    g = torch.Generator().manual_seed(1)
+    pool = Pool(budget=20 << 10, policy="planned", host_limit="64MiB")
+    seen = []
+    real = pool._restore_s
+
+    def restore_s(e, host_s):
+        s = real(e, host_s)
+        seen.append((pool._steps, pool._plan_ok, s))
+        return s
+
+    monkeypatch.setattr(pool, "_restore_s", restore_s)
+    _train(pool, [torch.randn(32, 64, generator=g) for _ in range(4)])
+    assert any(step == 2 and s > 0 for step, _, s in seen), seen  # the profiled step (step 1 finds regions)
+    assert not any(ok for _, ok, _ in seen), seen
