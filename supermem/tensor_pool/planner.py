@@ -34,8 +34,12 @@ from dataclasses import dataclass, field
 
 from .profile import Profile
 
-COPY_INTERFERENCE = 0.08  # a step slowed 8% with copies running beside it (DESIGN.md, one H100 run)
-EXACT_TRIES = 12  # candidates simulated per decision, cheapest lower bound first
+# What a copy running beside compute costs the step, as a share of the copy's own seconds. DESIGN.md's
+# first H100 run measured 8%; bench train on an H100 (GPT-24 at 75% of native's peak, planned) measured
+# about 35%: 2.52 GiB out and back per step (100 ms of copies at 54 GB/s, 17 ms of it waited for) cost
+# about 50 ms more than recomputing the same bytes would have (cost_aware, same run).
+COPY_INTERFERENCE = 0.35
+EXACT_TRIES = 4  # candidates simulated per decision, cheapest lower bound first (late copies: 1)
 
 
 @dataclass
@@ -126,6 +130,7 @@ def simulate(
     land: dict[int, int] = {}
     land_s: dict[int, float] = {}
     free_s, late = 0.0, False
+    stall_s = 0.0  # compute waited this long so far; the timeline after a wait runs that much later
     for o in sorted(offloads, key=lambda o: by[o].save):
         s = by[o]
         c = s.nbytes / p.link_bytes_per_s
@@ -133,12 +138,14 @@ def simulate(
             land[o], land_s[o] = s.save + 1, times[s.save]
             added += 2 * c  # out and back, both blocking
             continue
-        free_s = max(times[s.save], free_s) + c
-        land_s[o] = free_s
-        land[o] = max(s.save + 1, bisect.bisect_left(times, free_s))
+        free_s = max(times[s.save] + stall_s, free_s) + c
+        land_s[o] = free_s - stall_s
+        land[o] = max(s.save + 1, bisect.bisect_left(times, free_s - stall_s))
         d = deadline.get(o)
         if d is not None and land[o] > d:  # backpressure: compute waits for it before the point it lowers
-            added += free_s - times[max(d - 1, 0)]
+            wait_s = max(0.0, free_s - (times[max(d - 1, 0)] + stall_s))
+            stall_s += wait_s
+            added += wait_s
             land[o] = d
             late = True
         added += COPY_INTERFERENCE * c
@@ -254,8 +261,14 @@ def _best_choice(
         if freed:
             cands.append((p.unit_cost_s[u] / freed, "recompute", u))
     taken = {s.ordinal for u in units for s in ix.members[u]}
-    queue = sorted((ix.by[o].save, sim.land_s[o]) for o in offloads)
+    queue = sorted((ix.by[o].save, sim.land_s[o], p.times_s[deadline[o]]) for o in offloads if o in deadline)
     saves = [q[0] for q in queue]
+    # A copy queued before others delays them by its own time: where they have less time to spare
+    # before their points (the least over those saved later), it makes one of them late.
+    spare = [float("inf")] * (len(queue) + 1)
+    for k in range(len(queue) - 1, -1, -1):
+        _, land_s, point_s = queue[k]
+        spare[k] = min(spare[k + 1], point_s - land_s if land_s <= point_s else float("inf"))
     for s in p.saved:
         if not s.offloadable or s.ordinal in offloads or s.ordinal in taken or s.nbytes == 0:
             continue
@@ -268,14 +281,14 @@ def _best_choice(
             k = bisect.bisect_right(saves, s.save)
             free_s = queue[k - 1][1] if k else 0.0
             wait_s = max(p.times_s[s.save], free_s) + c - p.times_s[peak]
-            if wait_s > 0 and not late:
-                continue  # its copy cannot land before the point it must lower
+            if (wait_s > 0 or c > spare[k]) and not late:
+                continue  # its copy, or one queued behind it, cannot land before the point it must lower
             cost = 2 * COPY_INTERFERENCE * c + max(0.0, wait_s)
         cands.append((cost / s.nbytes, "offload", s.ordinal))
     cands.sort(key=lambda c: c[0])
     best, best_score, tries = None, float("inf"), 0
     for bound, kind, key in cands:
-        if bound >= best_score or (best is not None and tries >= EXACT_TRIES):
+        if bound >= best_score or (best is not None and tries >= (1 if late else EXACT_TRIES)):
             break
         tries += 1
         if kind == "offload":
