@@ -396,11 +396,17 @@ class Pool:
         self._plan_events(event)
 
     def _plan_recipe(self, recipe: Any, entries: list[Entry], cost: Any, offloadable: bool = True) -> None:
-        """Tells this step's profile that `recipe` can rebuild `entries` from now on, for `cost` seconds
-        (or a call that measures them), reading the entries `_recipe_inputs` names."""
-        step = self._step
+        """Tells the step being recorded (planned policy; else nothing) that `recipe` can rebuild
+        `entries` from now on, for `cost` seconds (or a call that measures them once the plan is made:
+        it must not hold entries), reading the entries `_recipe_inputs` names. The one call a new kind
+        of recipe needs to be weighed by the planner: at the pack of a recipe ready then (done here, in
+        `_planned_pack`), or wherever it becomes ready later."""
+        step, rec = self._step, self._rec
+        if rec is None:
+            return
+        own = [x.ordinal for x in entries if x.step is step]
         inputs = [x.ordinal for x in _recipe_inputs(recipe) if x.step is step]
-        self._rec.recomputable(recipe, cost, [x.ordinal for x in entries], offloadable, inputs)
+        rec.recomputable(recipe, cost, own, offloadable, inputs)
 
     def _plan_matches(self, e: Entry) -> bool:
         """Whether this step still has the plan's shape; on a change, a cached plan of the new shape

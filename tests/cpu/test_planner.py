@@ -535,3 +535,32 @@ def test_plan_time_with_hundreds_of_late_copies():
     plan = make_plan(p, int(0.5 * native_peak(p)))
     assert plan.plan_s < 1.0, plan.plan_s
     assert plan.counts()["offload"] > 100
+
+
+def test_a_recipe_names_what_its_rebuild_reads():
+    """The planner's one question to a recipe beyond its cost: which saved tensors its rebuild reads.
+    A recipe answers with `input_entries()` (an op replayed from its kept inputs); a region, by the
+    entries behind its packed arguments; anything else (a parameter) is not an entry and is left out."""
+    from supermem.tensor_pool.entry import Entry
+    from supermem.tensor_pool.pool import _recipe_inputs
+
+    g = torch.Generator().manual_seed(1)
+    pool = Pool(budget=1 << 30, policy="planned")
+    model = MLP()
+    with pool:
+        model(torch.randn(32, 64, generator=g)).square().mean().backward()  # step 1 finds the regions
+        loss = model(torch.randn(32, 64, generator=g)).square().mean()
+        entries = [x for ref in pool._entries.values() if isinstance(x := ref(), Entry)]
+        assert len(entries) >= 2
+
+        class OpReplay:
+            def input_entries(self):
+                return [entries[0], model[0][0].weight, entries[1]]
+
+        assert _recipe_inputs(OpReplay()) == entries[:2]
+        regions = {id(e.recipe): e.recipe for e in entries if e.recipe is not None and e.recipe.ready}
+        assert len(regions) == 6
+        for region in regions.values():
+            (x,) = _recipe_inputs(region)
+            assert isinstance(x, Entry) and x.recipe is not region
+        loss.backward()
