@@ -158,6 +158,10 @@ class OpReplay:
     def cost_s(self, pool: Pool) -> float | None:
         return self.site.cost_s()
 
+    def input_entries(self) -> list[Entry]:
+        """The entries its rebuild reads (the planner keeps them while this recipe may be needed)."""
+        return [x for x in self.leaves if isinstance(x, Entry)]
+
     def droppable(self, e: Entry) -> bool:
         """Its inputs are as they were saved and none is away by an op recipe; no dropped op recipe
         reads `e` (see the module's docstring: cascades)."""

@@ -1,18 +1,29 @@
 """The planner: from one profiled step, keep / offload / recompute for every saved tensor.
 
-The simulator replays the profile's timeline with a set of treatments: an offloaded tensor is off the
-device from the event its copy lands (copies serialised on one D2H stream at the link rate, from its
-save) until its prefetch is issued; a recomputed unit's members are off from the unit's end until the
-first of them is used (one replay brings all back). Prefetches are issued from backward progress: at
-the latest event that still leaves the copy its time, and no earlier than the last over-budget event
-before the use (so a prefetch never raises the peak; it is exposed instead).
+The simulator replays the profile's timeline with a set of treatments and prices them in seconds the
+step loses:
+- a recomputed unit's members are off from the unit's end until the unit is replayed, at the first use
+  of any of them. It costs the unit's measured seconds. A member that another unit's replay reads (a
+  ResNet block's output is the next block's input) is never dropped by the plan: recomputing a chain
+  of such units would replay all of them at the first replay in backward.
+- an offloaded tensor is off from the event its copy lands until its prefetch is issued. Copies to the
+  host go one after another on one stream at the link rate, from each save; where the plan needs a copy
+  to have landed (before the point it was chosen to lower) and it has not, compute waits: those seconds
+  are exposed. Prefetches go one after another on the other stream, issued from backward progress as
+  late as lets each land before it is needed (its first use, or the replay of a recomputed unit that
+  reads it), never before backward, never before the copy out landed, never where the curve is over
+  the budget (a prefetch must not raise the peak); what does not land by then is exposed. Copies
+  beside compute slow it by COPY_INTERFERENCE of their seconds, each way. On CPU copies are
+  synchronous: both ways exposed.
 
 The greedy: while the simulated curve is over the budget somewhere, take its highest point and, among
-the treatments that lower it, apply the one with the least added seconds per byte freed there. An
-offload counts only if its copy lands before that point (it then costs only the slowdown that copies
-cause to compute); a recompute costs its unit's measured forward time. Decisions are never undone, so
-it ends after at most one step per tensor. If nothing lowers the highest point, the plan says it is
-infeasible and the pool's reactive fallback does what it can.
+the treatments that lower it, apply the one with the least added seconds per byte freed there, added
+seconds measured by simulating the plan with it (so an offload that delays the copies queued behind it,
+or that cannot come back in time, pays for that). Offloads are considered only for tensors saved in the
+forward whose copy can land before that point; only where nothing else lowers it, a copy that lands
+later, compute waiting for it before the point (backpressure: priced as exposed). Decisions are never
+undone, so it ends after at most one step per tensor. If nothing lowers the highest point, the plan
+says it is infeasible and the pool's reactive fallback does what it can.
 """
 
 from __future__ import annotations
@@ -23,7 +34,12 @@ from dataclasses import dataclass, field
 
 from .profile import Profile
 
-COPY_INTERFERENCE = 0.08  # a step slowed 8% with copies running beside it (DESIGN.md, one H100 run)
+# What a copy running beside compute costs the step, as a share of the copy's own seconds. DESIGN.md's
+# first H100 run measured 8%; bench train on an H100 (GPT-24 at 75% of native's peak, planned) measured
+# about 35%: 2.52 GiB out and back per step (100 ms of copies at 54 GB/s, 17 ms of it waited for) cost
+# about 50 ms more than recomputing the same bytes would have (cost_aware, same run).
+COPY_INTERFERENCE = 0.35
+EXACT_TRIES = 4  # candidates simulated per decision, cheapest lower bound first (late copies: 1)
 
 
 @dataclass
@@ -38,6 +54,8 @@ class Plan:
     added_s: float = 0.0
     feasible: bool = True
     plan_s: float = 0.0
+    untreated_peak_bytes: int = 0  # the profiled step's curve with nothing treated, the spike included
+    untreated_step_s: float = 0.0  # the profiled step's seconds, less what the reactive fallback cost
 
     def counts(self) -> dict[str, int]:
         out = {"offload": 0, "recompute": 0}
@@ -51,119 +69,166 @@ class Plan:
 class Simulated:
     curve: list[int]
     land: dict[int, int]  # offloaded ordinal -> event from which it is off the device
+    land_s: dict[int, float]  # offloaded ordinal -> when its copy out lands (seconds)
     fetch: dict[int, int]  # offloaded ordinal -> event its prefetch is issued
+    need: dict[int, int]  # offloaded ordinal -> event it must be back by
     added_s: float
-    d2h_free_s: list[tuple[float, float]]  # (save time, D2H stream free after its copy), by save time
+    late: bool = False  # a copy lands after the point it was chosen to lower (compute would wait)
 
 
-def simulate(p: Profile, offloads: set[int], units: set[int], budget: int) -> Simulated:
-    n = len(p.base_bytes)
-    by = {s.ordinal: s for s in p.saved}
+class _Index:
+    """What the simulator looks up per profile, built once per plan."""
+
+    def __init__(self, p: Profile):
+        self.by = {s.ordinal: s for s in p.saved}
+        self.readers: dict[int, list[int]] = {}  # ordinal -> units whose replay reads it
+        for u, inputs in p.unit_inputs.items():
+            for o in inputs:
+                self.readers.setdefault(o, []).append(u)
+        # What recomputing a unit drops. Not a tensor another unit's replay reads (a ResNet block's
+        # output, the next block's input): kept, as checkpointing keeps block boundaries, or a chain of
+        # blocks each recomputed would replay all of them at the first replay in backward.
+        self.members: dict[int, list] = {}
+        for s in p.saved:
+            if s.unit is not None and s.unit in p.unit_cost_s and s.ordinal not in self.readers:
+                self.members.setdefault(s.unit, []).append(s)
+        self.n = len(p.base_bytes)
+
+
+def _need(ix: _Index, s, back: dict[int, int]) -> int:
+    """When `s` must be on the device: its first use, or the replay of a chosen unit that reads it."""
+    need = s.use
+    for v in ix.readers.get(s.ordinal, ()):
+        if v in back:
+            need = min(need, back[v])
+    return need
+
+
+def simulate(
+    p: Profile,
+    offloads: set[int],
+    units: set[int],
+    budget: int,
+    deadline: dict[int, int] | None = None,
+    ix: _Index | None = None,
+) -> Simulated:
+    """The curve and added seconds of a plan; `deadline`: offloaded ordinal -> the point it must lower."""
+    ix = ix or _Index(p)
+    deadline = deadline or {}
+    n, by, times = ix.n, ix.by, p.times_s
     diff = [0] * (n + 1)
     added = 0.0
+    back = {u: min(s.use for s in ix.members[u]) for u in units}  # replayed at the first use of one
+    for u in units:
+        a = p.unit_ready[u]
+        for s in ix.members[u]:
+            b = min(back[u], s.end)
+            if a < b:
+                diff[a] -= s.nbytes
+                diff[b] += s.nbytes
+        added += p.unit_cost_s[u]
     land: dict[int, int] = {}
-    queue: list[tuple[float, float]] = []
-    free_s = 0.0
+    land_s: dict[int, float] = {}
+    free_s, late = 0.0, False
+    stall_s = 0.0  # compute waited this long so far; the timeline after a wait runs that much later
     for o in sorted(offloads, key=lambda o: by[o].save):
         s = by[o]
         c = s.nbytes / p.link_bytes_per_s
         if p.sync_copies:
-            land[o] = s.save + 1
+            land[o], land_s[o] = s.save + 1, times[s.save]
             added += 2 * c  # out and back, both blocking
-        else:
-            free_s = max(p.times_s[s.save], free_s) + c
-            land[o] = max(s.save + 1, bisect.bisect_left(p.times_s, free_s))
-            queue.append((p.times_s[s.save], free_s))
-            added += COPY_INTERFERENCE * c
-    fetch: dict[int, int] = {}
-    for o in offloads:
-        s = by[o]
-        c = s.nbytes / p.link_bytes_per_s
-        if p.sync_copies or s.use >= n:
-            fetch[o] = s.use
             continue
-        # The latest event that leaves the copy its time, in backward and after it landed.
-        f = bisect.bisect_right(p.times_s, p.times_s[s.use] - c) - 1
-        fetch[o] = min(s.use, max(f, p.backward_event, land[o]))
+        free_s = max(times[s.save] + stall_s, free_s) + c
+        land_s[o] = free_s - stall_s
+        land[o] = max(s.save + 1, bisect.bisect_left(times, free_s - stall_s))
+        d = deadline.get(o)
+        if d is not None and land[o] > d:  # backpressure: compute waits for it before the point it lowers
+            wait_s = max(0.0, free_s - (times[max(d - 1, 0)] + stall_s))
+            stall_s += wait_s
+            added += wait_s
+            land[o] = d
+            late = True
+        added += COPY_INTERFERENCE * c
+    need = {o: _need(ix, by[o], back) for o in offloads}
+    # Prefetches, as late as lets each land in time, one after another on the H2D stream.
+    fetch: dict[int, int] = {}
+    next_start = float("inf")
+    for o in sorted(offloads, key=lambda o: -need[o]):
+        s = by[o]
+        if p.sync_copies or need[o] >= min(n, s.end):
+            fetch[o] = need[o]  # copied back at its use (CPU) or never needed again
+            continue
+        start = min(times[need[o]], next_start) - s.nbytes / p.link_bytes_per_s
+        f = bisect.bisect_right(times, start) - 1
+        fetch[o] = min(need[o], max(f, p.backward_event, land[o]))
+        next_start = start
     for o in offloads:
         a, b = land[o], min(fetch[o], by[o].end)
         if a < b:
             diff[a] -= by[o].nbytes
             diff[b] += by[o].nbytes
-    members: dict[int, list] = {}
-    for s in p.saved:
-        if s.unit in units and s.ordinal not in offloads:
-            members.setdefault(s.unit, []).append(s)
-    for u, ms in members.items():
-        a, back = p.unit_ready[u], min(s.use for s in ms)
-        for s in ms:
-            b = min(back, s.end)
-            if a < b:
-                diff[a] -= s.nbytes
-                diff[b] += s.nbytes
-        added += p.unit_cost_s[u]
     curve, run = [], 0
     for i in range(n):
         run += diff[i]
         curve.append(p.base_bytes[i] + p.transient_bytes[i] + run)
     # A prefetch never raises the peak: one whose window holds an over-budget point starts after it.
     over = [i for i in range(n) if curve[i] > budget]
-    for o in sorted(offloads, key=lambda o: by[o].use):
+    for o in sorted(offloads, key=lambda o: need[o]):
         s, f = by[o], fetch[o]
-        if f >= min(s.use, s.end):
+        if f >= min(need[o], s.end):
             continue
-        k = bisect.bisect_left(over, s.use) - 1
+        k = bisect.bisect_left(over, need[o]) - 1
         if k >= 0 and over[k] >= f:
             later = over[k] + 1
             for i in range(f, min(later, s.end)):
                 curve[i] -= s.nbytes
-            fetch[o] = f = later
-        if not p.sync_copies:
-            c = s.nbytes / p.link_bytes_per_s
-            added += max(0.0, c - (p.times_s[s.use] - p.times_s[f]))
-    return Simulated(curve, land, fetch, added, queue)
+            fetch[o] = later
+    if not p.sync_copies:  # what the H2D stream cannot land before the need is exposed
+        h2d_free = 0.0
+        for o in sorted((o for o in offloads if fetch[o] < by[o].end), key=lambda o: (fetch[o], need[o])):
+            h2d_free = max(times[fetch[o]], h2d_free) + by[o].nbytes / p.link_bytes_per_s
+            if need[o] < n:
+                added += max(0.0, h2d_free - times[need[o]])
+            added += COPY_INTERFERENCE * by[o].nbytes / p.link_bytes_per_s
+    return Simulated(curve, land, land_s, fetch, need, added, late)
 
 
 def make_plan(p: Profile, budget: int) -> Plan:
     t0 = time.perf_counter()
+    ix = _Index(p)
     offloads: set[int] = set()
     units: set[int] = set()
     deadline: dict[int, int] = {}  # offloaded ordinal -> the first point it was chosen to lower
-    unit_members: dict[int, list] = {}
-    for s in p.saved:
-        if s.unit is not None:
-            unit_members.setdefault(s.unit, []).append(s)
     feasible = True
-    while True:
-        sim = simulate(p, offloads, units, budget)
-        if not sim.curve:
-            break
+    sim = simulate(p, offloads, units, budget, deadline, ix)
+    while sim.curve:
         peak = max(range(len(sim.curve)), key=sim.curve.__getitem__)
         if sim.curve[peak] <= budget:
             break
-        best = _best_choice(p, sim, peak, offloads, units, unit_members)
+        best = _best_choice(p, ix, sim, peak, offloads, units, deadline, budget, False)
+        if best is None:  # the last resort: a copy that lands late, compute waiting for it before the point
+            best = _best_choice(p, ix, sim, peak, offloads, units, deadline, budget, True)
         if best is None:
             feasible = False
             break
-        kind, key = best
+        kind, key, sim = best
         if kind == "offload":
             offloads.add(key)
             deadline[key] = peak
         else:
             units.add(key)
-    sim = simulate(p, offloads, units, budget)
     plan = Plan(p.signature, budget, feasible=feasible)
     for o in offloads:
         plan.treatment[o] = "offload"
-        f = sim.fetch[o]
-        by_use = next(s.use for s in p.saved if s.ordinal == o)
-        if f < by_use:
-            plan.prefetch_at.setdefault(f, []).append(o)
+        if sim.fetch[o] < min(sim.need[o], ix.by[o].end):
+            plan.prefetch_at.setdefault(sim.fetch[o], []).append(o)
         if not p.sync_copies:  # backpressure: the copy must have landed before the point it lowers
             plan.wait_at.setdefault(max(deadline[o] - 1, 0), []).append(o)
     for u in units:
-        for s in unit_members[u]:
+        for s in ix.members[u]:
             plan.treatment.setdefault(s.ordinal, "recompute")
+    plan.untreated_peak_bytes = max((b + t for b, t in zip(p.base_bytes, p.transient_bytes)), default=0)
+    plan.untreated_step_s = p.step_s
     plan.predicted_peak_bytes = max(sim.curve, default=0)
     plan.added_s = sim.added_s
     plan.predicted_step_s = p.step_s + sim.added_s
@@ -171,38 +236,69 @@ def make_plan(p: Profile, budget: int) -> Plan:
     return plan
 
 
-def _best_choice(p: Profile, sim: Simulated, peak: int, offloads: set, units: set, unit_members: dict):
-    """The treatment that lowers the curve at `peak` for the least seconds per byte freed there."""
-    best, best_score = None, float("inf")
-    for u, ms in unit_members.items():
-        if u in units:
+def _best_choice(
+    p: Profile,
+    ix: _Index,
+    sim: Simulated,
+    peak: int,
+    offloads: set,
+    units: set,
+    deadline: dict,
+    budget: int,
+    late: bool,
+):
+    """The treatment that lowers the curve at `peak` for the least added seconds per byte freed there:
+    candidates in order of a lower bound on that (their own cost over the most they could free), each
+    priced exactly by simulating the plan with it, until the bound passes the best exact price. `late`:
+    offloads whose copies land after `peak` count too (compute waits for them: priced, not hidden)."""
+    cands = []  # (lower bound per byte, kind, key)
+    for u, ms in ix.members.items():
+        if u in units or any(s.ordinal in offloads for s in ms):
             continue
-        free = [s for s in ms if s.ordinal not in offloads]
-        if not free or not p.unit_ready[u] <= peak < min(s.use for s in free):
+        if not p.unit_ready[u] <= peak < min(s.use for s in ms):
             continue
-        freed = sum(s.nbytes for s in free if peak < s.end)
-        if not freed:
-            continue
-        score = p.unit_cost_s[u] / freed
-        if score < best_score:
-            best, best_score = ("recompute", u), score
-    taken = {s.ordinal for u in units for s in unit_members[u]}
-    saves = [q[0] for q in sim.d2h_free_s]
+        freed = sum(s.nbytes for s in ms if peak < s.end)
+        if freed:
+            cands.append((p.unit_cost_s[u] / freed, "recompute", u))
+    taken = {s.ordinal for u in units for s in ix.members[u]}
+    queue = sorted((ix.by[o].save, sim.land_s[o], p.times_s[deadline[o]]) for o in offloads if o in deadline)
+    saves = [q[0] for q in queue]
+    # A copy queued before others delays them by its own time: where they have less time to spare
+    # before their points (the least over those saved later), it makes one of them late.
+    spare = [float("inf")] * (len(queue) + 1)
+    for k in range(len(queue) - 1, -1, -1):
+        _, land_s, point_s = queue[k]
+        spare[k] = min(spare[k + 1], point_s - land_s if land_s <= point_s else float("inf"))
     for s in p.saved:
         if not s.offloadable or s.ordinal in offloads or s.ordinal in taken or s.nbytes == 0:
             continue
-        if not s.save < peak < min(s.use, s.end):
-            continue
+        if not (s.save < p.backward_event and s.save < peak < min(s.use, s.end)):
+            continue  # offloads are made in the forward, for a point before the tensor is needed
         c = s.nbytes / p.link_bytes_per_s
         if p.sync_copies:
             cost = 2 * c
         else:
-            k = bisect.bisect_right(saves, p.times_s[s.save])
-            free_s = sim.d2h_free_s[k - 1][1] if k else 0.0
-            if max(p.times_s[s.save], free_s) + c > p.times_s[peak]:
-                continue  # its copy cannot land before the point it must lower
-            cost = COPY_INTERFERENCE * c
-        score = cost / s.nbytes
+            k = bisect.bisect_right(saves, s.save)
+            free_s = queue[k - 1][1] if k else 0.0
+            wait_s = max(p.times_s[s.save], free_s) + c - p.times_s[peak]
+            if (wait_s > 0 or c > spare[k]) and not late:
+                continue  # its copy, or one queued behind it, cannot land before the point it must lower
+            cost = 2 * COPY_INTERFERENCE * c + max(0.0, wait_s)
+        cands.append((cost / s.nbytes, "offload", s.ordinal))
+    cands.sort(key=lambda c: c[0])
+    best, best_score, tries = None, float("inf"), 0
+    for bound, kind, key in cands:
+        if bound >= best_score or (best is not None and tries >= (1 if late else EXACT_TRIES)):
+            break
+        tries += 1
+        if kind == "offload":
+            trial = simulate(p, offloads | {key}, units, budget, {**deadline, key: peak}, ix)
+        else:
+            trial = simulate(p, offloads, units | {key}, budget, deadline, ix)
+        freed = sim.curve[peak] - trial.curve[peak]
+        if freed <= 0 or (trial.late and not sim.late and not late):
+            continue  # it frees nothing there, or it delays a copy queued behind it past its point
+        score = max(0.0, trial.added_s - sim.added_s) / freed
         if score < best_score:
-            best, best_score = ("offload", s.ordinal), score
+            best, best_score = (kind, key, trial), score
     return best

@@ -26,6 +26,7 @@ from typing import Any
 
 import psutil
 import torch
+from torch.utils._pytree import tree_map
 
 from ..errors import ConfigError
 from ..policies import Choice, make_policy
@@ -364,8 +365,7 @@ class Pool:
         if self._rec is not None and region is not None:
             own = [x for ref in region.slots if ref is not None and (x := ref()) is not None]
             regions, module = self.regions, region.module
-            ordinals = [x.ordinal for x in own if x.recipe is region]
-            self._rec.recomputable(region, lambda: regions.cost_s(module), ordinals, True)
+            self._plan_recipe(region, [x for x in own if x.recipe is region], lambda: regions.cost_s(module))
         if self._plan_pending:
             still = []
             for ref in self._plan_pending:
@@ -385,10 +385,10 @@ class Pool:
         """Records the pack; runs the plan's treatment for it and whatever the plan set for this event."""
         rec = self._rec
         event = rec.packed(e.ordinal, e.nbytes, self._used_bytes())
-        if isinstance(e.recipe, Cast):
-            rec.recomputable(e.recipe, e.recipe.cost_s(self), [e.ordinal], False)
-        elif isinstance(e.recipe, OpReplay):  # its cost by its site: the recipe holds entries of this step
-            rec.recomputable(e.recipe, e.recipe.site.cost_s, [e.ordinal], True)
+        if e.recipe is not None and e.recipe.ready:  # made at pack: a weight copy, an op's replay
+            # an op replay's cost by its site (measured later; the recipe itself holds this step's entries)
+            cost = e.recipe.site.cost_s if isinstance(e.recipe, OpReplay) else e.recipe.cost_s(self)
+            self._plan_recipe(e.recipe, [e], cost, offloadable=not isinstance(e.recipe, Cast))
         if not self._plan_ok:
             return
         if not self._plan_matches(e):
@@ -403,6 +403,19 @@ class Pool:
             else:
                 self._plan_pending.append(weakref.ref(e))  # its call has not returned yet
         self._plan_events(event)
+
+    def _plan_recipe(self, recipe: Any, entries: list[Entry], cost: Any, offloadable: bool = True) -> None:
+        """Tells the step being recorded (planned policy; else nothing) that `recipe` can rebuild
+        `entries` from now on, for `cost` seconds (or a call that measures them once the plan is made:
+        it must not hold entries), reading the entries `_recipe_inputs` names. The one call a new kind
+        of recipe needs to be weighed by the planner: at the pack of a recipe ready then (done here, in
+        `_planned_pack`), or wherever it becomes ready later."""
+        step, rec = self._step, self._rec
+        if rec is None:
+            return
+        own = [x.ordinal for x in entries if x.step is step]
+        inputs = [x.ordinal for x in _recipe_inputs(recipe) if x.step is step]
+        rec.recomputable(recipe, cost, own, offloadable, inputs)
 
     def _plan_matches(self, e: Entry) -> bool:
         """Whether this step still has the plan's shape; on a change, a cached plan of the new shape
@@ -522,12 +535,26 @@ class Pool:
         try:
             if e.state in (State.LEAVING, State.AWAY):  # not brought back in time: compute waits
                 self._counters["sync_restores"] += 1
+                t0 = time.perf_counter()
                 e.treatment.come_back(self, e)
+                if self._rec is not None and not self._plan_ok and e.step is self._step:
+                    self._rec.fallback_s += self._restore_s(e, time.perf_counter() - t0)
             if e.state is State.RETURNING:
                 e.treatment.ready(self, e)
             return e.tensor
         finally:
             self._in_use.pop()
+
+    def _restore_s(self, e: Entry, host_s: float) -> float:
+        """Seconds a synchronous restore cost the step: the host's on CPU; on a GPU, where the work is
+        queued, the recipe's measured cost or the copy back at the link rate."""
+        if not self.cuda:
+            return host_s
+        if e.treatment.name == "recompute":
+            return e.recipe.cost_s(self) or 0.0
+        if e.treatment.name == "offload":
+            return e.nbytes / self.treatments["offload"].rate(self)
+        return 0.0
 
     def _prefetch_before(self, e: Entry) -> None:
         """Prefetches the entries of the same step saved just before `e`: backward needs them next."""
@@ -785,11 +812,15 @@ class Pool:
         return {
             **p.counts(),
             "feasible": p.feasible,
+            "budget_bytes": p.budget_bytes,
             "predicted_peak_bytes": p.predicted_peak_bytes,
             "measured_peak_bytes": self._last_peak_bytes,
             "predicted_step_s": p.predicted_step_s,
             "measured_step_s": self._last_step_s,
             "plan_s": p.plan_s,
+            "added_s": p.added_s,
+            "untreated_peak_bytes": p.untreated_peak_bytes,
+            "untreated_step_s": p.untreated_step_s,
             "plans_cached": len(self._plans),
         }
 
@@ -868,6 +899,20 @@ def _drop_soft_limit(alloc: Any, budget: int) -> None:
             alloc.soft_limit_bytes = 0
     except Exception:  # noqa: BLE001  (interpreter shutdown)
         pass
+
+
+def _recipe_inputs(recipe: Any) -> list[Entry]:
+    """The entries a recipe's rebuild reads: its `input_entries()` when it has one, else the entries
+    behind a region's packed arguments (a weight copy reads a parameter: none)."""
+    get = getattr(recipe, "input_entries", None)
+    if get is not None:
+        return [x for x in get() if isinstance(x, Entry)]
+    out: list[Entry] = []
+    tree_map(
+        lambda x: out.append(x.packed) if isinstance(getattr(x, "packed", None), Entry) else None,
+        getattr(recipe, "args", None),
+    )
+    return out
 
 
 def _alive_anyway(t: torch.Tensor) -> bool:

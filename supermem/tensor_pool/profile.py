@@ -6,8 +6,15 @@ GPU, the pool's own on CPU) with what the pool had taken off the device added ba
 the step's untreated memory; and the event's time (CUDA events on a GPU, read once when the plan is
 made; the host clock on CPU). The transient the pool cannot see (the loss's temporaries, workspaces) is
 the step's true peak (the allocator's watermark) above the most the pool saw; it is put at backward's
-start, where the loss's spike falls. Recompute units (a module call, an autocast weight copy) and
-their measured costs come from the regions; the link rate from the copy engine.
+start, where the loss's spike falls. The link rate comes from the copy engine.
+
+A recompute choice is a unit, whatever rebuilds it (a module call replayed, an autocast weight copy
+cast again, an op replayed from its kept inputs): its members (the saved tensors one rebuild brings
+back: `Saved.unit`), the event from which they may leave (`unit_ready`), the measured seconds of one
+rebuild (`unit_cost_s`) and the saved tensors the rebuild reads (`unit_inputs`: they must be on the
+device when it runs, so an offloaded input is prefetched for it and a recomputed one is rebuilt first).
+A recipe becomes a unit through `Recorder.recomputable(recipe, cost, members, offloadable, inputs)`;
+the planner needs nothing else to weigh it against the others.
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ class Profile:
     transient_bytes: list[int]  # per event: what the pool did not see (the loss's spike)
     unit_ready: dict[int, int] = field(default_factory=dict)  # unit -> first event its members may leave
     unit_cost_s: dict[int, float] = field(default_factory=dict)  # unit -> measured recompute seconds
+    unit_inputs: dict[int, tuple[int, ...]] = field(default_factory=dict)  # unit -> ordinals it reads
     link_bytes_per_s: float = 25e9
     sync_copies: bool = False  # CPU: copies block the step
     backward_event: int = 0  # the first unpack
@@ -62,10 +70,14 @@ class Recorder:
         self.times: list[Any] = []
         self.saved: dict[int, Saved] = {}  # ordinal -> record
         self.away = 0  # bytes of this step's entries off the device now
-        # id(recipe) -> (its cost in seconds, or a call that measures it; ordinals; ready event). Not the
-        # recipe itself: a region holds its inputs' entries, which must die with the step.
-        self.units: dict[int, tuple[Any, list[int], int]] = {}
+        # id(recipe) -> (its cost in seconds, or a call that measures it; ordinals; ready event; input
+        # ordinals). Not the recipe itself: a region holds its inputs' entries, which must die with the step.
+        self.units: dict[int, tuple[Any, list[int], int, list[int]]] = {}
         self.backward_event: int | None = None
+        # Seconds the step lost to the reactive fallback so far (rebuilds and copies it waited for): the
+        # plan replaces those choices, so the timeline and the step's time are taken without them.
+        self.fallback_s = 0.0
+        self.fallback_at: list[float] = []  # per event: fallback_s when it happened
         self.regions_on = True  # regions were hooked when the step began (their inputs are entries)
 
     @property
@@ -74,6 +86,7 @@ class Recorder:
 
     def _event(self, used: int) -> int:
         self.bytes.append(used + self.away)
+        self.fallback_at.append(self.fallback_s)
         if self.start_event is not None:
             self.times.append(_event())
         else:
@@ -102,11 +115,15 @@ class Recorder:
         if s is not None and s.end < 0:
             s.end = self.events
 
-    def recomputable(self, recipe: Any, cost: Any, ordinals: list[int], offloadable: bool) -> None:
+    def recomputable(
+        self, recipe: Any, cost: Any, ordinals: list[int], offloadable: bool, inputs: Any = ()
+    ) -> None:
         """`ordinals` may be dropped and rebuilt by `recipe` from the next event on, for `cost`
-        seconds (or what `cost()` measures once the plan is made)."""
-        unit = self.units.setdefault(id(recipe), (cost, [], self.events))
+        seconds (or what `cost()` measures once the plan is made), reading the saved tensors `inputs`
+        (ordinals of this step; others, a parameter say, are always there)."""
+        unit = self.units.setdefault(id(recipe), (cost, [], self.events, []))
         unit[1].extend(o for o in ordinals if o in self.saved)
+        unit[3].extend(o for o in inputs if o in self.saved and o not in ordinals)
         for o in ordinals:
             if o in self.saved:
                 self.saved[o].offloadable = offloadable
@@ -118,6 +135,7 @@ class Recorder:
             times = [self.start_event.elapsed_time(e) / 1e3 for e in self.times]
         else:
             times = list(self.times)
+        times = [t - x for t, x in zip(times, self.fallback_at)]
         saved = sorted(self.saved.values(), key=lambda s: s.save)
         for s in saved:
             if s.use < 0:
@@ -132,17 +150,18 @@ class Recorder:
             link_bytes_per_s=link_bytes_per_s,
             sync_copies=sync_copies,
             backward_event=self.backward_event if self.backward_event is not None else n,
-            step_s=time.perf_counter() - self.start_s,
+            step_s=time.perf_counter() - self.start_s - self.fallback_s,
         )
         if p.backward_event < n:
             p.transient_bytes[p.backward_event] = spike_bytes
-        for k, (cost, ordinals, ready) in enumerate(self.units.values()):
+        for k, (cost, ordinals, ready, inputs) in enumerate(self.units.values()):
             if callable(cost):
                 cost = cost()
             if cost is None or not ordinals:
                 continue
             p.unit_ready[k] = ready
             p.unit_cost_s[k] = cost
+            p.unit_inputs[k] = tuple(dict.fromkeys(inputs))
             for o in ordinals:
                 self.saved[o].unit = k
         return p

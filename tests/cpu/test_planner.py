@@ -60,6 +60,11 @@ def gpt24_profile(link_bytes_per_s=55e9, spike_bytes=int(3.07 * GiB), block_cost
 def resident_curve(p: Profile, plan) -> list[int]:
     by = {s.ordinal: s for s in p.saved}
     fetched = {o: e for e, os in plan.prefetch_at.items() for o in os}
+    replay = replay_events(p, plan)
+    for o in plan.treatment:  # an offloaded input of a replayed unit must be back for the replay
+        for v, inputs in p.unit_inputs.items():
+            if o in inputs and v in replay and plan.treatment[o] == "offload":
+                fetched[o] = min(fetched.get(o, replay[v]), replay[v])
     away = [0] * len(p.base_bytes)
     free_s = 0.0
     offloads = sorted((o for o, t in plan.treatment.items() if t == "offload"), key=lambda o: by[o].save)
@@ -76,18 +81,38 @@ def resident_curve(p: Profile, plan) -> list[int]:
     for o, t in plan.treatment.items():
         if t == "recompute":
             units.setdefault(by[o].unit, []).append(by[o])
+    replay = replay_events(p, plan)
     for u, ms in units.items():
         for s in ms:
-            for i in range(p.unit_ready[u], min(min(m.use for m in ms), s.end)):
+            for i in range(p.unit_ready[u], min(replay[u], s.end)):
                 away[i] += s.nbytes
     return [b + t - a for b, t, a in zip(p.base_bytes, p.transient_bytes, away)]
+
+
+def replay_events(p: Profile, plan) -> dict[int, int]:
+    """Recomputed unit -> the event it is replayed: the first event any of its recomputed members is
+    needed, at its own first use or at the replay of a recomputed unit that reads it (to a fixed point)."""
+    by = {s.ordinal: s for s in p.saved}
+    units = {by[o].unit for o, t in plan.treatment.items() if t == "recompute"}
+    members = {
+        u: [o for o, t in plan.treatment.items() if t == "recompute" and by[o].unit == u] for u in units
+    }
+    replay = {u: min(by[o].use for o in members[u]) for u in units}
+    changed = True
+    while changed:
+        changed = False
+        for u in units:
+            for v in units:
+                if set(p.unit_inputs.get(v, ())) & set(members[u]) and replay[v] < replay[u]:
+                    replay[u], changed = replay[v], True
+    return replay
 
 
 def native_peak(p: Profile) -> int:
     return max(b + t for b, t in zip(p.base_bytes, p.transient_bytes))
 
 
-@pytest.mark.parametrize("share", [0.9, 0.75, 0.6])
+@pytest.mark.parametrize("share", [0.9, 0.75, 0.6, 0.5])
 def test_gpt24_plan_stays_under_the_budget_at_every_point_within_a_second(share):
     p = gpt24_profile()
     budget = int(share * native_peak(p))
@@ -95,9 +120,10 @@ def test_gpt24_plan_stays_under_the_budget_at_every_point_within_a_second(share)
     plan = make_plan(p, budget)
     took = time.perf_counter() - t0
     assert took < 1.0, took
-    assert plan.feasible
+    assert plan.feasible or share == 0.5  # at 50% the recompute units and the copies that hide fall short
     curve = resident_curve(p, plan)
-    assert max(curve) <= budget, (max(curve) / GiB, budget / GiB)
+    if plan.feasible:
+        assert max(curve) <= budget, (max(curve) / GiB, budget / GiB)
     assert plan.predicted_peak_bytes == max(curve)
     assert plan.added_s > 0 and plan.predicted_step_s == pytest.approx(p.step_s + plan.added_s)
     # Prefetches are issued from backward progress, before the use.
@@ -240,6 +266,8 @@ def test_stats_and_top_show_the_plan_beside_the_measurements():
     plan = pool.stats()["plan"]
     assert plan["predicted_peak_bytes"] > 0 and plan["measured_peak_bytes"] > 0
     assert plan["predicted_step_s"] > 0 and plan["measured_step_s"] > 0 and plan["offload"] > 0
+    assert plan["untreated_peak_bytes"] > plan["budget_bytes"] >= plan["predicted_peak_bytes"], plan
+    assert plan["predicted_step_s"] == pytest.approx(plan["untreated_step_s"] + plan["added_s"])
     view = _top_view()
     assert plan in view["plans"]
     text = top.render({"pid": 1, "argv": ["x"], "time_unix_s": 0, "providers": {"pool": view}})
@@ -301,3 +329,239 @@ def test_plan_cache_is_bounded(monkeypatch):
     pool = Pool(budget=8 << 10, policy="planned", host_limit="64MiB")
     _train(pool, batches)
     assert pool.stats()["plans"] >= 3 and len(pool._plans) == 2
+
+
+# ---- the cost model: what an offload cannot hide, and what a replay reads ------------------------------
+
+
+def _small_profile(sizes_mib, times_s, uses, transient, backward_event, link=MiB):
+    """Saved tensors k = 1.. of `sizes_mib`, saved at events 0.., first used at `uses`; resident bytes are
+    the tensors saved and not yet used; link: bytes per second (MiB/s: a copy takes its size in seconds)."""
+    saved = [Saved(k + 1, m * MiB, save=k, use=u, end=u + 1) for k, (m, u) in enumerate(zip(sizes_mib, uses))]
+    n = len(times_s)
+    base = [sum(s.nbytes for s in saved if s.save <= i <= s.use) for i in range(n)]
+    p = Profile(saved, list(times_s), base, [t * MiB for t in transient], backward_event=backward_event)
+    p.link_bytes_per_s = link
+    p.step_s = times_s[-1]
+    return p
+
+
+def test_an_offload_whose_return_cannot_hide_is_recomputed_instead():
+    """A's copy out lands long before the peak at backward's start, but A is used 0.1 s after it and a
+    prefetch may not start before that point (it would raise the peak): the copy back (1 s) is exposed.
+    Recomputing A's unit (0.9 s) is cheaper than that, though dearer than the copies' slowdown of compute
+    alone (twice COPY_INTERFERENCE of 1 s)."""
+    from supermem.tensor_pool.planner import COPY_INTERFERENCE
+
+    assert 2 * COPY_INTERFERENCE < 0.9
+    p = _small_profile(
+        [1, 1], [0.0, 1.0, 3.0, 3.1, 3.2], uses=[3, 4], transient=[0, 0, 1, 0, 0], backward_event=2
+    )
+    p.saved[0].unit, p.unit_ready[0], p.unit_cost_s[0] = 0, 1, 0.9
+    plan = make_plan(p, 2 * MiB)
+    assert plan.treatment == {1: "recompute"}, plan.treatment
+    assert plan.added_s == pytest.approx(0.9)
+    assert max(resident_curve(p, plan)) <= 2 * MiB
+
+
+def test_prefetches_share_one_link():
+    """A and B land before the peak at backward's start (4 s); both are needed 1.5 s into backward and
+    each copy back takes 1 s: one hides, two in a row do not (0.5 s exposed). Recomputing one costs 1 s,
+    more than a hidden copy's slowdown of compute, less than that and the exposed half second: the plan
+    offloads one and recomputes the other."""
+    from supermem.tensor_pool.planner import COPY_INTERFERENCE
+
+    p = _small_profile(
+        [1, 1, 0],
+        [0.0, 0.0, 3.0, 4.0, 4.01, 5.5, 5.5, 6.0],
+        uses=[5, 6, 4],
+        transient=[0, 0, 0, 2, 0, 0, 0, 0],
+        backward_event=3,
+    )
+    for k in (0, 1):
+        p.saved[k].unit, p.unit_ready[k], p.unit_cost_s[k] = k, k + 1, 1.0
+    plan = make_plan(p, 2 * MiB)
+    assert sorted(plan.treatment.values()) == ["offload", "recompute"], plan.treatment
+    assert plan.added_s == pytest.approx(1.0 + 2 * COPY_INTERFERENCE), plan.added_s
+    assert max(resident_curve(p, plan)) <= 2 * MiB
+
+
+def test_a_tensor_another_replay_reads_is_never_dropped():
+    """A ResNet block's output is the next block's input: unit 0 made A and A2, unit 1 made B and reads
+    A. Dropping A with both units recomputed would bring it back at B's replay (event 3), before its own
+    use and before the transient at 4, and a chain of such blocks would all be replayed at the first
+    replay. The plan drops A2 and B and keeps A, and its predicted curve is the true one."""
+    p = _small_profile(
+        [4, 2, 4],
+        [0.0, 0.5, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0],
+        uses=[6, 5, 4],
+        transient=[0, 0, 0, 4, 0, 2, 0, 0],
+        backward_event=3,
+    )
+    for k, (unit, ready) in enumerate([(0, 2), (0, 2), (1, 3)]):
+        p.saved[k].unit, p.saved[k].offloadable = unit, False
+        p.unit_ready[unit], p.unit_cost_s[unit] = ready, 0.1
+    p.unit_inputs[1] = (1,)
+    plan = make_plan(p, 8 * MiB)
+    assert plan.treatment == {2: "recompute", 3: "recompute"}, plan.treatment
+    curve = resident_curve(p, plan)
+    assert plan.feasible and plan.predicted_peak_bytes == max(curve) <= 8 * MiB, [c / MiB for c in curve]
+
+
+def test_an_offloaded_input_of_a_replayed_unit_is_prefetched_for_the_replay():
+    """I is a region's input, kept for its replay and never used by backward itself (it dies with the
+    region at the end); its unit's member M is recomputed, so I must be back before M's replay."""
+    i_ = Saved(1, 8 * MiB, save=0, use=7, end=6)
+    m = Saved(2, 4 * MiB, save=1, use=5, end=6, unit=0, offloadable=False)
+    x = Saved(3, 0, save=2, use=4, end=5)
+    times = [0.0, 0.001, 0.002, 2.0, 2.5, 3.0, 3.1]
+    base = [8 * MiB] + [12 * MiB] * 5 + [8 * MiB]
+    p = Profile(
+        [i_, m, x], times, base, [0, 0, 0, 8 * MiB, 0, 0, 0], backward_event=3, link_bytes_per_s=64 * MiB
+    )
+    p.unit_ready[0], p.unit_cost_s[0], p.unit_inputs[0] = 2, 0.01, (1,)
+    p.step_s = 3.1
+    plan = make_plan(p, 12 * MiB)
+    assert plan.treatment == {1: "offload", 2: "recompute"}, plan.treatment
+    fetched = {o: e for e, os in plan.prefetch_at.items() for o in os}
+    assert 1 in fetched and p.backward_event <= fetched[1] < m.use, plan.prefetch_at
+    assert max(resident_curve(p, plan)) <= 12 * MiB
+
+
+def test_gpt24_prefers_recompute_to_copies_that_slow_compute_both_ways():
+    """DESIGN.md's GPT-24: a block rebuilds at 1.9 ms per GiB; a copy at 55 GB/s (19.5 ms per GiB) slows
+    compute by at least 8% of its time each way (3.1 ms per GiB both): at 75% the plan recomputes only."""
+    p = gpt24_profile()
+    plan = make_plan(p, int(0.75 * native_peak(p)))
+    assert plan.feasible and "offload" not in plan.treatment.values(), plan.counts()
+    assert max(resident_curve(p, plan)) <= int(0.75 * native_peak(p))
+
+
+def test_the_profile_names_what_each_region_replay_reads(monkeypatch):
+    """Each layer of the MLP is a region; its replay reads the layer's input (the Linear saves it), an
+    entry of the step that is no member of the region: the profile's unit_inputs name it, so the plan
+    keeps it on the device (or brings it back) for the replay."""
+    import sys
+
+    mod = sys.modules["supermem.tensor_pool.pool"]
+    profiles = []
+    real = mod.make_plan
+
+    def capture(p, budget):
+        profiles.append(p)
+        return real(p, budget)
+
+    monkeypatch.setattr(mod, "make_plan", capture)
+    monkeypatch.setattr(mod.OpReplays, "recipe_for", lambda *_: None)  # regions only (GELU's are op replays)
+    g = torch.Generator().manual_seed(1)
+    pool = Pool(budget=40 << 10, policy="planned", host_limit="64MiB")
+    _train(pool, [torch.randn(32, 64, generator=g) for _ in range(3)])
+    (p,) = profiles
+    by = {s.ordinal: s for s in p.saved}
+    regions = [u for u in p.unit_inputs if any(by[o].offloadable for o in by if by[o].unit == u)]
+    assert len(regions) == 6, p.unit_inputs
+    for u in regions:
+        (i,) = p.unit_inputs[u]
+        assert by[i].unit != u and by[i].nbytes == 32 * 64 * 4
+        assert by[i].save < p.unit_ready[u]
+
+
+def test_the_profile_leaves_out_what_the_reactive_fallback_cost(monkeypatch):
+    """The profiled step runs before there is a plan, under the reactive fallback: what it lost to the
+    fallback's rebuilds and waits is not the step's, or the plan's predicted step time counts it twice."""
+    from supermem.tensor_pool import profile as profile_mod
+
+    now = [10.0]
+    monkeypatch.setattr(profile_mod.time, "perf_counter", lambda: now[0])
+    rec = profile_mod.Recorder(cuda=False, timed=False)
+    rec.packed(1, MiB, MiB)
+    now[0] += 1.0
+    rec.used(1, MiB)  # backward's first unpack, 1 s in
+    now[0] += 2.0
+    rec.fallback_s += 1.5  # a rebuild the fallback waited for
+    rec.packed(2, MiB, MiB)
+    now[0] += 1.0
+    p = rec.profile(0, 1e9, sync_copies=True)
+    assert p.times_s == [0.0, 1.0, 1.5]
+    assert p.step_s == pytest.approx(2.5)
+
+
+def test_a_restore_the_fallback_waits_for_is_counted_in_the_profiled_step(monkeypatch):
+    """Live: in the profiled step (no plan yet), each synchronous restore adds what it cost to the
+    recorder's fallback seconds; once the plan runs, nothing is added."""
+    g = torch.Generator().manual_seed(1)
+    pool = Pool(budget=20 << 10, policy="planned", host_limit="64MiB")
+    seen = []
+    real = pool._restore_s
+
+    def restore_s(e, host_s):
+        s = real(e, host_s)
+        seen.append((pool._steps, pool._plan_ok, s))
+        return s
+
+    monkeypatch.setattr(pool, "_restore_s", restore_s)
+    _train(pool, [torch.randn(32, 64, generator=g) for _ in range(4)])
+    assert any(step == 2 and s > 0 for step, _, s in seen), seen  # the profiled step (step 1 finds regions)
+    assert not any(ok for _, ok, _ in seen), seen
+
+
+def test_compute_waits_once_for_copies_queued_before_a_point():
+    """Three 1 s copies queued at t=0 must all have landed before the point at 0.5 s, and nothing else
+    lowers it: compute waits there until the last lands, 3 s in all (not 1 + 2 + 3 s, a wait per copy);
+    the copies back hide in backward; each copy slows compute by COPY_INTERFERENCE of its seconds."""
+    from supermem.tensor_pool.planner import COPY_INTERFERENCE
+
+    saved = [Saved(k + 1, MiB, save=k, use=7 - k, end=8 - k) for k in range(3)]
+    times = [0.0, 0.0, 0.0, 0.5, 1.0, 10.0, 20.0, 30.0]
+    base = [sum(s.nbytes for s in saved if s.save <= i <= s.use) for i in range(8)]
+    p = Profile(saved, times, base, [0, 0, 0, 4 * MiB, 0, 0, 0, 0], backward_event=3, link_bytes_per_s=MiB)
+    p.step_s = 30.0
+    plan = make_plan(p, 4 * MiB)
+    assert plan.treatment == {1: "offload", 2: "offload", 3: "offload"} and plan.feasible
+    assert plan.added_s == pytest.approx(3.0 + 2 * COPY_INTERFERENCE * 3), plan.added_s
+    assert plan.predicted_peak_bytes <= 4 * MiB
+
+
+def test_plan_time_with_hundreds_of_late_copies():
+    """360 saved tensors, nothing recomputable, half the peak: most copies land after the point they
+    lower (compute waits for them). The GPT-24 profile on the H100 had about as many and took 4.5 s."""
+    n, fwd_s, bwd_s = 360, 20e-3, 46e-3
+    times = [fwd_s * (k + 1) / n for k in range(n)] + [fwd_s + bwd_s * (k + 1) / n for k in range(n)]
+    saved = [Saved(k + 1, 24 * MiB, save=k, use=2 * n - 1 - k, end=2 * n - k) for k in range(n)]
+    base = [3 * GiB + 24 * MiB * min(i + 1, 2 * n - i) for i in range(2 * n)]
+    spike = [0] * (2 * n)
+    spike[n] = 3 * GiB
+    p = Profile(saved, times, base, spike, link_bytes_per_s=55e9, backward_event=n)
+    p.step_s = fwd_s + bwd_s
+    plan = make_plan(p, int(0.5 * native_peak(p)))
+    assert plan.plan_s < 1.0, plan.plan_s
+    assert plan.counts()["offload"] > 100
+
+
+def test_a_recipe_names_what_its_rebuild_reads():
+    """The planner's one question to a recipe beyond its cost: which saved tensors its rebuild reads.
+    A recipe answers with `input_entries()` (an op replayed from its kept inputs); a region, by the
+    entries behind its packed arguments; anything else (a parameter) is not an entry and is left out."""
+    from supermem.tensor_pool.entry import Entry
+    from supermem.tensor_pool.pool import _recipe_inputs
+
+    g = torch.Generator().manual_seed(1)
+    pool = Pool(budget=1 << 30, policy="planned")
+    model = MLP()
+    with pool:
+        model(torch.randn(32, 64, generator=g)).square().mean().backward()  # step 1 finds the regions
+        loss = model(torch.randn(32, 64, generator=g)).square().mean()
+        entries = [x for ref in pool._entries.values() if isinstance(x := ref(), Entry)]
+        assert len(entries) >= 2
+
+        class OpReplay:
+            def input_entries(self):
+                return [entries[0], model[0][0].weight, entries[1]]
+
+        assert _recipe_inputs(OpReplay()) == entries[:2]
+        recipes = {id(e.recipe): e.recipe for e in entries if e.recipe is not None and e.recipe.ready}
+        assert len(recipes) == 12  # per layer: the region and the op replay of its GELU's output
+        for recipe in recipes.values():
+            (x,) = _recipe_inputs(recipe)
+            assert isinstance(x, Entry) and x.recipe is not recipe
+        loss.backward()

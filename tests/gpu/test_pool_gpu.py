@@ -333,3 +333,11 @@ def test_planned_keeps_the_peak_at_the_budget_and_beats_lru():
     rows = _budget_rows("lru", "planned")
     assert rows["planned"]["peak"] <= 1.05 * rows["planned"]["budget"], rows
     assert rows["planned"]["ms"] < rows["lru"]["ms"], rows
+
+
+def test_planned_is_no_slower_than_cost_aware():
+    """Issue 10: a plan sees the whole step, so at the same budget (75% of native's peak) it is at least
+    as fast as cost_aware's live choices (5% for noise) and its peak stays within 3% of the budget."""
+    rows = _budget_rows("cost_aware", "planned")
+    assert rows["planned"]["peak"] <= 1.03 * rows["planned"]["budget"], rows
+    assert rows["planned"]["ms"] <= 1.05 * rows["cost_aware"]["ms"], rows
