@@ -86,7 +86,7 @@ class _Param:
     """One streamed parameter: its host data lives in its owner unit's flat block (`param.data` views
     it); its gradient lands in a persistent host buffer."""
 
-    __slots__ = ("param", "owner", "offset", "nbytes", "grad_block")
+    __slots__ = ("param", "owner", "offset", "nbytes", "grad_block", "grad_view", "shape", "stride")
 
     def __init__(self, param: torch.nn.Parameter, owner: _Unit, offset: int):
         self.param = param
@@ -94,11 +94,26 @@ class _Param:
         self.offset = offset
         self.nbytes = param.numel() * param.element_size()
         self.grad_block: HostBlock | None = None
+        self.grad_view: torch.Tensor | None = None  # grad_block seen as the gradient
+        self.shape = param.shape
+        self.stride = _contiguous_stride(param.shape)
 
     def device_view(self) -> torch.Tensor:
-        flat = self.owner.copy
-        p = self.param
-        return flat[self.offset : self.offset + self.nbytes].view(p.dtype).view(p.shape)
+        """The parameter's view of its unit's device copy: one op (the copy is viewed as each dtype once
+        per fetch), not a slice and two views (~3 us each, per parameter and call)."""
+        unit, p = self.owner, self.param
+        typed = unit.typed.get(p.dtype)
+        if typed is None:
+            typed = unit.typed[p.dtype] = unit.copy.view(p.dtype)
+        return typed.as_strided(self.shape, self.stride, self.offset // p.element_size())
+
+
+def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
+    stride, step = [], 1
+    for size in reversed(shape):
+        stride.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(stride))
 
 
 class _Unit:
@@ -118,6 +133,8 @@ class _Unit:
         "used_on",
         "version",
         "holds",
+        "typed",
+        "inner",
     )
 
     def __init__(self, module: torch.nn.Module, slots: list[tuple[torch.nn.Module, str, _Param]]):
@@ -132,6 +149,9 @@ class _Unit:
         self.used_on = -1  # the stream last made to wait for `ready`
         self.version: tuple[int, ...] = ()  # the host versions the copy was made from
         self.holds = 0
+        self.typed: dict[torch.dtype, torch.Tensor] = {}  # the device copy viewed as each dtype
+        # (module, pre-hook id, hook id) of the hooked modules inside: muted during the unit's call
+        self.inner: list[tuple[torch.nn.Module, int, int]] = []
 
     def host_version(self) -> tuple[int, ...]:
         return tuple(p.param._version for p in self.params)
@@ -142,10 +162,11 @@ class _Use:
     its backward sees it, the weight tokens saved and how many were unpacked (the device copy is held
     from the first unpack to the last)."""
 
-    __slots__ = ("unit", "saved", "pushed", "tokens", "unpacked")
+    __slots__ = ("unit", "saved", "pushed", "tokens", "unpacked", "muted")
 
     def __init__(self, unit: _Unit):
         self.unit = unit
+        self.muted: list[tuple[torch.nn.Module, int, int]] = []  # inner hooks taken out for the call
         self.saved: list[tuple[torch.nn.Module, str, torch.nn.Parameter]] = []
         self.pushed = False  # whether the call pushed saved-tensor hooks (grad mode was on)
         self.tokens = 0
@@ -186,10 +207,9 @@ class _Fetch(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[None, ...]:
-        streamer = ctx.box.streamer
-        for p, g in zip(ctx.box.params, grads):
-            if g is not None and p.param.requires_grad:
-                streamer._grad_ready(p, g)
+        ready = [(p, g) for p, g in zip(ctx.box.params, grads) if g is not None and p.param.requires_grad]
+        if ready:
+            ctx.box.streamer._grads_ready(ready)
         return (None,) * (1 + len(grads))
 
 
@@ -312,9 +332,21 @@ class Streamer:
                 if b is not None and b.device != self.device:
                     module._buffers[name] = b.to(self.device)
         hooked = {id(m): m for m in [u.module for u in self.units] + list(self._fallback)}
+        hook_ids: dict[int, tuple[int, int]] = {}
         for module in hooked.values():
-            self._handles.append(module.register_forward_pre_hook(self._enter))
-            self._handles.append(module.register_forward_hook(self._exit, always_call=True))
+            pre = module.register_forward_pre_hook(self._enter)
+            post = module.register_forward_hook(self._exit, always_call=True)
+            self._handles += [pre, post]
+            hook_ids[id(module)] = (pre.id, post.id)
+        for unit in self.units:  # the hooked modules inside a unit, all of whose parameters it swaps in
+            swapped = {(id(m), n) for m, n, _ in unit.slots}
+            unit.inner = [
+                (m, *hook_ids[id(m)])
+                for m in unit.module.modules()
+                if m is not unit.module
+                and id(m) in hook_ids
+                and all((id(m), n) in swapped for n, p in m._parameters.items() if p is not None)
+            ]
 
     def _add_unit(
         self, module: torch.nn.Module, raw: list[tuple[torch.nn.Module, str, torch.nn.Parameter]]
@@ -407,6 +439,14 @@ class Streamer:
             for m, n, slot in todo:
                 use.saved.append((m, n, slot.param))
                 m._parameters[n] = views[id(slot)]
+            if unit.module is module and len(todo) == len(slots):
+                # Every module inside finds its weights swapped in already: its hooks would do nothing
+                # but cost PyTorch's slow call path (~20 us a module call); they are taken out until
+                # _exit puts them back.
+                use.muted = unit.inner
+                for m, pre, post in use.muted:
+                    m._forward_pre_hooks.pop(pre, None)
+                    m._forward_hooks.pop(post, None)
             self._active.append(use)
         if use.pushed:
             torch._C._autograd._push_saved_tensors_default_hooks(*self._hooks_over_current())
@@ -421,6 +461,10 @@ class Streamer:
             for m, n, p in use.saved:
                 m._parameters[n] = p
             use.saved = []
+            for m, pre, post in use.muted:
+                m._forward_pre_hooks[pre] = self._enter
+                m._forward_hooks[post] = self._exit
+            use.muted = []
             self._release(use.unit)
 
     # ------------------------------------------------------------------ saved weights
@@ -489,10 +533,11 @@ class Streamer:
             self._sequence.append(unit)
         elif position is not None:
             self._prefetch_from(position)
-        stream = torch.cuda.current_stream(self.device).cuda_stream if self.cuda else 0
+        compute = torch.cuda.current_stream(self.device) if self.cuda else None
+        stream = compute.cuda_stream if self.cuda else 0
         for u in (unit, *unit.deps):
             if u.copy is not None and u.used_on != stream:  # once per copy and stream is enough
-                self.copies.use(u.copy, u.ready)
+                self.copies.use(u.copy, u.ready, compute)
                 u.used_on = stream
 
     def _hold(self, unit: _Unit) -> None:
@@ -502,6 +547,7 @@ class Streamer:
             if u.copy is None and u.flat is not None:
                 u.version = u.host_version()
                 u.copy, u.ready = self.copies.to_device(u.flat.tensor[: u.nbytes])
+                u.typed = {}
                 self._by_ptr[u.copy.untyped_storage().data_ptr()] = u
                 self._counters["fetches"] += 1
             u.holds += 1
@@ -515,7 +561,7 @@ class Streamer:
     def _drop(self, unit: _Unit) -> None:
         if unit.copy is not None:
             self._by_ptr.pop(unit.copy.untyped_storage().data_ptr(), None)
-        unit.copy, unit.ready, unit.used_on, unit.holds = None, None, -1, 0
+        unit.copy, unit.ready, unit.used_on, unit.holds, unit.typed = None, None, -1, 0, {}
 
     def _advance(self, unit: _Unit) -> int | None:
         """The position of this acquisition in the recorded sequence (None while recording or when the
@@ -541,26 +587,32 @@ class Streamer:
 
     # ------------------------------------------------------------------ gradients
 
-    def _grad_ready(self, slot: _Param, grad: torch.Tensor) -> None:
-        """Starts copying one gradient contribution to the host; the sum lands in `.grad` at the end of
-        this backward (in arrival order, as autograd's own sum)."""
+    def _grads_ready(self, ready: list[tuple[_Param, torch.Tensor]]) -> None:
+        """Starts copying gradient contributions (one unit call's) to the host, all in one batch; the
+        sums land in `.grad` at the end of this backward (in arrival order, as autograd's own sum)."""
         with self._lock:
             if self._hidden_grads:  # a device step's optimizer raised before its post-hook gave them back
                 from .streaming_step import restore_grads
 
                 restore_grads(self)
-            items = self._pending.setdefault(slot, [])
-            p = slot.param
-            if not items and p.grad is None:
-                if slot.grad_block is None:
-                    slot.grad_block = self._take(slot.nbytes)
-                block, scratch = slot.grad_block, None
-            else:
-                block = scratch = self._take(slot.nbytes)
-            dst = block.tensor[: slot.nbytes].view(p.dtype).view(p.shape)
-            event = self.copies.to_host(grad, dst)
-            items.append((dst, event, scratch))
-            self._counters["grads_to_host"] += 1
+            pairs, landing = [], []
+            for slot, grad in ready:
+                items = self._pending.setdefault(slot, [])
+                p = slot.param
+                if not items and p.grad is None:
+                    if slot.grad_block is None:
+                        slot.grad_block = self._take(slot.nbytes)
+                        slot.grad_view = slot.grad_block.tensor[: slot.nbytes].view(p.dtype).view(p.shape)
+                    dst, scratch = slot.grad_view, None
+                else:
+                    scratch = self._take(slot.nbytes)
+                    dst = scratch.tensor[: slot.nbytes].view(p.dtype).view(p.shape)
+                pairs.append((grad, dst))
+                landing.append((items, dst, scratch))
+            event = self.copies.to_host_many(pairs)
+            for items, dst, scratch in landing:
+                items.append((dst, event, scratch))
+            self._counters["grads_to_host"] += len(pairs)
             if not self._callback_queued:
                 self._callback_queued = True
                 torch.autograd.Variable._execution_engine.queue_callback(self.sync)
@@ -571,9 +623,12 @@ class Streamer:
         with self._lock:
             self._callback_queued = False
             pending, self._pending = self._pending, {}
+            waited: set[int] = set()
             for slot, items in pending.items():
                 for _, event, _ in items:
-                    self.copies.wait(event)
+                    if id(event) not in waited:  # a batch's gradients share one event
+                        waited.add(id(event))
+                        self.copies.wait(event)
                 total = items[0][0]
                 for dst, _, _ in items[1:]:
                     total.add_(dst)
@@ -638,7 +693,7 @@ class Streamer:
             self._drop(unit)
             unit.flat = None
         for slot in self._params.values():
-            slot.grad_block = None
+            slot.grad_block = slot.grad_view = None
         for state, key, view in self._state_views:  # the device step's optimizer state
             if state.get(key) is view:
                 state[key] = view.clone()

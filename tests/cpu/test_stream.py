@@ -462,3 +462,44 @@ def test_a_host_limit_too_small_is_a_clear_error_that_leaves_the_model_as_it_was
         assert p.data_ptr() == ptr and p.grad is grad
     s = supermem.stream(model, "cpu")  # not "already streamed"
     s.close()
+
+
+def test_a_units_inner_hooks_are_muted_during_its_call_and_back_after():
+    # Inside a unit's call its modules find their weights swapped in: their hooks would cost PyTorch's
+    # slow call path for nothing. They must be back afterwards (a module called alone fetches its
+    # unit) and after a call that raised.
+    torch.manual_seed(0)
+    model = ConvNorm()
+    ref = copy.deepcopy(model)
+    s = supermem.stream(model, "cpu", unit_bytes=1 << 20)  # the whole model is one unit
+    conv = model.body[0]
+    seen = []
+    conv.register_forward_pre_hook(lambda m, a: seen.append(len(m._forward_pre_hooks)))
+    hooks_before = (len(conv._forward_pre_hooks), len(conv._forward_hooks))
+    x = torch.randn(2, 3, 6, 6)
+    model(x).sum().backward()
+    assert seen == [hooks_before[0] - 1]  # the streamer's own pre-hook was out during the call
+    assert (len(conv._forward_pre_hooks), len(conv._forward_hooks)) == hooks_before
+    with torch.no_grad():
+        assert torch.equal(conv(x), ref.body[0](x))  # called alone: it fetches its unit
+    model.head.register_forward_pre_hook(lambda m, a: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        model(x)
+    assert (len(conv._forward_pre_hooks), len(conv._forward_hooks)) == hooks_before
+    s.close()
+
+
+def test_a_unit_calls_gradients_go_to_the_host_in_one_batch(monkeypatch):
+    from supermem.tensor_pool.copy import CopyEngine
+
+    batches = []
+    monkeypatch.setattr(CopyEngine, "to_host", lambda *a: pytest.fail("one copy per gradient"))
+    real = CopyEngine.to_host_many
+    monkeypatch.setattr(
+        CopyEngine, "to_host_many", lambda self, pairs: batches.append(len(pairs)) or real(self, pairs)
+    )
+    torch.manual_seed(0)
+    model = ConvNorm()
+    supermem.stream(model, "cpu", unit_bytes=1 << 20)
+    model(torch.randn(2, 3, 6, 6)).sum().backward()
+    assert batches == [len(list(model.parameters()))]
