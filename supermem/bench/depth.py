@@ -113,8 +113,9 @@ def trial(spec: dict) -> dict:
         model.to(device)
         model.mode = ("checkpoint", 0) if config == "checkpoint" else ("plain", 0)
     phase("place")  # streaming set up, or the model moved to the device
-    # foreach: one call per op over all tensors (the default on CUDA; on the host 2x faster than a loop)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, foreach=True)
+    # fused: one kernel over all tensors, each read once (on the host, where supermem's streamed
+    # parameters step, 1.7x faster than foreach, which makes three passes)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, fused=True)
     g = torch.Generator().manual_seed(0)
     b, px, classes = spec["batch"], spec["px"], spec["classes"]
     x = torch.randn(b, 3, px, px, generator=g).to(device)
