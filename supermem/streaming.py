@@ -42,6 +42,7 @@ from .errors import UsageError
 from .units import parse_bytes
 
 if TYPE_CHECKING:
+    from .streaming_overlap import Overlap
     from .tensor_pool.host import HostBlock
 
 _live: weakref.WeakSet[Streamer] = weakref.WeakSet()
@@ -64,9 +65,11 @@ def stream(
     unit_bytes: a module whose parameters (with its children's) are at most this many bytes is fetched
         as one unit, in one copy; larger ones are split into their children.
     host_limit: host memory for parameters and gradients (bytes, "32GiB" or a percentage of RAM).
-    optimizer_step: "host" (the optimizer steps where the parameters live) or "device" (unit by unit on
-        the device, its state in host blocks: streaming_step.py). Which is faster depends on the
-        optimizer, the link and the host; tests/gpu/test_stream_gpu.py prints both.
+    optimizer_step: "host" (the optimizer steps where the parameters live), "device" (unit by unit on
+        the device, its state in host blocks: streaming_step.py) or "overlap" (on the host, each unit
+        as soon as its gradients land, during backward: streaming_overlap.py, which says when it may
+        be used). Which of host and device is faster depends on the optimizer, the link and the host;
+        tests/gpu/test_stream_gpu.py prints both.
     Returns the Streamer (also a context manager: leaving it stops streaming, parameters stay on the host).
     """
     return Streamer(
@@ -233,9 +236,16 @@ class Streamer:
         for name, value in (("prefetch", prefetch), ("unit_bytes", unit_bytes)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise UsageError(f"stream: {name} must be an int >= 0, got {value!r}")
-        if optimizer_step not in ("host", "device"):
-            raise UsageError(f'stream: optimizer_step must be "host" or "device", got {optimizer_step!r}')
+        if optimizer_step not in ("host", "device", "overlap"):
+            raise UsageError(
+                f'stream: optimizer_step must be "host", "device" or "overlap", got {optimizer_step!r}'
+            )
         self.optimizer_step = optimizer_step
+        self._overlap: Overlap | None = None
+        if optimizer_step == "overlap":
+            from .streaming_overlap import Overlap
+
+            self._overlap = Overlap(self)
         self._hidden_grads: list[tuple[torch.nn.Parameter, torch.Tensor | None]] = []  # during a user's step
         self._stepping = False  # a device step is running
         self._state_views: list[tuple[dict, str, torch.Tensor]] = []  # optimizer state in host blocks
@@ -597,7 +607,7 @@ class Streamer:
                 restore_grads(self)
             pairs, landing = [], []
             for slot, grad in ready:
-                items = self._pending.setdefault(slot, [])
+                items = self._pending.get(slot)
                 p = slot.param
                 if not items and p.grad is None:
                     if slot.grad_block is None:
@@ -608,10 +618,14 @@ class Streamer:
                     scratch = self._take(slot.nbytes)
                     dst = scratch.tensor[: slot.nbytes].view(p.dtype).view(p.shape)
                 pairs.append((grad, dst))
-                landing.append((items, dst, scratch))
+                landing.append((slot, dst, scratch))
             event = self.copies.to_host_many(pairs)
-            for items, dst, scratch in landing:
-                items.append((dst, event, scratch))
+            stepped = (
+                self._overlap.take([(s, d, b is None) for s, d, b in landing], event) if self._overlap else ()
+            )
+            for slot, dst, scratch in landing:
+                if slot not in stepped:  # the overlapped optimizer step has those
+                    self._pending.setdefault(slot, []).append((dst, event, scratch))
             self._counters["grads_to_host"] += len(pairs)
             if not self._callback_queued:
                 self._callback_queued = True
@@ -622,6 +636,9 @@ class Streamer:
         at the end of each backward; optimizer steps call it first)."""
         with self._lock:
             self._callback_queued = False
+            if self._overlap is not None:  # the parameters stepped during backward have their `.grad`
+                for slot, (dst, event) in self._overlap.wait().items():
+                    self._pending.setdefault(slot, []).insert(0, (dst, event, None))
             pending, self._pending = self._pending, {}
             waited: set[int] = set()
             for slot, items in pending.items():
@@ -681,6 +698,8 @@ class Streamer:
         return to the pool (each when its last view dies: at once, unless the caller kept one); the
         Parameter objects stay the same."""
         self.sync()
+        if self._overlap is not None:
+            self._overlap.stop()
         for h in self._handles:
             h.remove()
         self._handles.clear()
@@ -732,6 +751,8 @@ def _sync_all(optimizer: Any, args: Any, kwargs: Any) -> None:
             from .streaming_step import device_step
 
             device_step(streamer, optimizer)
+        elif streamer._overlap is not None:
+            streamer._overlap.before_step(optimizer)
 
 
 def _after_step(optimizer: Any, args: Any, kwargs: Any) -> None:

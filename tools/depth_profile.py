@@ -42,7 +42,9 @@ def main() -> None:
     t0 = time.perf_counter()
     model = _model(spec)
     t1 = time.perf_counter()
-    streamer = supermem.stream(model, device, unit_bytes=spec["unit_bytes"])
+    streamer = supermem.stream(
+        model, device, unit_bytes=spec["unit_bytes"], optimizer_step=spec.get("optimizer_step", "overlap")
+    )
     model.mode = ("binomial", spec["checkpoints"])
     pool = supermem.pool(budget=max(cap - (2 << 30), 1 << 30), device=device)
     t2 = time.perf_counter()
