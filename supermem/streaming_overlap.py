@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 Streamer = _Param = Any  # streaming.py imports this module: named, not imported (no circle)
+BATCH_UNITS = 64  # units per optimizer call of the worker (and per wake-up of its thread)
 
 
 class Overlap:
@@ -46,8 +47,9 @@ class Overlap:
         self.landed: dict[Any, dict[_Param, tuple[torch.Tensor, Any]]] = {}  # unit -> this step's so far
         self.stepped: list[torch.nn.Parameter] = []  # this backward's, by the worker
         self.stepped_ids: set[int] = set()
-        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self.pending = 0  # jobs handed over and not finished
+        self.ready: list[dict[_Param, tuple[torch.Tensor, Any]]] = []  # units not yet handed over
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()  # batches of units for the worker
+        self.pending = 0  # batches handed over and not finished
         self.done = threading.Condition()
         self.error: BaseException | None = None
         self.thread: threading.Thread | None = None
@@ -86,20 +88,29 @@ class Overlap:
         for slot in landed:
             self.stepped.append(slot.param)
             self.stepped_ids.add(id(slot.param))
+        self.ready.append(landed)
+        if len(self.ready) >= BATCH_UNITS:
+            self._send()
+
+    def _send(self) -> None:
+        """Hands the units ready so far to the worker, in one piece: each wake-up of the worker takes
+        the GIL from backward's thread (up to the 5 ms switch interval), so it wakes once per batch."""
         # the copies that read these host parameters for the device (issued so far) must end first
-        streamer = self.streamer
         fetched = None
-        if streamer.cuda:
+        if self.streamer.cuda:
             fetched = torch.cuda.Event()
-            fetched.record(streamer.copies.h2d)
+            fetched.record(self.streamer.copies.h2d)
         self._start()
         with self.done:
             self.pending += 1
-        self.jobs.put((fetched, landed))
+        self.jobs.put((fetched, self.ready))
+        self.ready = []
 
     def wait(self) -> dict[_Param, tuple[torch.Tensor, Any]]:
         """Until the worker has stepped everything handed to it (backward's end, the optimizer's step).
         Returns the gradients of units that did not get all theirs this time: the user's step has them."""
+        if self.ready:
+            self._send()
         with self.done:
             while self.pending:
                 self.done.wait()
@@ -151,41 +162,32 @@ class Overlap:
 
     def _run(self) -> None:
         while True:
-            job = self.jobs.get()
-            if job is None:
+            batch = self.jobs.get()
+            if batch is None:
                 return
-            batch = [job]
-            while True:  # whatever else has queued: one optimizer call for all of it
-                try:
-                    more = self.jobs.get_nowait()
-                except queue.Empty:
-                    break
-                if more is None:
-                    self.jobs.put(None)
-                    break
-                batch.append(more)
             try:
-                self._step(batch)
+                self._step(*batch)
             except BaseException as e:  # noqa: BLE001  (raised in the main thread by wait())
                 self.error = self.error or e
             finally:
                 with self.done:
-                    self.pending -= len(batch)
+                    self.pending -= 1
                     self.done.notify_all()
 
-    def _step(self, batch: list[tuple[Any, dict[_Param, tuple[torch.Tensor, Any]]]]) -> None:
+    def _step(self, fetched: Any, units: list[dict[_Param, tuple[torch.Tensor, Any]]]) -> None:
         optimizer = self.optimizer()
         if optimizer is None:
             raise RuntimeError("supermem.stream(optimizer_step='overlap'): the optimizer is gone")
-        for fetched, landed in batch:
-            for _, event in landed.values():
-                if event is not None:
-                    event.synchronize()  # the gradients are on the host
-            if fetched is not None:
-                fetched.synchronize()  # no copy to the device reads what the step writes
+        # Copies on one stream end in the order they were issued: the last unit's last gradient copy
+        # ends after all the others (one wait, not one per unit: each wait gives up the GIL).
+        last = next(reversed(units[-1].values()))[1]
+        if last is not None:
+            last.synchronize()  # the gradients are on the host
+        if fetched is not None:
+            fetched.synchronize()  # no copy to the device reads what the step writes
         groups = optimizer.param_groups
         subset: list[list[torch.nn.Parameter]] = [[] for _ in groups]
-        for _, landed in batch:
+        for landed in units:
             for slot, (dst, _) in landed.items():
                 slot.param.grad = dst
                 subset[self.group_of[id(slot.param)]].append(slot.param)

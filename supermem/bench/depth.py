@@ -106,7 +106,8 @@ def trial(spec: dict) -> dict:
     if config == "supermem":
         # the host optimizer steps each unit as its gradients land, during backward (one step per
         # backward, nothing between them: this loop's contract)
-        streamer = supermem.stream(model, device, unit_bytes=spec["unit_bytes"], optimizer_step="overlap")
+        how = spec.get("optimizer_step", "overlap")
+        streamer = supermem.stream(model, device, unit_bytes=spec["unit_bytes"], optimizer_step=how)
         model.mode = ("binomial", spec["checkpoints"])
         budget = max(cap - (2 << 30), 1 << 30) if cap else 1 << 30
         pool = supermem.pool(budget=budget if cuda else None, device=device)
