@@ -264,22 +264,26 @@ class _Schedule:
             self.grads[slot] = g if prev is None else prev + g
         return got[0] if inp.requires_grad and got else None
 
-    def _buffers(self, k: int) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
+    def _buffers(self, k: int) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]] | None:
         """Block k's buffers and copies of their values, to undo what a rebuild changes (BatchNorm's
-        running stats). One foreach copy, not a clone per buffer: a rebuild of a bottleneck block has
-        nine buffers, and a kernel launch each cost as much as the block's own convolutions' launches."""
-        seen: dict[int, torch.Tensor] = {}
+        running stats), grouped by device and dtype: one foreach copy per group (a single kernel; with
+        mixed dtypes PyTorch copies tensor by tensor), not a clone per buffer (a bottleneck block has
+        nine buffers, and a launch each cost as much as the block's own convolutions' launches)."""
+        groups: dict[tuple[torch.device, torch.dtype], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        seen: set[int] = set()
         for m in self.modules[k]:
             for b in m._buffers.values():
-                if b is not None:
-                    seen.setdefault(id(b), b)
-        buffers = list(seen.values())
-        if not buffers:
+                if b is not None and id(b) not in seen:
+                    seen.add(id(b))
+                    buffers, values = groups.setdefault((b.device, b.dtype), ([], []))
+                    buffers.append(b)
+                    values.append(torch.empty_like(b))
+        if not groups:
             return None
-        values = [torch.empty_like(b) for b in buffers]
         with torch.no_grad():
-            torch._foreach_copy_(values, buffers)
-        return buffers, values
+            for buffers, values in groups.values():
+                torch._foreach_copy_(values, buffers)
+        return list(groups.values())
 
     def _rerun(self, k: int, x: torch.Tensor, state: _State) -> torch.Tensor:
         """Block k again, under the autocast state of the original forward (contexts entered only where
@@ -294,10 +298,11 @@ class _Schedule:
                 c.__exit__(None, None, None)
 
 
-def _restore(saved: tuple[list[torch.Tensor], list[torch.Tensor]] | None) -> None:
+def _restore(saved: list[tuple[list[torch.Tensor], list[torch.Tensor]]] | None) -> None:
     if saved is not None:
         with torch.no_grad():
-            torch._foreach_copy_(saved[0], saved[1])
+            for buffers, values in saved:
+                torch._foreach_copy_(buffers, values)
 
 
 class _Chain(torch.autograd.Function):
