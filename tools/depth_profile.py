@@ -43,7 +43,7 @@ def main() -> None:
     model = _model(spec)
     t1 = time.perf_counter()
     streamer = supermem.stream(
-        model, device, unit_bytes=spec["unit_bytes"], optimizer_step=spec.get("optimizer_step", "overlap")
+        model, device, unit_bytes=spec["unit_bytes"], optimizer_step=spec.get("optimizer_step", "host")
     )
     model.mode = ("binomial", spec["checkpoints"])
     pool = supermem.pool(budget=max(cap - (2 << 30), 1 << 30), device=device)
