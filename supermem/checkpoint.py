@@ -49,14 +49,15 @@ def binomial(
     if not isinstance(x, torch.Tensor):
         raise UsageError(f"binomial: x must be a tensor, got {type(x).__name__}")
     k = _checkpoints(checkpoints, n)
-    params = _params(chain)
+    modules = _modules(chain)
+    params = _params(modules)
     if n == 0:
         return x
     if not torch.is_grad_enabled() or not (x.requires_grad or params):
         for block in chain:
             x = _call(block, x)
         return x
-    return _Chain.apply(_Schedule(chain, k, params), x, *params)
+    return _Chain.apply(_Schedule(chain, k, params, modules), x, *params)
 
 
 def split(length: int, free: int) -> int:
@@ -98,12 +99,20 @@ def _checkpoints(checkpoints: int | str, n: int) -> int:
     return checkpoints
 
 
-def _params(chain: list[Block]) -> list[torch.Tensor]:
+def _modules(chain: list[Block]) -> list[list[torch.nn.Module]]:
+    """Each block's modules (itself and its descendants; none for a plain function), listed once per
+    call: its parameters and buffers are read from them at each rebuild (Module.parameters() and
+    .buffers() walk the tree again, ~50 us a block each time)."""
+    return [list(b.modules()) if isinstance(b, torch.nn.Module) else [] for b in chain]
+
+
+def _params(modules: list[list[torch.nn.Module]]) -> list[torch.Tensor]:
+    """The parameters that require grad, in Module.parameters() order, each once."""
     seen: dict[int, torch.Tensor] = {}
-    for b in chain:
-        if isinstance(b, torch.nn.Module):
-            for p in b.parameters():
-                if p.requires_grad:
+    for ms in modules:
+        for m in ms:
+            for p in m._parameters.values():
+                if p is not None and p.requires_grad:
                     seen.setdefault(id(p), p)
     return list(seen.values())
 
@@ -130,8 +139,17 @@ class _State:
         if self.cuda_rng is not None:
             torch.cuda.set_rng_state(self.cuda_rng, device)
 
-    def autocast_contexts(self) -> list[Any]:
-        return [torch.autocast(dt, dtype=dtype, enabled=on) for dt, on, dtype in self.autocast]
+    def autocast_contexts(self, changed_only: bool = False) -> list[Any]:
+        """Contexts that set the recorded autocast state (only where it differs now, if changed_only)."""
+
+        def current(dt: str) -> tuple[bool, torch.dtype]:
+            return torch.is_autocast_enabled(dt), torch.get_autocast_dtype(dt)
+
+        return [
+            torch.autocast(dt, dtype=dtype, enabled=on)
+            for dt, on, dtype in self.autocast
+            if not changed_only or current(dt) != (on, dtype)
+        ]
 
 
 class _Held:
@@ -153,8 +171,15 @@ class _Held:
 class _Schedule:
     """One call's chain, its checkpoint count and parameters, and the bookkeeping of a backward."""
 
-    def __init__(self, chain: list[Block], checkpoints: int, params: list[torch.Tensor]):
+    def __init__(
+        self,
+        chain: list[Block],
+        checkpoints: int,
+        params: list[torch.Tensor],
+        modules: list[list[torch.nn.Module]] | None = None,
+    ):
         self.chain = chain
+        self.modules = _modules(chain) if modules is None else modules
         self.checkpoints = checkpoints
         self.params = params
         self.index = {id(p): i for i, p in enumerate(params)}
@@ -183,15 +208,25 @@ class _Schedule:
             outer.restore_rng(x.device)  # backward must not move the program's RNG streams
         return gx, self.grads
 
-    def _reverse(self, i: int, j: int, free: int, x_i: torch.Tensor, s_i: _State, grad_j: Any) -> Any:
-        while j - i > 1:
+    def _reverse(self, i: int, j: int, free: int, x_i: torch.Tensor, s_i: _State, grad: Any) -> Any:
+        """Reverses blocks i..j-1 from boundary x_i: split at m, reverse m..j-1 (one boundary fewer
+        held), then i..m-1. A stack of parts, not recursion: the splits nest one level per held
+        boundary, deeper than Python's recursion limit for a thousand checkpoints."""
+        parts = [(i, j, free, x_i, s_i)]  # the last is reversed first
+        del x_i, s_i  # a boundary lives as long as its part, no longer
+        while parts:
+            i, j, free, x_i, s_i = parts[-1]
+            if j - i == 1:
+                parts.pop()
+                grad = self._backward_block(i, x_i, s_i, grad)
+                continue
             m = i + split(j - i, free)
             held = self.held.pop(m, None)
             x_m, s_m = held.take() if held else self._advance(i, m, x_i, s_i)
-            grad_j = self._reverse(m, j, max(free - 1, 0), x_m, s_m, grad_j)
-            del x_m, s_m
-            j = m
-        return self._backward_block(i, x_i, s_i, grad_j)
+            parts[-1] = (i, m, free, x_i, s_i)  # its left part, once the right one is done
+            parts.append((m, j, max(free - 1, 0), x_m, s_m))
+            del x_i, s_i, x_m, s_m
+        return grad
 
     def _advance(self, i: int, m: int, x: torch.Tensor, state: _State) -> tuple[torch.Tensor, _State]:
         state.restore_rng(x.device)
@@ -212,7 +247,7 @@ class _Schedule:
         # The block's parameters as they are now: under supermem.stream, a chain inside a streamed unit saw
         # that unit's device copies in forward, while the rebuild fetched its own (whose gradients go to
         # the host); differentiating with respect to the forward's copies would skip the rebuild's fetch.
-        own = _params([self.chain[k]])
+        own = _params([self.modules[k]])
         wrt = ([inp] if inp.requires_grad else []) + own
         got = torch.autograd.grad(y, wrt, grad, allow_unused=True) if y.requires_grad and wrt else ()
         _restore(saved)  # after the grad: the block's backward may read what its forward saved
@@ -229,14 +264,31 @@ class _Schedule:
             self.grads[slot] = g if prev is None else prev + g
         return got[0] if inp.requires_grad and got else None
 
-    def _buffers(self, k: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Block k's buffers and their values, to undo what a rebuild changes (BatchNorm's running stats)."""
-        block = self.chain[k]
-        return [(b, b.clone()) for b in block.buffers()] if isinstance(block, torch.nn.Module) else []
+    def _buffers(self, k: int) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]] | None:
+        """Block k's buffers and copies of their values, to undo what a rebuild changes (BatchNorm's
+        running stats), grouped by device and dtype: one foreach copy per group (a single kernel; with
+        mixed dtypes PyTorch copies tensor by tensor), not a clone per buffer (a bottleneck block has
+        nine buffers, and a launch each cost as much as the block's own convolutions' launches)."""
+        groups: dict[tuple[torch.device, torch.dtype], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        seen: set[int] = set()
+        for m in self.modules[k]:
+            for b in m._buffers.values():
+                if b is not None and id(b) not in seen:
+                    seen.add(id(b))
+                    buffers, values = groups.setdefault((b.device, b.dtype), ([], []))
+                    buffers.append(b)
+                    values.append(torch.empty_like(b))
+        if not groups:
+            return None
+        with torch.no_grad():
+            for buffers, values in groups.values():
+                torch._foreach_copy_(values, buffers)
+        return list(groups.values())
 
     def _rerun(self, k: int, x: torch.Tensor, state: _State) -> torch.Tensor:
-        """Block k again, under the autocast state of the original forward."""
-        contexts = state.autocast_contexts()
+        """Block k again, under the autocast state of the original forward (contexts entered only where
+        it differs from the current one: entering two per rebuild cost ~40 us)."""
+        contexts = state.autocast_contexts(changed_only=True)
         for c in contexts:
             c.__enter__()
         try:
@@ -246,10 +298,11 @@ class _Schedule:
                 c.__exit__(None, None, None)
 
 
-def _restore(saved: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    with torch.no_grad():
-        for b, value in saved:
-            b.copy_(value)
+def _restore(saved: list[tuple[list[torch.Tensor], list[torch.Tensor]]] | None) -> None:
+    if saved is not None:
+        with torch.no_grad():
+            for buffers, values in saved:
+                torch._foreach_copy_(buffers, values)
 
 
 class _Chain(torch.autograd.Function):

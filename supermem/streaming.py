@@ -42,6 +42,7 @@ from .errors import UsageError
 from .units import parse_bytes
 
 if TYPE_CHECKING:
+    from .streaming_overlap import Overlap
     from .tensor_pool.host import HostBlock
 
 _live: weakref.WeakSet[Streamer] = weakref.WeakSet()
@@ -64,9 +65,11 @@ def stream(
     unit_bytes: a module whose parameters (with its children's) are at most this many bytes is fetched
         as one unit, in one copy; larger ones are split into their children.
     host_limit: host memory for parameters and gradients (bytes, "32GiB" or a percentage of RAM).
-    optimizer_step: "host" (the optimizer steps where the parameters live) or "device" (unit by unit on
-        the device, its state in host blocks: streaming_step.py). Which is faster depends on the
-        optimizer, the link and the host; tests/gpu/test_stream_gpu.py prints both.
+    optimizer_step: "host" (the optimizer steps where the parameters live), "device" (unit by unit on
+        the device, its state in host blocks: streaming_step.py) or "overlap" (on the host, each unit
+        as soon as its gradients land, during backward: streaming_overlap.py, which says when it may
+        be used). Which of host and device is faster depends on the optimizer, the link and the host;
+        tests/gpu/test_stream_gpu.py prints both.
     Returns the Streamer (also a context manager: leaving it stops streaming, parameters stay on the host).
     """
     return Streamer(
@@ -86,7 +89,7 @@ class _Param:
     """One streamed parameter: its host data lives in its owner unit's flat block (`param.data` views
     it); its gradient lands in a persistent host buffer."""
 
-    __slots__ = ("param", "owner", "offset", "nbytes", "grad_block")
+    __slots__ = ("param", "owner", "offset", "nbytes", "grad_block", "grad_view", "shape", "stride")
 
     def __init__(self, param: torch.nn.Parameter, owner: _Unit, offset: int):
         self.param = param
@@ -94,11 +97,26 @@ class _Param:
         self.offset = offset
         self.nbytes = param.numel() * param.element_size()
         self.grad_block: HostBlock | None = None
+        self.grad_view: torch.Tensor | None = None  # grad_block seen as the gradient
+        self.shape = param.shape
+        self.stride = _contiguous_stride(param.shape)
 
     def device_view(self) -> torch.Tensor:
-        flat = self.owner.copy
-        p = self.param
-        return flat[self.offset : self.offset + self.nbytes].view(p.dtype).view(p.shape)
+        """The parameter's view of its unit's device copy: one op (the copy is viewed as each dtype once
+        per fetch), not a slice and two views (~3 us each, per parameter and call)."""
+        unit, p = self.owner, self.param
+        typed = unit.typed.get(p.dtype)
+        if typed is None:
+            typed = unit.typed[p.dtype] = unit.copy.view(p.dtype)
+        return typed.as_strided(self.shape, self.stride, self.offset // p.element_size())
+
+
+def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
+    stride, step = [], 1
+    for size in reversed(shape):
+        stride.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(stride))
 
 
 class _Unit:
@@ -118,6 +136,8 @@ class _Unit:
         "used_on",
         "version",
         "holds",
+        "typed",
+        "inner",
     )
 
     def __init__(self, module: torch.nn.Module, slots: list[tuple[torch.nn.Module, str, _Param]]):
@@ -132,6 +152,9 @@ class _Unit:
         self.used_on = -1  # the stream last made to wait for `ready`
         self.version: tuple[int, ...] = ()  # the host versions the copy was made from
         self.holds = 0
+        self.typed: dict[torch.dtype, torch.Tensor] = {}  # the device copy viewed as each dtype
+        # (module, pre-hook id, hook id) of the hooked modules inside: muted during the unit's call
+        self.inner: list[tuple[torch.nn.Module, int, int]] = []
 
     def host_version(self) -> tuple[int, ...]:
         return tuple(p.param._version for p in self.params)
@@ -142,10 +165,11 @@ class _Use:
     its backward sees it, the weight tokens saved and how many were unpacked (the device copy is held
     from the first unpack to the last)."""
 
-    __slots__ = ("unit", "saved", "pushed", "tokens", "unpacked")
+    __slots__ = ("unit", "saved", "pushed", "tokens", "unpacked", "muted")
 
     def __init__(self, unit: _Unit):
         self.unit = unit
+        self.muted: list[tuple[torch.nn.Module, int, int]] = []  # inner hooks taken out for the call
         self.saved: list[tuple[torch.nn.Module, str, torch.nn.Parameter]] = []
         self.pushed = False  # whether the call pushed saved-tensor hooks (grad mode was on)
         self.tokens = 0
@@ -186,10 +210,9 @@ class _Fetch(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[None, ...]:
-        streamer = ctx.box.streamer
-        for p, g in zip(ctx.box.params, grads):
-            if g is not None and p.param.requires_grad:
-                streamer._grad_ready(p, g)
+        ready = [(p, g) for p, g in zip(ctx.box.params, grads) if g is not None and p.param.requires_grad]
+        if ready:
+            ctx.box.streamer._grads_ready(ready)
         return (None,) * (1 + len(grads))
 
 
@@ -213,9 +236,16 @@ class Streamer:
         for name, value in (("prefetch", prefetch), ("unit_bytes", unit_bytes)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise UsageError(f"stream: {name} must be an int >= 0, got {value!r}")
-        if optimizer_step not in ("host", "device"):
-            raise UsageError(f'stream: optimizer_step must be "host" or "device", got {optimizer_step!r}')
+        if optimizer_step not in ("host", "device", "overlap"):
+            raise UsageError(
+                f'stream: optimizer_step must be "host", "device" or "overlap", got {optimizer_step!r}'
+            )
         self.optimizer_step = optimizer_step
+        self._overlap: Overlap | None = None
+        if optimizer_step == "overlap":
+            from .streaming_overlap import Overlap
+
+            self._overlap = Overlap(self)
         self._hidden_grads: list[tuple[torch.nn.Parameter, torch.Tensor | None]] = []  # during a user's step
         self._stepping = False  # a device step is running
         self._state_views: list[tuple[dict, str, torch.Tensor]] = []  # optimizer state in host blocks
@@ -312,9 +342,21 @@ class Streamer:
                 if b is not None and b.device != self.device:
                     module._buffers[name] = b.to(self.device)
         hooked = {id(m): m for m in [u.module for u in self.units] + list(self._fallback)}
+        hook_ids: dict[int, tuple[int, int]] = {}
         for module in hooked.values():
-            self._handles.append(module.register_forward_pre_hook(self._enter))
-            self._handles.append(module.register_forward_hook(self._exit, always_call=True))
+            pre = module.register_forward_pre_hook(self._enter)
+            post = module.register_forward_hook(self._exit, always_call=True)
+            self._handles += [pre, post]
+            hook_ids[id(module)] = (pre.id, post.id)
+        for unit in self.units:  # the hooked modules inside a unit, all of whose parameters it swaps in
+            swapped = {(id(m), n) for m, n, _ in unit.slots}
+            unit.inner = [
+                (m, *hook_ids[id(m)])
+                for m in unit.module.modules()
+                if m is not unit.module
+                and id(m) in hook_ids
+                and all((id(m), n) in swapped for n, p in m._parameters.items() if p is not None)
+            ]
 
     def _add_unit(
         self, module: torch.nn.Module, raw: list[tuple[torch.nn.Module, str, torch.nn.Parameter]]
@@ -407,6 +449,14 @@ class Streamer:
             for m, n, slot in todo:
                 use.saved.append((m, n, slot.param))
                 m._parameters[n] = views[id(slot)]
+            if unit.module is module and len(todo) == len(slots):
+                # Every module inside finds its weights swapped in already: its hooks would do nothing
+                # but cost PyTorch's slow call path (~20 us a module call); they are taken out until
+                # _exit puts them back.
+                use.muted = unit.inner
+                for m, pre, post in use.muted:
+                    m._forward_pre_hooks.pop(pre, None)
+                    m._forward_hooks.pop(post, None)
             self._active.append(use)
         if use.pushed:
             torch._C._autograd._push_saved_tensors_default_hooks(*self._hooks_over_current())
@@ -421,6 +471,10 @@ class Streamer:
             for m, n, p in use.saved:
                 m._parameters[n] = p
             use.saved = []
+            for m, pre, post in use.muted:
+                m._forward_pre_hooks[pre] = self._enter
+                m._forward_hooks[post] = self._exit
+            use.muted = []
             self._release(use.unit)
 
     # ------------------------------------------------------------------ saved weights
@@ -489,10 +543,11 @@ class Streamer:
             self._sequence.append(unit)
         elif position is not None:
             self._prefetch_from(position)
-        stream = torch.cuda.current_stream(self.device).cuda_stream if self.cuda else 0
+        compute = torch.cuda.current_stream(self.device) if self.cuda else None
+        stream = compute.cuda_stream if self.cuda else 0
         for u in (unit, *unit.deps):
             if u.copy is not None and u.used_on != stream:  # once per copy and stream is enough
-                self.copies.use(u.copy, u.ready)
+                self.copies.use(u.copy, u.ready, compute)
                 u.used_on = stream
 
     def _hold(self, unit: _Unit) -> None:
@@ -502,6 +557,7 @@ class Streamer:
             if u.copy is None and u.flat is not None:
                 u.version = u.host_version()
                 u.copy, u.ready = self.copies.to_device(u.flat.tensor[: u.nbytes])
+                u.typed = {}
                 self._by_ptr[u.copy.untyped_storage().data_ptr()] = u
                 self._counters["fetches"] += 1
             u.holds += 1
@@ -515,7 +571,7 @@ class Streamer:
     def _drop(self, unit: _Unit) -> None:
         if unit.copy is not None:
             self._by_ptr.pop(unit.copy.untyped_storage().data_ptr(), None)
-        unit.copy, unit.ready, unit.used_on, unit.holds = None, None, -1, 0
+        unit.copy, unit.ready, unit.used_on, unit.holds, unit.typed = None, None, -1, 0, {}
 
     def _advance(self, unit: _Unit) -> int | None:
         """The position of this acquisition in the recorded sequence (None while recording or when the
@@ -541,26 +597,36 @@ class Streamer:
 
     # ------------------------------------------------------------------ gradients
 
-    def _grad_ready(self, slot: _Param, grad: torch.Tensor) -> None:
-        """Starts copying one gradient contribution to the host; the sum lands in `.grad` at the end of
-        this backward (in arrival order, as autograd's own sum)."""
+    def _grads_ready(self, ready: list[tuple[_Param, torch.Tensor]]) -> None:
+        """Starts copying gradient contributions (one unit call's) to the host, all in one batch; the
+        sums land in `.grad` at the end of this backward (in arrival order, as autograd's own sum)."""
         with self._lock:
             if self._hidden_grads:  # a device step's optimizer raised before its post-hook gave them back
                 from .streaming_step import restore_grads
 
                 restore_grads(self)
-            items = self._pending.setdefault(slot, [])
-            p = slot.param
-            if not items and p.grad is None:
-                if slot.grad_block is None:
-                    slot.grad_block = self._take(slot.nbytes)
-                block, scratch = slot.grad_block, None
-            else:
-                block = scratch = self._take(slot.nbytes)
-            dst = block.tensor[: slot.nbytes].view(p.dtype).view(p.shape)
-            event = self.copies.to_host(grad, dst)
-            items.append((dst, event, scratch))
-            self._counters["grads_to_host"] += 1
+            pairs, landing = [], []
+            for slot, grad in ready:
+                items = self._pending.get(slot)
+                p = slot.param
+                if not items and p.grad is None:
+                    if slot.grad_block is None:
+                        slot.grad_block = self._take(slot.nbytes)
+                        slot.grad_view = slot.grad_block.tensor[: slot.nbytes].view(p.dtype).view(p.shape)
+                    dst, scratch = slot.grad_view, None
+                else:
+                    scratch = self._take(slot.nbytes)
+                    dst = scratch.tensor[: slot.nbytes].view(p.dtype).view(p.shape)
+                pairs.append((grad, dst))
+                landing.append((slot, dst, scratch))
+            event = self.copies.to_host_many(pairs)
+            stepped = (
+                self._overlap.take([(s, d, b is None) for s, d, b in landing], event) if self._overlap else ()
+            )
+            for slot, dst, scratch in landing:
+                if slot not in stepped:  # the overlapped optimizer step has those
+                    self._pending.setdefault(slot, []).append((dst, event, scratch))
+            self._counters["grads_to_host"] += len(pairs)
             if not self._callback_queued:
                 self._callback_queued = True
                 torch.autograd.Variable._execution_engine.queue_callback(self.sync)
@@ -570,10 +636,16 @@ class Streamer:
         at the end of each backward; optimizer steps call it first)."""
         with self._lock:
             self._callback_queued = False
+            if self._overlap is not None:  # the parameters stepped during backward have their `.grad`
+                for slot, (dst, event) in self._overlap.wait().items():
+                    self._pending.setdefault(slot, []).insert(0, (dst, event, None))
             pending, self._pending = self._pending, {}
+            waited: set[int] = set()
             for slot, items in pending.items():
                 for _, event, _ in items:
-                    self.copies.wait(event)
+                    if id(event) not in waited:  # a batch's gradients share one event
+                        waited.add(id(event))
+                        self.copies.wait(event)
                 total = items[0][0]
                 for dst, _, _ in items[1:]:
                     total.add_(dst)
@@ -626,6 +698,8 @@ class Streamer:
         return to the pool (each when its last view dies: at once, unless the caller kept one); the
         Parameter objects stay the same."""
         self.sync()
+        if self._overlap is not None:
+            self._overlap.stop()
         for h in self._handles:
             h.remove()
         self._handles.clear()
@@ -638,7 +712,7 @@ class Streamer:
             self._drop(unit)
             unit.flat = None
         for slot in self._params.values():
-            slot.grad_block = None
+            slot.grad_block = slot.grad_view = None
         for state, key, view in self._state_views:  # the device step's optimizer state
             if state.get(key) is view:
                 state[key] = view.clone()
@@ -677,6 +751,8 @@ def _sync_all(optimizer: Any, args: Any, kwargs: Any) -> None:
             from .streaming_step import device_step
 
             device_step(streamer, optimizer)
+        elif streamer._overlap is not None:
+            streamer._overlap.before_step(optimizer)
 
 
 def _after_step(optimizer: Any, args: Any, kwargs: Any) -> None:

@@ -47,13 +47,34 @@ class CopyEngine:
             self._host_timed("d2h", dst.nbytes, t0)
             return None
         self.d2h.wait_stream(torch.cuda.current_stream(self.device))
+        start, end = _timing_event(), _timing_event()
         with torch.cuda.stream(self.d2h):
-            start, end = _timing_event(), _timing_event()
-            start.record()
+            start.record(self.d2h)  # the stream named: record() alone looks the current one up again
             dst.copy_(src, non_blocking=True)
-            end.record()
+            end.record(self.d2h)
         src.record_stream(self.d2h)
         self.stats.pending.append(("d2h", dst.nbytes, start, end))
+        return end
+
+    def to_host_many(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.cuda.Event | None:
+        """As to_host for several (src, dst) pairs, with one event for them all: one ordering against
+        compute and one timing pair instead of one per tensor (a block's gradients: ~100 us less each)."""
+        if not self.cuda:
+            t0 = time.perf_counter()
+            for src, dst in pairs:
+                dst.copy_(src)
+            self._host_timed("d2h", sum(dst.nbytes for _, dst in pairs), t0)
+            return None
+        self.d2h.wait_stream(torch.cuda.current_stream(self.device))
+        start, end = _timing_event(), _timing_event()
+        with torch.cuda.stream(self.d2h):
+            start.record(self.d2h)
+            for src, dst in pairs:
+                dst.copy_(src, non_blocking=True)
+            end.record(self.d2h)
+        for src, _ in pairs:
+            src.record_stream(self.d2h)
+        self.stats.pending.append(("d2h", sum(dst.nbytes for _, dst in pairs), start, end))
         return end
 
     def to_device(self, src: torch.Tensor) -> tuple[torch.Tensor, Any]:
@@ -64,20 +85,21 @@ class CopyEngine:
             out = src.clone()
             self._host_timed("h2d", src.nbytes, t0)
             return out, None
+        start, end = _timing_event(), _timing_event()
         with torch.cuda.stream(self.h2d):  # allocated on the copy stream: no hazard with compute's blocks
             out = torch.empty(src.shape, dtype=src.dtype, device=self.device)
-            start, end = _timing_event(), _timing_event()
-            start.record()
+            start.record(self.h2d)
             out.copy_(src, non_blocking=True)
-            end.record()
+            end.record(self.h2d)
         self.stats.pending.append(("h2d", src.nbytes, start, end))
         return out, end
 
-    def use(self, tensor: torch.Tensor, ready: torch.cuda.Event | None) -> None:
-        """Makes the current stream wait for `ready` before it uses `tensor` (timing the stall)."""
+    def use(self, tensor: torch.Tensor, ready: torch.cuda.Event | None, stream: Any = None) -> None:
+        """Makes `stream` (default: the current one) wait for `ready` before it uses `tensor` (timing
+        the stall)."""
         if ready is None:
             return
-        compute = torch.cuda.current_stream(self.device)
+        compute = stream if stream is not None else torch.cuda.current_stream(self.device)
         before, after = _timing_event(), _timing_event()
         before.record(compute)
         compute.wait_event(ready)

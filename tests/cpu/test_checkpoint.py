@@ -231,3 +231,19 @@ def test_parameter_replaced_between_forward_and_backward_is_an_error_not_a_lost_
     model[2].lin.weight = nn.Parameter(model[2].lin.weight.detach().clone())
     with pytest.raises(UsageError, match="block 2"):
         y.sum().backward()
+
+
+def test_more_checkpoints_than_the_interpreter_has_frames():
+    # The backward's splits nest one level per held boundary: as Python recursion, a chain holding
+    # about 1,000 of them raised RecursionError (supermem bench depth holds hundreds, on chains of
+    # thousands of blocks).
+    n = 1300
+    torch.manual_seed(0)
+    blocks = nn.Sequential(*[nn.Linear(2, 2) for _ in range(n)])
+    x0 = torch.randn(3, 2)
+    plain = step(blocks, x0.clone().requires_grad_(), lambda m, x: m(x))
+    grads = [g.clone() for g in plain[2]]
+    blocks.zero_grad(set_to_none=True)
+    ours = step(blocks, x0.clone().requires_grad_(), lambda m, x: binomial(m, x, checkpoints=n - 10))
+    assert torch.equal(plain[0], ours[0]) and torch.equal(plain[1], ours[1])
+    assert all(torch.equal(a, b) for a, b in zip(grads, ours[2]))

@@ -462,3 +462,101 @@ def test_a_host_limit_too_small_is_a_clear_error_that_leaves_the_model_as_it_was
         assert p.data_ptr() == ptr and p.grad is grad
     s = supermem.stream(model, "cpu")  # not "already streamed"
     s.close()
+
+
+def test_a_units_inner_hooks_are_muted_during_its_call_and_back_after():
+    # Inside a unit's call its modules find their weights swapped in: their hooks would cost PyTorch's
+    # slow call path for nothing. They must be back afterwards (a module called alone fetches its
+    # unit) and after a call that raised.
+    torch.manual_seed(0)
+    model = ConvNorm()
+    ref = copy.deepcopy(model)
+    s = supermem.stream(model, "cpu", unit_bytes=1 << 20)  # the whole model is one unit
+    conv = model.body[0]
+    seen = []
+    conv.register_forward_pre_hook(lambda m, a: seen.append(len(m._forward_pre_hooks)))
+    hooks_before = (len(conv._forward_pre_hooks), len(conv._forward_hooks))
+    x = torch.randn(2, 3, 6, 6)
+    model(x).sum().backward()
+    assert seen == [hooks_before[0] - 1]  # the streamer's own pre-hook was out during the call
+    assert (len(conv._forward_pre_hooks), len(conv._forward_hooks)) == hooks_before
+    with torch.no_grad():
+        assert torch.equal(conv(x), ref.body[0](x))  # called alone: it fetches its unit
+    model.head.register_forward_pre_hook(lambda m, a: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        model(x)
+    assert (len(conv._forward_pre_hooks), len(conv._forward_hooks)) == hooks_before
+    s.close()
+
+
+def test_a_unit_calls_gradients_go_to_the_host_in_one_batch(monkeypatch):
+    from supermem.tensor_pool.copy import CopyEngine
+
+    batches = []
+    monkeypatch.setattr(CopyEngine, "to_host", lambda *a: pytest.fail("one copy per gradient"))
+    real = CopyEngine.to_host_many
+    monkeypatch.setattr(
+        CopyEngine, "to_host_many", lambda self, pairs: batches.append(len(pairs)) or real(self, pairs)
+    )
+    torch.manual_seed(0)
+    model = ConvNorm()
+    supermem.stream(model, "cpu", unit_bytes=1 << 20)
+    model(torch.randn(2, 3, 6, 6)).sum().backward()
+    assert batches == [len(list(model.parameters()))]
+
+
+@pytest.mark.parametrize("unit_bytes", [0, 1 << 20], ids=["unit=module", "unit=model"])
+@pytest.mark.parametrize("kind", ["sgd", "adamw"])
+@pytest.mark.parametrize("make,shape", [(Tied, (9, 12)), (ConvNorm, (4, 3, 8, 8)), (Chain, (8, 6))])
+def test_the_overlapped_optimizer_step_is_bitwise_plain(kind, make, shape, unit_bytes):
+    """optimizer_step="overlap": units step on the host in a worker thread while backward goes on
+    (shared weights, with several contributions, in the user's step); training is bitwise plain."""
+    torch.manual_seed(0)
+    model = make()
+    x = torch.randn(shape)
+    plain = train(copy.deepcopy(model), x, kind, 4, streamed=False)
+    streamed = train(copy.deepcopy(model), x, kind, 4, streamed=True, unit_bytes=unit_bytes, step="overlap")
+    assert_bitwise(plain, streamed)
+
+
+def test_the_overlapped_step_runs_during_backward():
+    torch.manual_seed(0)
+    model = Chain(n=6, checkpoints=2)
+    s = supermem.stream(model, "cpu", unit_bytes=0, optimizer_step="overlap")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    x = torch.randn(8, 6)
+    for _ in range(2):
+        model(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    calls = []
+    real = type(opt).step.__wrapped__
+    monkey = pytest.MonkeyPatch()
+    monkey.setattr(
+        type(opt).step,
+        "__wrapped__",
+        lambda o, *a: calls.append(len(o.param_groups[0]["params"])) or real(o, *a),
+    )
+    try:
+        model(x).sum().backward()  # the worker stepped the streamed units before backward returned
+        stepped = sum(calls)
+        assert stepped == len(list(model.parameters()))
+        opt.step()  # hides them: nothing is stepped twice
+        assert sum(calls) == stepped
+    finally:
+        monkey.undo()
+    s.close()
+
+
+def test_two_backwards_per_overlapped_step_is_an_error():
+    torch.manual_seed(0)
+    model = ConvNorm()
+    supermem.stream(model, "cpu", unit_bytes=0, optimizer_step="overlap")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(2, 3, 6, 6)
+    model(x).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    model(x).sum().backward()
+    with pytest.raises(RuntimeError, match="already has one"):
+        model(x).sum().backward()

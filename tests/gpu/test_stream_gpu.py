@@ -127,6 +127,20 @@ def test_streamed_training_bitwise_on_cuda(kind, chain, unit_bytes):
     assert_same(a, b)
 
 
+@pytest.mark.parametrize("kind", ["sgd", "adamw"])
+@pytest.mark.parametrize("chain", [False, True])
+def test_overlapped_host_step_bitwise_on_cuda(kind, chain):
+    """optimizer_step="overlap": the worker thread steps each unit on the host once its gradient copies
+    have ended, while backward goes on; the result is the host step's."""
+    torch.manual_seed(0)
+    x = torch.randn(8, 3, 16, 16, device="cuda")
+    torch.manual_seed(1)
+    a = reference(Net(chain), x, kind, 3)
+    torch.manual_seed(1)
+    b = streamed(Net(chain), x, kind, 3, unit_bytes=0, step="overlap")
+    assert_same(a, b)
+
+
 def test_streaming_binomial_and_pool_on_cuda():
     torch.manual_seed(0)
     x = torch.randn(8, 3, 16, 16, device="cuda")
