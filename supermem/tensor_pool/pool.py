@@ -345,7 +345,7 @@ class Pool:
             t = self.treatments[c.treatment]
             for e in c.frees:
                 if e.state is State.RESIDENT and self._leave(e, t):
-                    over -= e.nbytes
+                    over -= e.nbytes - t.device_bytes(e)  # a compressed entry keeps its payload
             if over <= 0:
                 break
 

@@ -391,3 +391,24 @@ def test_pressure_nested_in_a_pressure_call_keeps_the_accounting(monkeypatch):
     got = train("mlp", pool, steps=1, during=lambda p: p._on_pressure(1 << 30))
     assert same(ref, got)
     assert freed and pool.stats()["compressions"] > 0
+
+
+def test_fitting_the_budget_counts_a_compressed_entry_as_freeing_only_what_packing_saves():
+    """One `_fit_budget` call ends under its target when compressing every ReLU output reaches it: a
+    compressed entry frees its tensor's bytes less its packed payload (from the format's size), not
+    the whole tensor (counting the whole tensor stops the call about halfway)."""
+    pool = Pool(budget=None, policy="cost_aware", host_limit="64MiB", treatments=(Compress(),))
+    seen = {}
+
+    def fit_once(p):
+        compress = p.treatments["compress"]
+        saving = sum(e.nbytes - packed_bytes(e.tensor) for e in live_entries(p) if compress.applies(e))
+        before = p._used_bytes()
+        p.budget_bytes = before - saving + 1  # reachable only by compressing every one of them
+        p._fit_budget()
+        seen.update(before=before, after=p._used_bytes(), target=p._target(), saving=saving)
+        p.budget_bytes = None
+
+    train("resnet", pool, steps=1, during=fit_once)
+    assert seen["saving"] > 0 and pool.stats()["compressions"] > 0
+    assert seen["after"] <= seen["target"] < seen["before"], seen
