@@ -13,6 +13,7 @@ from small_models import ResNet
 
 from supermem.bench.models import ResNet as BottleneckResNet
 from supermem.bench.models import loss_fn
+from supermem.compress import Packed
 from supermem.policies import make_policy
 from supermem.tensor_pool import Pool
 from supermem.tensor_pool.entry import State
@@ -351,10 +352,10 @@ def pressure_inside_packs(monkeypatch, pool, times=1):
     freed = []
     pack = treatments.relu_pack
 
-    def pack_under_pressure(t):
+    def pack_under_pressure(t, **kw):
         if len(freed) < times:
             freed.append(pool._on_pressure(1 << 30))
-        return pack(t)
+        return pack(t, **kw)
 
     monkeypatch.setattr(treatments, "relu_pack", pack_under_pressure)
     return freed
@@ -412,3 +413,74 @@ def test_fitting_the_budget_counts_a_compressed_entry_as_freeing_only_what_packi
     train("resnet", pool, steps=1, during=fit_once)
     assert seen["saving"] > 0 and pool.stats()["compressions"] > 0
     assert seen["after"] <= seen["target"] < seen["before"], seen
+
+
+def record_rooms(monkeypatch):
+    """The values room of every pack the pool makes (None: an exact pack, which syncs on a GPU)."""
+    from supermem.tensor_pool import treatments
+
+    rooms = []
+    pack = treatments.relu_pack
+
+    def recorded(t, **kw):
+        rooms.append(kw.get("capacity"))
+        return pack(t, **kw)
+
+    monkeypatch.setattr(treatments, "relu_pack", recorded)
+    return rooms
+
+
+def test_after_the_first_step_packs_guess_their_room_and_never_wait(monkeypatch):
+    """A saved tensor's first pack sizes its values exactly (a host sync on a GPU); from the next step
+    on, the same tensor's pack gets room for last step's count plus a margin and nothing waits. The
+    count comes back later; the entries settle and training stays bitwise."""
+    ref = train("resnet")
+    pool = forced()
+    rooms = record_rooms(monkeypatch)
+    per_step = []
+    got = train("resnet", pool, steps=3, during=lambda p: per_step.append(len(rooms)))
+    assert same(ref, got)
+    first, later = rooms[: per_step[0]], rooms[per_step[0] :]
+    assert first and all(r is None for r in first)
+    assert later and all(r is not None for r in later), later
+    s = pool.stats()
+    assert s.get("repacks", 0) == 0 and s["decompressions"] == s["compressions"], s
+
+
+def test_a_room_too_small_packs_the_kept_original_again(monkeypatch):
+    """When the guessed room is short (the tensor got denser), the original, kept until the count is
+    known, is packed again exactly: nothing is lost."""
+    from supermem.tensor_pool import treatments
+
+    monkeypatch.setattr(treatments, "ROOM_MARGIN", 0.5)
+    monkeypatch.setattr(treatments, "ROOM_SLACK", 0)
+    ref = train("resnet")
+    pool = forced()
+    got = train("resnet", pool, steps=3)
+    assert same(ref, got)
+    assert pool.stats()["repacks"] > 0
+
+
+def test_settling_lets_the_originals_go_and_keeps_the_accounting():
+    """Once a guessed pack's count is known, the entry holds only its packed payload (the original
+    goes) and the pool's device bytes still add up (Pool.check) before and after."""
+    from supermem.tensor_pool.treatments import _Unsettled
+
+    pool = Pool(budget=None, policy="cost_aware", host_limit="64MiB", treatments=(Compress(),))
+    seen = []
+
+    def compress_all_then_settle(p):
+        c = p.treatments["compress"]
+        for e in live_entries(p):
+            if c.applies(e):
+                p._leave(e, c)
+        unsettled = [e for e in live_entries(p) if isinstance(e.payload, _Unsettled)]
+        p.check()
+        c._settle(p)
+        p.check()
+        seen.append((len(unsettled), [e for e in unsettled if not isinstance(e.payload, Packed)]))
+
+    got = train("mlp", pool, steps=2, during=compress_all_then_settle)
+    assert same(train("mlp", steps=2), got)
+    assert seen[0][0] == 0 and seen[1][0] > 0, seen  # the second step's packs guessed their room
+    assert not seen[1][1], seen
