@@ -273,16 +273,25 @@ class Compress(Treatment):
         out = []
         for e in resident:
             if self.applies(e):
-                freed = e.nbytes - int(ratio * e.nbytes)
-                out.append(Choice(e, self.name, freed, s_per_byte * e.nbytes, e.last_use, (e,)))
+                room = self._room(e)  # what the payload will take, when this tensor was packed before
+                payload = int(ratio * e.nbytes) if room is None else self._payload_bytes(e, room)
+                out.append(Choice(e, self.name, e.nbytes - payload, s_per_byte * e.nbytes, e.last_use, (e,)))
         return out
+
+    def _room(self, e: Entry) -> int | None:
+        """Values room for `e`'s pack: its count last step plus the margin; None: never packed (exact)."""
+        last = self._last_nnz.get((e.ordinal, e.extent))
+        return None if last is None else int(last * ROOM_MARGIN + e.extent * ROOM_SLACK)
+
+    @staticmethod
+    def _payload_bytes(e: Entry, room: int) -> int:
+        return packed_nbytes(e.extent, min(room, e.extent), e.dtype.itemsize)
 
     def leave(self, pool: Pool, e: Entry) -> bool:
         if e.state is not State.RESIDENT or e.tensor is None:
             return False  # taken off by a pressure call nested in another pack
-        last = self._last_nnz.get((e.ordinal, e.extent))
-        room = None if last is None else int(last * ROOM_MARGIN + e.extent * ROOM_SLACK)
-        if room is not None and packed_nbytes(e.extent, room, e.tensor.element_size()) >= e.nbytes:
+        room = self._room(e)
+        if room is not None and self._payload_bytes(e, room) >= e.nbytes:
             room = None  # a room that saves nothing (a small tensor): size it exactly
         # The payload's allocation may call the pool's pressure handler from inside this pack: it must
         # neither pack again nor take this entry from under it.

@@ -484,3 +484,34 @@ def test_settling_lets_the_originals_go_and_keeps_the_accounting():
     assert same(train("mlp", steps=2), got)
     assert seen[0][0] == 0 and seen[1][0] > 0, seen  # the second step's packs guessed their room
     assert not seen[1][1], seen
+
+
+def test_a_choice_frees_what_the_payload_will_not_take():
+    """Once a saved tensor was packed, compressing it again is offered as freeing its bytes less the
+    payload it will take: the bitmap, room for last step's nonzeros plus the margin, the offsets
+    (counted here from the tensor itself, per place in the step)."""
+    from supermem.tensor_pool import treatments
+
+    c = Compress()
+    nnz_by_ordinal, offered = {}, {}
+
+    def count(p):
+        for e in live_entries(p):
+            if e.tensor is not None:
+                nnz_by_ordinal[e.ordinal] = int((e.tensor.reshape(-1).view(torch.int32) != 0).sum())
+
+    train("resnet", Pool(budget="1GiB", policy="cost_aware", treatments=(c,)), steps=1, during=count)
+    pool = Pool(budget=0, policy="cost_aware", treatments=(c,))
+    train("resnet", pool, steps=1)  # packs every ReLU output once: their counts are known
+
+    def price(p):
+        resident = [e for e in live_entries(p) if e.state is State.RESIDENT]
+        offered.update({ch.target.ordinal: (ch.nbytes, ch.target) for ch in c.choices(p, resident)})
+
+    train("resnet", Pool(budget="1GiB", policy="cost_aware", treatments=(c,)), steps=1, during=price)
+    assert offered
+    for ordinal, (freed, e) in offered.items():
+        n = e.extent
+        room = int(nnz_by_ordinal[ordinal] * treatments.ROOM_MARGIN + n * treatments.ROOM_SLACK)
+        payload = 4 * math.ceil(n / 32) + min(room, n) * 4 + 8 * (math.ceil(n / 2048) + 1)
+        assert freed == e.nbytes - payload, (ordinal, freed, e.nbytes, payload)
