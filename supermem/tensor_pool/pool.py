@@ -334,6 +334,8 @@ class Pool:
             return
         if self._soft is None:
             self._keep_budget()
+        for t in self.treatments.values():
+            t.settle(self)  # what finished in the background frees before the pool measures
         target = self._target()
         over = self._used_bytes() - target
         if over <= 0:
@@ -545,6 +547,10 @@ class Pool:
             self._counters["pressure_calls"] += 1
             self._left = True
             before, freed = self._used_bytes(), 0
+            for t in self.treatments.values():
+                t.settle(self, wait=True)  # e.g. originals kept until their pack is known to fit
+            if before - self._used_bytes() >= need_bytes:
+                return before - self._used_bytes()
             self._urgent = True
             try:
                 choices = self._choices()

@@ -12,6 +12,7 @@ and keeps the byte counters; a new treatment is a new class here, in `TREATMENTS
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 import weakref
 from collections.abc import Iterable
@@ -60,6 +61,10 @@ class Treatment:
     def arrived(self, pool: Pool, e: Entry) -> None:
         """The entry is back on the device, by this treatment or another way (a region's replay
         rebuilds every dropped entry of its call): drop what need not be kept."""
+
+    def settle(self, pool: Pool, wait: bool = False) -> None:
+        """Finishes what finished in the background (all of it, waiting, with `wait`): frees what
+        the entries it holds no longer need. The pool calls it before it measures device memory."""
 
     def device_bytes(self, e: Entry) -> int:
         """Device bytes the entry still takes while away (a compressed payload; 0 when none)."""
@@ -214,6 +219,7 @@ PRIOR_PASSES = 4  # before any timing: pack reads the tensor twice and unpack wr
 TIMED_USES = 8  # packs (and unpacks) timed; the fastest per byte prices them (the first one warms up)
 ROOM_MARGIN = 1.03  # values room: this times the same saved tensor's nonzeros last step, ...
 ROOM_SLACK = 1 / 256  # ... plus this share of the elements (densities drift from step to step)
+ROOM_NEW_SLACK = 1 / 16  # a tensor never packed: the densest of its size so far, plus this share
 
 
 class Compress(Treatment):
@@ -227,7 +233,7 @@ class Compress(Treatment):
     packed, the pack reads the nonzero count back to size the values exactly: one host sync, which
     drains the GPU's queue. After that the values get room for last step's count plus a margin and
     nothing waits: the count comes back by an asynchronous copy, and the original tensor is kept
-    until it shows the values fit (`_settle`, at the next decision; at once under pressure). If they
+    until it shows the values fit (`settle`, before the pool's next decision; at once under pressure). If they
     did not, the kept original is packed again exactly.
 
     ReLU's own backward reads only the mask (1 bit per element), but the same tensor is almost always
@@ -244,6 +250,7 @@ class Compress(Treatment):
         self._incompressible: weakref.WeakSet[Entry] = weakref.WeakSet()
         self._relu_made: weakref.WeakKeyDictionary[Entry, bool] = weakref.WeakKeyDictionary()
         self._last_nnz: dict[tuple[int, int], int] = {}  # (ordinal in its step, elements) -> nonzeros
+        self._densest: dict[int, float] = {}  # elements -> the highest nonzero share packed at that size
         self._unsettled: list[weakref.ref[Entry]] = []  # packed into a guessed room, count not read yet
 
     def applies(self, e: Entry) -> bool:
@@ -264,7 +271,6 @@ class Compress(Treatment):
 
     def choices(self, pool: Pool, resident: Iterable[Entry]) -> list[Choice]:
         _count(pool)
-        self._settle(pool, wait=pool._urgent)  # under pressure the kept originals must go now
         if self._packing:
             return []
         prior = PRIOR_PASSES / 2 / pool._device_bytes_per_s()
@@ -279,9 +285,13 @@ class Compress(Treatment):
         return out
 
     def _room(self, e: Entry) -> int | None:
-        """Values room for `e`'s pack: its count last step plus the margin; None: never packed (exact)."""
+        """Values room for `e`'s pack: its count last step plus the margin; for a tensor not packed
+        before, the densest share seen at its size plus a wider margin; None: no size seen (exact)."""
         last = self._last_nnz.get((e.ordinal, e.extent))
-        return None if last is None else int(last * ROOM_MARGIN + e.extent * ROOM_SLACK)
+        if last is not None:
+            return int(last * ROOM_MARGIN + e.extent * ROOM_SLACK)
+        densest = self._densest.get(e.extent)
+        return None if densest is None else int(e.extent * (densest + ROOM_NEW_SLACK))
 
     @staticmethod
     def _payload_bytes(e: Entry, room: int) -> int:
@@ -321,6 +331,7 @@ class Compress(Treatment):
         """Learns from a whole pack of `e`; False if it frees nothing (then `e` is never packed again)."""
         nnz = packed.host_nnz
         self._last_nnz[(e.ordinal, e.extent)] = nnz
+        self._densest[e.extent] = max(self._densest.get(e.extent, 0.0), nnz / max(1, e.extent))
         self._tensor_bytes += e.nbytes
         self._packed_bytes += packed.nbytes
         if packed.nbytes >= e.nbytes:  # dense after all: packing it again would free nothing
@@ -329,9 +340,11 @@ class Compress(Treatment):
         _count(pool, compressed_payload_bytes=packed.nbytes)
         return True
 
-    def _settle(self, pool: Pool, wait: bool = False) -> None:
+    def settle(self, pool: Pool, wait: bool = False) -> None:
         """Packs whose nonzero count is back (all of them, waiting, with `wait`): the original goes if
         the values fit; if not, the original is packed again, exactly (one host sync)."""
+        if self._packing:
+            return  # a pressure call from inside a pack: a repack here would nest packs
         still = []
         for ref in self._unsettled:
             e = ref()
@@ -353,7 +366,7 @@ class Compress(Treatment):
 
     def come_back(self, pool: Pool, e: Entry) -> None:
         if isinstance(e.payload, _Unsettled):
-            self._settle(pool, wait=True)  # long done by backward, as a rule
+            self.settle(pool, wait=True)  # long done by backward, as a rule
         p = e.payload
         with self._timing["unpack"].timed(pool, e.nbytes):
             t = relu_unpack(p)
@@ -486,6 +499,7 @@ def _relu_output(t: torch.Tensor) -> bool:
     return t.dtype in _PACKABLE and _dense(t) and fn is not None and type(fn).__name__ in RELU_MADE
 
 
+@functools.cache
 def _kernels_built() -> bool:
     from .. import _C
 
