@@ -257,14 +257,15 @@ class Compress(Treatment):
         if e.recipe is not None and not e.recipe.ready:
             return False  # a call still running decides at its end, as for offload
         t = e.tensor
-        if t is None or e in self._incompressible:
+        if t is None:
             return False
-        if t.is_cuda and (not _kernels_built() or torch.cuda.is_current_stream_capturing()):
-            return False  # no kernels; or a CUDA graph is being captured, and a pack may sync
         made = self._relu_made.get(e)
         if made is None:  # fixed for the entry's life: asked once (a decision prices dozens of entries)
             made = self._relu_made[e] = _relu_output(t)
-        return made
+        if not made or e in self._incompressible:
+            return False
+        # No kernels; or a CUDA graph is being captured, and a pack may sync.
+        return not t.is_cuda or (_kernels_built() and not torch.cuda.is_current_stream_capturing())
 
     def measured(self) -> bool:
         return all(x.s_per_byte is not None for x in self._timing.values())
