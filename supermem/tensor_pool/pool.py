@@ -213,11 +213,14 @@ class Pool:
         region = self.regions.top()
         if region is not None:
             region.saw(packed, t)  # before the budget is fitted: the region may claim it
-        if isinstance(packed, Entry):
-            t0 = time.perf_counter()
-            with self._lock:
+        t0 = time.perf_counter()
+        with self._lock:
+            if isinstance(packed, Entry):
                 self._fit_budget()
-            self._busy_s -= time.perf_counter() - t0  # region timers on CPU leave the pool's work out
+            else:  # a small or kept tensor: no fitting, but what finished in the background still goes
+                for treatment in self.treatments.values():
+                    treatment.settle(self)
+        self._busy_s -= time.perf_counter() - t0  # region timers on CPU leave the pool's work out
         return packed
 
     def _pack_tensor(self, t: torch.Tensor) -> Any:

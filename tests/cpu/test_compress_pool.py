@@ -583,3 +583,29 @@ def test_the_pool_settles_kept_originals_before_it_measures(how):
 
     train("mlp", pool, steps=2, during=leave_then_measure)
     assert seen[1][0] > 0 and seen[1][1] == 0, seen
+
+
+def test_a_kept_tensor_saved_after_the_last_pack_lets_it_settle():
+    """The last packs of a forward keep their originals until their count is known. The tensors saved
+    after them (the head and the loss: small, kept where they are) still let finished packs settle,
+    so the originals do not stay through the step's peak, which comes at the loss."""
+    from supermem.tensor_pool.treatments import _Unsettled
+
+    pool = Pool(budget=None, policy="cost_aware", host_limit="64MiB", treatments=(Compress(),))
+    pool.min_bytes = 1 << 12  # the last Linear's input (32 x 64 fp32, 8 KiB) is an entry; smaller ones stay
+    seen = []
+
+    def leave_then_save_a_small_one(p):
+        c = p.treatments["compress"]
+        for e in live_entries(p):
+            if c.applies(e):
+                p._leave(e, c)
+        kept = [e for e in live_entries(p) if isinstance(e.payload, _Unsettled)]
+        with p:
+            small = torch.ones(4, requires_grad=True)
+            (small * torch.ones(4)).sum()  # saves a 16-byte tensor: kept, not an entry
+        seen.append((len(kept), sum(isinstance(e.payload, _Unsettled) for e in kept)))
+
+    got = train("mlp", pool, steps=2, during=leave_then_save_a_small_one)
+    assert same(train("mlp", steps=2), got)
+    assert seen[1][0] > 0 and seen[1][1] == 0, seen
