@@ -204,15 +204,12 @@ __device__ int64_t look_back(const uint64_t* status, int64_t tile, int lane) {
 template <typename W, bool kAligned>
 __global__ void __launch_bounds__(kThreads, 2)
     pack_kernel(const W* __restrict__ src, int64_t n, uint32_t* __restrict__ bitmap, int64_t* __restrict__ offsets,
-                W* __restrict__ values, int64_t capacity, bool values_aligned, uint64_t* workspace, int64_t nblocks) {
+                W* __restrict__ values, int64_t capacity, uint64_t* workspace, int64_t nblocks) {
   using L = Layout<W>;
   __shared__ int64_t tile_shared;
   __shared__ int block_count[kWarpsPerCta];
   __shared__ int64_t block_offset[kWarpsPerCta];
-  // A step's nonzeros, shifted by out % kVec so that whole vectors of the stage line up with
-  // 16-byte-aligned vectors of `values` (each row is a multiple of 16 bytes).
-  __shared__ __align__(16) W stage[kWarpsPerCta][L::kChunk + L::kVec];
-  static_assert((L::kChunk + L::kVec) * sizeof(W) % 16 == 0, "stage rows keep 16-byte alignment");
+  __shared__ W stage[kWarpsPerCta][L::kChunk];
   const int lane = threadIdx.x % 32;
   const int warp = threadIdx.x / 32;
   // The tile comes from a ticket, not blockIdx: a CTA never waits on one that has not started.
@@ -260,8 +257,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   if (values == nullptr) return;
 
   // Each step's nonzeros, ranked by a warp prefix sum, go to the stage in order, then out in one
-  // contiguous run: 16-byte stores where a whole aligned vector of values lies inside the run (and
-  // below capacity), element stores at its two ends.
+  // contiguous run.
   W* mine = stage[warp];
   int64_t out = block_offset[warp];
 #pragma unroll
@@ -271,29 +267,12 @@ __global__ void __launch_bounds__(kThreads, 2)
     const int c = __popc(m);
     const int incl = warp_inclusive_sum(c, lane);
     const int total = __shfl_sync(kFullMask, incl, 31);
-    const int shift = values_aligned ? int(out % L::kVec) : 0;  // stage slot k holds values[out - shift + k]
-    int pos = shift + incl - c;  // this lane's first slot among the step's nonzeros
+    int pos = incl - c;  // this lane's first slot among the step's nonzeros
 #pragma unroll
     for (int j = 0; j < L::kVec; ++j)
       if ((m >> j) & 1u) mine[pos++] = v.w[j];
     __syncwarp();
-    const int64_t end = out + total < capacity ? out + total : capacity;  // values[out .. end) are written
-    if (values_aligned) {
-      const int64_t base = out - shift;  // a multiple of kVec: an aligned vector
-      const int nvec = (shift + total + L::kVec - 1) / L::kVec;
-      for (int q = lane; q < nvec; q += 32) {
-        const int64_t i0 = base + int64_t(q) * L::kVec;
-        if (i0 >= out && i0 + L::kVec <= end) {
-          __stwb(reinterpret_cast<uint4*>(values + i0), *reinterpret_cast<const uint4*>(mine + q * L::kVec));
-        } else {
-#pragma unroll
-          for (int j = 0; j < L::kVec; ++j)
-            if (i0 + j >= out && i0 + j < end) values[i0 + j] = mine[q * L::kVec + j];
-        }
-      }
-    } else {
-      for (int64_t i = out + lane; i < end; i += 32) values[i] = mine[i - out];
-    }
+    for (int k = lane; k < total && out + k < capacity; k += 32) values[out + k] = mine[k];
     __syncwarp();  // the stage is rewritten next step
     out += total;
   }
@@ -432,13 +411,12 @@ void launch_pack(const void* src, int64_t n, uint32_t* bitmap, int64_t* offsets,
   const int64_t nblocks = num_blocks(n);
   const auto* s = static_cast<const W*>(src);
   auto* v = static_cast<W*>(values);
-  const bool va = aligned16(values);  // 16-byte value stores (torch's allocations always are)
   if (aligned16(src))
-    pack_kernel<W, true><<<grid_for(nblocks), kThreads, 0, stream>>>(s, n, bitmap, offsets, v, capacity, va,
-                                                                     workspace, nblocks);
+    pack_kernel<W, true><<<grid_for(nblocks), kThreads, 0, stream>>>(s, n, bitmap, offsets, v, capacity, workspace,
+                                                                     nblocks);
   else
-    pack_kernel<W, false><<<grid_for(nblocks), kThreads, 0, stream>>>(s, n, bitmap, offsets, v, capacity, va,
-                                                                      workspace, nblocks);
+    pack_kernel<W, false><<<grid_for(nblocks), kThreads, 0, stream>>>(s, n, bitmap, offsets, v, capacity, workspace,
+                                                                      nblocks);
   check(cudaGetLastError(), "relu pack kernel launch");
 }
 
