@@ -571,6 +571,7 @@ class Pool:
                         continue  # a pressure call nested in one of these leaves (a pack's payload) took it
                     if self._leave(victim, t):
                         self.copies.wait(victim.event)
+                        t.settle(self, wait=True)  # a pack's kept original: it must go now
                 freed = before - self._used_bytes()
                 if freed >= need_bytes:
                     break

@@ -229,12 +229,13 @@ class Compress(Treatment):
     saved tensor qualifies when a relu/relu_/threshold made it (its grad_fn) and it is dense in memory
     (it comes back with its exact strides).
 
-    The packed size depends on the data. The first time a saved tensor (its place in the step) is
-    packed, the pack reads the nonzero count back to size the values exactly: one host sync, which
-    drains the GPU's queue. After that the values get room for last step's count plus a margin and
-    nothing waits: the count comes back by an asynchronous copy, and the original tensor is kept
-    until it shows the values fit (`settle`, before the pool's next decision; at once under pressure). If they
-    did not, the kept original is packed again exactly.
+    The packed size depends on the data. The first pack of each tensor size reads the nonzero count
+    back to size the values exactly: one host sync, which drains the GPU's queue. The others get room
+    for the same saved tensor's count last step (or the densest share seen at its size) plus a margin,
+    and nothing waits: the count comes back by an asynchronous copy, and the original tensor is kept
+    until it shows the values fit (`settle`: at the pool's next save or decision; at once under
+    pressure). If they did not, the entry is resident again with its kept original (a room miss), and
+    its next pack gets room for the count now known.
 
     ReLU's own backward reads only the mask (1 bit per element), but the same tensor is almost always
     the next layer's input too (one entry, saved twice), which needs the values: the mask-only form is
@@ -322,7 +323,7 @@ class Compress(Treatment):
                 return False
             e.payload = packed
         else:  # the count comes back without a wait; the original stays until it shows the values fit
-            e.payload = _Unsettled(packed, e.tensor, room)
+            e.payload = _Unsettled(packed, e.tensor)
             self._unsettled.append(weakref.ref(e))
         e.state = State.AWAY
         _count(pool, compressions=1, compressed_bytes=e.nbytes)
@@ -343,9 +344,8 @@ class Compress(Treatment):
 
     def settle(self, pool: Pool, wait: bool = False) -> None:
         """Packs whose nonzero count is back (all of them, waiting, with `wait`): the original goes if
-        the values fit; if not, the original is packed again, exactly (one host sync)."""
-        if self._packing:
-            return  # a pressure call from inside a pack: a repack here would nest packs
+        the values fit; if not, the entry is resident again with its original (no sync, no new
+        allocation), and the count it learned sizes its next pack."""
         still = []
         for ref in self._unsettled:
             e = ref()
@@ -355,11 +355,15 @@ class Compress(Treatment):
             if not u.done(wait):
                 still.append(ref)
                 continue
-            before = self.device_bytes(e)
-            whole = fitted(u.packed, u.nnz())
+            nnz = u.nnz()
+            whole = fitted(u.packed, nnz)
             if whole is None:  # more nonzeros than the room: rare (a margin over last step's count)
-                _count(pool, repacks=1)
-                whole = relu_pack(u.original)
+                self._last_nnz[(e.ordinal, e.extent)] = nnz
+                _count(pool, room_misses=1)
+                pool._arrived(e, u.original, None)
+                self.arrived(pool, e)
+                continue
+            before = self.device_bytes(e)
             self._packed(pool, e, whole)  # dense this step: it stays packed (lossless), never again
             e.payload = whole
             pool._device_bytes += self.device_bytes(e) - before
@@ -368,6 +372,8 @@ class Compress(Treatment):
     def come_back(self, pool: Pool, e: Entry) -> None:
         if isinstance(e.payload, _Unsettled):
             self.settle(pool, wait=True)  # long done by backward, as a rule
+            if e.state is State.RESIDENT:
+                return  # the room was short: it is back already, as its kept original
         p = e.payload
         with self._timing["unpack"].timed(pool, e.nbytes):
             t = relu_unpack(p)
@@ -404,10 +410,10 @@ class Compress(Treatment):
 class _Unsettled:
     """A pack into a guessed room: its nonzero count on its way to the host, the original kept."""
 
-    __slots__ = ("packed", "original", "room", "_count", "_event")
+    __slots__ = ("packed", "original", "_count", "_event")
 
-    def __init__(self, packed: Packed, original: torch.Tensor, room: int):
-        self.packed, self.original, self.room = packed, original, room
+    def __init__(self, packed: Packed, original: torch.Tensor):
+        self.packed, self.original = packed, original
         last = packed.offsets[-1:]
         if last.is_cuda:
             self._count = torch.empty(1, dtype=torch.int64, pin_memory=True)
@@ -475,7 +481,7 @@ class _Timing:
 
 
 _PACKABLE = (torch.float32, torch.float16, torch.bfloat16)
-_COUNTERS = ("compressions", "decompressions", "compressed_bytes", "compressed_payload_bytes", "repacks")
+_COUNTERS = ("compressions", "decompressions", "compressed_bytes", "compressed_payload_bytes", "room_misses")
 
 
 def _count(pool: Pool, **add: int) -> None:
