@@ -112,16 +112,37 @@ class PackedMask:
         return f"PackedMask({_describe(torch.bool, self.shape, self.device)}, nbytes={self.nbytes})"
 
 
-def relu_pack(t: torch.Tensor, *, exact: bool = True) -> Packed:
+def relu_pack(t: torch.Tensor, *, exact: bool = True, capacity: int | None = None) -> Packed:
     """Packs `t` (fp32/fp16/bf16, CPU or CUDA) losslessly. On CUDA, exact=True costs one host sync
-    (the values buffer gets its exact size); exact=False costs none and holds room for every element."""
+    (the values buffer gets its exact size); exact=False costs none and holds room for every element.
+
+    capacity: room for this many nonzeros (a guess: the same tensor's count last step, say), no host
+    sync on either device; nonzeros past it are left out. The result is whole only if its nnz fits:
+    `fitted(packed, nnz)` says so (and makes it unpackable) once the caller has read nnz, e.g. from an
+    asynchronous copy of `packed.offsets[-1]`; until then relu_unpack refuses it on CUDA."""
     flat, stride = _flat(_check_tensor(t, "relu_pack"))
+    if capacity is not None:
+        capacity = max(0, min(int(capacity), flat.numel()))
     if flat.is_cuda:
-        bitmap, offsets, values = _pack_cuda(flat, exact)
+        bitmap, offsets, values = _pack_cuda(flat, exact, capacity)
     else:
         bitmap, offsets, values = _pack_reference(flat)
-    known = values.numel() if not flat.is_cuda or exact else None  # exact sizes: values hold nnz
+        if capacity is not None:  # as the kernel leaves it: `capacity` slots, the first nonzeros in them
+            room = values.new_zeros(capacity)
+            room[: min(capacity, values.numel())] = values[:capacity]
+            values = room
+    exact_size = capacity is None and (not flat.is_cuda or exact)
+    known = values.numel() if exact_size else None  # exact sizes: values hold nnz
     return Packed(bitmap, offsets, values, t.dtype, t.shape, stride, known)
+
+
+def fitted(packed: Packed, nnz: int) -> Packed | None:
+    """`packed` (made with a capacity) as a whole pack when `nnz`, its nonzero count as read from
+    `packed.offsets[-1]`, fit its values buffer; else None (values were left out: pack again). The
+    buffer keeps its room (trimming it would copy the values). Costs no host sync."""
+    if nnz > packed.values.numel():
+        return None
+    return dataclasses.replace(packed, host_nnz=nnz)
 
 
 def relu_unpack(packed: Packed) -> torch.Tensor:
@@ -342,7 +363,9 @@ def _kernels():
     return _C
 
 
-def _pack_cuda(flat: torch.Tensor, exact: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _pack_cuda(
+    flat: torch.Tensor, exact: bool, capacity: int | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     _C = _kernels()
     n, device, elem_bytes = flat.numel(), flat.device, flat.element_size()
     with torch.cuda.device(device):
@@ -355,21 +378,24 @@ def _pack_cuda(flat: torch.Tensor, exact: bool) -> tuple[torch.Tensor, torch.Ten
         workspace_bytes = _C.relu_pack_workspace_bytes(n)
         workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=device)
 
-        def pack(values_ptr: int) -> None:
+        def pack(values_ptr: int, room: int) -> None:
             _C.relu_pack(
-                flat.data_ptr(), n, elem_bytes, bitmap.data_ptr(), offsets.data_ptr(), values_ptr,
+                flat.data_ptr(), n, elem_bytes, bitmap.data_ptr(), offsets.data_ptr(), values_ptr, room,
                 workspace.data_ptr(), workspace_bytes, stream,
             )  # fmt: skip
 
-        if exact:
-            pack(0)  # bitmap and offsets only
+        if capacity is not None:  # a guessed size: no sync; the caller checks nnz against it later
+            values = flat.new_empty(capacity)
+            pack(values.data_ptr() if capacity else 0, capacity)
+        elif exact:
+            pack(0, 0)  # bitmap and offsets only
             nnz = int(offsets[-1])  # the one host sync: the values' size is data-dependent
             values = flat.new_empty(nnz)
             if nnz:
-                pack(values.data_ptr())  # again, with the values (bitmap and offsets come out the same)
+                pack(values.data_ptr(), nnz)  # again, with the values (bitmap and offsets come out the same)
         else:
             values = flat.new_empty(n)
-            pack(values.data_ptr())
+            pack(values.data_ptr(), n)
     return bitmap, offsets, values
 
 

@@ -29,11 +29,11 @@ void bind_kernels(pybind11::module_& m) {
   m.def(
       "relu_pack",
       [](uint64_t src, int64_t n, int elem_bytes, uint64_t bitmap, uint64_t offsets, uint64_t values,
-         uint64_t workspace, size_t workspace_bytes, uint64_t stream) {
+         int64_t values_capacity, uint64_t workspace, size_t workspace_bytes, uint64_t stream) {
         relu_pack(ptr<const void>(src), n, elem_bytes, ptr<uint32_t>(bitmap), ptr<int64_t>(offsets),
-                  ptr<void>(values), ptr<void>(workspace), workspace_bytes, stream_of(stream));
+                  ptr<void>(values), values_capacity, ptr<void>(workspace), workspace_bytes, stream_of(stream));
       },
-      "One pass: bitmap, offsets and (values != 0) the nonzeros; see csrc/kernels/relu_pack.h");
+      "One pass: bitmap, offsets and (values != 0) the first values_capacity nonzeros; see relu_pack.h");
   m.def(
       "relu_unpack",
       [](uint64_t bitmap, uint64_t offsets, uint64_t values, int64_t n, int elem_bytes, uint64_t dst,

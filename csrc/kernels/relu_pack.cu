@@ -204,7 +204,7 @@ __device__ int64_t look_back(const uint64_t* status, int64_t tile, int lane) {
 template <typename W, bool kAligned>
 __global__ void __launch_bounds__(kThreads, 2)
     pack_kernel(const W* __restrict__ src, int64_t n, uint32_t* __restrict__ bitmap, int64_t* __restrict__ offsets,
-                W* __restrict__ values, uint64_t* workspace, int64_t nblocks) {
+                W* __restrict__ values, int64_t capacity, uint64_t* workspace, int64_t nblocks) {
   using L = Layout<W>;
   __shared__ int64_t tile_shared;
   __shared__ int block_count[kWarpsPerCta];
@@ -272,7 +272,7 @@ __global__ void __launch_bounds__(kThreads, 2)
     for (int j = 0; j < L::kVec; ++j)
       if ((m >> j) & 1u) mine[pos++] = v.w[j];
     __syncwarp();
-    for (int k = lane; k < total; k += 32) values[out + k] = mine[k];
+    for (int k = lane; k < total && out + k < capacity; k += 32) values[out + k] = mine[k];
     __syncwarp();  // the stage is rewritten next step
     out += total;
   }
@@ -406,15 +406,17 @@ void launch_mask(const void* src, int64_t n, uint32_t limit, uint32_t* bitmap, c
 }
 
 template <typename W>
-void launch_pack(const void* src, int64_t n, uint32_t* bitmap, int64_t* offsets, void* values, uint64_t* workspace,
-                 cudaStream_t stream) {
+void launch_pack(const void* src, int64_t n, uint32_t* bitmap, int64_t* offsets, void* values, int64_t capacity,
+                 uint64_t* workspace, cudaStream_t stream) {
   const int64_t nblocks = num_blocks(n);
   const auto* s = static_cast<const W*>(src);
   auto* v = static_cast<W*>(values);
   if (aligned16(src))
-    pack_kernel<W, true><<<grid_for(nblocks), kThreads, 0, stream>>>(s, n, bitmap, offsets, v, workspace, nblocks);
+    pack_kernel<W, true><<<grid_for(nblocks), kThreads, 0, stream>>>(s, n, bitmap, offsets, v, capacity, workspace,
+                                                                     nblocks);
   else
-    pack_kernel<W, false><<<grid_for(nblocks), kThreads, 0, stream>>>(s, n, bitmap, offsets, v, workspace, nblocks);
+    pack_kernel<W, false><<<grid_for(nblocks), kThreads, 0, stream>>>(s, n, bitmap, offsets, v, capacity, workspace,
+                                                                      nblocks);
   check(cudaGetLastError(), "relu pack kernel launch");
 }
 
@@ -442,11 +444,13 @@ size_t relu_pack_workspace_bytes(int64_t n) {
 }
 
 void relu_pack(const void* src, int64_t n, int elem_bytes, uint32_t* bitmap, int64_t* offsets, void* values,
-               void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+               int64_t values_capacity, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
   check_args(n, elem_bytes);
   if (n == 0) return;
   check_ptr(src, "src"), check_ptr(bitmap, "bitmap"), check_ptr(offsets, "offsets");
   check_ptr(workspace, "workspace");
+  if (values != nullptr && values_capacity < 0)
+    throw UsageError("supermem: relu_pack values capacity must be >= 0, got " + std::to_string(values_capacity));
   const size_t needed = relu_pack_workspace_bytes(n);
   if (workspace_bytes < needed)
     throw UsageError("supermem: relu_pack workspace of " + std::to_string(workspace_bytes) + " bytes, needs " +
@@ -457,9 +461,9 @@ void relu_pack(const void* src, int64_t n, int elem_bytes, uint32_t* bitmap, int
   check(cudaMemsetAsync(workspace, 0, needed, stream), "cudaMemsetAsync (relu pack workspace)");
   auto* words = static_cast<uint64_t*>(workspace);
   if (elem_bytes == 4)
-    launch_pack<uint32_t>(src, n, bitmap, offsets, values, words, stream);
+    launch_pack<uint32_t>(src, n, bitmap, offsets, values, values_capacity, words, stream);
   else
-    launch_pack<uint16_t>(src, n, bitmap, offsets, values, words, stream);
+    launch_pack<uint16_t>(src, n, bitmap, offsets, values, values_capacity, words, stream);
 }
 
 void relu_unpack(const uint32_t* bitmap, const int64_t* offsets, const void* values, int64_t n, int elem_bytes,

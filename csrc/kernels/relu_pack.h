@@ -31,12 +31,13 @@ constexpr int64_t kBlockElems = 2048;
 size_t relu_pack_workspace_bytes(int64_t n);
 
 // One pass over src: the bitmap, the offsets and, when values is not null, the nonzeros at
-// values[offsets[b] + rank within block b]; `values` then holds n elements (the worst case) or at
-// least offsets[nblocks]. With values null it writes only bitmap and offsets (to size values
-// exactly, then call again with it). `workspace` holds relu_pack_workspace_bytes(n) bytes, 8-byte
-// aligned.
+// values[offsets[b] + rank within block b], those at index values_capacity and beyond left out:
+// bitmap and offsets are always whole, so a caller that sized values by a guess learns from
+// offsets[nblocks] (nnz) whether every value fit, without a host sync now. With values null it
+// writes only bitmap and offsets (to size values exactly, then call again with it). `workspace`
+// holds relu_pack_workspace_bytes(n) bytes, 8-byte aligned.
 void relu_pack(const void* src, int64_t n, int elem_bytes, uint32_t* bitmap, int64_t* offsets, void* values,
-               void* workspace, size_t workspace_bytes, cudaStream_t stream);
+               int64_t values_capacity, void* workspace, size_t workspace_bytes, cudaStream_t stream);
 
 // The inverse: dst (n elements) gets values where the bitmap is set and 0 elsewhere.
 void relu_unpack(const uint32_t* bitmap, const int64_t* offsets, const void* values, int64_t n,

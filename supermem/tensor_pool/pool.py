@@ -219,11 +219,14 @@ class Pool:
         region = self.regions.top()
         if region is not None:
             region.saw(packed, t)  # before the budget is fitted: the region may claim it
-        if isinstance(packed, Entry):
-            t0 = time.perf_counter()
-            with self._lock:
+        t0 = time.perf_counter()
+        with self._lock:
+            if isinstance(packed, Entry):
                 self._fit_budget()
-            self._busy_s -= time.perf_counter() - t0  # region timers on CPU leave the pool's work out
+            else:  # a small or kept tensor: no fitting, but what finished in the background still goes
+                for treatment in self.treatments.values():
+                    treatment.settle(self)
+        self._busy_s -= time.perf_counter() - t0  # region timers on CPU leave the pool's work out
         return packed
 
     def _pack_tensor(self, t: torch.Tensor) -> Any:
@@ -344,6 +347,8 @@ class Pool:
             return
         if self._soft is None:
             self._keep_budget()
+        for t in self.treatments.values():
+            t.settle(self)  # what finished in the background frees before the pool measures
         target = self._target()
         over = self._used_bytes() - target
         if over <= 0:
@@ -355,7 +360,7 @@ class Pool:
             t = self.treatments[c.treatment]
             for e in c.frees:
                 if e.state is State.RESIDENT and self._leave(e, t):
-                    over -= e.nbytes
+                    over -= e.nbytes - t.device_bytes(e)  # a compressed entry keeps its payload
             if over <= 0:
                 break
 
@@ -583,10 +588,13 @@ class Pool:
             self._counters["pressure_calls"] += 1
             self._left = True
             before = self._used_bytes()
+            for t in self.treatments.values():
+                t.settle(self, wait=True)  # e.g. originals kept until their pack is known to fit
             # The stalest CANDIDATES first (used last in backward; pricing all ~1000 entries at each of
             # a step's dozens of calls cost more than it saved), then everything if they free too little.
             for limit in (CANDIDATES, None):
-                if self._free_by_choices(limit, before, need_bytes):
+                enough = before - self._used_bytes() >= need_bytes
+                if enough or self._free_by_choices(limit, before, need_bytes):
                     break
             # Prefetched entries not used yet go last: they come back soonest.
             for x in self._restoring_entries():
@@ -611,6 +619,7 @@ class Pool:
                     continue  # a pressure call nested in one of these leaves (a pack's payload) took it
                 if self._leave(victim, t):
                     self.copies.wait(victim.event)
+                    t.settle(self, wait=True)  # a pack's kept original: it must go now
             if before - self._used_bytes() >= need_bytes:
                 return True
         return False

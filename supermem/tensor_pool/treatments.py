@@ -12,6 +12,7 @@ and keeps the byte counters; a new treatment is a new class here, in `TREATMENTS
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 import weakref
 from collections.abc import Iterable
@@ -20,7 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .. import events
-from ..compress import Packed, relu_pack, relu_unpack
+from ..compress import Packed, fitted, packed_nbytes, relu_pack, relu_unpack
 from ..policies import Choice
 from .entry import Entry, State
 
@@ -60,6 +61,10 @@ class Treatment:
     def arrived(self, pool: Pool, e: Entry) -> None:
         """The entry is back on the device, by this treatment or another way (a region's replay
         rebuilds every dropped entry of its call): drop what need not be kept."""
+
+    def settle(self, pool: Pool, wait: bool = False) -> None:
+        """Finishes what finished in the background (all of it, waiting, with `wait`): frees what
+        the entries it holds no longer need. The pool calls it before it measures device memory."""
 
     def device_bytes(self, e: Entry) -> int:
         """Device bytes the entry still takes while away (a compressed payload; 0 when none)."""
@@ -215,6 +220,9 @@ RELU_MADE = frozenset({"ReluBackward0", "ReluBackward1", "ThresholdBackward0", "
 PACKED_RATIO_PRIOR = 0.55  # packed / tensor bytes before any pack: half zeros, plus the bitmap
 PRIOR_PASSES = 4  # before any timing: pack reads the tensor twice and unpack writes it, about 4 passes
 TIMED_USES = 8  # packs (and unpacks) timed; the fastest per byte prices them (the first one warms up)
+ROOM_MARGIN = 1.03  # values room: this times the same saved tensor's nonzeros last step, ...
+ROOM_SLACK = 1 / 256  # ... plus this share of the elements (densities drift from step to step)
+ROOM_NEW_SLACK = 1 / 16  # a tensor never packed: the densest of its size so far, plus this share
 
 
 class Compress(Treatment):
@@ -222,9 +230,15 @@ class Compress(Treatment):
     (supermem.compress), unpacks it when backward needs it. It frees about half the tensor and needs
     no link; its payload stays on the device, so the pool's device bytes count the packed bytes. A
     saved tensor qualifies when a relu/relu_/threshold made it (its grad_fn) and it is dense in memory
-    (it comes back with its exact strides). On a GPU each pack reads the nonzero count back (one host
-    sync: the payload's size depends on the data); the CUDA events that time the first packs include
-    the idle GPU time that sync leaves.
+    (it comes back with its exact strides).
+
+    The packed size depends on the data. The first pack of each tensor size reads the nonzero count
+    back to size the values exactly: one host sync, which drains the GPU's queue. The others get room
+    for the same saved tensor's count last step (or the densest share seen at its size) plus a margin,
+    and nothing waits: the count comes back by an asynchronous copy, and the original tensor is kept
+    until it shows the values fit (`settle`: at the pool's next save or decision; at once under
+    pressure). If they did not, the entry is resident again with its kept original (a room miss), and
+    its next pack gets room for the count now known.
 
     ReLU's own backward reads only the mask (1 bit per element), but the same tensor is almost always
     the next layer's input too (one entry, saved twice), which needs the values: the mask-only form is
@@ -238,17 +252,24 @@ class Compress(Treatment):
         self._timing = {"pack": _Timing(), "unpack": _Timing()}
         self._packing = 0  # packs in progress (see leave)
         self._incompressible: weakref.WeakSet[Entry] = weakref.WeakSet()
+        self._relu_made: weakref.WeakKeyDictionary[Entry, bool] = weakref.WeakKeyDictionary()
+        self._last_nnz: dict[tuple[int, int], int] = {}  # (ordinal in its step, elements) -> nonzeros
+        self._densest: dict[int, float] = {}  # elements -> the highest nonzero share packed at that size
+        self._unsettled: list[weakref.ref[Entry]] = []  # packed into a guessed room, count not read yet
 
     def applies(self, e: Entry) -> bool:
-        t = e.tensor
-        if t is None or t.dtype not in _PACKABLE or e in self._incompressible or not _dense(t):
-            return False
         if e.recipe is not None and not e.recipe.ready:
             return False  # a call still running decides at its end, as for offload
-        if t.is_cuda and (not _kernels_built() or torch.cuda.is_current_stream_capturing()):
-            return False  # no kernels; or a CUDA graph is being captured, and a pack syncs
-        fn = t.grad_fn
-        return fn is not None and type(fn).__name__ in RELU_MADE
+        t = e.tensor
+        if t is None:
+            return False
+        made = self._relu_made.get(e)
+        if made is None:  # fixed for the entry's life: asked once (a decision prices dozens of entries)
+            made = self._relu_made[e] = _relu_output(t)
+        if not made or e in self._incompressible:
+            return False
+        # No kernels; or a CUDA graph is being captured, and a pack may sync.
+        return not t.is_cuda or (_kernels_built() and not torch.cuda.is_current_stream_capturing())
 
     def measured(self) -> bool:
         return all(x.s_per_byte is not None for x in self._timing.values())
@@ -263,36 +284,99 @@ class Compress(Treatment):
         out = []
         for e in resident:
             if self.applies(e):
-                freed = e.nbytes - int(ratio * e.nbytes)
-                out.append(Choice(e, self.name, freed, s_per_byte * e.nbytes, e.last_use, (e,)))
+                room = self._room(e)  # what the payload will take, when this tensor was packed before
+                payload = int(ratio * e.nbytes) if room is None else self._payload_bytes(e, room)
+                out.append(Choice(e, self.name, e.nbytes - payload, s_per_byte * e.nbytes, e.last_use, (e,)))
         return out
+
+    def _room(self, e: Entry) -> int | None:
+        """Values room for `e`'s pack: its count last step plus the margin; for a tensor not packed
+        before, the densest share seen at its size plus a wider margin; None: no size seen (exact)."""
+        last = self._last_nnz.get((e.ordinal, e.extent))
+        if last is not None:
+            return int(last * ROOM_MARGIN + e.extent * ROOM_SLACK)
+        densest = self._densest.get(e.extent)
+        return None if densest is None else int(e.extent * (densest + ROOM_NEW_SLACK))
+
+    @staticmethod
+    def _payload_bytes(e: Entry, room: int) -> int:
+        return packed_nbytes(e.extent, min(room, e.extent), e.dtype.itemsize)
 
     def leave(self, pool: Pool, e: Entry) -> bool:
         if e.state is not State.RESIDENT or e.tensor is None:
             return False  # taken off by a pressure call nested in another pack
+        room = self._room(e)
+        if room is not None and self._payload_bytes(e, room) >= e.nbytes:
+            room = None  # a room that saves nothing (a small tensor): size it exactly
         # The payload's allocation may call the pool's pressure handler from inside this pack: it must
         # neither pack again nor take this entry from under it.
         self._packing += 1
         pool._in_use.append(e)
         try:
-            with self._timing["pack"].timed(pool, e.nbytes):
-                packed = relu_pack(e.tensor)
+            # Timed when it guesses the room: the steady state's pack (an exact one waits for the GPU).
+            with self._timing["pack"].timed(pool, e.nbytes if room is not None or not pool.cuda else 0):
+                packed = relu_pack(e.tensor, capacity=room)
         except torch.OutOfMemoryError:
             return False  # no room for the payload even after pressure: another treatment frees
         finally:
             pool._in_use.remove(e)
             self._packing -= 1
+        if room is None:
+            if not self._packed(pool, e, packed):
+                return False
+            e.payload = packed
+        else:  # the count comes back without a wait; the original stays until it shows the values fit
+            e.payload = _Unsettled(packed, e.tensor)
+            self._unsettled.append(weakref.ref(e))
+        e.state = State.AWAY
+        _count(pool, compressions=1, compressed_bytes=e.nbytes)
+        return True
+
+    def _packed(self, pool: Pool, e: Entry, packed: Packed) -> bool:
+        """Learns from a whole pack of `e`; False if it frees nothing (then `e` is never packed again)."""
+        nnz = packed.host_nnz
+        self._last_nnz[(e.ordinal, e.extent)] = nnz
+        self._densest[e.extent] = max(self._densest.get(e.extent, 0.0), nnz / max(1, e.extent))
         self._tensor_bytes += e.nbytes
         self._packed_bytes += packed.nbytes
         if packed.nbytes >= e.nbytes:  # dense after all: packing it again would free nothing
             self._incompressible.add(e)
             return False
-        e.payload = packed
-        e.state = State.AWAY
-        _count(pool, compressions=1, compressed_bytes=e.nbytes, compressed_payload_bytes=packed.nbytes)
+        _count(pool, compressed_payload_bytes=packed.nbytes)
         return True
 
+    def settle(self, pool: Pool, wait: bool = False) -> None:
+        """Packs whose nonzero count is back (all of them, waiting, with `wait`): the original goes if
+        the values fit; if not, the entry is resident again with its original (no sync, no new
+        allocation), and the count it learned sizes its next pack."""
+        still = []
+        for ref in self._unsettled:
+            e = ref()
+            if e is None or not isinstance(e.payload, _Unsettled):
+                continue  # died, or came back by a replay
+            u = e.payload
+            if not u.done(wait):
+                still.append(ref)
+                continue
+            nnz = u.nnz()
+            whole = fitted(u.packed, nnz)
+            if whole is None:  # more nonzeros than the room: rare (a margin over last step's count)
+                self._last_nnz[(e.ordinal, e.extent)] = nnz
+                _count(pool, room_misses=1)
+                pool._arrived(e, u.original, None)
+                self.arrived(pool, e)
+                continue
+            before = self.device_bytes(e)
+            self._packed(pool, e, whole)  # dense this step: it stays packed (lossless), never again
+            e.payload = whole
+            pool._device_bytes += self.device_bytes(e) - before
+        self._unsettled = still
+
     def come_back(self, pool: Pool, e: Entry) -> None:
+        if isinstance(e.payload, _Unsettled):
+            self.settle(pool, wait=True)  # long done by backward, as a rule
+            if e.state is State.RESIDENT:
+                return  # the room was short: it is back already, as its kept original
         p = e.payload
         with self._timing["unpack"].timed(pool, e.nbytes):
             t = relu_unpack(p)
@@ -310,12 +394,48 @@ class Compress(Treatment):
         e.payload = None
 
     def device_bytes(self, e: Entry) -> int:
-        return e.payload.nbytes if e.payload is not None else 0
+        """The packed bytes. A kept original is not counted: it goes as soon as its pack is known to
+        fit, and the allocator (what the budget reads on a GPU) sees it until then."""
+        p = e.payload
+        if isinstance(p, _Unsettled):
+            p = p.packed
+        return p.nbytes if p is not None else 0
 
     def check(self, pool: Pool, e: Entry) -> None:
         p = e.payload
+        if isinstance(p, _Unsettled):
+            assert p.original is not None, f"{e}: packed into a guessed room without its original"
+            p = p.packed
         assert isinstance(p, Packed), f"{e}: away without its packed payload"
         assert (p.shape, p.stride, p.dtype) == (e.shape, e.stride, e.dtype), f"{e}: packed as another tensor"
+
+
+class _Unsettled:
+    """A pack into a guessed room: its nonzero count on its way to the host, the original kept."""
+
+    __slots__ = ("packed", "original", "_count", "_event")
+
+    def __init__(self, packed: Packed, original: torch.Tensor):
+        self.packed, self.original = packed, original
+        last = packed.offsets[-1:]
+        if last.is_cuda:
+            self._count = torch.empty(1, dtype=torch.int64, pin_memory=True)
+            self._count.copy_(last, non_blocking=True)
+            self._event: torch.cuda.Event | None = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._count, self._event = last, None
+
+    def done(self, wait: bool) -> bool:
+        if self._event is None:
+            return True
+        if wait:
+            self._event.synchronize()
+            return True
+        return self._event.query()
+
+    def nnz(self) -> int:
+        return int(self._count[0])
 
 
 class _Timing:
@@ -364,7 +484,7 @@ class _Timing:
 
 
 _PACKABLE = (torch.float32, torch.float16, torch.bfloat16)
-_COUNTERS = ("compressions", "decompressions", "compressed_bytes", "compressed_payload_bytes")
+_COUNTERS = ("compressions", "decompressions", "compressed_bytes", "compressed_payload_bytes", "room_misses")
 
 
 def _count(pool: Pool, **add: int) -> None:
@@ -383,6 +503,13 @@ def _dense(t: torch.Tensor) -> bool:
     return t.permute(sorted(range(t.dim()), key=t.stride, reverse=True)).is_contiguous()
 
 
+def _relu_output(t: torch.Tensor) -> bool:
+    """A relu/relu_/threshold made it (its grad_fn), in a packable dtype and dense in memory."""
+    fn = t.grad_fn
+    return t.dtype in _PACKABLE and _dense(t) and fn is not None and type(fn).__name__ in RELU_MADE
+
+
+@functools.cache
 def _kernels_built() -> bool:
     from .. import _C
 

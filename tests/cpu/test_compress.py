@@ -28,6 +28,7 @@ from supermem import _C
 from supermem.compress import (
     BLOCK_ELEMS,
     Packed,
+    fitted,
     packed_nbytes,
     relu_mask_pack,
     relu_mask_unpack,
@@ -221,7 +222,7 @@ def test_pack_workspace_and_its_checks():
         assert _C.relu_pack_workspace_bytes(n) == 8 * (1 + tiles)
     n = 3 * tile
     fake = 1 << 20  # never dereferenced: the checks throw first
-    args = (fake, n, 4, fake, fake, fake)
+    args = (fake, n, 4, fake, fake, fake, n)  # ... values and their capacity
     with pytest.raises(UsageError, match="workspace of 31 bytes, needs 32"):
         _C.relu_pack(*args, fake, 31, 0)
     with pytest.raises(UsageError, match="8-byte aligned"):
@@ -237,8 +238,8 @@ def test_bench_relu_quick_cpu(tmp_path):
     r = subprocess.run(cmd + ["--json", str(out)], capture_output=True, text=True, timeout=120, env=env)
     assert r.returncode == 0, r.stdout + r.stderr
     rows = json.loads(out.read_text())["rows"]
-    assert [r["op"] for r in rows[:4]] == ["copy", "pack", "pack+sync", "unpack"]
-    assert len(rows) == 4 * 2 * 2  # ops x densities x dtypes
+    assert [r["op"] for r in rows[:5]] == ["copy", "pack", "pack+sync", "pack room", "unpack"]
+    assert len(rows) == 5 * 2 * 2  # ops x densities x dtypes
     for row in rows:
         assert row["us"] > 0 and row["x_copy"] > 0
         if row["op"] != "copy":  # packed within 1% of n/8 + nnz x itemsize at 1 MiB
@@ -251,3 +252,25 @@ def test_bench_relu_rejects_bad_sizes():
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "'abc' is not an integer" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_a_pack_into_a_guessed_room_is_whole_only_when_its_count_fits(dtype):
+    """relu_pack(capacity=k) keeps the first k nonzeros, whole bitmap and offsets; `fitted` with the
+    count read from offsets makes it unpackable when k was enough, and says None when it was not."""
+    x = sparse(10_007, 0.5, dtype, seed=3)
+    exact = relu_pack(x)
+    nnz = exact.nnz
+    for room in (nnz, nnz + 100):
+        p = relu_pack(x, capacity=room)
+        assert p.values.numel() == room and p.host_nnz is None
+        assert torch.equal(p.bitmap, exact.bitmap) and torch.equal(p.offsets, exact.offsets)
+        whole = fitted(p, int(p.offsets[-1]))
+        assert whole is not None and whole.host_nnz == nnz and whole.nbytes == p.nbytes
+        assert bitwise_equal(relu_unpack(whole), x)
+    short = relu_pack(x, capacity=nnz - 1)
+    assert torch.equal(short.values, exact.values[: nnz - 1])
+    assert fitted(short, int(short.offsets[-1])) is None
+    with pytest.raises(UsageError, match="inconsistent Packed"):
+        relu_unpack(short)  # values left out: refused, never half restored
+    assert relu_pack(x, capacity=10 * x.numel()).values.numel() == x.numel()  # never more than n

@@ -125,7 +125,7 @@ def test_writes_stay_in_their_buffers_and_unaligned_outputs_work(dtype, n):
     workspace = guarded(_C.relu_pack_workspace_bytes(n))
     ptr = lambda buf: inside(buf).data_ptr()  # noqa: E731
     for values_ptr in (0, ptr(values)):  # bitmap and offsets only (exact mode's first call), then all three
-        _C.relu_pack(x.data_ptr(), n, size, ptr(bitmap), ptr(offsets), values_ptr, ptr(workspace),
+        _C.relu_pack(x.data_ptr(), n, size, ptr(bitmap), ptr(offsets), values_ptr, ref.nnz, ptr(workspace),
                      inside(workspace).numel(), stream)  # fmt: skip
         assert all(guards_intact(b) for b in (bitmap, offsets, values, workspace))
         assert torch.equal(inside(bitmap).cpu(), ref.bitmap)
@@ -133,6 +133,20 @@ def test_writes_stay_in_their_buffers_and_unaligned_outputs_work(dtype, n):
         if not values_ptr:
             assert bool((inside(values) == 0xA5).all())  # nothing written
     assert torch.equal(inside(values).cpu(), ref.values.view(torch.uint8))
+    # A values buffer sized by a guess too small: the first `short` values, nothing past them, and
+    # whole bitmap and offsets (nnz among them: how the caller learns it did not fit).
+    short = ref.nnz // 2
+    few, offsets2 = guarded(size * short), guarded(8 * (nblocks + 1))
+    _C.relu_pack(x.data_ptr(), n, size, ptr(bitmap), ptr(offsets2), ptr(few), short, ptr(workspace),
+                 inside(workspace).numel(), stream)  # fmt: skip
+    assert guards_intact(few) and guards_intact(offsets2)
+    assert torch.equal(inside(offsets2).cpu().view(torch.int64), ref.offsets)
+    assert torch.equal(inside(few).cpu(), ref.values.view(torch.uint8)[: size * short])
+    # Values one element off 16-byte alignment: element stores only, the same bytes.
+    odd = guarded(size * (ref.nnz + 1))
+    _C.relu_pack(x.data_ptr(), n, size, ptr(bitmap), ptr(offsets2), inside(odd)[size:].data_ptr(), ref.nnz,
+                 ptr(workspace), inside(workspace).numel(), stream)  # fmt: skip
+    assert guards_intact(odd) and torch.equal(inside(odd)[size:].cpu(), ref.values.view(torch.uint8))
 
     dense = guarded(size * (n + 1))  # the output starts one element past a 16-byte boundary
     out = inside(dense)[size:]
