@@ -17,7 +17,7 @@ from supermem.compress import Packed
 from supermem.policies import make_policy
 from supermem.tensor_pool import Pool
 from supermem.tensor_pool.entry import State
-from supermem.tensor_pool.treatments import Compress, Offload, Recompute
+from supermem.tensor_pool.treatments import Compress, Offload, Recompute, make_treatments
 
 
 def relu_mlp(d=64, layers=4):
@@ -84,7 +84,9 @@ def live_entries(pool):
 
 def forced(budget=0):
     """A pool whose only way to free device bytes is compression."""
-    return Pool(budget=budget, policy="cost_aware", host_limit="64MiB", treatments=(Compress(),))
+    return Pool(
+        budget=budget, policy="cost_aware", host_limit="64MiB", treatments=(Compress(guess_room=True),)
+    )
 
 
 def packed_bytes(t):
@@ -240,7 +242,7 @@ def test_cost_aware_with_all_three_treatments_is_bitwise(case, budget):
         budget=budget,
         policy="cost_aware",
         host_limit="64MiB",
-        treatments=(Offload(), Recompute(), Compress()),
+        treatments=(Offload(), Recompute(), Compress(guess_room=True)),
     )
     pool.treatments["offload"].link_bytes_per_s = 1e3  # copies priced dear: compress or recompute
     got = train(case, pool, steps=3)
@@ -255,7 +257,7 @@ def test_cost_aware_with_all_three_treatments_is_bitwise(case, budget):
 def test_a_replayed_region_frees_the_payloads_of_its_compressed_entries():
     """A region replay rebuilds every dropped entry of its call, compressed ones included: their packed
     payloads must go then (held on the device, they would be memory the pool no longer counts)."""
-    compress = Compress()
+    compress = Compress(guess_room=True)
     for timing in compress._timing.values():  # priced as measured and cheap: the relu outputs compress
         timing.s_per_byte, timing._runs = 1e-15, 1 << 30  # first, their region's other entries drop
     pool = Pool(budget=0, policy="cost_aware", host_limit="64MiB", treatments=(Recompute(), compress))
@@ -277,7 +279,7 @@ def test_a_replayed_region_frees_the_payloads_of_its_compressed_entries():
 def test_compression_is_priced_from_measured_pack_and_unpack_times():
     """Before any use the price is an estimate; after the first uses it is the measured seconds per
     byte of pack plus unpack, so a choice's cost grows with the tensor's bytes."""
-    c = Compress()
+    c = Compress(guess_room=True)
     pool = Pool(budget=0, policy="cost_aware", host_limit="64MiB", treatments=(c,))
     assert not c.measured()
     train("mlp", pool, steps=1)
@@ -300,7 +302,7 @@ def test_compression_is_priced_from_measured_pack_and_unpack_times():
 def test_cost_aware_offers_compression_lru_does_not():
     assert "compress" in make_policy("cost_aware").treatments
     assert "compress" not in make_policy("lru").treatments
-    pool = Pool(budget=0, policy="lru", host_limit="64MiB", treatments=(Offload(), Compress()))
+    pool = Pool(budget=0, policy="lru", host_limit="64MiB", treatments=(Offload(), Compress(guess_room=True)))
     train("mlp", pool, steps=1)
     assert pool.stats().get("compressions", 0) == 0 and pool.stats()["offloads"] > 0
 
@@ -372,7 +374,12 @@ def test_pressure_inside_a_pack_frees_by_other_treatments(monkeypatch):
     from inside the pack. There compression is not offered (it would pack again from inside a pack)
     and the entry being packed is not taken (it would be offloaded from under the pack); the handler
     frees by the other treatments."""
-    pool = Pool(budget=None, policy="cost_aware", host_limit="64MiB", treatments=(Offload(), Compress()))
+    pool = Pool(
+        budget=None,
+        policy="cost_aware",
+        host_limit="64MiB",
+        treatments=(Offload(), Compress(guess_room=True)),
+    )
     freed = pressure_inside_packs(monkeypatch, pool)
     ref = train("mlp", steps=1)
     seen = {}
@@ -391,7 +398,12 @@ def test_pressure_inside_a_pack_frees_by_other_treatments(monkeypatch):
 
 
 def test_pressure_nested_in_a_pressure_call_keeps_the_accounting(monkeypatch):
-    pool = Pool(budget=None, policy="cost_aware", host_limit="64MiB", treatments=(Offload(), Compress()))
+    pool = Pool(
+        budget=None,
+        policy="cost_aware",
+        host_limit="64MiB",
+        treatments=(Offload(), Compress(guess_room=True)),
+    )
     pool.treatments["offload"].link_bytes_per_s = 1e3  # copies priced dear: compression ranks first
     freed = pressure_inside_packs(monkeypatch, pool)
     ref = train("mlp", steps=1)
@@ -404,7 +416,7 @@ def test_fitting_the_budget_counts_a_compressed_entry_as_freeing_only_what_packi
     """One `_fit_budget` call ends under its target when compressing every ReLU output reaches it: a
     compressed entry frees its tensor's bytes less its packed payload (from the format's size), not
     the whole tensor (counting the whole tensor stops the call about halfway)."""
-    pool = Pool(budget=None, policy="cost_aware", host_limit="64MiB", treatments=(Compress(),))
+    pool = Pool(budget=None, policy="cost_aware", host_limit="64MiB", treatments=(Compress(guess_room=True),))
     seen = {}
 
     def fit_once(p):
@@ -434,6 +446,17 @@ def record_rooms(monkeypatch):
 
     monkeypatch.setattr(treatments, "relu_pack", recorded)
     return rooms
+
+
+def test_by_default_every_pack_is_exact(monkeypatch):
+    """Guessed rooms keep each original until its count is back, which lifted the forward's peak on an
+    H100 (tests/gpu/test_compress_pool_gpu.py): by name or by default, Compress packs exactly."""
+    ref = train("resnet")
+    rooms = record_rooms(monkeypatch)
+    pool = Pool(budget=0, policy="cost_aware", host_limit="64MiB", treatments=make_treatments(["compress"]))
+    assert same(ref, train("resnet", pool, steps=3))
+    assert rooms and all(r is None for r in rooms), rooms
+    assert pool.stats()["compressions"] == len(rooms)
 
 
 def test_after_the_first_step_packs_guess_their_room_and_never_wait(monkeypatch):
@@ -482,7 +505,7 @@ def test_settling_lets_the_originals_go_and_keeps_the_accounting():
     goes) and the pool's device bytes still add up (Pool.check) before and after."""
     from supermem.tensor_pool.treatments import _Unsettled
 
-    pool = Pool(budget=None, policy="cost_aware", host_limit="64MiB", treatments=(Compress(),))
+    pool = Pool(budget=None, policy="cost_aware", host_limit="64MiB", treatments=(Compress(guess_room=True),))
     seen = []
 
     def compress_all_then_settle(p):
@@ -508,7 +531,7 @@ def test_a_choice_frees_what_the_payload_will_not_take():
     (counted here from the tensor itself, per place in the step)."""
     from supermem.tensor_pool import treatments
 
-    c = Compress()
+    c = Compress(guess_room=True)
     nnz_by_ordinal, offered = {}, {}
 
     def count(p):
@@ -540,7 +563,7 @@ def test_cost_aware_keeps_choosing_compression_in_steady_state_bitwise(case):
     `supermem bench train` does), and training is bitwise plain PyTorch's. (On CPU the torch reference
     packs slower than a region replays: measured as it is, cost_aware rightly recomputes instead.)"""
     ref = train(case, steps=5)
-    compress = Compress()
+    compress = Compress(guess_room=True)
     for timing in compress._timing.values():
         timing.s_per_byte, timing._runs = 1e-15, 1 << 30
     pool = Pool(
@@ -567,7 +590,7 @@ def test_the_pool_settles_kept_originals_before_it_measures(how):
     needs to leave."""
     from supermem.tensor_pool.treatments import _Unsettled
 
-    pool = Pool(budget=None, policy="cost_aware", host_limit="64MiB", treatments=(Compress(),))
+    pool = Pool(budget=None, policy="cost_aware", host_limit="64MiB", treatments=(Compress(guess_room=True),))
     seen = []
 
     def leave_then_measure(p):
@@ -595,7 +618,7 @@ def test_a_kept_tensor_saved_after_the_last_pack_lets_it_settle():
     so the originals do not stay through the step's peak, which comes at the loss."""
     from supermem.tensor_pool.treatments import _Unsettled
 
-    pool = Pool(budget=None, policy="cost_aware", host_limit="64MiB", treatments=(Compress(),))
+    pool = Pool(budget=None, policy="cost_aware", host_limit="64MiB", treatments=(Compress(guess_room=True),))
     pool.min_bytes = 1 << 12  # the last Linear's input (32 x 64 fp32, 8 KiB) is an entry; smaller ones stay
     seen = []
 
