@@ -1,7 +1,11 @@
-"""Small models the CPU pool suites share: torchvision's BasicBlock ResNet (BatchNorm, in-place ReLU)."""
+"""What the CPU pool suites share: torchvision's BasicBlock ResNet (BatchNorm, in-place ReLU), and the
+training loop whose results must be bitwise the same with and without a pool."""
 
+import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from supermem.bench.models import loss_fn
 
 
 class BasicBlock(nn.Module):
@@ -31,3 +35,38 @@ class ResNet(nn.Module):
 
     def forward(self, x):
         return self.fc(F.adaptive_avg_pool2d(self.blocks(self.stem(x)), 1).flatten(1))
+
+
+def train_steps(build, batch, pool=None, steps=3, autocast=False, during=None):
+    """`steps` SGD steps of a fresh `build()` on `batch(generator)` = (x, y or None), under `pool` (or
+    under identity saved-tensor hooks, so autograd's saving runs the same code path): every loss, and
+    every gradient, parameter and buffer at the end. Forward runs under CPU bf16 autocast when asked;
+    `during(pool)` runs between forward and backward, while the saved tensors are in the pool."""
+    torch.manual_seed(0)
+    model = build()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    x, y = batch(torch.Generator().manual_seed(1))
+    torch.manual_seed(2)  # dropout: the same draws in every run
+    out = []
+    for _ in range(steps):
+        opt.zero_grad()
+        ctx = pool if pool is not None else torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
+        with ctx:
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                o = model(x)
+            loss = o.float().square().mean() if y is None else loss_fn(o.float(), y)
+            if pool is not None:
+                pool.check()  # mid-step too: tensors away, on their way, rebuilt
+                if during is not None:
+                    during(pool)
+            loss.backward()
+        if pool is not None:
+            pool.check()
+        out.append(loss.detach())
+        opt.step()
+    return out + [p.grad for p in model.parameters()] + list(model.state_dict().values())
+
+
+def same(a, b):
+    """Two train_steps results equal bit for bit."""
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))

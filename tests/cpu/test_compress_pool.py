@@ -9,10 +9,9 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from small_models import ResNet
+from small_models import ResNet, same, train_steps
 
 from supermem.bench.models import ResNet as BottleneckResNet
-from supermem.bench.models import loss_fn
 from supermem.compress import Packed
 from supermem.policies import make_policy
 from supermem.tensor_pool import Pool
@@ -48,34 +47,8 @@ CASES = {
 
 
 def train(case, pool=None, steps=3, during=None):
-    """`steps` SGD steps of a fresh model; every loss, gradient, parameter and buffer at the end.
-    `during(pool)` runs between forward and backward, while the saved tensors are in the pool."""
     build, batch = CASES[case]
-    torch.manual_seed(0)
-    model = build()
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    x, y = batch(torch.Generator().manual_seed(1))
-    out = []
-    for _ in range(steps):
-        opt.zero_grad()
-        ctx = pool if pool is not None else torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
-        with ctx:
-            o = model(x)
-            loss = o.square().mean() if y is None else loss_fn(o, y)
-            if pool is not None:
-                pool.check()
-                if during is not None:
-                    during(pool)
-            loss.backward()
-        if pool is not None:
-            pool.check()
-        out.append(loss.detach())
-        opt.step()
-    return out + [p.grad for p in model.parameters()] + list(model.state_dict().values())
-
-
-def same(a, b):
-    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+    return train_steps(build, batch, pool, steps, during=during)
 
 
 def live_entries(pool):

@@ -9,8 +9,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from small_models import ResNet as BasicResNet
+from small_models import same, train_steps
 
-from supermem.bench.models import GPT, ResNet, loss_fn
+from supermem.bench.models import GPT, ResNet
 from supermem.policies import live_names
 from supermem.tensor_pool import Pool
 from supermem.tensor_pool.op_replay import OpReplay
@@ -38,30 +39,8 @@ CASES = {
 
 
 def train(case, pool=None, steps=4):
-    """`steps` SGD steps of a fresh model: every loss, gradient, parameter and buffer at the end."""
     build, batch, autocast = CASES[case]
-    torch.manual_seed(0)
-    model = build()
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    x, y = batch(torch.Generator().manual_seed(1))
-    out = []
-    for _ in range(steps):
-        opt.zero_grad()
-        ctx = pool if pool is not None else torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
-        with ctx:
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-                o = model(x)
-            loss = loss_fn(o.float(), y)
-            loss.backward()
-        if pool is not None:
-            pool.check()
-        out.append(loss.detach())
-        opt.step()
-    return out + [p.grad for p in model.parameters()] + list(model.state_dict().values())
-
-
-def same(a, b):
-    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+    return train_steps(build, batch, pool, steps, autocast)
 
 
 def slow_link(pool):

@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from small_models import ResNet
+from small_models import ResNet, same, train_steps
 
-from supermem.bench.models import GPT, loss_fn
+from supermem.bench.models import GPT
 from supermem.errors import ConfigError
 from supermem.policies import POLICIES, live_names
 from supermem.tensor_pool import Pool
@@ -53,27 +53,8 @@ CASES = {
 
 
 def train(case, pool=None, steps=4, autocast=False):
-    """`steps` SGD steps of a fresh model; every loss, gradient, parameter and buffer at the end."""
     build, batch = CASES[case]
-    torch.manual_seed(0)
-    model = build()
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    x, y = batch(torch.Generator().manual_seed(1))
-    torch.manual_seed(2)  # dropout
-    out = []
-    for _ in range(steps):
-        opt.zero_grad()
-        ctx = pool if pool is not None else torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
-        with ctx:
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-                o = model(x)
-            loss = o.float().square().mean() if y is None else loss_fn(o, y)
-            loss.backward()
-        if pool is not None:
-            pool.check()
-        out.append(loss.detach())
-        opt.step()
-    return out + [p.grad for p in model.parameters()] + list(model.state_dict().values())
+    return train_steps(build, batch, pool, steps, autocast)
 
 
 def slow_link(pool, bytes_per_s=1e3):
@@ -81,10 +62,6 @@ def slow_link(pool, bytes_per_s=1e3):
     measures make offload and recompute about even; this takes chance out of which runs)."""
     pool.treatments["offload"].link_bytes_per_s = bytes_per_s
     return pool
-
-
-def same(a, b):
-    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
 
 
 @pytest.mark.parametrize("case", list(CASES))
