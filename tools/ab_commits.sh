@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Builds several commits side by side and runs one command against each, in one GPU call, so their
+# timings share a card: the way to find which commit moved a number.
+#
+#   tools/ab_commits.sh "python3 tools/pool_step.py gpt 0.75" e691e00 b8a6b4a HEAD
+#
+# Each commit is exported (git archive) to $AB_DIR/<commit> and built in place with build_ext (no
+# pip install, so the builds run in parallel and nothing installed is touched); the command runs with
+# PYTHONPATH set to that tree and tools/ from it. On the device machine, where there is no .git, export
+# the trees here first (AB_EXPORT_ONLY=1) into a carried folder and run with AB_DIR pointing at it.
+set -uo pipefail
+cmd=$1
+shift
+AB_DIR=${AB_DIR:-$(mktemp -d /tmp/ab.XXXXXX)}
+export TORCH_DEVICE_BACKEND_AUTOLOAD=0  # an installed supermem's torch backend must not load into a build
+for c in "$@"; do
+  if [[ ! -d $AB_DIR/$c ]]; then
+    mkdir -p "$AB_DIR/$c" && git archive "$c" | tar -x -C "$AB_DIR/$c" || exit 1
+  fi
+done
+[[ ${AB_EXPORT_ONLY:-0} == 1 ]] && exit 0
+for c in "$@"; do
+  (cd "$AB_DIR/$c" && python3 setup.py -q build_ext --inplace > build.log 2>&1 || tail -5 build.log) &
+done
+wait
+for c in "$@"; do
+  echo "== $c"
+  (cd "$AB_DIR/$c" && PYTHONPATH=$PWD timeout "${AB_TIMEOUT:-120}" bash -c "$cmd" 2>&1 | tail -n "${AB_TAIL:-4}")
+done
