@@ -6,12 +6,13 @@
 #
 # Each commit is exported (git archive) to $AB_DIR/<commit> and built in place with build_ext (no
 # pip install, so the builds run in parallel and nothing installed is touched); the command runs with
-# PYTHONPATH set to that tree and tools/ from it. On the device machine, where there is no .git, export
+# PYTHONPATH set to that tree, in that tree (PYTHON picks the interpreter that builds). On the device machine, where there is no .git, export
 # the trees here first (AB_EXPORT_ONLY=1) into a carried folder and run with AB_DIR pointing at it.
 set -uo pipefail
 cmd=$1
 shift
 AB_DIR=${AB_DIR:-$(mktemp -d /tmp/ab.XXXXXX)}
+PY=${PYTHON:-python3}
 export TORCH_DEVICE_BACKEND_AUTOLOAD=0  # an installed supermem's torch backend must not load into a build
 for c in "$@"; do
   if [[ ! -d $AB_DIR/$c ]]; then
@@ -20,7 +21,7 @@ for c in "$@"; do
 done
 [[ ${AB_EXPORT_ONLY:-0} == 1 ]] && exit 0
 for c in "$@"; do
-  (cd "$AB_DIR/$c" && python3 setup.py -q build_ext --inplace > build.log 2>&1 || tail -5 build.log) &
+  (cd "$AB_DIR/$c" && "$PY" setup.py -q build_ext --inplace > build.log 2>&1 || tail -5 build.log) &
 done
 wait
 for c in "$@"; do
