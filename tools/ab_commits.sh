@@ -2,12 +2,13 @@
 # Builds several commits side by side and runs one command against each, in one GPU call, so their
 # timings share a card: the way to find which commit moved a number.
 #
-#   tools/ab_commits.sh "python3 tools/pool_step.py gpt 0.75" e691e00 b8a6b4a HEAD
+#   tools/ab_commits.sh "python3 $PWD/tools/pool_step.py gpt 0.75" e691e00 b8a6b4a HEAD
 #
 # Each commit is exported (git archive) to $AB_DIR/<commit> and built in place with build_ext (no
-# pip install, so the builds run in parallel and nothing installed is touched); the command runs with
-# PYTHONPATH set to that tree, in that tree (PYTHON picks the interpreter that builds). On the device machine, where there is no .git, export
-# the trees here first (AB_EXPORT_ONLY=1) into a carried folder and run with AB_DIR pointing at it.
+# pip install, so the builds run in parallel and nothing installed is touched); the command runs in
+# that tree with PYTHONPATH set to it (so name the script by an absolute path: an old tree may lack
+# it). PYTHON picks the interpreter that builds. The device machine has no .git: export the trees
+# here first (AB_EXPORT_ONLY=1, AB_DIR=.stage/ab), carry .stage, and run there with the same AB_DIR.
 set -uo pipefail
 cmd=$1
 shift
