@@ -239,6 +239,14 @@ class _Schedule:
         return x, _State(x.device, state.autocast)
 
     def _backward_block(self, k: int, x: torch.Tensor, state: _State, grad: Any) -> Any:
+        block = self.chain[k]
+        if isinstance(block, torch.nn.Module):  # once per block and backward: the rebuilds trust the list
+            now = list(block.modules())
+            if len(now) != len(self.modules[k]) or any(a is not b for a, b in zip(now, self.modules[k])):
+                raise UsageError(
+                    f"binomial: block {k} holds a module it did not hold in the forward (replaced between "
+                    "forward and backward?); its gradient would be lost"
+                )
         state.restore_rng(x.device)
         inp = x.detach().requires_grad_(k > 0 or x.requires_grad)
         saved = self._buffers(k)

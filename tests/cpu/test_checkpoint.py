@@ -233,6 +233,17 @@ def test_parameter_replaced_between_forward_and_backward_is_an_error_not_a_lost_
         y.sum().backward()
 
 
+def test_submodule_replaced_between_forward_and_backward_is_an_error_not_a_lost_gradient():
+    # A block's modules are listed once per call (its rebuilds read parameters and buffers from that
+    # list); a submodule swapped in after the forward would run in the rebuild with no gradient slot.
+    model = make(4)
+    x = torch.randn(8, 16, requires_grad=True)
+    y = binomial(model, x, 1)
+    model[2].lin = nn.Linear(16, 16)
+    with pytest.raises(UsageError, match="block 2"):
+        y.sum().backward()
+
+
 def test_more_checkpoints_than_the_interpreter_has_frames():
     # The backward's splits nest one level per held boundary: as Python recursion, a chain holding
     # about 1,000 of them raised RecursionError (supermem bench depth holds hundreds, on chains of
