@@ -26,7 +26,6 @@ from typing import Any
 
 import psutil
 import torch
-from torch.utils._pytree import tree_map
 
 from ..errors import ConfigError
 from ..policies import Choice, make_policy
@@ -35,8 +34,9 @@ from .compiled import CompiledGraphs
 from .copy import CopyEngine
 from .entry import Entry, Kept, State, check_version, movable
 from .host import shared_host_pool
-from .op_replay import OpReplay, OpReplays
-from .planner import Plan, make_plan
+from .op_replay import OpReplays
+from .plan_run import PlanRunner
+from .planner import Plan
 from .profile import Recorder
 from .region import Regions
 from .step import Step
@@ -46,12 +46,9 @@ PREFETCH_SCAN = 64  # entries looked at, going back from the one just used, for 
 CANDIDATES = 32  # least recently used entries priced per decision (the stalest score best anyway)
 CPU_COPY_BYTES_PER_S = 5e9  # host memcpy
 GPU_MEMORY_BYTES_PER_S = 2e12  # device copies (H200: 4.2 TB/s read+write)
-REPLAN_TOLERANCE = 0.01  # a planned step this far over the budget is planned again, lower
-MAX_REPLANS = 3  # per shape: a plan that keeps missing stays (the reactive fallback still acts)
-MAX_PLANS = 64  # plans cached, one per shape signature
 
 
-class Pool:
+class Pool(PlanRunner):
     """Keeps saved activations under `budget` by offloading them to pinned host memory (and, with the
     cost_aware policy, by recomputing them), bringing them back for backward.
 
@@ -384,118 +381,6 @@ class Pool:
             self._plan_pending = still
         self._fit_budget()
 
-    # ------------------------------------------------------------------ the plan (planned policy)
-
-    def _planned_pack(self, e: Entry) -> None:
-        """Records the pack; runs the plan's treatment for it and whatever the plan set for this event."""
-        rec = self._rec
-        event = rec.packed(e.ordinal, e.nbytes, self._used_bytes())
-        if e.recipe is not None and e.recipe.ready:  # made at pack: a weight copy, an op's replay
-            # an op replay's cost by its site (measured later; the recipe itself holds this step's entries)
-            cost = e.recipe.site.cost_s if isinstance(e.recipe, OpReplay) else e.recipe.cost_s(self)
-            self._plan_recipe(e.recipe, [e], cost, offloadable=not isinstance(e.recipe, Cast))
-        if not self._plan_ok:
-            return
-        if not self._plan_matches(e):
-            return
-        self._by_ordinal[e.ordinal] = weakref.ref(e)
-        how = self._plan.treatment.get(e.ordinal)
-        if how == "offload" and "offload" in self.treatments:
-            self._leave(e, self.treatments["offload"])
-        elif how == "recompute" and "recompute" in self.treatments:
-            if e.recipe is not None and e.recipe.ready:
-                self._leave(e, self.treatments["recompute"])
-            else:
-                self._plan_pending.append(weakref.ref(e))  # its call has not returned yet
-        self._plan_events(event)
-
-    def _plan_recipe(self, recipe: Any, entries: list[Entry], cost: Any, offloadable: bool = True) -> None:
-        """Tells the step being recorded (planned policy; else nothing) that `recipe` can rebuild
-        `entries` from now on, for `cost` seconds (or a call that measures them once the plan is made:
-        it must not hold entries), reading the entries `_recipe_inputs` names. The one call a new kind
-        of recipe needs to be weighed by the planner: at the pack of a recipe ready then (done here, in
-        `_planned_pack`), or wherever it becomes ready later."""
-        step, rec = self._step, self._rec
-        if rec is None:
-            return
-        own = [x.ordinal for x in entries if x.step is step]
-        inputs = [x.ordinal for x in _recipe_inputs(recipe) if x.step is step]
-        rec.recomputable(recipe, cost, own, offloadable, inputs)
-
-    def _plan_matches(self, e: Entry) -> bool:
-        """Whether this step still has the plan's shape; on a change, a cached plan of the new shape
-        (the same saves so far) or none: then this step is profiled and planned at its end."""
-        sig, k = self._plan.signature, e.ordinal - 1
-        if k < len(sig) and sig[k] == e.nbytes:
-            return True
-        seen = [self._rec.saved[o].nbytes for o in range(1, e.ordinal + 1)]
-        for plan in self._plans.values():
-            if list(plan.signature[: len(seen)]) == seen:
-                self._plan = plan
-                return True
-        self._plan_ok = False
-        return False
-
-    def _plan_events(self, event: int) -> None:
-        plan = self._plan
-        for o in plan.wait_at.get(event, ()):  # backpressure: the copy lands before the spike
-            x = self._planned_entry(o)
-            if x is not None and x.state is State.LEAVING and x.event is not None and not x.event.query():
-                self._counters["backpressure_waits"] += 1
-                self.copies.wait(x.event)
-        for o in plan.prefetch_at.get(event, ()):
-            x = self._planned_entry(o)
-            if x is not None and x.state in (State.LEAVING, State.AWAY) and x.treatment.prefetch:
-                x.treatment.come_back(self, x)
-                self._counters["prefetches"] += 1
-                self._prefetched_bytes += x.nbytes
-
-    def _planned_entry(self, ordinal: int) -> Entry | None:
-        ref = self._by_ordinal.get(ordinal)
-        return ref() if ref is not None else None
-
-    def _step_ended(self, s: Step) -> None:
-        """Measures the step; plans from it if it ran without a plan of its shape."""
-        self._last_step_s = time.perf_counter() - s.started_s
-        if not self.cuda:
-            self._last_peak_bytes = self._step_peak
-        self._step_peak = 0
-        rec, self._rec = self._rec, None
-        if rec is None or rec.backward_event is None:
-            return
-        if self._plan_ok:
-            self._check_plan(self._plan)
-            return
-        if not rec.regions_on:
-            return
-        profile = rec.profile(
-            self._last_spike,
-            self.treatments["offload"].rate(self) if "offload" in self.treatments else 1.0,
-            sync_copies=not self.cuda,
-        )
-        aim = max(0, self.budget_bytes - self._plan_aim.get(profile.signature, 0))
-        self._plan = make_plan(profile, aim)
-        self._plans[profile.signature] = self._plan
-        if len(self._plans) > MAX_PLANS:  # shapes that keep changing: the oldest plan goes
-            del self._plans[next(iter(self._plans))]
-        self._counters["plans"] += 1
-
-    def _check_plan(self, plan: Plan) -> None:
-        """A step that ran a feasible plan and still rose over the budget (a transient that fell
-        elsewhere than the profile put it, a cost that changed): the next step of its shape is profiled
-        again and planned below the budget by the overshoot, a few times at most."""
-        over = self._last_peak_bytes - self.budget_bytes
-        sig = plan.signature
-        if not plan.feasible or over <= REPLAN_TOLERANCE * self.budget_bytes:
-            return
-        if self._replans.get(sig, 0) >= MAX_REPLANS:
-            return
-        self._replans[sig] = self._replans.get(sig, 0) + 1
-        self._plan_aim[sig] = self._plan_aim.get(sig, 0) + over
-        self._plans.pop(sig, None)
-        self._plan = None
-        self._counters["replans"] += 1
-
     def _choices(self, limit: int | None = None) -> list[Choice]:
         """The policy's ways to free bytes now, over the `limit` least recently used resident entries
         that one of its treatments can take (entries none can take do not use up the window)."""
@@ -813,26 +698,6 @@ class Pool:
                 "plan": self._plan_stats(),
             }
 
-    def _plan_stats(self) -> dict | None:
-        """The current plan's predictions beside the last step's measurements (planned policy)."""
-        p = self._plan
-        if p is None:
-            return None
-        return {
-            **p.counts(),
-            "feasible": p.feasible,
-            "budget_bytes": p.budget_bytes,
-            "predicted_peak_bytes": p.predicted_peak_bytes,
-            "measured_peak_bytes": self._last_peak_bytes,
-            "predicted_step_s": p.predicted_step_s,
-            "measured_step_s": self._last_step_s,
-            "plan_s": p.plan_s,
-            "added_s": p.added_s,
-            "untreated_peak_bytes": p.untreated_peak_bytes,
-            "untreated_step_s": p.untreated_step_s,
-            "plans_cached": len(self._plans),
-        }
-
     def synchronize(self) -> None:
         """Waits for every copy in flight and folds all timings into stats()."""
         self.copies.collect(block=True)
@@ -908,20 +773,6 @@ def _drop_soft_limit(alloc: Any, budget: int) -> None:
             alloc.soft_limit_bytes = 0
     except Exception:  # noqa: BLE001  (interpreter shutdown)
         pass
-
-
-def _recipe_inputs(recipe: Any) -> list[Entry]:
-    """The entries a recipe's rebuild reads: its `input_entries()` when it has one, else the entries
-    behind a region's packed arguments (a weight copy reads a parameter: none)."""
-    get = getattr(recipe, "input_entries", None)
-    if get is not None:
-        return [x for x in get() if isinstance(x, Entry)]
-    out: list[Entry] = []
-    tree_map(
-        lambda x: out.append(x.packed) if isinstance(getattr(x, "packed", None), Entry) else None,
-        getattr(recipe, "args", None),
-    )
-    return out
 
 
 def _alive_anyway(t: torch.Tensor) -> bool:

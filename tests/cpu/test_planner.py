@@ -320,10 +320,10 @@ def test_a_plan_that_overshoots_is_made_again_lower():
 def test_plan_cache_is_bounded(monkeypatch):
     import sys
 
-    from supermem.tensor_pool.pool import MAX_PLANS
+    from supermem.tensor_pool.plan_run import MAX_PLANS
 
     assert MAX_PLANS >= 8
-    monkeypatch.setattr(sys.modules["supermem.tensor_pool.pool"], "MAX_PLANS", 2)
+    monkeypatch.setattr(sys.modules["supermem.tensor_pool.plan_run"], "MAX_PLANS", 2)
     g = torch.Generator().manual_seed(1)
     batches = [torch.randn(n, 64, generator=g) for n in (8, 8, 8, 12, 12, 16, 16, 20, 20)]
     pool = Pool(budget=8 << 10, policy="planned", host_limit="64MiB")
@@ -443,7 +443,7 @@ def test_the_profile_names_what_each_region_replay_reads(monkeypatch):
     keeps it on the device (or brings it back) for the replay."""
     import sys
 
-    mod = sys.modules["supermem.tensor_pool.pool"]
+    mod = sys.modules["supermem.tensor_pool.plan_run"]
     profiles = []
     real = mod.make_plan
 
@@ -452,7 +452,9 @@ def test_the_profile_names_what_each_region_replay_reads(monkeypatch):
         return real(p, budget)
 
     monkeypatch.setattr(mod, "make_plan", capture)
-    monkeypatch.setattr(mod.OpReplays, "recipe_for", lambda *_: None)  # regions only (GELU's are op replays)
+    from supermem.tensor_pool.op_replay import OpReplays
+
+    monkeypatch.setattr(OpReplays, "recipe_for", lambda *_: None)  # regions only (GELU's are op replays)
     g = torch.Generator().manual_seed(1)
     pool = Pool(budget=40 << 10, policy="planned", host_limit="64MiB")
     _train(pool, [torch.randn(32, 64, generator=g) for _ in range(3)])
@@ -543,7 +545,7 @@ def test_a_recipe_names_what_its_rebuild_reads():
     A recipe answers with `input_entries()` (an op replayed from its kept inputs); a region, by the
     entries behind its packed arguments; anything else (a parameter) is not an entry and is left out."""
     from supermem.tensor_pool.entry import Entry
-    from supermem.tensor_pool.pool import _recipe_inputs
+    from supermem.tensor_pool.plan_run import _recipe_inputs
 
     g = torch.Generator().manual_seed(1)
     pool = Pool(budget=1 << 30, policy="planned")
