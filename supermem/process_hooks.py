@@ -28,9 +28,6 @@ from typing import Any
 
 _hooks: list[Callable] = []  # [pack, unpack] once pushed
 _own_refs = 0  # the pack hook's references without any copy: ours and the main thread's stack entry
-# At exit a copy left behind aborts the process, so the wait for gloo's threads is longer there: on a loaded
-# 2-core machine 0.5 s without progress once passed before a run-loop thread got the GIL.
-EXIT_SETTLE_S = 2.0
 
 
 def push(get_pool: Callable[[], Any]) -> None:
@@ -50,7 +47,7 @@ def push(get_pool: Callable[[], Any]) -> None:
     del pack, unpack  # counted below: only _hooks and the thread-local stack hold them now
     _own_refs = _pack_refs()
     _drain_after_destroy_process_group()
-    atexit.register(drain, EXIT_SETTLE_S)
+    atexit.register(drain)
 
 
 def _pack_refs() -> int:
