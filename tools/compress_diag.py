@@ -4,7 +4,7 @@ variant per process. Per step: time, what left the device and how; at the end th
 deciding. GPU only (supermem's allocator, so the budget is its soft limit and pressure calls happen).
 
     python3 tools/compress_diag.py offload+recompute+compress [budget_gib] [steps]
-    python3 tools/compress_diag.py offload+recompute+compress+exact   # every pack sizes exactly (syncs)
+    python3 tools/compress_diag.py offload+recompute+compress+guess   # Compress(guess_room=True): no sync
 """
 
 import sys
@@ -29,9 +29,6 @@ def main() -> None:
     from supermem.tensor_pool import treatments as tm
     from supermem.tensor_pool.treatments import make_treatments
 
-    if "exact" in variant:  # the path before guessed rooms: every pack reads its count back (a host sync)
-        pack = tm.relu_pack
-        tm.relu_pack = lambda t, **kw: pack(t)
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     preset = PRESETS["resnet"]
     torch.manual_seed(0)
@@ -40,7 +37,8 @@ def main() -> None:
     x, y = preset.batch(torch.device("cuda"), torch.Generator().manual_seed(0))
     opt = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
     names = [n for n in variant if n in tm.TREATMENTS]
-    pool = Pool(budget=int(budget_gib * GiB), policy="cost_aware", treatments=make_treatments(names))
+    ways = [tm.Compress(guess_room=True) if n == "compress" and "guess" in variant else n for n in names]
+    pool = Pool(budget=int(budget_gib * GiB), policy="cost_aware", treatments=make_treatments(ways))
     host_s: dict[str, float] = {}
     for name in ("_choices", "_fit_budget", "_on_pressure"):  # bound methods: the allocator holds weak ones
         real = getattr(pool, name)
