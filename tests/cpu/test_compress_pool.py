@@ -55,6 +55,15 @@ def live_entries(pool):
     return [e for r in pool._entries.values() if (e := r()) is not None]
 
 
+def compress_all(pool):
+    """Compresses every entry compression applies to; returns the treatment."""
+    c = pool.treatments["compress"]
+    for e in live_entries(pool):
+        if c.applies(e):
+            pool._leave(e, c)
+    return c
+
+
 def forced(budget=0):
     """A pool whose only way to free device bytes is compression."""
     return Pool(
@@ -482,10 +491,7 @@ def test_settling_lets_the_originals_go_and_keeps_the_accounting():
     seen = []
 
     def compress_all_then_settle(p):
-        c = p.treatments["compress"]
-        for e in live_entries(p):
-            if c.applies(e):
-                p._leave(e, c)
+        c = compress_all(p)
         unsettled = [e for e in live_entries(p) if isinstance(e.payload, _Unsettled)]
         p.check()
         c.settle(p)
@@ -567,10 +573,7 @@ def test_the_pool_settles_kept_originals_before_it_measures(how):
     seen = []
 
     def leave_then_measure(p):
-        c = p.treatments["compress"]
-        for e in live_entries(p):
-            if c.applies(e):
-                p._leave(e, c)
+        compress_all(p)
         kept = [e for e in live_entries(p) if isinstance(e.payload, _Unsettled)]
         if how == "fit":
             p.budget_bytes = 1 << 40  # nothing over it: fitting measures and returns
@@ -596,10 +599,7 @@ def test_a_kept_tensor_saved_after_the_last_pack_lets_it_settle():
     seen = []
 
     def leave_then_save_a_small_one(p):
-        c = p.treatments["compress"]
-        for e in live_entries(p):
-            if c.applies(e):
-                p._leave(e, c)
+        compress_all(p)
         kept = [e for e in live_entries(p) if isinstance(e.payload, _Unsettled)]
         with p:
             small = torch.ones(4, requires_grad=True)
