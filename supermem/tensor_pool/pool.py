@@ -156,6 +156,8 @@ class Pool(PlanRunner):
         self.always_active = False  # SUPERMEM_CONF's pool: hooks pushed for every thread's backward
         self._pressure_registered = False
         self._soft: Any = None  # the allocator keeping the budget as its soft limit (supermem's, on CUDA)
+        self._soft_spent = False  # a pressure call came: the allocator may have stopped asking (re-arm it)
+        self._away_to_fetch: set[int] = set()  # seqs off the device by a treatment that prefetches
         self._urgent = False  # pricing for the pressure handler: every byte is needed now
         _serve_to_top(self)
 
@@ -403,6 +405,8 @@ class Pool(PlanRunner):
             return False
         e.treatment = t
         self._drop_resident(e)
+        if t.prefetch:
+            self._away_to_fetch.add(e.seq)
         self._device_bytes += t.device_bytes(e)
         if self._rec is not None and e.step is self._step:
             self._rec.away += e.nbytes - t.device_bytes(e)
@@ -412,6 +416,7 @@ class Pool(PlanRunner):
     def _arrived(self, e: Entry, tensor: torch.Tensor, event: Any) -> None:
         """A treatment brought `e` back into `tensor` (ready after `event`, if any)."""
         self._device_bytes -= e.treatment.device_bytes(e)
+        self._away_to_fetch.discard(e.seq)
         if self._rec is not None and e.step is self._step:
             self._rec.away -= e.nbytes - e.treatment.device_bytes(e)
         e.tensor = tensor
@@ -448,6 +453,8 @@ class Pool(PlanRunner):
 
     def _prefetch_before(self, e: Entry) -> None:
         """Prefetches the entries of the same step saved just before `e`: backward needs them next."""
+        if not self._away_to_fetch:
+            return  # nothing to bring back: no scan (this runs at every unpack)
         room = self._target() - self._used_bytes()
         pos = bisect.bisect_left(self._seqs, e.seq)
         for seq in reversed(self._seqs[max(0, pos - PREFETCH_SCAN) : pos]):
@@ -472,7 +479,12 @@ class Pool(PlanRunner):
         with self._lock:
             self._counters["pressure_calls"] += 1
             self._left = True
+            self._soft_spent = True
             before = self._used_bytes()
+            if self._rec is not None:  # the plan's curve must hold this point too
+                # the soft limit asks for the excess over it (the budget); a failed allocation, its size
+                at_limit = self._soft is not None and before <= self.budget_bytes
+                self._rec.pressed((self.budget_bytes if at_limit else before) + need_bytes)
             for t in self.treatments.values():
                 t.settle(self, wait=True)  # e.g. originals kept until their pack is known to fit
             # The stalest CANDIDATES first (used last in backward; pricing all ~1000 entries at each of
@@ -516,6 +528,7 @@ class Pool(PlanRunner):
         try:
             with self._lock:
                 self._entries.pop(e.seq, None)
+                self._away_to_fetch.discard(e.seq)
                 ref = self._dedup.get(e.key)
                 if ref is not None and ref() in (e, None):
                     del self._dedup[e.key]
@@ -537,8 +550,9 @@ class Pool(PlanRunner):
             pass
 
     def _add_resident(self, e: Entry) -> None:
-        if self._soft is not None:
-            self._soft.arm_soft_limit()  # something it could free again
+        if self._soft_spent and self._soft is not None:
+            self._soft.arm_soft_limit()  # something it could free again (not per entry: a locked call)
+            self._soft_spent = False
         self._device_bytes += e.nbytes
         self._peak_resident_bytes = max(self._peak_resident_bytes, self._device_bytes)
         self._step_peak = max(self._step_peak, self._device_bytes)

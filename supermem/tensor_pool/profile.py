@@ -6,7 +6,9 @@ GPU, the pool's own on CPU) with what the pool had taken off the device added ba
 the step's untreated memory; and the event's time (CUDA events on a GPU, read once when the plan is
 made; the host clock on CPU). The transient the pool cannot see (the loss's temporaries, workspaces) is
 the step's true peak (the allocator's watermark) above the most the pool saw; it is put at backward's
-start, where the loss's spike falls. The link rate comes from the copy engine.
+start, where the loss's spike falls. An allocation that came to the pressure handler (over the budget:
+the allocator asked the pool for room) is a transient too, at the event before it, of the bytes it
+would have taken the untreated step to. The link rate comes from the copy engine.
 
 A recompute choice is a unit, whatever rebuilds it (a module call replayed, an autocast weight copy
 cast again, an op replayed from its kept inputs): its members (the saved tensors one rebuild brings
@@ -79,6 +81,9 @@ class Recorder:
         self.fallback_s = 0.0
         self.fallback_at: list[float] = []  # per event: fallback_s when it happened
         self.regions_on = True  # regions were hooked when the step began (their inputs are entries)
+        # (last event before it, untreated bytes it asked for) per allocation that came to the pressure
+        # handler: a transient between two events (the loss's temporaries) the curve must hold too
+        self.pressure: list[tuple[int, int]] = []
 
     @property
     def events(self) -> int:
@@ -92,6 +97,11 @@ class Recorder:
         else:
             self.times.append(time.perf_counter() - self.start_s)
         return len(self.bytes) - 1
+
+    def pressed(self, demand: int) -> None:
+        """An allocation would take the device to `demand` bytes (over the budget) now."""
+        if self.events:
+            self.pressure.append((self.events - 1, demand + self.away))
 
     def packed(self, ordinal: int, nbytes: int, used: int) -> int:
         i = self._event(used)
@@ -154,6 +164,8 @@ class Recorder:
         )
         if p.backward_event < n:
             p.transient_bytes[p.backward_event] = spike_bytes
+        for i, demand in self.pressure:
+            p.transient_bytes[i] = max(p.transient_bytes[i], demand - p.base_bytes[i])
         for k, (cost, ordinals, ready, inputs) in enumerate(self.units.values()):
             if callable(cost):
                 cost = cost()

@@ -567,3 +567,41 @@ def test_a_recipe_names_what_its_rebuild_reads():
             (x,) = _recipe_inputs(recipe)
             assert isinstance(x, Entry) and x.recipe is not recipe
         loss.backward()
+
+
+def test_an_allocation_that_came_to_the_pressure_handler_is_a_point_the_plan_holds(monkeypatch):
+    """The loss's temporaries fall between two saves: the pool sees them only when the allocator asks it
+    for room. The step that is profiled calls the pressure handler there (as the soft limit would); the
+    profile must carry that demand at the event before it, and the plan must hold it under the budget."""
+    import sys
+
+    mod = sys.modules["supermem.tensor_pool.plan_run"]
+    profiles, plans = [], []
+    real = mod.make_plan
+
+    def capture(p, budget):
+        profiles.append(p)
+        plans.append(real(p, budget))
+        return plans[-1]
+
+    monkeypatch.setattr(mod, "make_plan", capture)
+    g = torch.Generator().manual_seed(1)
+    batches = [torch.randn(32, 64, generator=g) for _ in range(3)]
+    pool = Pool(budget=40 << 10, policy="planned", host_limit="64MiB")
+    spike = 16 << 10
+    demands = []
+    real_square = torch.Tensor.square
+
+    def square_after_pressure(t):  # the loss: an allocation of `spike` bytes the pool never saw saved
+        demands.append(pool._used_bytes() + pool._rec.away + spike if pool._rec is not None else None)
+        pool._on_pressure(spike)
+        return real_square(t)
+
+    monkeypatch.setattr(torch.Tensor, "square", square_after_pressure)
+    _train(pool, batches)
+    (p,) = profiles
+    demand = demands[1]  # the profiled step (step 2; step 1 profiles the regions)
+    curve = [b + t for b, t in zip(p.base_bytes, p.transient_bytes)]
+    assert max(curve) >= demand, (max(curve), demand)
+    assert plans[0].untreated_peak_bytes >= demand
+    assert plans[0].predicted_peak_bytes <= pool.budget_bytes

@@ -1,0 +1,235 @@
+"""What the planned policy planned and why: the profiled step (its events, times, the units it could
+recompute, by kind, with their measured cost per byte), the plan (what it treats, by kind, and the
+seconds it expects each to add) and the steps that ran it. GPU or CPU.
+
+    python3 tools/plan_diag.py gpt 0.75 [steps]
+"""
+
+import collections
+import contextlib
+import cProfile
+import gc
+import os
+import pstats
+import sys
+import time
+
+import torch
+
+import supermem
+from supermem.bench.models import PRESETS, loss_fn
+from supermem.tensor_pool import plan_run, profile
+
+GiB = 2**30
+captured: dict = {}
+
+
+def spy() -> None:
+    """Keeps the profile and plan the pool makes, and what kind of recipe each unit is."""
+    recomputable, make_plan = profile.Recorder.recomputable, plan_run.make_plan
+
+    def recomputable_spy(self, recipe, *a, **k):
+        self.__dict__.setdefault("kinds", {})[id(recipe)] = type(recipe).__name__
+        return recomputable(self, recipe, *a, **k)
+
+    def profile_spy(self, *a, **k):
+        p = profile_orig(self, *a, **k)
+        kinds = getattr(self, "kinds", {})
+        p.kinds = {k: kinds.get(key, "?") for k, key in enumerate(self.units)}
+        return p
+
+    def make_plan_spy(p, budget):
+        plan = make_plan(p, budget)
+        captured["profile"], captured["plan"] = p, plan
+        return plan
+
+    profile_orig = profile.Recorder.profile
+    profile.Recorder.recomputable = recomputable_spy
+    profile.Recorder.profile = profile_spy
+    plan_run.make_plan = make_plan_spy
+
+
+HOOKED = ("_pack", "_unpack", "_add_resident", "_fit_budget", "_planned_pack", "_prefetch_before")
+HOOKED += ("_on_pressure",)
+host_s: dict = collections.defaultdict(float)
+
+
+def time_hooks() -> None:
+    """Host seconds spent in the pool's hooks (outermost calls only) and in Python's garbage collector."""
+    from supermem.tensor_pool import Pool
+
+    for name in HOOKED:
+        fn = getattr(Pool, name)
+
+        def timed(self, *a, _fn=fn, _name=name, **k):
+            depth = self.__dict__.setdefault("_diag_depth", collections.Counter())
+            depth[_name] += 1
+            t0 = time.perf_counter()
+            try:
+                return _fn(self, *a, **k)
+            finally:
+                depth[_name] -= 1
+                if not depth[_name]:
+                    host_s[_name] += time.perf_counter() - t0
+
+        setattr(Pool, name, timed)
+    start = [0.0]
+
+    def gc_timer(phase, info):
+        if phase == "start":
+            start[0] = time.perf_counter()
+        else:
+            host_s[f"gc{info['generation']}"] += time.perf_counter() - start[0]
+
+    gc.callbacks.append(gc_timer)
+
+
+def hook_report(steps: int) -> None:
+    print("host ms per step: " + ", ".join(f"{k} {v * 1e3 / steps:.2f}" for k, v in sorted(host_s.items())))
+    host_s.clear()
+
+
+def report() -> None:
+    p, plan = captured.get("profile"), captured.get("plan")
+    if p is None:
+        print("no plan was made")
+        return
+    n, b = len(p.times_s), p.backward_event
+    peak = max(x + y for x, y in zip(p.base_bytes, p.transient_bytes))
+    print(
+        f"profile: {n} events, backward at event {b} ({p.times_s[min(b, n - 1)] * 1e3:.1f} ms), "
+        f"last event {p.times_s[-1] * 1e3:.1f} ms, step {p.step_s * 1e3:.1f} ms, "
+        f"link {p.link_bytes_per_s / 1e9:.1f} GB/s, untreated peak {peak / GiB:.2f} GiB, "
+        f"spike {max(p.transient_bytes) / GiB:.2f} GiB, budget {plan.budget_bytes / GiB:.2f} GiB"
+    )
+    saved = sum(s.nbytes for s in p.saved)
+    off = sum(s.nbytes for s in p.saved if s.offloadable and s.save < b)
+    print(f"saved: {len(p.saved)} tensors {saved / GiB:.2f} GiB, offloadable in forward {off / GiB:.2f} GiB")
+    by_unit = collections.defaultdict(list)
+    for s in p.saved:
+        if s.unit is not None:
+            by_unit[s.unit].append(s)
+    chosen = {s.unit for s in p.saved if plan.treatment.get(s.ordinal) == "recompute"}
+    rows = collections.defaultdict(lambda: [0, 0, 0.0, 0, 0, 0.0])
+    for u, ms in by_unit.items():
+        r = rows[p.kinds.get(u, "?")]
+        nbytes = sum(s.nbytes for s in ms)
+        r[0] += 1
+        r[1] += nbytes
+        r[2] += p.unit_cost_s.get(u, 0.0)
+        if u in chosen:
+            r[3] += 1
+            r[4] += nbytes
+            r[5] += p.unit_cost_s.get(u, 0.0)
+    head = f"{'unit kind':<12} {'units':>6} {'GiB':>7} {'cost ms':>8} {'ms/GiB':>7}"
+    print(f"{head} | {'chosen':>6} {'GiB':>7} {'ms':>7}")
+    for kind, r in sorted(rows.items()):
+        per = r[2] * 1e3 / (r[1] / GiB) if r[1] else 0
+        print(
+            f"{kind:<12} {r[0]:>6} {r[1] / GiB:7.2f} {r[2] * 1e3:8.2f} {per:7.2f} | "
+            f"{r[3]:>6} {r[4] / GiB:7.2f} {r[5] * 1e3:7.2f}"
+        )
+    offb = sum(s.nbytes for s in p.saved if plan.treatment.get(s.ordinal) == "offload")
+    print(
+        f"plan: {plan.counts()}, offload {offb / GiB:.2f} GiB, feasible {plan.feasible}, "
+        f"added {plan.added_s * 1e3:.1f} ms, predicted step {plan.predicted_step_s * 1e3:.1f} ms, "
+        f"predicted peak {plan.predicted_peak_bytes / GiB:.2f} GiB, plan time {plan.plan_s:.2f} s"
+    )
+
+
+def main() -> None:
+    name, fraction = sys.argv[1], float(sys.argv[2])
+    steps = int(sys.argv[3]) if len(sys.argv) > 3 else 6
+    cuda = torch.cuda.is_available()
+    if cuda:
+        supermem.install()
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    device = torch.device("cuda" if cuda else "cpu")
+    preset = PRESETS[name]
+    torch.manual_seed(0)
+    with device:
+        model = preset.build()
+    x, y = preset.batch(device, torch.Generator().manual_seed(0))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+
+    def step(ctx) -> float:
+        sync()
+        t0 = time.perf_counter()
+        with ctx:
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=preset.bf16):
+                out = model(x)
+            loss_fn(out, y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sync()
+        return time.perf_counter() - t0
+
+    for _ in range(2):
+        step(contextlib.nullcontext())
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    native_s = min(step(contextlib.nullcontext()) for _ in range(3))
+    if cuda:
+        native_peak = torch.cuda.max_memory_allocated()
+    else:
+        probe = supermem.pool(budget=None)
+        step(probe)
+        native_peak = probe.stats()["peak_resident_bytes"]
+    budget = int(native_peak * fraction)
+    print(f"{preset.label}: native {native_s * 1e3:.1f} ms, peak {native_peak / GiB:.2f} GiB", end="")
+    print(f"; budget {budget / GiB:.2f}")
+    if os.environ.get("PROFILE"):
+        profiled(lambda: step(contextlib.nullcontext()), cuda, host=False)
+    spy()
+    if os.environ.get("HOOKS"):
+        time_hooks()
+        for _ in range(3):
+            step(contextlib.nullcontext())
+        hook_report(3)
+    pool = supermem.pool(budget=budget, policy="planned")
+    for i in range(steps):
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        s = step(pool)
+        peak = torch.cuda.max_memory_allocated() / GiB if cuda else float("nan")
+        st = pool.stats()
+        print(
+            f"step {i}: {s * 1e3:.1f} ms ({s / native_s:.2f}x), peak {peak:.2f} GiB, "
+            f"sync_restores {st.get('sync_restores', 0)} recomputes {st.get('recomputes', 0)} "
+            f"offloads {st.get('offloads', 0)} waits {st.get('backpressure_waits', 0)} "
+            f"pressure {st.get('pressure_calls', 0)} plans {st.get('plans', 0)}",
+            flush=True,
+        )
+        pool.reset_stats()
+        if os.environ.get("HOOKS"):
+            hook_report(1)
+    report()
+    if os.environ.get("PROFILE"):
+        profiled(lambda: step(pool), cuda)
+
+
+def profiled(run, cuda: bool, host: bool = True) -> None:
+    """One more step under cProfile (where the host's time goes) and torch's profiler (the GPU's busy
+    time beside the step's wall time: a step slower than its kernels is host-bound)."""
+    if host:
+        prof = cProfile.Profile()
+        prof.enable()
+        run()
+        prof.disable()
+        pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+        pstats.Stats(prof).sort_stats("cumulative").print_stats("tensor_pool", 25)
+    acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    with torch.profiler.profile(activities=acts) as tp:
+        wall = time.perf_counter()
+        run()
+        wall = time.perf_counter() - wall
+    ka = tp.key_averages()
+    gpu_us = sum(getattr(e, "self_device_time_total", 0) for e in ka)
+    print(f"profiled step: wall {wall * 1e3:.1f} ms, GPU busy {gpu_us / 1e3:.1f} ms")
+    if host:
+        print(ka.table(sort_by="self_cpu_time_total", row_limit=20))
+
+
+if __name__ == "__main__":
+    main()
