@@ -315,10 +315,7 @@ PYBIND11_MODULE(_C, m) {
            }, py::arg("address"))
       .def("empty_cache", &CA::empty_cache, nogil)
       .def("nested_stats", &nested_stats)
-      .def_property_readonly("allocated_bytes", [](CA& a) {
-        py::gil_scoped_release g;
-        return a.stats().allocated_bytes.s[kAll].current;
-      })
+      .def_property_readonly("allocated_bytes", [](CA& a) { return a.allocated_now(); })
       .def("set_memory_fraction", &CA::set_memory_fraction, py::arg("fraction"), nogil)
       .def("memory_fraction", &CA::memory_fraction, nogil)
       .def("take_watermark", &CA::take_watermark, nogil)

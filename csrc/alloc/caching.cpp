@@ -97,6 +97,7 @@ void* CachingAllocator::malloc(size_t nbytes, Stream stream) {
   b->requested = nbytes;
   live_.emplace(b->ptr, b);
   stats_.allocated_bytes.add(small, b->size);
+  allocated_now_.store(stats_.allocated_bytes.s[kAll].current, std::memory_order_relaxed);
   watermark_ = std::max(watermark_, stats_.allocated_bytes.s[kAll].current);
   stats_.requested_bytes.add(small, nbytes);
   stats_.active_bytes.add(small, b->size);
@@ -116,6 +117,7 @@ void CachingAllocator::free(void* ptr) {
   live_.erase(it);
   bool small = b->segment->small;
   stats_.allocated_bytes.add(small, -static_cast<int64_t>(b->size));
+  allocated_now_.store(stats_.allocated_bytes.s[kAll].current, std::memory_order_relaxed);
   stats_.requested_bytes.add(small, -static_cast<int64_t>(b->requested));
   stats_.allocation.add(small, -1);
   b->requested = 0;
@@ -665,6 +667,7 @@ void CachingAllocator::check_locked() {
   if (live_.size() != n_live) fail("live map holds " + std::to_string(live_.size()) + " blocks, segments " + std::to_string(n_live));
   if (reserved != stats_.reserved_bytes.s[kAll].current) fail("reserved stat != sum of segments");
   if (allocated != stats_.allocated_bytes.s[kAll].current) fail("allocated stat != sum of allocated blocks");
+  if (allocated_now_.load() != stats_.allocated_bytes.s[kAll].current) fail("allocated_now != allocated stat");
   if (allocated + pending != stats_.active_bytes.s[kAll].current) fail("active stat != allocated + pending");
   if (reserved != allocated + pending + cached) fail("reserved != allocated + pending + cached free");
   if (split_free != stats_.inactive_split.s[kAll].current) fail("inactive_split stat != free blocks of split segments");

@@ -10,6 +10,7 @@
 // (4) throw OutOfMemory carrying requested, allocated, reserved and evicted bytes.
 #pragma once
 
+#include <atomic>
 #include <array>
 #include <deque>
 #include <functional>
@@ -78,6 +79,8 @@ class CachingAllocator {
   void add_oom_observer(OomObserver observer);
 
   Stats stats();
+  // Allocated bytes now, without the lock: the tensor pool reads it at every save and use.
+  int64_t allocated_now() const { return allocated_now_.load(std::memory_order_relaxed); }
   size_t take_watermark();  // highest allocated bytes since the last call (then restarts at the current)
   // The soft limit (a tensor pool's budget): an allocation that would take allocated bytes over it
   // first asks the pressure handlers for the excess, then goes ahead whatever they freed. After a call
@@ -146,6 +149,7 @@ class CachingAllocator {
   size_t soft_limit_ = 0;
   bool soft_armed_ = true;
   bool soft_busy_ = false;  // handlers are running for the soft limit: their own allocations go ahead
+  std::atomic<int64_t> allocated_now_{0};  // stats_.allocated_bytes' current, for allocated_now()
   int64_t watermark_ = 0;  // like the allocated peak, but the tensor pool's own (user peaks untouched)
   TraceRing trace_;
 };
