@@ -89,6 +89,31 @@ def hook_report(steps: int) -> None:
     host_s.clear()
 
 
+COUNTS = (
+    "num_device_alloc",
+    "num_device_free",
+    "num_alloc_retries",
+    "num_sync_all_streams",
+    "num_pressure_calls",
+)
+
+
+def allocator_counts(cuda: bool) -> dict:
+    """The allocator's event counters (a device malloc or free, a retry, a sync of all streams)."""
+    if not cuda:
+        return {}
+    from supermem.registry import device_allocator
+
+    alloc = device_allocator(torch.cuda.current_device())
+    s = alloc.nested_stats() if alloc is not None else {}
+    return {k: s.get(k, 0) for k in COUNTS}
+
+
+def counts_since(before: dict, cuda: bool) -> str:
+    now = allocator_counts(cuda)
+    return " ".join(f"{k[4:]} {now[k] - before.get(k, 0)}" for k in now if now[k] - before.get(k, 0))
+
+
 def report() -> None:
     p, plan = captured.get("profile"), captured.get("plan")
     if p is None:
@@ -152,6 +177,7 @@ def main() -> None:
     x, y = preset.batch(device, torch.Generator().manual_seed(0))
     opt = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
+    host = [0.0]
 
     def step(ctx) -> float:
         sync()
@@ -162,6 +188,7 @@ def main() -> None:
             loss_fn(out, y).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        host[0] = time.perf_counter() - t0  # the host's part: about the step's time when host-bound
         sync()
         return time.perf_counter() - t0
 
@@ -188,17 +215,25 @@ def main() -> None:
             step(contextlib.nullcontext())
         hook_report(3)
     pool = supermem.pool(budget=budget, policy="planned")
+    before = allocator_counts(cuda)
+    step(contextlib.nullcontext())
+    print(
+        f"native step: host {host[0] * 1e3:.1f} ms, allocator events: {counts_since(before, cuda) or 'none'}"
+    )
     for i in range(steps):
         if cuda:
             torch.cuda.reset_peak_memory_stats()
+        before = allocator_counts(cuda)
         s = step(pool)
+        events = counts_since(before, cuda)
         peak = torch.cuda.max_memory_allocated() / GiB if cuda else float("nan")
         st = pool.stats()
         print(
             f"step {i}: {s * 1e3:.1f} ms ({s / native_s:.2f}x), peak {peak:.2f} GiB, "
             f"sync_restores {st.get('sync_restores', 0)} recomputes {st.get('recomputes', 0)} "
             f"offloads {st.get('offloads', 0)} waits {st.get('backpressure_waits', 0)} "
-            f"pressure {st.get('pressure_calls', 0)} plans {st.get('plans', 0)}",
+            f"pressure {st.get('pressure_calls', 0)} plans {st.get('plans', 0)}, host {host[0] * 1e3:.1f} ms "
+            f"| allocator: {events or 'none'}",
             flush=True,
         )
         pool.reset_stats()
