@@ -209,6 +209,10 @@ def main() -> None:
     if os.environ.get("PROFILE"):
         profiled(lambda: step(contextlib.nullcontext()), cuda, host=False)
     spy()
+    if os.environ.get("INTERFERENCE"):  # what a copy beside compute costs it, as a share of the copy
+        from supermem.tensor_pool import planner
+
+        planner.COPY_INTERFERENCE = float(os.environ["INTERFERENCE"])
     if os.environ.get("HOOKS"):
         time_hooks()
         for _ in range(3):
@@ -252,8 +256,9 @@ def profiled(run, cuda: bool, host: bool = True) -> None:
         prof.enable()
         run()
         prof.disable()
-        pstats.Stats(prof).sort_stats("tottime").print_stats(25)
-        pstats.Stats(prof).sort_stats("cumulative").print_stats("tensor_pool", 25)
+        pstats.Stats(prof).sort_stats("tottime").print_stats(40)
+        pstats.Stats(prof).sort_stats("cumulative").print_stats("tensor_pool", 40)
+        pstats.Stats(prof).print_callers(r"pool.py:\d+\(_pack\)")
     acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
     with torch.profiler.profile(activities=acts) as tp:
         wall = time.perf_counter()
