@@ -434,7 +434,8 @@ class Pool(PlanRunner):
                 self._counters["sync_restores"] += 1
                 t0 = time.perf_counter()
                 e.treatment.come_back(self, e)
-                if self._rec is not None and not self._plan_ok and e.step is self._step:
+                outermost = len(self._in_use) == 1  # a nested restore's time is its outer one's too
+                if self._rec is not None and not self._plan_ok and e.step is self._step and outermost:
                     self._rec.fallback_s += self._restore_s(e, time.perf_counter() - t0)
             if e.state is State.RETURNING:
                 e.treatment.ready(self, e)
@@ -511,10 +512,8 @@ class Pool(PlanRunner):
                     break
                 if x.tensor is not None and self._leave(x, x.treatment):
                     self.copies.wait(x.event)
-            if self._rec is not None and not self._plan_ok:
-                self._rec.fallback_s += (
-                    time.perf_counter() - t0
-                )  # the reactive fallback's time, not the step's
+            if self._rec is not None and not self._plan_ok and not self._in_use:  # (in a restore: there)
+                self._rec.fallback_s += time.perf_counter() - t0  # the reactive fallback's, not the step's
             return max(before - self._used_bytes(), 0)
 
     def _free_by_choices(self, limit: int | None, before: int, need_bytes: int) -> bool:

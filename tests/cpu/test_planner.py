@@ -628,3 +628,23 @@ def test_a_rebuilds_host_seconds_are_kept_per_recipe_and_priced_beside_its_devic
     assert _plus_host(lambda: None, kept, key)() is None  # not measured yet
     region = next(r for r in pool.regions.modules)
     assert host_key(type("R", (), {"module": region})()) == id(region)
+
+
+def test_a_restore_inside_another_restore_is_not_counted_again_as_fallback():
+    """A rebuild that needs an input rebuilt first (a chain under a tight budget) holds the inner
+    rebuild's time inside its own: the profiled step subtracts the outermost restores only, or its
+    fallback seconds exceed the step and the plan's timeline is compressed out of shape."""
+    from supermem.tensor_pool.treatments import Recompute
+
+    g = torch.Generator().manual_seed(1)
+    pool = Pool(budget=4 << 10, policy="planned", treatments=(Recompute(),))
+    depths = []
+    real = pool._restore_s
+
+    def restore_s(e, host_s):
+        depths.append(len(pool._in_use))
+        return real(e, host_s)
+
+    pool._restore_s = restore_s
+    _train(pool, [torch.randn(32, 64, generator=g) for _ in range(4)])
+    assert depths and set(depths) == {1}, depths
