@@ -26,6 +26,8 @@ void bind_kernels(pybind11::module_& m) {
   m.attr("has_relu_kernels") = true;
   m.attr("relu_block_elems") = kBlockElems;
   m.def("relu_pack_workspace_bytes", &relu_pack_workspace_bytes, pybind11::arg("n"));
+  m.def("relu_pack_tile_elems", &relu_pack_tile_elems, pybind11::arg("elem_bytes"),
+        "Elements of one tile of the one-pass pack (one CTA, one look-back status word)");
   m.def(
       "relu_pack",
       [](uint64_t src, int64_t n, int elem_bytes, uint64_t bitmap, uint64_t offsets, uint64_t values,

@@ -1,15 +1,15 @@
 // ReLU bitmap compression kernels (format and contracts: relu_pack.h).
 //
 // Pack is one pass (a single-pass scan, Merrill & Garland's decoupled look-back, as CUB's
-// DeviceSelect): each CTA takes a tile of kWarpsPerCta blocks in the order of an atomic ticket, one
-// warp per block loads its 2048 elements into registers (16-byte vectors), writes the block's
-// bitmap words (built with shuffles) and counts its nonzeros. The CTA publishes its tile's count,
-// looks back over its predecessors' status words for the nonzeros before it, publishes its own
-// inclusive prefix, writes its blocks' offsets and copies its nonzeros from the registers, staged
-// through shared memory so the global writes are contiguous. Unpack is one pass too: each warp
-// loads its block's 64 bitmap words once, ranks each lane's elements with a warp prefix sum of
-// popcounts, loads its values and writes 16-byte vectors. All indices are int64: tensors past 2^31
-// elements work.
+// DeviceSelect): each CTA takes a tile of 64 KiB of input (kWarpsPerCta warps, each holding 16
+// 16-byte vectors a lane: one 2048-element block of fp32, two of a 16-bit type) in the order of an
+// atomic ticket. Its warps load their elements into registers, write the bitmap words (built with
+// shuffles) and count their nonzeros. The CTA publishes its tile's count, looks back over its
+// predecessors' status words for the nonzeros before it, publishes its own inclusive prefix,
+// writes its blocks' offsets and copies its nonzeros from the registers, staged through shared
+// memory so the global writes are contiguous. Unpack is one pass too: each warp loads its block's
+// 64 bitmap words once, ranks each lane's elements with a warp prefix sum of popcounts, loads its
+// values and writes 16-byte vectors. All indices are int64: tensors past 2^31 elements work.
 #include <climits>
 #include <string>
 
@@ -162,7 +162,7 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// Tile status words of the single-pass pack, one per tile (kWarpsPerCta blocks): the flag in the
+// Tile status words of the single-pass pack, one per tile (PackTiling): the flag in the
 // top two bits, the value below. 0 (kNotReady, what the host's memset leaves) until the tile
 // publishes its own count (kAggregate), then the nonzeros up to and including it (kPrefix). A word
 // holds everything a reader needs and is written by one 64-bit store, so a reader sees either
@@ -174,6 +174,22 @@ constexpr uint64_t kValueMask = (1ull << 62) - 1;
 
 __device__ __forceinline__ void publish(uint64_t* status, uint64_t word) {
   *reinterpret_cast<volatile unsigned long long*>(status) = word;
+}
+
+// Step s's kVec mask bits out of a lane's mask words.
+template <typename W, int kWords>
+__device__ __forceinline__ uint32_t step_mask(const uint32_t (&masks)[kWords], int s) {
+  constexpr int V = Layout<W>::kVec;
+  return (masks[s * V / 32] >> (s * V % 32)) & ((1u << V) - 1u);
+}
+
+// A lane's nonzeros of one step (mask m over the vector raw) to stage[pos], stage[pos + 1], ...
+template <typename W>
+__device__ __forceinline__ void stage_nonzeros(W* stage, int pos, uint32_t m, uint4 raw) {
+  const Vec<W> v = from_uint4<W>(raw);
+#pragma unroll
+  for (int j = 0; j < Layout<W>::kVec; ++j)
+    if ((m >> j) & 1u) stage[pos++] = v.w[j];
 }
 
 // The nonzeros before `tile` (> 0), by warp 0 of its CTA: lane l reads the status of tile
@@ -199,6 +215,26 @@ __device__ int64_t look_back(const uint64_t* status, int64_t tile, int lane) {
   }
 }
 
+// How the pack splits a tile: every warp holds 16 vectors a lane (64 registers), whatever the
+// element size, so a 16-bit warp takes two blocks. Measured on an H100 (bench relu), per-tile costs
+// (the look-back) dominated with 32 KiB bf16 tiles: 0.73x copy at 1 GiB, against 0.77x with 64 KiB.
+template <typename W>
+struct PackTiling {
+  static constexpr int kBlocksPerWarp = 4 / sizeof(W);
+  static constexpr int kStepsPerBlock = Layout<W>::kSteps;
+  static constexpr int kSteps = kStepsPerBlock * kBlocksPerWarp;  // steps a warp holds: 16
+  static constexpr int kBlocksPerTile = kWarpsPerCta * kBlocksPerWarp;
+  static constexpr int kStageSteps = 4;  // steps whose nonzeros go out in one run (even: scans in pairs)
+  static constexpr int kMaskWords = kSteps * Layout<W>::kVec / 32;
+  static_assert(kSteps % kStageSteps == 0 && kStageSteps % 2 == 0, "steps are staged in pairs");
+  static_assert(kBlocksPerTile * kBlockElems == relu_pack_tile_elems(sizeof(W)), "relu_pack.h says so");
+};
+
+int64_t num_tiles(int64_t nblocks, int elem_bytes) {
+  const int64_t per = elem_bytes == 4 ? PackTiling<uint32_t>::kBlocksPerTile : PackTiling<uint16_t>::kBlocksPerTile;
+  return (nblocks + per - 1) / per;
+}
+
 // Single-pass pack: bitmap, offsets and (values != nullptr) the nonzeros, reading src once.
 // `workspace` is zeroed by the host: word 0 is the ticket counter, words 1.. the tile statuses.
 template <typename W, bool kAligned>
@@ -206,10 +242,12 @@ __global__ void __launch_bounds__(kThreads, 2)
     pack_kernel(const W* __restrict__ src, int64_t n, uint32_t* __restrict__ bitmap, int64_t* __restrict__ offsets,
                 W* __restrict__ values, int64_t capacity, uint64_t* workspace, int64_t nblocks) {
   using L = Layout<W>;
+  using T = PackTiling<W>;
   __shared__ int64_t tile_shared;
-  __shared__ int block_count[kWarpsPerCta];
-  __shared__ int64_t block_offset[kWarpsPerCta];
-  __shared__ W stage[kWarpsPerCta][L::kChunk];
+  __shared__ int warp_count[kWarpsPerCta];
+  __shared__ int first_block_count[kWarpsPerCta];  // of the warp's first block (two-block warps)
+  __shared__ int64_t warp_offset[kWarpsPerCta];
+  __shared__ W stage[kWarpsPerCta][T::kStageSteps * L::kChunk];
   const int lane = threadIdx.x % 32;
   const int warp = threadIdx.x / 32;
   // The tile comes from a ticket, not blockIdx: a CTA never waits on one that has not started.
@@ -217,30 +255,35 @@ __global__ void __launch_bounds__(kThreads, 2)
   __syncthreads();
   const int64_t tile = tile_shared;
   uint64_t* status = workspace + 1;
-  const int64_t ntiles = (nblocks + kWarpsPerCta - 1) / kWarpsPerCta;
-  const int64_t block = tile * kWarpsPerCta + warp;  // past nblocks in the last tile: all loads read 0
-  const int64_t first = block * kBlockElems;
+  const int64_t ntiles = (nblocks + T::kBlocksPerTile - 1) / T::kBlocksPerTile;
+  const int64_t tile_block = tile * T::kBlocksPerTile;
+  const int64_t first = (tile_block + warp * T::kBlocksPerWarp) * kBlockElems;  // past n: all loads read 0
   const int64_t nwords = (n + 31) / 32;
 
-  // The whole block in registers, kept until its offset is known.
-  uint4 raw[L::kSteps];
+  // The warp's elements in registers, kept until its offset is known; their masks too (step s at
+  // bit s * kVec of the words), for the values pass.
+  uint4 raw[T::kSteps];
 #pragma unroll
-  for (int s = 0; s < L::kSteps; ++s) raw[s] = load_raw<W, kAligned>(src, first + s * L::kChunk + lane * L::kVec, n);
-  int count = 0;
+  for (int s = 0; s < T::kSteps; ++s) raw[s] = load_raw<W, kAligned>(src, first + s * L::kChunk + lane * L::kVec, n);
+  uint32_t masks[T::kMaskWords] = {};
+  int count = 0, first_count = 0;
 #pragma unroll
-  for (int s = 0; s < L::kSteps; ++s) {
+  for (int s = 0; s < T::kSteps; ++s) {
     const uint32_t m = mask_of(from_uint4<W>(raw[s]), kNonzero);
+    masks[s * L::kVec / 32] |= m << (s * L::kVec % 32);
     count += __popc(m);
+    if (s == T::kStepsPerBlock - 1) first_count = count;
     const uint32_t word = bitmap_word<W>(m, lane);
     const int64_t w = (first + s * L::kChunk) / 32 + lane / L::kLanesPerWord;
     if (lane % L::kLanesPerWord == 0 && w < nwords) bitmap[w] = word;
   }
   count = warp_sum(count);
-  if (lane == 0) block_count[warp] = count;
+  if (T::kBlocksPerWarp > 1) first_count = warp_sum(first_count);
+  if (lane == 0) warp_count[warp] = count, first_block_count[warp] = first_count;
   __syncthreads();
 
   if (warp == 0) {
-    const int c = lane < kWarpsPerCta ? block_count[lane] : 0;
+    const int c = lane < kWarpsPerCta ? warp_count[lane] : 0;
     const int incl = warp_inclusive_sum(c, lane);
     const int64_t aggregate = __shfl_sync(kFullMask, incl, 31);
     if (lane == 0) publish(status + tile, (tile == 0 ? kPrefix : kAggregate) | uint64_t(aggregate));
@@ -248,32 +291,37 @@ __global__ void __launch_bounds__(kThreads, 2)
     if (lane == 0 && tile > 0) publish(status + tile, kPrefix | uint64_t(exclusive + aggregate));
     if (lane < kWarpsPerCta) {
       const int64_t offset = exclusive + (incl - c);
-      block_offset[lane] = offset;
-      if (tile * kWarpsPerCta + lane < nblocks) offsets[tile * kWarpsPerCta + lane] = offset;
+      warp_offset[lane] = offset;
+      const int64_t b = tile_block + lane * T::kBlocksPerWarp;
+      if (b < nblocks) offsets[b] = offset;
+      if (T::kBlocksPerWarp > 1 && b + 1 < nblocks) offsets[b + 1] = offset + first_block_count[lane];
     }
     if (lane == 0 && tile == ntiles - 1) offsets[nblocks] = exclusive + aggregate;
   }
   __syncthreads();
   if (values == nullptr) return;
 
-  // Each step's nonzeros, ranked by a warp prefix sum, go to the stage in order, then out in one
-  // contiguous run.
+  // kStageSteps steps' nonzeros, ranked by warp prefix sums, go to the stage in order, then out in
+  // one contiguous run. Two steps share a scan: their counts (<= 256 a warp) in 16-bit halves.
   W* mine = stage[warp];
-  int64_t out = block_offset[warp];
+  int64_t out = warp_offset[warp];
 #pragma unroll
-  for (int s = 0; s < L::kSteps; ++s) {
-    const Vec<W> v = from_uint4<W>(raw[s]);
-    const uint32_t m = mask_of(v, kNonzero);
-    const int c = __popc(m);
-    const int incl = warp_inclusive_sum(c, lane);
-    const int total = __shfl_sync(kFullMask, incl, 31);
-    int pos = incl - c;  // this lane's first slot among the step's nonzeros
+  for (int s0 = 0; s0 < T::kSteps; s0 += T::kStageSteps) {
+    int total = 0;
 #pragma unroll
-    for (int j = 0; j < L::kVec; ++j)
-      if ((m >> j) & 1u) mine[pos++] = v.w[j];
+    for (int s = s0; s < s0 + T::kStageSteps; s += 2) {
+      const uint32_t m0 = step_mask<W>(masks, s), m1 = step_mask<W>(masks, s + 1);
+      const int c0 = __popc(m0), c1 = __popc(m1);
+      const int incl = warp_inclusive_sum(c0 | (c1 << 16), lane);
+      const int both = __shfl_sync(kFullMask, incl, 31);
+      const int total0 = total + (both & 0xffff);
+      stage_nonzeros<W>(mine, total + (incl & 0xffff) - c0, m0, raw[s]);
+      stage_nonzeros<W>(mine, total0 + (incl >> 16) - c1, m1, raw[s + 1]);
+      total = total0 + (both >> 16);
+    }
     __syncwarp();
     for (int k = lane; k < total && out + k < capacity; k += 32) values[out + k] = mine[k];
-    __syncwarp();  // the stage is rewritten next step
+    __syncwarp();  // the stage is rewritten next round
     out += total;
   }
 }
@@ -383,8 +431,6 @@ unsigned grid_for(int64_t nwarps) {
   return static_cast<unsigned>(ctas);
 }
 
-int64_t num_tiles(int64_t nblocks) { return (nblocks + kWarpsPerCta - 1) / kWarpsPerCta; }
-
 // Blocks below which unpack gives each block kSteps / kUnroll warps (per SM: 4 waves of 64 warps):
 // with one warp per block a small tensor leaves most of the GPU idle.
 int64_t unpack_split_below_blocks() {
@@ -409,14 +455,13 @@ template <typename W>
 void launch_pack(const void* src, int64_t n, uint32_t* bitmap, int64_t* offsets, void* values, int64_t capacity,
                  uint64_t* workspace, cudaStream_t stream) {
   const int64_t nblocks = num_blocks(n);
+  const unsigned grid = grid_for(num_tiles(nblocks, sizeof(W)) * kWarpsPerCta);  // one CTA a tile
   const auto* s = static_cast<const W*>(src);
   auto* v = static_cast<W*>(values);
   if (aligned16(src))
-    pack_kernel<W, true><<<grid_for(nblocks), kThreads, 0, stream>>>(s, n, bitmap, offsets, v, capacity, workspace,
-                                                                     nblocks);
+    pack_kernel<W, true><<<grid, kThreads, 0, stream>>>(s, n, bitmap, offsets, v, capacity, workspace, nblocks);
   else
-    pack_kernel<W, false><<<grid_for(nblocks), kThreads, 0, stream>>>(s, n, bitmap, offsets, v, capacity, workspace,
-                                                                      nblocks);
+    pack_kernel<W, false><<<grid, kThreads, 0, stream>>>(s, n, bitmap, offsets, v, capacity, workspace, nblocks);
   check(cudaGetLastError(), "relu pack kernel launch");
 }
 
@@ -440,7 +485,7 @@ void launch_unpack(const uint32_t* bitmap, const int64_t* offsets, const void* v
 
 size_t relu_pack_workspace_bytes(int64_t n) {
   check_args(n, 4);
-  return sizeof(uint64_t) * (1 + num_tiles(num_blocks(n)));
+  return sizeof(uint64_t) * (1 + num_tiles(num_blocks(n), 4));  // fp32 tiles are the smallest
 }
 
 void relu_pack(const void* src, int64_t n, int elem_bytes, uint32_t* bitmap, int64_t* offsets, void* values,
@@ -452,13 +497,14 @@ void relu_pack(const void* src, int64_t n, int elem_bytes, uint32_t* bitmap, int
   if (values != nullptr && values_capacity < 0)
     throw UsageError("supermem: relu_pack values capacity must be >= 0, got " + std::to_string(values_capacity));
   const size_t needed = relu_pack_workspace_bytes(n);
+  const size_t used = sizeof(uint64_t) * (1 + num_tiles(num_blocks(n), elem_bytes));
   if (workspace_bytes < needed)
     throw UsageError("supermem: relu_pack workspace of " + std::to_string(workspace_bytes) + " bytes, needs " +
                      std::to_string(needed));
   if (reinterpret_cast<uintptr_t>(workspace) % sizeof(uint64_t) != 0)
     throw UsageError("supermem: relu_pack workspace must be 8-byte aligned");
   // The ticket counter and every tile status start at 0 (not ready).
-  check(cudaMemsetAsync(workspace, 0, needed, stream), "cudaMemsetAsync (relu pack workspace)");
+  check(cudaMemsetAsync(workspace, 0, used, stream), "cudaMemsetAsync (relu pack workspace)");
   auto* words = static_cast<uint64_t*>(workspace);
   if (elem_bytes == 4)
     launch_pack<uint32_t>(src, n, bitmap, offsets, values, values_capacity, words, stream);

@@ -23,11 +23,14 @@
 
 namespace supermem::kernels {
 
-// Elements per offsets entry, the same for every element size: one warp packs one block.
+// Elements per offsets entry, the same for every element size.
 constexpr int64_t kBlockElems = 2048;
 
-// Device scratch (bytes) that relu_pack needs for n elements: a ticket counter and one status word
-// per tile of kBlockElems * 8 elements (relu_pack zeroes it on the stream, so it may be reused).
+// Elements of one tile of the pack (one CTA, one status word): 64 KiB of input.
+constexpr int64_t relu_pack_tile_elems(int elem_bytes) { return 8 * kBlockElems * (4 / elem_bytes); }
+
+// Device scratch (bytes) that relu_pack needs for n elements of any size: a ticket counter and one
+// status word per tile (relu_pack zeroes what it uses on the stream, so it may be reused).
 size_t relu_pack_workspace_bytes(int64_t n);
 
 // One pass over src: the bitmap, the offsets and, when values is not null, the nonzeros at

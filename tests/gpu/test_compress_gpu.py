@@ -210,17 +210,20 @@ def test_past_2_to_the_31_elements():
                        tail[tail.view(torch.int16) != 0].view(torch.int16))  # fmt: skip
 
 
-TILE = 8 * 2048  # elements per tile of the one-pass pack (one CTA: 8 blocks of 2048)
+def tile_elems(dtype):
+    """Elements per tile of the one-pass pack (one CTA, one look-back status): 64 KiB of input."""
+    return _C.relu_pack_tile_elems(torch.empty((), dtype=dtype).element_size())
 
 
 def tiled(n, dtype, tile_density, seed=0):
-    """n elements whose tile t (of `TILE`) has density tile_density(t): every tile's count differs
+    """n elements whose tile t (of tile_elems) has density tile_density(t): every tile's count differs
     from its neighbours', so a wrong look-back sum shows in offsets and values."""
     x = sparse(n, 1.0, dtype, seed=seed)
     g = torch.Generator().manual_seed(seed + 1)
     keep = torch.zeros(n, dtype=torch.bool)
-    for t in range(math.ceil(n / TILE)):
-        part = keep[t * TILE : (t + 1) * TILE]
+    tile = tile_elems(dtype)
+    for t in range(math.ceil(n / tile)):
+        part = keep[t * tile : (t + 1) * tile]
         part.copy_(torch.rand(part.numel(), generator=g) < tile_density(t))
     return torch.where(keep, x, torch.zeros((), dtype=dtype))
 
@@ -240,7 +243,7 @@ PATTERNS = {
 def test_many_tiles_of_varying_density(dtype, pattern, tiles, extra):
     """The one-pass pack's cross-tile scan: sizes at and around whole tiles (and look-back windows of
     32 tiles), last tiles full, partial or one element long, densities jumping from tile to tile."""
-    n = tiles * TILE + extra
+    n = tiles * tile_elems(dtype) + extra
     x = tiled(n, dtype, PATTERNS[pattern], seed=tiles)
     ref = relu_pack(x)
     for exact in (True, False):
@@ -249,10 +252,24 @@ def test_many_tiles_of_varying_density(dtype, pattern, tiles, extra):
         assert bitwise_equal(relu_unpack(packed), x)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("pattern", ["ramp", "one_far_tile"])
+def test_look_back_over_many_windows(dtype, pattern):
+    """More tiles than a wave of CTAs holds (2 an SM): a tile walks back over many windows of
+    aggregates, and one nonzero tile far back must still be counted by every tile after it."""
+    density = {"ramp": PATTERNS["ramp"], "one_far_tile": lambda t: float(t == 300)}[pattern]
+    x = tiled(700 * tile_elems(dtype) + 3, dtype, density, seed=7)
+    ref = relu_pack(x)
+    packed = relu_pack(x.cuda(), exact=False)
+    assert_same_pack(packed, ref)
+    assert bitwise_equal(relu_unpack(packed), x)
+
+
 def test_repeated_packs_reuse_the_workspace_cleanly():
     """Back-to-back packs on one stream (the caching allocator hands the same workspace back): the
     ticket counter and tile statuses must start from zero each time."""
-    xs = [tiled(100 * TILE + 5, torch.float32, PATTERNS["ramp"], seed=s).cuda() for s in range(3)]
+    tile = tile_elems(torch.float32)
+    xs = [tiled(100 * tile + 5, torch.float32, PATTERNS["ramp"], seed=s).cuda() for s in range(3)]
     packs = [relu_pack(x, exact=False) for x in xs for _ in range(4)]
     for i, packed in enumerate(packs):
         x = xs[i // 4]
@@ -267,13 +284,14 @@ def test_large_tensor_one_warp_per_block_unpack(dtype):
     from supermem.compress import _pack_reference
 
     sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
-    n = sms * 256 * 2048 + 3 * TILE + 77
+    tile = tile_elems(dtype)
+    n = sms * 256 * 2048 + 3 * tile + 77
     if torch.cuda.mem_get_info()[0] < 8 * n * 4:
         pytest.skip("not enough free GPU memory")
     g = torch.Generator(device="cuda").manual_seed(1)
     x = torch.rand(n, device="cuda", generator=g)
-    tile_density = (torch.arange(math.ceil(n / TILE), device="cuda") % 3) / 2  # 0, 0.5, 1, ...
-    x = torch.where(x < tile_density.repeat_interleave(TILE)[:n], x + 0.5, 0.0).to(dtype)
+    tile_density = (torch.arange(math.ceil(n / tile), device="cuda") % 3) / 2  # 0, 0.5, 1, ...
+    x = torch.where(x < tile_density.repeat_interleave(tile)[:n], x + 0.5, 0.0).to(dtype)
     bitmap, offsets, values = _pack_reference(x)
     packed = relu_pack(x)
     assert torch.equal(packed.bitmap, bitmap) and torch.equal(packed.offsets, offsets)
