@@ -69,12 +69,7 @@ class PlanRunner:
             return  # a step that runs a plan is no profile: its units are not needed
         own = [x.ordinal for x in entries if x.step is step]
         inputs = [x.ordinal for x in _recipe_inputs(recipe) if x.step is step]
-        if self.cuda:  # the host's seconds too: the plan is made when both are measured
-            rec.recomputable(
-                recipe, _plus_host(cost, self._rebuild_host_s, host_key(recipe)), own, offloadable, inputs
-            )
-        else:  # measured on the host clock already
-            rec.recomputable(recipe, cost, own, offloadable, inputs)
+        rec.recomputable(recipe, cost, own, offloadable, inputs)
 
     def _plan_matches(self, e: Entry) -> bool:
         """Whether this step still has the plan's shape; on a change, a cached plan of the new shape
@@ -172,26 +167,6 @@ class PlanRunner:
             "untreated_step_s": p.untreated_step_s,
             "plans_cached": len(self._plans),
         }
-
-
-def host_key(recipe: Any) -> Any:
-    """Rebuilds that cost the host alike: one module's replays, one op replay site's, all weight casts."""
-    for attr in ("module", "site"):
-        x = getattr(recipe, attr, None)
-        if x is not None:
-            return id(x)
-    return type(recipe)
-
-
-def _plus_host(cost: Any, host_s: dict, key: Any) -> Any:
-    """A unit's price on a GPU: its device seconds (a number, or a call that measures them) plus the
-    least host seconds one of its rebuilds took (none measured yet: nothing added)."""
-
-    def total() -> float | None:
-        device_s = cost() if callable(cost) else cost
-        return None if device_s is None else device_s + host_s.get(key, 0.0)
-
-    return total
 
 
 def _recipe_inputs(recipe: Any) -> list[Entry]:

@@ -35,7 +35,7 @@ from .copy import CopyEngine
 from .entry import Entry, Kept, State, check_version, movable
 from .host import shared_host_pool
 from .op_replay import OpReplays
-from .plan_run import PlanRunner, host_key
+from .plan_run import PlanRunner
 from .planner import Plan
 from .profile import Recorder
 from .region import Regions
@@ -159,7 +159,6 @@ class Pool(PlanRunner):
         self._soft_spent = False  # a pressure call came: the allocator may have stopped asking (re-arm it)
         self._away_to_fetch: set[int] = set()  # seqs off the device by a treatment that prefetches
         self._urgent = False  # pricing for the pressure handler: every byte is needed now
-        self._rebuild_host_s: dict[Any, float] = {}  # least host seconds of a rebuild, by _host_key
         _serve_to_top(self)
 
     # ------------------------------------------------------------------ activation
@@ -445,23 +444,14 @@ class Pool(PlanRunner):
 
     def _restore_s(self, e: Entry, host_s: float) -> float:
         """Seconds a synchronous restore cost the step: the host's on CPU; on a GPU, where the work is
-        queued, the recipe's measured cost or the copy back at the link rate, or the host's seconds
-        where they are more (a step whose host is the slower side: a rebuild's Python and launches)."""
+        queued, the recipe's measured cost or the copy back at the link rate."""
         if not self.cuda:
             return host_s
         if e.treatment.name == "recompute":
-            return max(host_s, e.recipe.cost_s(self) or 0.0)
+            return e.recipe.cost_s(self) or 0.0
         if e.treatment.name == "offload":
-            return max(host_s, e.nbytes / self.treatments["offload"].rate(self))
-        return host_s
-
-    def _rebuilt(self, recipe: Any, host_s: float) -> None:
-        """A rebuild took `host_s` on the host: the least of them is what the planner adds to the
-        recipe's device cost on a GPU (there, with a fast device, a step's host is often the slower
-        side, and each rebuild's Python and launches lengthen it whatever the kernels cost)."""
-        key = host_key(recipe)
-        best = self._rebuild_host_s.get(key)
-        self._rebuild_host_s[key] = host_s if best is None else min(best, host_s)
+            return e.nbytes / self.treatments["offload"].rate(self)
+        return 0.0
 
     def _prefetch_before(self, e: Entry) -> None:
         """Prefetches the entries of the same step saved just before `e`: backward needs them next."""
@@ -488,7 +478,6 @@ class Pool(PlanRunner):
         soft limit): entries leave, cheapest first by the policy, priced as urgent (a copy hides
         nothing now, offloads wait for theirs, so recompute wins where it is cheap), until the device
         really has `need_bytes` more free (an entry something else still references frees nothing)."""
-        t0 = time.perf_counter()
         with self._lock:
             self._counters["pressure_calls"] += 1
             self._left = True
@@ -512,8 +501,6 @@ class Pool(PlanRunner):
                     break
                 if x.tensor is not None and self._leave(x, x.treatment):
                     self.copies.wait(x.event)
-            if self._rec is not None and not self._plan_ok and not self._in_use:  # (in a restore: there)
-                self._rec.fallback_s += time.perf_counter() - t0  # the reactive fallback's, not the step's
             return max(before - self._used_bytes(), 0)
 
     def _free_by_choices(self, limit: int | None, before: int, need_bytes: int) -> bool:

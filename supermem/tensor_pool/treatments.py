@@ -210,9 +210,7 @@ class Recompute(Treatment):
 
     def come_back(self, pool: Pool, e: Entry) -> None:
         pool._counters["recomputes"] += 1
-        t0 = time.perf_counter()
         e.recipe.rebuild(pool, e)
-        pool._rebuilt(e.recipe, time.perf_counter() - t0)
 
     def check(self, pool: Pool, e: Entry) -> None:
         assert e.recipe is not None and e.payload is None, f"{e}: away without a recipe"

@@ -607,29 +607,6 @@ def test_an_allocation_that_came_to_the_pressure_handler_is_a_point_the_plan_hol
     assert plans[0].predicted_peak_bytes <= pool.budget_bytes
 
 
-def test_a_rebuilds_host_seconds_are_kept_per_recipe_and_priced_beside_its_device_seconds():
-    """With a fast device the host is often the slower side of a step, and every rebuild's Python and
-    launches lengthen it whatever its kernels cost: the pool keeps the least host seconds of each
-    recipe's rebuilds (a module's, an op replay site's, the weight casts'), and on a GPU a unit's price
-    is its device seconds plus those."""
-    from supermem.tensor_pool.plan_run import _plus_host, host_key
-    from supermem.tensor_pool.treatments import Recompute
-
-    g = torch.Generator().manual_seed(1)
-    pool = Pool(budget=20 << 10, policy="planned", treatments=(Recompute(),))
-    _train(pool, [torch.randn(32, 64, generator=g) for _ in range(4)])
-    assert pool.stats()["recomputes"] > 0
-    kept = pool._rebuild_host_s
-    assert kept and all(s > 0 for s in kept.values())
-    assert len(kept) > 1, kept  # per recipe, not one figure for all
-    key, host_s = next(iter(kept.items()))
-    assert _plus_host(lambda: 1e-3, kept, key)() == pytest.approx(1e-3 + host_s)
-    assert _plus_host(2e-3, kept, object())() == 2e-3  # never rebuilt: its device seconds only
-    assert _plus_host(lambda: None, kept, key)() is None  # not measured yet
-    region = next(r for r in pool.regions.modules)
-    assert host_key(type("R", (), {"module": region})()) == id(region)
-
-
 def test_a_restore_inside_another_restore_is_not_counted_again_as_fallback():
     """A rebuild that needs an input rebuilt first (a chain under a tight budget) holds the inner
     rebuild's time inside its own: the profiled step subtracts the outermost restores only, or its
