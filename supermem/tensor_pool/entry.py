@@ -111,6 +111,8 @@ def storage_extent(t: torch.Tensor) -> int:
     not the elements one by one: the tensor comes back with its exact strides (elementwise kernels
     take other code paths, with other rounding, for other layouts), expanded tensors move once,
     and a span is one contiguous DMA."""
+    if t.is_contiguous():
+        return t.numel()
     if t.numel() == 0:
         return 0
     return 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))

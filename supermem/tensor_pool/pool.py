@@ -237,7 +237,7 @@ class Pool(PlanRunner):
             or _alive_anyway(t)
         ):
             return Kept(t)  # stays where it is; its version is still checked at unpack
-        key = (t.untyped_storage().data_ptr(), t.storage_offset(), t.shape, t.stride(), t.dtype, t._version)
+        key = (t.data_ptr(), t.shape, t.stride(), t.dtype, t._version)  # data_ptr: storage + offset
         with self._lock:
             step = self._current_step()
             self._tick += 1
@@ -261,8 +261,9 @@ class Pool(PlanRunner):
             self._seqs.append(seq)
             self._dedup[key] = weakref.ref(e)
             self._counters["packed"] += 1
-            self._add_resident(e)
-            self._touch(e)
+            self._add_resident(e)  # at the LRU's most recent end already: only its use is stamped
+            self._tick += 1
+            e.last_use = self._tick
             if self._rec is not None:
                 self._planned_pack(e)
             return e
