@@ -6,7 +6,6 @@ seconds it expects each to add) and the steps that ran it. GPU or CPU.
 """
 
 import collections
-import contextlib
 import cProfile
 import gc
 import os
@@ -17,7 +16,7 @@ import time
 import torch
 
 import supermem
-from supermem.bench.models import PRESETS, loss_fn
+from supermem.bench.models import PRESETS, Trainer
 from supermem.tensor_pool import plan_run, profile
 
 GiB = 2**30
@@ -170,33 +169,13 @@ def main() -> None:
         supermem.install()
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     device = torch.device("cuda" if cuda else "cpu")
-    preset = PRESETS[name]
-    torch.manual_seed(0)
-    with device:
-        model = preset.build()
-    x, y = preset.batch(device, torch.Generator().manual_seed(0))
-    opt = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
-    host = [0.0]
-
-    def step(ctx) -> float:
-        sync()
-        t0 = time.perf_counter()
-        with ctx:
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=preset.bf16):
-                out = model(x)
-            loss_fn(out, y).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        host[0] = time.perf_counter() - t0  # the host's part: about the step's time when host-bound
-        sync()
-        return time.perf_counter() - t0
-
+    trainer = Trainer.of(name, device)
+    step = trainer.step
     for _ in range(2):
-        step(contextlib.nullcontext())
+        step()
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    native_s = min(step(contextlib.nullcontext()) for _ in range(3))
+    native_s = min(step() for _ in range(3))
     if cuda:
         native_peak = torch.cuda.max_memory_allocated()
     else:
@@ -204,10 +183,10 @@ def main() -> None:
         step(probe)
         native_peak = probe.stats()["peak_resident_bytes"]
     budget = int(native_peak * fraction)
-    print(f"{preset.label}: native {native_s * 1e3:.1f} ms, peak {native_peak / GiB:.2f} GiB", end="")
+    print(f"{PRESETS[name].label}: native {native_s * 1e3:.1f} ms, peak {native_peak / GiB:.2f} GiB", end="")
     print(f"; budget {budget / GiB:.2f}")
     if os.environ.get("PROFILE"):
-        profiled(lambda: step(contextlib.nullcontext()), cuda, host=False)
+        profiled(lambda: step(), cuda, host=False)
     spy()
     if os.environ.get("INTERFERENCE"):  # what a copy beside compute costs it, as a share of the copy
         from supermem.tensor_pool import planner
@@ -216,13 +195,14 @@ def main() -> None:
     if os.environ.get("HOOKS"):
         time_hooks()
         for _ in range(3):
-            step(contextlib.nullcontext())
+            step()
         hook_report(3)
     pool = supermem.pool(budget=budget, policy="planned")
     before = allocator_counts(cuda)
-    step(contextlib.nullcontext())
+    step()
     print(
-        f"native step: host {host[0] * 1e3:.1f} ms, allocator events: {counts_since(before, cuda) or 'none'}"
+        f"native step: host {trainer.host_s * 1e3:.1f} ms, "
+        f"allocator events: {counts_since(before, cuda) or 'none'}"
     )
     for i in range(steps):
         if cuda:
@@ -236,7 +216,8 @@ def main() -> None:
             f"step {i}: {s * 1e3:.1f} ms ({s / native_s:.2f}x), peak {peak:.2f} GiB, "
             f"sync_restores {st.get('sync_restores', 0)} recomputes {st.get('recomputes', 0)} "
             f"offloads {st.get('offloads', 0)} waits {st.get('backpressure_waits', 0)} "
-            f"pressure {st.get('pressure_calls', 0)} plans {st.get('plans', 0)}, host {host[0] * 1e3:.1f} ms "
+            f"pressure {st.get('pressure_calls', 0)} plans {st.get('plans', 0)}, "
+            f"host {trainer.host_s * 1e3:.1f} ms "
             f"| allocator: {events or 'none'}",
             flush=True,
         )

@@ -8,15 +8,13 @@ the slower side under the pool, so this number bounds how close to native a pool
 """
 
 import argparse
-import contextlib
 import cProfile
 import pstats
-import time
 
 import torch
 
 import supermem
-from supermem.bench.models import GPT, _tokens, loss_fn
+from supermem.bench.models import GPT, Trainer, _tokens
 
 
 def main() -> None:
@@ -33,24 +31,10 @@ def main() -> None:
     with device:
         model = GPT(layers=24, d=64, heads=2, vocab=512, ctx=64)
     x, y = _tokens(2, 64, 512)(device, torch.Generator().manual_seed(0))
-    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
-
-    def step(ctx) -> float:
-        sync()
-        t0 = time.perf_counter()
-        with ctx:
-            with torch.autocast(device.type, dtype=torch.bfloat16):
-                out = model(x)
-            loss_fn(out, y).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        sync()
-        return time.perf_counter() - t0
-
+    step = Trainer(model, x, y, bf16=True).step
     for _ in range(3):
-        step(contextlib.nullcontext())
-    native_s = min(step(contextlib.nullcontext()) for _ in range(args.steps))
+        step()
+    native_s = min(step() for _ in range(args.steps))
     probe = supermem.pool(budget=None, min_bytes=0)
     step(probe)
     saved = probe.stats()["peak_resident_bytes"]

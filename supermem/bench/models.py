@@ -8,8 +8,11 @@ ResNet-152 b64 224px fp32).
 
 from __future__ import annotations
 
+import contextlib
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -163,3 +166,42 @@ PRESETS: dict[str, Preset] = {
 
 def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(out.float().reshape(-1, out.shape[-1]), y.reshape(-1))
+
+
+class Trainer:
+    """A model, its batch and an SGD optimizer: `step(ctx)` runs one timed training step (forward under
+    bf16 autocast where the preset trains so, loss, backward inside `ctx`, then the optimizer) and
+    returns its seconds; `host_s` is the host's part of the last step (before the closing device
+    sync: about the whole step when the host is the slower side). The tools' shared step."""
+
+    def __init__(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, bf16: bool):
+        self.model, self.x, self.y, self.bf16 = model, x, y, bf16
+        self.device = x.device
+        self.opt = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
+        self.host_s = 0.0
+
+    @classmethod
+    def of(cls, name: str, device: torch.device) -> Trainer:
+        """PRESETS[name] built on `device`, seeded (the same weights and batch in every process)."""
+        preset = PRESETS[name]
+        torch.manual_seed(0)
+        with device:
+            model = preset.build()
+        x, y = preset.batch(device, torch.Generator().manual_seed(0))
+        return cls(model, x, y, preset.bf16)
+
+    def step(self, ctx: Any = None) -> float:
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize(self.device)
+        t0 = time.perf_counter()
+        with ctx if ctx is not None else contextlib.nullcontext():
+            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
+                out = self.model(self.x)
+            loss_fn(out, self.y).backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        self.host_s = time.perf_counter() - t0
+        if cuda:
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - t0

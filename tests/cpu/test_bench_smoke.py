@@ -79,3 +79,22 @@ def test_bench_train_sweep_quick_cpu(tmp_path):
     pareto = [line for line in stdout.splitlines() if line.startswith("pareto ")]
     assert [line.split(": ")[0].split(" ", 2)[2] for line in pareto] == pool_rows
     assert all("predicted" in line for line in pareto if " planned " in line)
+
+
+def test_the_tools_trainer_steps_inside_the_saver_and_trains_the_same():
+    """tools/plan_diag.py and tools/pool_overhead.py time `Trainer.step(ctx)`: the saver must hold
+    forward and backward (the pool packs what autograd saves), and the step must train as plain code does."""
+    import torch
+
+    import supermem
+    from supermem.bench.models import Trainer
+
+    cpu = torch.device("cpu")
+    plain, pooled = Trainer.of("gpt-quick", cpu), Trainer.of("gpt-quick", cpu)
+    pool = supermem.pool(budget=1 << 16)
+    for _ in range(2):
+        assert plain.step() > 0 and plain.host_s > 0
+        pooled.step(pool)
+    assert pool.stats()["packed"] > 0
+    for a, b in zip(plain.model.parameters(), pooled.model.parameters()):
+        assert torch.equal(a, b)
