@@ -37,8 +37,9 @@ class PlanRunner:
         """Records the pack; runs the plan's treatment for it and whatever the plan set for this event."""
         rec = self._rec
         event = rec.packed(e.ordinal, e.nbytes, self._used_bytes())
-        # a recipe made at pack (a weight copy, an op's replay), in a step recorded to plan from
-        if rec.whole and e.recipe is not None and e.recipe.ready:
+        if (
+            rec.whole and e.recipe is not None and e.recipe.ready
+        ):  # made at pack: a weight copy, an op's replay
             # an op replay's cost by its site (measured later; the recipe itself holds this step's entries)
             cost = e.recipe.site.cost_s if isinstance(e.recipe, OpReplay) else e.recipe.cost_s(self)
             self._plan_recipe(e.recipe, [e], cost, offloadable=not isinstance(e.recipe, Cast))
