@@ -37,9 +37,7 @@ class PlanRunner:
         """Records the pack; runs the plan's treatment for it and whatever the plan set for this event."""
         rec = self._rec
         event = rec.packed(e.ordinal, e.nbytes, self._used_bytes())
-        if (
-            rec.whole and e.recipe is not None and e.recipe.ready
-        ):  # made at pack: a weight copy, an op's replay
+        if e.recipe is not None and e.recipe.ready:  # made at pack: a weight copy, an op's replay
             # an op replay's cost by its site (measured later; the recipe itself holds this step's entries)
             cost = e.recipe.site.cost_s if isinstance(e.recipe, OpReplay) else e.recipe.cost_s(self)
             self._plan_recipe(e.recipe, [e], cost, offloadable=not isinstance(e.recipe, Cast))
@@ -65,8 +63,8 @@ class PlanRunner:
         of recipe needs to be weighed by the planner: at the pack of a recipe ready then (done here, in
         `_planned_pack`), or wherever it becomes ready later."""
         step, rec = self._step, self._rec
-        if rec is None or not rec.whole:
-            return  # a step that runs a plan is no profile: its units are not needed
+        if rec is None:
+            return
         own = [x.ordinal for x in entries if x.step is step]
         inputs = [x.ordinal for x in _recipe_inputs(recipe) if x.step is step]
         rec.recomputable(recipe, cost, own, offloadable, inputs)
@@ -114,9 +112,6 @@ class PlanRunner:
             return
         if self._plan_ok:
             self._check_plan(self._plan)
-            return
-        if not rec.whole:  # began under a plan and left its shape: the next step is recorded whole
-            self._plan = None
             return
         if not rec.regions_on:
             return

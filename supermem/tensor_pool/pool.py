@@ -322,7 +322,6 @@ class Pool(PlanRunner):
                 self._plan_ok = self._plan is not None
                 self._rec = Recorder(self.cuda, timed=not self._plan_ok)
                 self._rec.regions_on = self.regions.phase == "on"
-                self._rec.whole = not self._plan_ok
                 self._by_ordinal = {}
                 self._plan_pending = []
         return s

@@ -81,7 +81,6 @@ class Recorder:
         self.fallback_s = 0.0
         self.fallback_at: list[float] = []  # per event: fallback_s when it happened
         self.regions_on = True  # regions were hooked when the step began (their inputs are entries)
-        self.whole = True  # recorded from its start to plan from (False: a step that began running a plan)
         # (last event before it, untreated bytes it asked for) per allocation that came to the pressure
         # handler: a transient between two events (the loss's temporaries) the curve must hold too
         self.pressure: list[tuple[int, int]] = []
