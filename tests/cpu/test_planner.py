@@ -625,3 +625,22 @@ def test_a_restore_inside_another_restore_is_not_counted_again_as_fallback():
     pool._restore_s = restore_s
     _train(pool, [torch.randn(32, 64, generator=g) for _ in range(4)])
     assert depths and set(depths) == {1}, depths
+
+
+def test_alternating_shapes_both_get_plans_and_run_them():
+    """Shapes A, C, A, C, ...: each gets its plan once, cached, and the steps run them (a step that
+    leaves one plan's shape must not cost the other its plan)."""
+    g = torch.Generator().manual_seed(1)
+    big = [torch.randn(32, 64, generator=g) for _ in range(3)]
+    alternating = [torch.randn(n, 64, generator=g) for _ in range(6) for n in (16, 32)]
+    pool = Pool(budget=40 << 10, policy="planned", host_limit="64MiB")
+    ran, real = [], pool._step_ended
+
+    def step_ended(s):
+        ran.append(pool._plan_ok)
+        real(s)
+
+    pool._step_ended = step_ended
+    _train(pool, big + alternating + big[:1])
+    assert any(ran[-6:]), ran
+    assert len(pool._plans) == 2 and pool.stats()["plans"] == 2
