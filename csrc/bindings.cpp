@@ -329,7 +329,8 @@ PYBIND11_MODULE(_C, m) {
                       py::gil_scoped_release g;
                       a.set_soft_limit(bytes);
                     })
-      .def("arm_soft_limit", &CA::arm_soft_limit, nogil)
+      .def("arm_soft_limit", &CA::arm_soft_limit)  // lock-free: no GIL release
+      .def_property_readonly("in_soft_limit_call", &CA::in_soft_limit_call)
       .def("reset_peak_stats", &CA::reset_peak_stats, nogil)
       .def("reset_accumulated_stats", &CA::reset_accumulated_stats, nogil)
       .def_property("limit_bytes",

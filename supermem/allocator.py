@@ -221,8 +221,15 @@ class CachingAllocator:
         self._impl.soft_limit_bytes = nbytes
 
     def arm_soft_limit(self) -> None:
-        """The pressure handlers hold more that they could free: ask them again at the soft limit."""
+        """The pressure handlers hold more that they could free: ask them again at the soft limit
+        (lock-free; an arm while the handlers run keeps it armed after their call)."""
         self._impl.arm_soft_limit()
+
+    @property
+    def in_soft_limit_call(self) -> bool:
+        """Whether the pressure handlers now running were called for the soft limit (they are asked
+        for the excess over it), not for an allocation that failed (asked for its size)."""
+        return self._impl.in_soft_limit_call
 
     def reset_peak_stats(self) -> None:
         self._impl.reset_peak_stats()

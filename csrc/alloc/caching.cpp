@@ -373,6 +373,7 @@ size_t CachingAllocator::run_pressure_handlers(Lock& lk, size_t need) {
 void CachingAllocator::keep_soft_limit(Lock& lk, size_t size) {
   if (!soft_armed_ || soft_busy_ || !captures_.empty() || handlers_.empty()) return;
   size_t need = stats_.allocated_bytes.s[kAll].current + size - soft_limit_;
+  const uint64_t arms = soft_arms_.load();
   soft_busy_ = true;
   size_t freed = 0;
   try {
@@ -382,7 +383,9 @@ void CachingAllocator::keep_soft_limit(Lock& lk, size_t size) {
     throw;
   }
   soft_busy_ = false;
-  if (freed < need) soft_armed_ = false;  // nothing more to give until the pool holds more again
+  // Nothing more to give until the pool holds more again; unless it was armed meanwhile (a save on
+  // another thread, or in a handler, while the handlers ran unlocked): then it holds more already.
+  if (freed < need && soft_arms_.load() == arms) soft_armed_ = false;
   if (captures_.empty()) process_events();
 }
 
@@ -550,7 +553,7 @@ size_t CachingAllocator::soft_limit() {
 }
 
 void CachingAllocator::arm_soft_limit() {
-  std::lock_guard<std::mutex> g(mu_);
+  soft_arms_.fetch_add(1);
   soft_armed_ = true;
 }
 

@@ -84,10 +84,12 @@ class CachingAllocator {
   size_t take_watermark();  // highest allocated bytes since the last call (then restarts at the current)
   // The soft limit (a tensor pool's budget): an allocation that would take allocated bytes over it
   // first asks the pressure handlers for the excess, then goes ahead whatever they freed. After a call
-  // that freed less than it asked, they are not asked again until arm_soft_limit(). 0: off.
+  // that freed less than it asked, they are not asked again until arm_soft_limit() (one made while the
+  // handlers ran stands). 0: off.
   void set_soft_limit(size_t bytes);
   size_t soft_limit();
-  void arm_soft_limit();
+  void arm_soft_limit();  // lock-free
+  bool in_soft_limit_call() const { return soft_busy_.load(); }  // the handlers run for the soft limit
   void reset_peak_stats();
   void reset_accumulated_stats();
   size_t limit_bytes();
@@ -147,8 +149,11 @@ class CachingAllocator {
   int next_handler_id_ = 1;
   Stats stats_;
   size_t soft_limit_ = 0;
-  bool soft_armed_ = true;
-  bool soft_busy_ = false;  // handlers are running for the soft limit: their own allocations go ahead
+  // Atomic: arm_soft_limit() takes no lock (the pool calls it at every save), and the handlers, which
+  // run unlocked, read soft_busy_ to tell a soft-limit call from an out-of-memory one.
+  std::atomic<bool> soft_armed_{true};
+  std::atomic<uint64_t> soft_arms_{0};  // arm_soft_limit() calls: one during a pressure call keeps it armed
+  std::atomic<bool> soft_busy_{false};  // handlers are running for the soft limit: their own allocations go ahead
   std::atomic<int64_t> allocated_now_{0};  // stats_.allocated_bytes' current, for allocated_now()
   int64_t watermark_ = 0;  // like the allocated peak, but the tensor pool's own (user peaks untouched)
   TraceRing trace_;

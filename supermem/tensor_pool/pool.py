@@ -156,7 +156,6 @@ class Pool(PlanRunner):
         self.always_active = False  # SUPERMEM_CONF's pool: hooks pushed for every thread's backward
         self._pressure_registered = False
         self._soft: Any = None  # the allocator keeping the budget as its soft limit (supermem's, on CUDA)
-        self._soft_spent = False  # a pressure call came: the allocator may have stopped asking (re-arm it)
         self._away_to_fetch: set[int] = set()  # seqs off the device by a treatment that prefetches
         self._urgent = False  # pricing for the pressure handler: every byte is needed now
         _serve_to_top(self)
@@ -481,12 +480,11 @@ class Pool(PlanRunner):
         with self._lock:
             self._counters["pressure_calls"] += 1
             self._left = True
-            self._soft_spent = True
             before = self._used_bytes()
             if self._rec is not None:  # the plan's curve must hold this point too
-                # the soft limit asks for the excess over it (the budget); a failed allocation, its size
-                at_limit = self._soft is not None and before <= self.budget_bytes
-                self._rec.pressed((self.budget_bytes if at_limit else before) + need_bytes)
+                # the soft limit asks for the excess over it; a failed allocation, for its size
+                soft = self._soft is not None and self._soft.in_soft_limit_call
+                self._rec.pressed((self._soft.soft_limit_bytes if soft else before) + need_bytes)
             for t in self.treatments.values():
                 t.settle(self, wait=True)  # e.g. originals kept until their pack is known to fit
             # The stalest CANDIDATES first (used last in backward; pricing all ~1000 entries at each of
@@ -552,9 +550,8 @@ class Pool(PlanRunner):
             pass
 
     def _add_resident(self, e: Entry) -> None:
-        if self._soft_spent and self._soft is not None:
-            self._soft.arm_soft_limit()  # something it could free again (not per entry: a locked call)
-            self._soft_spent = False
+        if self._soft is not None:
+            self._soft.arm_soft_limit()  # something it could free again
         self._device_bytes += e.nbytes
         self._peak_resident_bytes = max(self._peak_resident_bytes, self._device_bytes)
         self._step_peak = max(self._step_peak, self._device_bytes)

@@ -644,3 +644,28 @@ def test_alternating_shapes_both_get_plans_and_run_them():
     _train(pool, big + alternating + big[:1])
     assert any(ran[-6:]), ran
     assert len(pool._plans) == 2 and pool.stats()["plans"] == 2
+
+
+class _SoftLimit:
+    """Stands in for the allocator keeping a pool's budget: its limit, and which kind of call runs."""
+
+    def __init__(self, limit_bytes: int, soft_call: bool):
+        self.soft_limit_bytes, self.in_soft_limit_call = limit_bytes, soft_call
+
+    def arm_soft_limit(self):
+        pass
+
+
+@pytest.mark.parametrize("soft_call", [True, False])
+def test_a_pressure_call_records_the_demand_of_the_allocation_behind_it(soft_call):
+    """The soft limit asks for the excess over the limit (the device may already be over it: the
+    limit lets allocations through while disarmed); a failed allocation asks for its size. Either way
+    the point the plan must hold is the bytes in use plus the allocation."""
+    pool = Pool(budget=1024, policy="planned", host_limit="64MiB")
+    pool._soft = _SoftLimit(1024, soft_call)
+    with pool:
+        keep = pool._pack_tensor(torch.randn(1024))  # 4 KiB resident: over the 1 KiB limit
+    before, size = pool._used_bytes(), 512
+    pool._on_pressure(before + size - 1024 if soft_call else size)
+    assert pool._rec.pressure == [(0, before + size)]
+    del keep

@@ -7,6 +7,7 @@ from alloc_spec import MiB, rounded
 from test_oom import run_with_deadline
 
 from supermem.allocator import CachingAllocator, SimulatedDevice
+from supermem.errors import OutOfMemoryError
 
 SOFT = 8 * MiB
 
@@ -80,3 +81,35 @@ def test_bad_soft_limits_are_refused(alloc, bad):
     with pytest.raises((ValueError, TypeError), match="soft_limit_bytes"):
         alloc.soft_limit_bytes = bad
     assert alloc.soft_limit_bytes == SOFT
+
+
+def test_an_arm_while_the_handlers_run_keeps_the_limit_armed(alloc):
+    """The handlers run unlocked: a save on another thread (or a second pool) may re-arm the limit
+    before the allocator sees that they freed too little. That arm stands: the pool holds more."""
+    calls = []
+
+    def handler(need_bytes):
+        calls.append(need_bytes)
+        alloc.arm_soft_limit()  # what a save elsewhere does meanwhile
+        return 0
+
+    alloc.add_pressure_handler(handler)
+    a = alloc.malloc(6 * MiB)
+    b = alloc.malloc(6 * MiB)  # over the limit, nothing freed, but armed during the call
+    c = alloc.malloc(MiB)
+    assert len(calls) == 2
+    for p in (a, b, c):
+        alloc.free(p)
+
+
+def test_the_handlers_know_a_soft_limit_call_from_an_out_of_memory_one(alloc):
+    seen = []
+    alloc.add_pressure_handler(lambda need_bytes: seen.append(alloc.in_soft_limit_call) or 0)
+    a = alloc.malloc(6 * MiB)
+    b = alloc.malloc(6 * MiB)  # the soft limit's call
+    assert seen == [True] and not alloc.in_soft_limit_call
+    with pytest.raises(OutOfMemoryError):
+        alloc.malloc(60 * MiB)  # more than the device: an out-of-memory call
+    assert seen[1:] and not any(seen[1:])
+    for p in (a, b):
+        alloc.free(p)
