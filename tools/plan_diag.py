@@ -246,7 +246,9 @@ def profiled(run, cuda: bool, host: bool = True) -> None:
         run()
         wall = time.perf_counter() - wall
     ka = tp.key_averages()
-    gpu_us = sum(getattr(e, "self_device_time_total", 0) for e in ka)
+    # the kernels' own rows (device events), as torch's table footer sums them: an op's row repeats them
+    device = torch.autograd.DeviceType.CUDA
+    gpu_us = sum(e.self_device_time_total for e in ka if e.device_type == device and not e.is_user_annotation)
     print(f"profiled step: wall {wall * 1e3:.1f} ms, GPU busy {gpu_us / 1e3:.1f} ms")
     if host:
         print(ka.table(sort_by="self_cpu_time_total", row_limit=20))
