@@ -112,16 +112,22 @@ def assert_bitwise(a, b):
         assert torch.equal(x, y)
 
 
-@pytest.mark.parametrize("unit_bytes", [0, 1 << 20], ids=["unit=module", "unit=model"])
-@pytest.mark.parametrize("kind", ["sgd", "adamw"])
-@pytest.mark.parametrize("make,shape", [(Tied, (9, 12)), (ConvNorm, (4, 3, 8, 8)), (Chain, (8, 6))])
-def test_streamed_training_is_bitwise_plain(kind, make, shape, unit_bytes):
+def assert_streamed_training_is_plain(kind, make, shape, unit_bytes, step):
+    """Four steps of `make()` on one batch, streamed with `step` as the optimizer step, end bitwise
+    where plain training does."""
     torch.manual_seed(0)
     model = make()
     x = torch.randn(shape)
     plain = train(copy.deepcopy(model), x, kind, 4, streamed=False)
-    streamed = train(copy.deepcopy(model), x, kind, 4, streamed=True, unit_bytes=unit_bytes)
+    streamed = train(copy.deepcopy(model), x, kind, 4, streamed=True, unit_bytes=unit_bytes, step=step)
     assert_bitwise(plain, streamed)
+
+
+@pytest.mark.parametrize("unit_bytes", [0, 1 << 20], ids=["unit=module", "unit=model"])
+@pytest.mark.parametrize("kind", ["sgd", "adamw"])
+@pytest.mark.parametrize("make,shape", [(Tied, (9, 12)), (ConvNorm, (4, 3, 8, 8)), (Chain, (8, 6))])
+def test_streamed_training_is_bitwise_plain(kind, make, shape, unit_bytes):
+    assert_streamed_training_is_plain(kind, make, shape, unit_bytes, "host")
 
 
 def test_streaming_binomial_and_pool_together_equal_plain():
@@ -347,12 +353,7 @@ def test_conf_stream_weights_streams_the_model_then_costs_nothing_per_call():
 def test_the_device_optimizer_step_is_bitwise_plain(kind, make, shape, unit_bytes):
     """optimizer_step="device": each unit's parameters, gradients and state come to the device ("cpu"
     here: the same code path), step there and go back; training is bitwise plain training."""
-    torch.manual_seed(0)
-    model = make()
-    x = torch.randn(shape)
-    plain = train(copy.deepcopy(model), x, kind, 4, streamed=False)
-    streamed = train(copy.deepcopy(model), x, kind, 4, streamed=True, unit_bytes=unit_bytes, step="device")
-    assert_bitwise(plain, streamed)
+    assert_streamed_training_is_plain(kind, make, shape, unit_bytes, "device")
 
 
 def test_the_device_step_keeps_state_in_host_blocks_and_steps_the_rest_as_usual():
@@ -511,12 +512,7 @@ def test_a_unit_calls_gradients_go_to_the_host_in_one_batch(monkeypatch):
 def test_the_overlapped_optimizer_step_is_bitwise_plain(kind, make, shape, unit_bytes):
     """optimizer_step="overlap": units step on the host in a worker thread while backward goes on
     (shared weights, with several contributions, in the user's step); training is bitwise plain."""
-    torch.manual_seed(0)
-    model = make()
-    x = torch.randn(shape)
-    plain = train(copy.deepcopy(model), x, kind, 4, streamed=False)
-    streamed = train(copy.deepcopy(model), x, kind, 4, streamed=True, unit_bytes=unit_bytes, step="overlap")
-    assert_bitwise(plain, streamed)
+    assert_streamed_training_is_plain(kind, make, shape, unit_bytes, "overlap")
 
 
 def test_the_overlapped_step_runs_during_backward():
