@@ -79,7 +79,8 @@ class Entry:
         self.version = tensor._version  # checked at unpack, as autograd does without hooks
         self.watch: torch.Tensor | None = None  # shares the saved tensor's version counter, no storage
         self.step = step  # the step (forward + backward) it was saved in
-        self.ordinal = step.next_ordinal()  # its place in that step
+        step.ordinals += 1
+        self.ordinal = step.ordinals  # its place in that step
         self.recipe: Any = None  # how to rebuild it on the device (region, cast, op replay), if any
         self.readers: list | None = None  # weakrefs to entries whose op replay reads this one
 
@@ -131,6 +132,29 @@ class Kept:
     def unpack(self) -> torch.Tensor:
         _check(self.tensor, self.tensor._version, self.version, self.tensor.shape)
         return self.tensor
+
+
+class PlanKept(Kept):
+    """A saved tensor the running plan keeps on the device and no planned rebuild reads: no entry,
+    only its place in the step (its ordinal, for the plan's events) and its bytes (the budget's count).
+    About a third of an entry's host cost per saved tensor, which is most of a pool step's overhead
+    where the step is host-bound."""
+
+    __slots__ = ("_pool", "ordinal", "nbytes", "step", "key", "source", "__weakref__")
+
+    def __init__(self, pool: Pool, tensor: torch.Tensor, ordinal: int, nbytes: int, step: Step, key: tuple):
+        super().__init__(tensor)
+        self._pool = weakref.ref(pool)
+        self.ordinal = ordinal
+        self.nbytes = nbytes
+        self.step = step
+        self.key = key
+        self.source = weakref.ref(tensor)
+
+    def __del__(self) -> None:
+        pool = self._pool()
+        if pool is not None:
+            pool._release_kept(self)
 
 
 def check_version(e: Entry) -> None:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch.utils._pytree import tree_map
 
-from .entry import Entry, State
+from .entry import Entry, PlanKept, State, storage_extent
 from .op_replay import OpReplay
 from .planner import Plan, make_plan
 from .treatments import Cast
@@ -55,6 +55,46 @@ class PlanRunner:
             else:
                 self._plan_pending.append(weakref.ref(e))  # its call has not returned yet
         self._plan_events(event)
+
+    def _plan_kept(self, t: Any, key: tuple, step: Step) -> PlanKept | None:
+        """The next saved tensor, which the plan keeps and no planned rebuild reads: a PlanKept, not an
+        entry. None where the step leaves the plan's shape here (the entry path finds out why)."""
+        ordinal = step.ordinals + 1
+        nbytes = storage_extent(t) * t.element_size()
+        sig = self._plan.signature
+        if ordinal > len(sig) or sig[ordinal - 1] != nbytes:
+            return None
+        step.ordinals = ordinal
+        kept = PlanKept(self, t, ordinal, nbytes, step, key)
+        self._dedup[key] = weakref.ref(kept)
+        self._counters["packed"] += 1
+        self._kept_bytes += nbytes
+        self._note_peak()
+        self._plan_events(self._rec.packed(ordinal, nbytes, self._used_bytes()))
+        return kept
+
+    def _unpack_kept(self, k: PlanKept) -> Any:
+        t = k.unpack()  # the version check autograd skips under hooks
+        with self._lock:
+            if k.step.backward_s is None:
+                k.step.unpacked()
+            if self._rec is not None and k.step is self._step:
+                event = self._rec.used(k.ordinal, self._used_bytes())
+                if event is not None and self._plan_ok:
+                    self._plan_events(event)
+        return t
+
+    def _release_kept(self, k: PlanKept) -> None:
+        try:
+            with self._lock:
+                self._kept_bytes -= k.nbytes
+                ref = self._dedup.get(k.key)
+                if ref is not None and ref() in (k, None):
+                    del self._dedup[k.key]
+                if self._rec is not None and k.step is self._step:
+                    self._rec.died(k.ordinal)
+        except Exception:  # noqa: BLE001  (interpreter shutdown)
+            pass
 
     def _plan_recipe(self, recipe: Any, entries: list[Entry], cost: Any, offloadable: bool = True) -> None:
         """Tells the step being recorded (planned policy; else nothing) that `recipe` can rebuild
@@ -167,6 +207,8 @@ class PlanRunner:
 def _recipe_inputs(recipe: Any) -> list[Entry]:
     """The entries a recipe's rebuild reads: its `input_entries()` when it has one, else the entries
     behind a region's packed arguments (a weight copy reads a parameter: none)."""
+    if isinstance(recipe, Cast):
+        return []  # reads its parameter only (and is a step's most common recipe: no tree walk)
     get = getattr(recipe, "input_entries", None)
     if get is not None:
         return [x for x in get() if isinstance(x, Entry)]

@@ -47,6 +47,7 @@ class Plan:
     signature: tuple[int, ...]
     budget_bytes: int
     treatment: dict[int, str] = field(default_factory=dict)  # ordinal -> "offload" | "recompute"
+    lean: frozenset[int] = frozenset()  # kept, and no planned rebuild reads them: no entry needed
     prefetch_at: dict[int, list[int]] = field(default_factory=dict)  # event -> ordinals to bring back
     wait_at: dict[int, list[int]] = field(default_factory=dict)  # event -> copies that must have landed
     predicted_peak_bytes: int = 0
@@ -227,6 +228,8 @@ def make_plan(p: Profile, budget: int) -> Plan:
     for u in units:
         for s in ix.members[u]:
             plan.treatment.setdefault(s.ordinal, "recompute")
+    read = {o for u in units for o in p.unit_inputs.get(u, ())} | set(plan.treatment)
+    plan.lean = frozenset(s.ordinal for s in p.saved if s.ordinal not in read)
     plan.untreated_peak_bytes = max((b + t for b, t in zip(p.base_bytes, p.transient_bytes)), default=0)
     plan.untreated_step_s = p.step_s
     plan.predicted_peak_bytes = max(sim.curve, default=0)

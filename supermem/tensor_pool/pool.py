@@ -32,7 +32,7 @@ from ..policies import Choice, make_policy
 from ..units import parse_bytes
 from .compiled import CompiledGraphs
 from .copy import CopyEngine
-from .entry import Entry, Kept, State, check_version, movable
+from .entry import Entry, Kept, PlanKept, State, check_version, movable
 from .host import shared_host_pool
 from .op_replay import OpReplays
 from .plan_run import PlanRunner
@@ -124,6 +124,7 @@ class Pool(PlanRunner):
         self._step: Step | None = None
         self._last_forward_s = 0.0  # the previous step's forward: what bounds hidden copies
         self._device_bytes = 0  # held by entries: resident tensors and away payloads on the device
+        self._kept_bytes = 0  # held by the plan's PlanKept tensors (no entries)
         self._margin = 0  # learned: how far a step's peak rises above the most the pool saw (bytes)
         self._seen_peak = 0  # the most device memory the pool saw in use during this step
         self._busy_s = 0.0  # minus the seconds spent fitting the budget (CPU region timing)
@@ -156,6 +157,7 @@ class Pool(PlanRunner):
         self.always_active = False  # SUPERMEM_CONF's pool: hooks pushed for every thread's backward
         self._pressure_registered = False
         self._soft: Any = None  # the allocator keeping the budget as its soft limit (supermem's, on CUDA)
+        self._alloc: Any = None  # supermem's allocator of the device, once it exists
         self._away_to_fetch: set[int] = set()  # seqs off the device by a treatment that prefetches
         self._urgent = False  # pricing for the pressure handler: every byte is needed now
         _serve_to_top(self)
@@ -217,14 +219,15 @@ class Pool(PlanRunner):
         region = self.regions.top()
         if region is not None:
             region.saw(packed, t)  # before the budget is fitted: the region may claim it
-        t0 = time.perf_counter()
+        t0 = 0.0 if self.cuda else time.perf_counter()
         with self._lock:
             if isinstance(packed, Entry):
                 self._fit_budget()
             else:  # a small or kept tensor: no fitting, but what finished in the background still goes
                 for treatment in self.treatments.values():
                     treatment.settle(self)
-        self._busy_s -= time.perf_counter() - t0  # region timers on CPU leave the pool's work out
+        if not self.cuda:  # region timers on CPU leave the pool's work out (on a GPU they time kernels)
+            self._busy_s -= time.perf_counter() - t0
         return packed
 
     def _pack_tensor(self, t: torch.Tensor) -> Any:
@@ -243,8 +246,13 @@ class Pool(PlanRunner):
             same = self._dedup.get(key)
             same = same() if same is not None else None
             if same is not None and same.source() is t:  # saved twice: one entry
-                self._touch(same)
+                if type(same) is not PlanKept:
+                    self._touch(same)
                 return same
+            if self._plan_ok and step.ordinals + 1 in self._plan.lean:
+                kept = self._plan_kept(t, key, step)
+                if kept is not None:
+                    return kept
             seq = self._tick
             e = Entry(self, seq, t, key, step)
             param = autocast_copy_of(t)
@@ -268,6 +276,8 @@ class Pool(PlanRunner):
             return e
 
     def _unpack(self, packed: Any) -> torch.Tensor:
+        if type(packed) is PlanKept:
+            return self._unpack_kept(packed)
         if type(packed) is Kept:
             if self.regions.phase == "profiling":  # backward began, and maybe no entry was saved at all
                 with self._lock:
@@ -279,7 +289,8 @@ class Pool(PlanRunner):
         with self._lock:
             if self.regions.phase == "profiling":
                 self.regions.end_profiling()
-            packed.step.unpacked()
+            if packed.step.backward_s is None:
+                packed.step.unpacked()
             event = None
             if self._rec is not None and packed.step is self._step:
                 event = self._rec.used(packed.ordinal, self._used_bytes())
@@ -297,7 +308,7 @@ class Pool(PlanRunner):
         if isinstance(packed, Entry):
             check_version(packed)
             return self._materialize(packed)
-        if type(packed) is Kept:
+        if isinstance(packed, Kept):
             return packed.unpack()
         return packed
 
@@ -553,9 +564,13 @@ class Pool(PlanRunner):
         if self._soft is not None:
             self._soft.arm_soft_limit()  # something it could free again
         self._device_bytes += e.nbytes
-        self._peak_resident_bytes = max(self._peak_resident_bytes, self._device_bytes)
-        self._step_peak = max(self._step_peak, self._device_bytes)
+        self._note_peak()
         self._lru[e.seq] = weakref.ref(e)
+
+    def _note_peak(self) -> None:
+        held = self._device_bytes + self._kept_bytes
+        self._peak_resident_bytes = max(self._peak_resident_bytes, held)
+        self._step_peak = max(self._step_peak, held)
 
     def _drop_resident(self, e: Entry) -> None:
         self._device_bytes -= e.nbytes
@@ -621,17 +636,18 @@ class Pool(PlanRunner):
         self._seen_peak = 0
 
     def _supermem_allocator(self) -> Any:
-        if not self.cuda:
-            return None
-        from ..registry import device_allocator
+        """supermem's allocator of this device, or None; kept once found (asked at every save)."""
+        if self._alloc is None and self.cuda:
+            from ..registry import device_allocator
 
-        return device_allocator(self.device.index)
+            self._alloc = device_allocator(self.device.index)
+        return self._alloc
 
     def _used_bytes(self) -> int:
         """What the budget counts: bytes allocated on the device now (cheap with supermem's allocator,
         a stats call with PyTorch's), or on CPU the bytes the entries hold."""
         if not self.cuda:
-            used = self._device_bytes
+            used = self._device_bytes + self._kept_bytes
         else:
             alloc = self._supermem_allocator()
             used = alloc.allocated_bytes if alloc is not None else torch.cuda.memory_allocated(self.device)
@@ -689,6 +705,7 @@ class Pool(PlanRunner):
             copy_seconds = c.d2h_seconds + c.h2d_seconds
             return {
                 "tracked_bytes": sum(by_state.values()),
+                "plan_kept_bytes": self._kept_bytes,  # kept by the plan without entries
                 **{f"{k}_bytes": v for k, v in by_state.items()},
                 "entries_by_state": count,
                 "away_bytes_by_treatment": away,
@@ -721,7 +738,7 @@ class Pool(PlanRunner):
             self.copies.stats = type(self.copies.stats)()
             self._counters = dict.fromkeys(self._counters, 0)
             self._offloaded_bytes = self._prefetched_bytes = self._dropped_bytes = 0
-            self._peak_resident_bytes = self._device_bytes
+            self._peak_resident_bytes = self._device_bytes + self._kept_bytes
 
 
 _live_pools: weakref.WeakSet[Pool] = weakref.WeakSet()

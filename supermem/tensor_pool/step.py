@@ -1,7 +1,7 @@
 """Steps: the entries saved for one forward/backward belong to one Step, with an ordinal inside it.
 
 A step starts at the first tensor saved after a backward began (or when the pool holds nothing) and
-learns its graph tasks as backward unpacks its entries. The pool uses steps to keep graphs apart
+marks where its backward began (its first unpack). The pool uses steps to keep graphs apart
 (prefetch looks only at the entries of the step being unpacked) and to carry what it learned (the
 forward's duration, which bounds what the link can hide) from one step to the next.
 """
@@ -21,7 +21,6 @@ class Step:
         "events",
         "ordinals",
         "saved_bytes",
-        "graph_tasks",
         "offloaded",
     )
 
@@ -35,12 +34,7 @@ class Step:
             self.events[0].record()
         self.ordinals = 0
         self.saved_bytes = 0
-        self.graph_tasks: set[int] = set()  # autograd graph tasks that unpacked its entries
         self.offloaded = 0  # bytes sent to host in this step's forward
-
-    def next_ordinal(self) -> int:
-        self.ordinals += 1
-        return self.ordinals
 
     @property
     def forward_s(self) -> float | None:
@@ -52,15 +46,11 @@ class Step:
         return self.backward_s - self.started_s
 
     def unpacked(self) -> None:
-        if self.backward_s is None:
-            self.backward_s = time.perf_counter()
-            if self.events is not None:
-                self.events.append(torch.cuda.Event(enable_timing=True))
-                self.events[1].record()
-        try:
-            self.graph_tasks.add(torch._C._current_graph_task_id())
-        except (AttributeError, RuntimeError):
-            pass
+        """Its first unpack marks where backward began."""
+        self.backward_s = time.perf_counter()
+        if self.events is not None:
+            self.events.append(torch.cuda.Event(enable_timing=True))
+            self.events[1].record()
 
     def __repr__(self) -> str:
         return f"Step({self.index}, {self.ordinals} entries)"

@@ -242,6 +242,54 @@ def test_planned_steps_stay_under_the_budget_and_train_bitwise():
     assert pool.stats()["plans"] == 1
 
 
+def test_a_running_plan_makes_entries_only_for_what_it_treats_or_a_rebuild_reads():
+    """A tensor the plan keeps and no planned rebuild reads needs no entry (an entry costs about three
+    times its host time, most of a host-bound step's pool overhead): it is a PlanKept, and training is
+    bitwise, under the budget, with the plan's events on time."""
+    g = torch.Generator().manual_seed(1)
+    batches = [torch.randn(32, 64, generator=g) for _ in range(6)]
+    _, ref_grads = _train(None, batches)
+    full = Pool(budget="1GiB", policy="planned")
+    _train(full, batches[:3])
+    budget = full.stats()["plan"]["measured_peak_bytes"] * 3 // 4
+    pool = Pool(budget=budget, policy="planned", host_limit="64MiB")
+    seen = []  # per step that ran a plan: (entries made, saves, ordinals the plan keeps without one)
+    real = pool._unpack
+
+    def unpack(packed):  # backward's first unpack: every save of the step is made, none has died
+        s = pool._step
+        if pool._plan_ok and s.backward_s is None:
+            entries = sum(1 for r in pool._entries.values() if (e := r()) is not None and e.step is s)
+            seen.append((entries, s.ordinals, len(pool._plan.lean)))
+        return real(packed)
+
+    pool._unpack = unpack
+    plans, grads = _train(pool, batches)
+    assert all(torch.equal(a, b) for a, b in zip(ref_grads, grads))
+    assert seen and all(r["measured_peak_bytes"] <= budget for r in plans[3:]), plans
+    for entries, saves, lean in seen:
+        assert lean > 0 and entries == saves - lean, seen
+
+
+def test_a_tensor_the_plan_keeps_without_an_entry_is_still_version_checked():
+    pool = Pool(budget="1GiB", policy="planned", min_bytes=0)
+    w = torch.randn(64, 64, requires_grad=True)
+
+    def step(modify):
+        with pool:
+            h = w * 2
+            y = h.sin().sum()  # saves h
+            if modify:
+                h.add_(1)
+            y.backward()
+
+    for _ in range(4):
+        step(False)
+    assert pool._plan_ok and pool._plan.lean  # the plan runs and keeps h without an entry
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        step(True)
+
+
 def test_replans_on_a_new_shape_and_reuses_the_cached_plan():
     g = torch.Generator().manual_seed(1)
     big = [torch.randn(32, 64, generator=g) for _ in range(3)]
