@@ -37,7 +37,8 @@ class PlanRunner:
         """Records the pack; runs the plan's treatment for it and whatever the plan set for this event."""
         rec = self._rec
         event = rec.packed(e.ordinal, e.nbytes, self._used_bytes())
-        if e.recipe is not None and e.recipe.ready:  # made at pack: a weight copy, an op's replay
+        # a recipe made at pack (a weight copy, an op's replay), for the plan a recording step makes
+        if rec.full and e.recipe is not None and e.recipe.ready:
             # an op replay's cost by its site (measured later; the recipe itself holds this step's entries)
             cost = e.recipe.site.cost_s if isinstance(e.recipe, OpReplay) else e.recipe.cost_s(self)
             self._plan_recipe(e.recipe, [e], cost, offloadable=not isinstance(e.recipe, Cast))
@@ -103,7 +104,7 @@ class PlanRunner:
         of recipe needs to be weighed by the planner: at the pack of a recipe ready then (done here, in
         `_planned_pack`), or wherever it becomes ready later."""
         step, rec = self._step, self._rec
-        if rec is None:
+        if rec is None or not rec.full:
             return
         own = [x.ordinal for x in entries if x.step is step]
         inputs = [x.ordinal for x in _recipe_inputs(recipe) if x.step is step]
@@ -115,7 +116,7 @@ class PlanRunner:
         sig, k = self._plan.signature, e.ordinal - 1
         if k < len(sig) and sig[k] == e.nbytes:
             return True
-        seen = [self._rec.saved[o].nbytes for o in range(1, e.ordinal + 1)]
+        seen = [*sig[:k], e.nbytes]  # every save before this one matched the plan
         for plan in self._plans.values():
             if list(plan.signature[: len(seen)]) == seen:
                 self._plan = plan
@@ -153,6 +154,9 @@ class PlanRunner:
         if self._plan_ok:
             self._check_plan(self._plan)
             return
+        if not rec.full:  # it left its plan's shape, and only counted events: the next steps record
+            self._record_full = True
+            return
         if not rec.regions_on:
             return
         profile = rec.profile(
@@ -162,6 +166,7 @@ class PlanRunner:
         )
         aim = max(0, self.budget_bytes - self._plan_aim.get(profile.signature, 0))
         self._plan = make_plan(profile, aim)
+        self._record_full = False
         self._plans[profile.signature] = self._plan
         if len(self._plans) > MAX_PLANS:  # shapes that keep changing: the oldest plan goes
             del self._plans[next(iter(self._plans))]

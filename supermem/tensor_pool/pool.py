@@ -37,7 +37,7 @@ from .host import shared_host_pool
 from .op_replay import OpReplays
 from .plan_run import PlanRunner
 from .planner import Plan
-from .profile import Recorder
+from .profile import EventCounter, Recorder
 from .region import Regions
 from .step import Step
 from .treatments import Cast, Offload, Recompute, Treatment, autocast_copy_of
@@ -92,7 +92,8 @@ class Pool(PlanRunner):
         self._plans: dict[tuple[int, ...], Plan] = {}  # by shape signature (bytes per saved tensor)
         self._plan: Plan | None = None  # the plan this step runs (or the last one made)
         self._plan_ok = False  # this step matches the plan so far
-        self._rec: Recorder | None = None  # this step's timeline (planned policy)
+        self._rec: Recorder | EventCounter | None = None  # this step's timeline (planned policy)
+        self._record_full = False  # a step left its plan's shape: record in full until one is planned
         self._by_ordinal: dict[int, weakref.ref[Entry]] = {}  # this step's entries, for the plan
         self._plan_pending: list[weakref.ref[Entry]] = []  # planned for recompute, their call still running
         self._last_spike = 0  # the last step's true peak above the most the pool saw
@@ -330,7 +331,10 @@ class Pool(PlanRunner):
             s = self._step = Step(self._steps, self.cuda)
             if self.planning and self.budget_bytes is not None:
                 self._plan_ok = self._plan is not None
-                self._rec = Recorder(self.cuda, timed=not self._plan_ok)
+                if self._plan_ok and not self._record_full:
+                    self._rec = EventCounter()  # a plan runs: only its events are counted
+                else:
+                    self._rec = Recorder(self.cuda, timed=not self._plan_ok)
                 self._rec.regions_on = self.regions.phase == "on"
                 self._by_ordinal = {}
                 self._plan_pending = []
@@ -377,7 +381,7 @@ class Pool(PlanRunner):
     def _region_done(self, region: Any = None) -> None:
         """A region's entries just became recomputable: they may be what the budget needs (or what
         the plan said to drop)."""
-        if self._rec is not None and region is not None:
+        if self._rec is not None and self._rec.full and region is not None:
             own = [x for ref in region.slots if ref is not None and (x := ref()) is not None]
             regions, module = self.regions, region.module
             self._plan_recipe(region, [x for x in own if x.recipe is region], lambda: regions.cost_s(module))

@@ -60,8 +60,45 @@ class Profile:
         return tuple(s.nbytes for s in self.saved)
 
 
+class EventCounter:
+    """A plan-running step's events, only counted: the plan's prefetches and waits are keyed by event
+    number. What a Recorder keeps besides is for making a plan, and this step runs one (a step that
+    leaves the plan's shape makes the next steps record in full: PlanRunner._step_ended)."""
+
+    full = False
+
+    def __init__(self) -> None:
+        self.events = 0
+        self.first_used: set[int] = set()
+        self.backward_event: int | None = None
+        self.away = 0
+        self.fallback_s = 0.0
+        self.regions_on = True
+
+    def packed(self, ordinal: int, nbytes: int, used: int) -> int:
+        self.events += 1
+        return self.events - 1
+
+    def used(self, ordinal: int, used: int) -> int | None:
+        if ordinal in self.first_used:
+            return None
+        self.first_used.add(ordinal)
+        self.events += 1
+        if self.backward_event is None:
+            self.backward_event = self.events - 1
+        return self.events - 1
+
+    def died(self, ordinal: int) -> None:
+        pass
+
+    def pressed(self, demand: int) -> None:
+        pass
+
+
 class Recorder:
     """Records one step's events as it runs; `profile()` turns them into a Profile afterwards."""
+
+    full = True
 
     def __init__(self, cuda: bool, timed: bool):
         self.cuda = cuda

@@ -265,6 +265,7 @@ def test_a_running_plan_makes_entries_only_for_what_it_treats_or_a_rebuild_reads
 
     pool._unpack = unpack
     plans, grads = _train(pool, batches)
+    del pool._unpack  # no reference cycle keeps the pool alive after the test
     assert all(torch.equal(a, b) for a, b in zip(ref_grads, grads))
     assert seen and all(r["measured_peak_bytes"] <= budget for r in plans[3:]), plans
     for entries, saves, lean in seen:
@@ -305,9 +306,12 @@ def test_replans_on_a_new_shape_and_reuses_the_cached_plan():
 
 
 def test_stats_and_top_show_the_plan_beside_the_measurements():
+    import gc
+
     from supermem import top
     from supermem.tensor_pool.pool import _top_view
 
+    gc.collect()  # the view lists every live pool: earlier tests' pools left in reference cycles go
     g = torch.Generator().manual_seed(1)
     pool = Pool(budget=40 << 10, policy="planned", host_limit="64MiB")
     _train(pool, [torch.randn(32, 64, generator=g) for _ in range(4)])
@@ -692,6 +696,40 @@ def test_alternating_shapes_both_get_plans_and_run_them():
     _train(pool, big + alternating + big[:1])
     assert any(ran[-6:]), ran
     assert len(pool._plans) == 2 and pool.stats()["plans"] == 2
+
+
+def test_a_shape_that_leaves_the_plan_only_at_its_end_gets_its_own_plan():
+    """Shapes A and A-plus-one-more-save alternate: the longer step matches plan A until its last save.
+    A plan-running step only counts its events, so the step that left the plan cannot be planned from;
+    the next steps record in full until the new shape is planned, and then both plans run."""
+    g = torch.Generator().manual_seed(1)
+    batches = [torch.randn(32, 64, generator=g) for _ in range(12)]
+    torch.manual_seed(0)
+    model = MLP()
+    pool = Pool(budget=40 << 10, policy="planned", host_limit="64MiB")
+    ran, real = [], pool._step_ended
+
+    def step_ended(s):
+        ran.append(pool._plan_ok)
+        real(s)
+
+    pool._step_ended = step_ended
+    grads = []
+    for i, x in enumerate(batches):
+        with pool:
+            y = model(x)
+            loss = (y.sin() if i % 2 == 0 else y).square().mean()  # even steps save one tensor more, last
+            loss.backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+        model.zero_grad()
+    torch.manual_seed(0)
+    ref = MLP()
+    for i, x in enumerate(batches):
+        y = ref(x)
+        (y.sin() if i % 2 == 0 else y).square().mean().backward()
+        assert all(torch.equal(p.grad, q) for p, q in zip(ref.parameters(), grads[i]))
+        ref.zero_grad()
+    assert len(pool._plans) == 2 and all(ran[-4:]), ran
 
 
 class _SoftLimit:
