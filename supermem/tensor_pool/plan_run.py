@@ -159,11 +159,13 @@ class PlanRunner:
             return
         if not rec.regions_on:
             return
+        offload = self.treatments.get("offload")
         profile = rec.profile(
-            self._last_spike,
-            self.treatments["offload"].rate(self) if "offload" in self.treatments else 1.0,
-            sync_copies=not self.cuda,
+            self._last_spike, offload.rate(self) if offload else 1.0, sync_copies=not self.cuda
         )
+        if offload is None:  # a pool without the treatment: the plan must not count on copies
+            for s in profile.saved:
+                s.offloadable = False
         aim = max(0, self.budget_bytes - self._plan_aim.get(profile.signature, 0))
         self._plan = make_plan(profile, aim)
         self._record_full = False

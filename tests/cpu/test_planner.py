@@ -291,6 +291,25 @@ def test_a_tensor_the_plan_keeps_without_an_entry_is_still_version_checked():
         step(True)
 
 
+def test_a_pool_without_offload_plans_no_copies():
+    """treatments=(Recompute(),): the plan recomputes or keeps; it never counts on a copy the pool
+    cannot make (it planned copies priced at a link of 1 byte/s, and the step raised KeyError)."""
+    from supermem.tensor_pool.treatments import Recompute
+
+    g = torch.Generator().manual_seed(1)
+    batches = [torch.randn(32, 64, generator=g) for _ in range(4)]
+    _, ref_grads = _train(None, batches)
+    full = Pool(budget="1GiB", policy="planned")
+    _train(full, batches[:3])
+    budget = full.stats()["plan"]["measured_peak_bytes"] * 3 // 4
+    pool = Pool(budget=budget, policy="planned", treatments=(Recompute(),))
+    plans, grads = _train(pool, batches)
+    assert all(torch.equal(a, b) for a, b in zip(ref_grads, grads))
+    plan = plans[-1]
+    assert plan["offload"] == 0, plan  # (this chain's tensors are each read by the next replay: kept)
+    assert plan["predicted_step_s"] < 10 * plan["untreated_step_s"], plan
+
+
 def test_replans_on_a_new_shape_and_reuses_the_cached_plan():
     g = torch.Generator().manual_seed(1)
     big = [torch.randn(32, 64, generator=g) for _ in range(3)]
