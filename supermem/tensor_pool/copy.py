@@ -9,6 +9,8 @@ with the host clock.
 
 from __future__ import annotations
 
+import collections
+import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,6 +33,7 @@ class CopyEngine:
         self.device = device
         self.cuda = device.type == "cuda"
         self.stats = CopyStats()
+        self._issue_s: collections.deque[float] = collections.deque(maxlen=64)
         if self.cuda:
             self.d2h, self.h2d = _copy_streams(device)
 
@@ -46,6 +49,7 @@ class CopyEngine:
             dst.copy_(src)
             self._host_timed("d2h", dst.nbytes, t0)
             return None
+        t0 = time.perf_counter()
         self.d2h.wait_stream(torch.cuda.current_stream(self.device))
         start, end = _timing_event(), _timing_event()
         with torch.cuda.stream(self.d2h):
@@ -54,6 +58,7 @@ class CopyEngine:
             end.record(self.d2h)
         src.record_stream(self.d2h)
         self.stats.pending.append(("d2h", dst.nbytes, start, end))
+        self._issued(t0)
         return end
 
     def to_host_many(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.cuda.Event | None:
@@ -85,6 +90,7 @@ class CopyEngine:
             out = src.clone()
             self._host_timed("h2d", src.nbytes, t0)
             return out, None
+        t0 = time.perf_counter()
         start, end = _timing_event(), _timing_event()
         with torch.cuda.stream(self.h2d):  # allocated on the copy stream: no hazard with compute's blocks
             out = torch.empty(src.shape, dtype=src.dtype, device=self.device)
@@ -92,7 +98,16 @@ class CopyEngine:
             out.copy_(src, non_blocking=True)
             end.record(self.h2d)
         self.stats.pending.append(("h2d", src.nbytes, start, end))
+        self._issued(t0)
         return out, end
+
+    def _issued(self, t0: float) -> None:
+        self._issue_s.append(time.perf_counter() - t0)
+
+    def issue_s(self) -> float:
+        """Host seconds a copy takes to issue (its events, stream switches, the launch), the median of
+        the last ones: a host-bound step is longer by it, and the planner prices a copy's host side so."""
+        return statistics.median(self._issue_s) if self._issue_s else 0.0
 
     def use(self, tensor: torch.Tensor, ready: torch.cuda.Event | None, stream: Any = None) -> None:
         """Makes `stream` (default: the current one) wait for `ready` before it uses `tensor` (timing

@@ -161,7 +161,11 @@ class PlanRunner:
             return
         offload = self.treatments.get("offload")
         profile = rec.profile(
-            self._last_spike, offload.rate(self) if offload else 1.0, sync_copies=not self.cuda
+            self._last_spike,
+            offload.rate(self) if offload else 1.0,
+            sync_copies=not self.cuda,
+            host_s=self._host_cost_s,
+            host_copy_s=self.copies.issue_s(),
         )
         if offload is None:  # a pool without the treatment: the plan must not count on copies
             for s in profile.saved:

@@ -13,8 +13,12 @@ step loses:
   late as lets each land before it is needed (its first use, or the replay of a recomputed unit that
   reads it), never before backward, never before the copy out landed, never where the curve is over
   the budget (a prefetch must not raise the peak); what does not land by then is exposed. Copies
-  beside compute slow it by COPY_INTERFERENCE of their seconds, each way. On CPU copies are
-  synchronous: both ways exposed.
+  beside compute slow it by COPY_INTERFERENCE of their seconds, each way, or cost the host its seconds
+  to issue one (Profile.host_copy_s), whichever is more. On CPU copies are synchronous: both ways
+  exposed.
+- a unit's measured seconds are the larger of its device seconds and its rebuild's own host seconds
+  (Recorder.profile): where the host is the slower side (a GPT-24 step on the H100 hosts), a weight
+  cast's one launch costs ten times its kernel, and a block replay is the cheapest per byte.
 
 The greedy: while the simulated curve is over the budget somewhere, take its highest point and, among
 the treatments that lower it, apply the one with the least added seconds per byte freed there, added
@@ -149,7 +153,7 @@ def simulate(
             added += wait_s
             land[o] = d
             late = True
-        added += COPY_INTERFERENCE * c
+        added += max(COPY_INTERFERENCE * c, p.host_copy_s)
     need = {o: _need(ix, by[o], back) for o in offloads}
     # Prefetches, as late as lets each land in time, one after another on the H2D stream.
     fetch: dict[int, int] = {}
@@ -190,7 +194,7 @@ def simulate(
             h2d_free = max(times[fetch[o]], h2d_free) + by[o].nbytes / p.link_bytes_per_s
             if need[o] < n:
                 added += max(0.0, h2d_free - times[need[o]])
-            added += COPY_INTERFERENCE * by[o].nbytes / p.link_bytes_per_s
+            added += max(COPY_INTERFERENCE * by[o].nbytes / p.link_bytes_per_s, p.host_copy_s)
     return Simulated(curve, land, land_s, fetch, need, added, late)
 
 
@@ -286,7 +290,7 @@ def _best_choice(
             wait_s = max(p.times_s[s.save], free_s) + c - p.times_s[peak]
             if (wait_s > 0 or c > spare[k]) and not late:
                 continue  # its copy, or one queued behind it, cannot land before the point it must lower
-            cost = 2 * COPY_INTERFERENCE * c + max(0.0, wait_s)
+            cost = 2 * max(COPY_INTERFERENCE * c, p.host_copy_s) + max(0.0, wait_s)
         cands.append((cost / s.nbytes, "offload", s.ordinal))
     cands.sort(key=lambda c: c[0])
     best, best_score, tries = None, float("inf"), 0

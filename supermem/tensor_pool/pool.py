@@ -19,6 +19,8 @@ tensors the pool keeps.
 from __future__ import annotations
 
 import bisect
+import collections
+import statistics
 import threading
 import time
 import weakref
@@ -161,6 +163,10 @@ class Pool(PlanRunner):
         self._alloc: Any = None  # supermem's allocator of the device, once it exists
         self._away_to_fetch: set[int] = set()  # seqs off the device by a treatment that prefetches
         self._urgent = False  # pricing for the pressure handler: every byte is needed now
+        # Host seconds of each kind of rebuild (its own: nested rebuilds and pressure calls left out),
+        # the last ones: where the host is the slower side, a rebuild costs the step these.
+        self._host_s: dict[str, collections.deque[float]] = {}
+        self._frames: list[float] = []  # per rebuild or pressure call running: its inner ones' seconds
         _serve_to_top(self)
 
     # ------------------------------------------------------------------ activation
@@ -446,7 +452,12 @@ class Pool(PlanRunner):
             if e.state in (State.LEAVING, State.AWAY):  # not brought back in time: compute waits
                 self._counters["sync_restores"] += 1
                 t0 = time.perf_counter()
-                e.treatment.come_back(self, e)
+                self._frames.append(0.0)
+                try:
+                    e.treatment.come_back(self, e)
+                finally:
+                    rebuilt = e.treatment.name == "recompute" and e.recipe is not None
+                    self._frame_end(t0, type(e.recipe).__name__ if rebuilt else None)
                 outermost = len(self._in_use) == 1  # a nested restore's time is its outer one's too
                 if self._rec is not None and not self._plan_ok and e.step is self._step and outermost:
                     self._rec.fallback_s += self._restore_s(e, time.perf_counter() - t0)
@@ -455,6 +466,21 @@ class Pool(PlanRunner):
             return e.tensor
         finally:
             self._in_use.pop()
+
+    def _frame_end(self, t0: float, kind: str | None = None) -> None:
+        """A rebuild or pressure call that began at `t0` ended: its seconds count as its outer one's
+        inner time; a rebuild's own seconds are a sample of its kind's host cost."""
+        s = time.perf_counter() - t0
+        inner = self._frames.pop()
+        if self._frames:
+            self._frames[-1] += s
+        if kind is not None:
+            self._host_s.setdefault(kind, collections.deque(maxlen=64)).append(s - inner)
+
+    def _host_cost_s(self, kind: str) -> float:
+        """Host seconds of one rebuild of `kind` (the median of the last ones; 0 before one ran)."""
+        samples = self._host_s.get(kind)
+        return statistics.median(samples) if samples else 0.0
 
     def _restore_s(self, e: Entry, host_s: float) -> float:
         """Seconds a synchronous restore cost the step: the host's on CPU; on a GPU, where the work is
@@ -492,6 +518,14 @@ class Pool(PlanRunner):
         soft limit): entries leave, cheapest first by the policy, priced as urgent (a copy hides
         nothing now, offloads wait for theirs, so recompute wins where it is cheap), until the device
         really has `need_bytes` more free (an entry something else still references frees nothing)."""
+        t0 = time.perf_counter()
+        self._frames.append(0.0)  # not a rebuild's own time, when one's allocation called it
+        try:
+            return self._free_under_pressure(need_bytes)
+        finally:
+            self._frame_end(t0)
+
+    def _free_under_pressure(self, need_bytes: int) -> int:
         with self._lock:
             self._counters["pressure_calls"] += 1
             self._left = True

@@ -54,6 +54,7 @@ class Profile:
     sync_copies: bool = False  # CPU: copies block the step
     backward_event: int = 0  # the first unpack
     step_s: float = 0.0
+    host_copy_s: float = 0.0  # host seconds to issue one copy: a host-bound step is longer by it
 
     @property
     def signature(self) -> tuple[int, ...]:
@@ -168,14 +169,24 @@ class Recorder:
         """`ordinals` may be dropped and rebuilt by `recipe` from the next event on, for `cost`
         seconds (or what `cost()` measures once the plan is made), reading the saved tensors `inputs`
         (ordinals of this step; others, a parameter say, are always there)."""
-        unit = self.units.setdefault(id(recipe), (cost, [], self.events, []))
+        unit = self.units.setdefault(id(recipe), (cost, [], self.events, [], type(recipe).__name__))
         unit[1].extend(o for o in ordinals if o in self.saved)
         unit[3].extend(o for o in inputs if o in self.saved and o not in ordinals)
         for o in ordinals:
             if o in self.saved:
                 self.saved[o].offloadable = offloadable
 
-    def profile(self, spike_bytes: int, link_bytes_per_s: float, sync_copies: bool) -> Profile:
+    def profile(
+        self,
+        spike_bytes: int,
+        link_bytes_per_s: float,
+        sync_copies: bool,
+        host_s: Any = None,
+        host_copy_s: float = 0.0,
+    ) -> Profile:
+        """`host_s(kind)`: host seconds of one rebuild of that kind of recipe; a unit costs the larger of
+        its device and host seconds (where the host is the slower side, the host's are the step's).
+        `host_copy_s`: host seconds to issue one copy."""
         n = self.events
         if self.start_event is not None:
             self.times[-1].synchronize()
@@ -198,16 +209,19 @@ class Recorder:
             sync_copies=sync_copies,
             backward_event=self.backward_event if self.backward_event is not None else n,
             step_s=time.perf_counter() - self.start_s - self.fallback_s,
+            host_copy_s=host_copy_s,
         )
         if p.backward_event < n:
             p.transient_bytes[p.backward_event] = spike_bytes
         for i, demand in self.pressure:
             p.transient_bytes[i] = max(p.transient_bytes[i], demand - p.base_bytes[i])
-        for k, (cost, ordinals, ready, inputs) in enumerate(self.units.values()):
+        for k, (cost, ordinals, ready, inputs, kind) in enumerate(self.units.values()):
             if callable(cost):
                 cost = cost()
             if cost is None or not ordinals:
                 continue
+            if host_s is not None:
+                cost = max(cost, host_s(kind))
             p.unit_ready[k] = ready
             p.unit_cost_s[k] = cost
             p.unit_inputs[k] = tuple(dict.fromkeys(inputs))

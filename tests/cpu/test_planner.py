@@ -435,6 +435,71 @@ def test_an_offload_whose_return_cannot_hide_is_recomputed_instead():
     assert max(resident_curve(p, plan)) <= 2 * MiB
 
 
+def test_a_copy_is_priced_at_its_host_seconds_where_they_exceed_its_slowdown_of_compute():
+    """A copy hides (1 s out, long before the point; back well before its use): it costs its slowdown
+    of compute, 2 x COPY_INTERFERENCE x 1 s, less than recomputing tensor 1 (1 s). Where issuing a
+    copy costs the host 1 s (a host-bound step is that much longer, each way), recompute is cheaper."""
+    from supermem.tensor_pool.planner import COPY_INTERFERENCE
+
+    assert 2 * COPY_INTERFERENCE < 1.0
+    chosen = []
+    for host_copy_s in (0.0, 1.0):
+        p = _small_profile(
+            [1, 1], [0.0, 10.0, 20.0, 30.0, 40.0], uses=[3, 4], transient=[0, 0, 1, 0, 0], backward_event=2
+        )
+        p.saved[0].unit, p.unit_ready[0], p.unit_cost_s[0] = 0, 1, 1.0
+        p.host_copy_s = host_copy_s
+        plan = make_plan(p, 2 * MiB)
+        assert max(resident_curve(p, plan)) <= 2 * MiB
+        chosen.append(plan.treatment)
+    assert list(chosen[0].values()) == ["offload"] and chosen[1] == {1: "recompute"}, chosen
+
+
+def test_a_unit_costs_the_larger_of_its_device_and_host_seconds():
+    """Recorder.profile: a rebuild whose launches take the host longer than its kernels take the device
+    (a weight cast on a host-bound step) is priced at the host's seconds."""
+    from supermem.tensor_pool.profile import Recorder
+
+    class Cast:  # a recipe of kind "Cast"
+        pass
+
+    class Region:
+        pass
+
+    rec = Recorder(cuda=False, timed=False)
+    cast, region = Cast(), Region()
+    for o in (1, 2):
+        rec.packed(o, MiB, o * MiB)
+    rec.recomputable(cast, 1e-5, [1], offloadable=False)
+    rec.recomputable(region, 2e-3, [2], offloadable=True)
+    rec.used(2, 2 * MiB)
+    rec.used(1, MiB)
+    host = {"Cast": 1e-4, "Region": 1e-3}
+    p = rec.profile(0, 1e9, sync_copies=True, host_s=host.get)
+    assert sorted(p.unit_cost_s.values()) == [1e-4, 2e-3]
+
+
+def test_a_rebuilds_host_seconds_leave_out_the_rebuilds_and_pressure_calls_inside_it(monkeypatch):
+    """Pool._frame_end: an outer rebuild's own host seconds are its time less its inner frames'."""
+    import importlib
+
+    pool_module = importlib.import_module("supermem.tensor_pool.pool")
+    clock = iter([0.0, 1.0, 3.0, 4.0, 4.5, 10.0])  # outer starts; inner rebuild 1-3; pressure 4-4.5; end
+    monkeypatch.setattr(pool_module.time, "perf_counter", lambda: next(clock))
+    pool = Pool(budget="1MiB")
+    t_outer = pool_module.time.perf_counter()
+    pool._frames.append(0.0)
+    t = pool_module.time.perf_counter()
+    pool._frames.append(0.0)
+    pool._frame_end(t, "OpReplay")  # 1 -> 3
+    t = pool_module.time.perf_counter()
+    pool._frames.append(0.0)
+    pool._frame_end(t)  # a pressure call: 4 -> 4.5
+    pool._frame_end(t_outer, "Region")  # 0 -> 10, 2.5 of it inside
+    assert pool._host_cost_s("OpReplay") == 2.0 and pool._host_cost_s("Region") == 7.5
+    assert pool._host_cost_s("Cast") == 0.0 and pool._frames == []
+
+
 def test_prefetches_share_one_link():
     """A and B land before the peak at backward's start (4 s); both are needed 1.5 s into backward and
     each copy back takes 1 s: one hides, two in a row do not (0.5 s exposed). Recomputing one costs 1 s,
