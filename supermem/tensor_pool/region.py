@@ -314,7 +314,10 @@ class Regions:
         self._local.stack = []
         pre, post = _weak(self._pre), _weak(self._post)
         for m in self.modules:
-            self._handles.append(m.register_forward_pre_hook(pre, with_kwargs=True))
+            # First in, last out: the call's own hooks run inside the region, so a replay, which calls
+            # the module again, runs them on the very arguments they saw (a hook ahead of the region's
+            # would change its arguments twice).
+            self._handles.append(m.register_forward_pre_hook(pre, with_kwargs=True, prepend=True))
             self._handles.append(m.register_forward_hook(post, with_kwargs=True, always_call=True))
 
     def close(self) -> None:

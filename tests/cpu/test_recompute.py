@@ -348,3 +348,30 @@ def test_check_walks_each_treatments_invariant():
         pool._device_bytes -= 1
         pool.check()
         loss.backward()
+
+
+@pytest.mark.parametrize("policy", ["cost_aware", "planned"])
+def test_replay_runs_the_modules_own_hooks(policy):
+    """A replay calls a region's module as its forward did: a user's pre-hook that changes the input
+    runs again (a replay that skipped it would save other values), and one on a child module too."""
+    calls = []
+
+    def double(module, args):
+        calls.append(module)
+        return (args[0] * 2,)
+
+    def build():
+        model = MLP()
+        for layer in model:
+            layer.register_forward_pre_hook(double)
+            layer[1].register_forward_pre_hook(double)
+        return model
+
+    batch = CASES["mlp"][1]
+    ref = train_steps(build, batch, steps=3)
+    forward_calls = len(calls)
+    pool = slow_link(Pool(budget=0, policy=policy, host_limit="64MiB"))
+    got = train_steps(build, batch, pool, steps=3)
+    assert pool.stats()["recomputes"] > 0
+    assert len(calls) > 2 * forward_calls  # the replays ran the hooks too
+    assert same(ref, got)
