@@ -125,7 +125,7 @@ def _capture(kind: str, recipe: Any, e: Entry, stop: int | None) -> Any:
     args = tree_map(arg, recipe.args)
     if missing:
         return None
-    return (recipe.module, args, recipe.autocast, stop)
+    return (recipe.module, args, stop)
 
 
 def _bare_s(kind: str, w: Any) -> float:
@@ -142,7 +142,7 @@ def _bare_s(kind: str, w: Any) -> float:
         for _, op, a, operands in prog:
             values.append(op.run(a, variant, *[values[k] for k in operands]))
         return time.perf_counter() - t0
-    module, (args, kwargs), autocast, stop = w
+    module, (args, kwargs), stop = w
     count = [0]
 
     def pack(t: torch.Tensor) -> None:
@@ -150,12 +150,11 @@ def _bare_s(kind: str, w: Any) -> float:
         if count[0] == stop:
             raise _Stop
 
-    ac = [torch.autocast(dt, **kw) for dt, kw in autocast.items()]
+    device_type = next(module.parameters()).device.type
     t0 = time.perf_counter()
     try:
         with contextlib.ExitStack() as stack:
-            for c in ac:
-                stack.enter_context(c)
+            stack.enter_context(torch.autocast(device_type, dtype=torch.bfloat16))  # as Trainer's forward
             stack.enter_context(torch.enable_grad())
             stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, lambda _: None))
             module.forward(*args, **kwargs)  # .forward: the region's own hooks are no part of the work
