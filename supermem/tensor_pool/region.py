@@ -21,7 +21,6 @@ changed value), calls made with grad disabled, and tensors that are views of the
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
 import weakref
@@ -31,6 +30,7 @@ import torch
 from torch.nn.modules import module as _nn
 from torch.utils._pytree import tree_map
 
+from .call_state import CallState
 from .entry import Entry, State, _set_version
 
 if TYPE_CHECKING:
@@ -67,10 +67,7 @@ class Region:
         "inputs",
         "input_ptrs",
         "args",
-        "rng_cpu",
-        "rng_cuda",
-        "autocast",
-        "sdpa",
+        "state",
         "slots",
         "ready",
         "timing",
@@ -82,17 +79,7 @@ class Region:
         self.inputs = [(x, x._version) for x in _tensors((args, kwargs))]
         self.input_ptrs = {_storage_ptr(x) for x, _ in self.inputs}
         self.args: Any = (args, kwargs)  # raw until finish() packs them
-        self.rng_cpu = torch.get_rng_state()
-        self.rng_cuda = torch.cuda.get_rng_state(pool.device) if pool.cuda else None
-        self.autocast = {
-            dt: {
-                "enabled": torch.is_autocast_enabled(dt),
-                "dtype": torch.get_autocast_dtype(dt),
-                "cache_enabled": torch.is_autocast_cache_enabled(),
-            }
-            for dt in {"cpu", pool.device.type}
-        }
-        self.sdpa = _sdpa_backends() if pool.cuda else None  # `with sdpa_kernel(...)` is global state
+        self.state = CallState(pool.device)  # RNG, autocast, attention backends
         self.slots: list[weakref.ref[Entry] | None] = []  # one per tensor saved, in save order
         self.ready = False
         self.timing: Any = _start_timer(pool) if timed else None
@@ -160,20 +147,8 @@ class Region:
             return None
 
         buffers = [(b, b.detach().clone(), b._version) for b in self.module.buffers()]
-        devices = [pool.device] if self.rng_cuda is not None else []
         try:
-            with contextlib.ExitStack() as stack:
-                stack.enter_context(torch.random.fork_rng(devices=devices, device_type="cuda"))
-                torch.set_rng_state(self.rng_cpu)
-                if self.rng_cuda is not None:
-                    torch.cuda.set_rng_state(self.rng_cuda, pool.device)
-                for dt, kw in self.autocast.items():
-                    stack.enter_context(torch.autocast(dt, **kw))
-                if self.sdpa is not None:
-                    stack.enter_context(_sdpa_set(self.sdpa))
-                stack.enter_context(torch.enable_grad())
-                stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, lambda _: None))
-                stack.enter_context(pool.regions.replaying())
+            with self.state.replay(), torch.autograd.graph.saved_tensors_hooks(pack, _no_unpack):
                 pool.regions.call(self.module, args, kwargs)
         except _Stop:
             pass
@@ -189,28 +164,8 @@ class Region:
             )
 
 
-_SDPA = tuple(
-    n for n in ("flash", "mem_efficient", "math", "cudnn") if hasattr(torch.backends.cuda, f"enable_{n}_sdp")
-)
-
-
-def _sdpa_backends() -> tuple[bool, ...]:
-    b = torch.backends.cuda
-    return tuple(getattr(b, f"{n}_sdp_enabled")() for n in _SDPA)
-
-
-@contextlib.contextmanager
-def _sdpa_set(flags: tuple[bool, ...]) -> Any:
-    """The attention backends enabled at the original call (another backend saves other tensors)."""
-    before = _sdpa_backends()
-    b = torch.backends.cuda
-    try:
-        for n, on in zip(_SDPA, flags):
-            getattr(b, f"enable_{n}_sdp")(on)
-        yield
-    finally:
-        for n, on in zip(_SDPA, before):
-            getattr(b, f"enable_{n}_sdp")(on)
+def _no_unpack(_: Any) -> None:
+    return None
 
 
 class _Input:
@@ -333,9 +288,19 @@ class Regions:
         self._own_hooks = {}
 
     def call(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
-        """A replay's call of `module`: straight to its forward when the only hooks are this tracker's
-        own, which do nothing in a replay (torch's path for a module with hooks cost ~10 us a replay of
-        a tiny GPT block); any other hook, tracing or a compiled module takes the usual path."""
+        """A replay's call of `module` (this thread captures nothing meanwhile): straight to its forward
+        when the only hooks are this tracker's own, which do nothing in a replay (torch's path for a
+        module with hooks cost ~10 us a replay of a tiny GPT block); any other hook, tracing or a
+        compiled module takes the usual path."""
+        local = self._local
+        before = getattr(local, "replaying", False)
+        local.replaying = True
+        try:
+            return self._call(module, args, kwargs)
+        finally:
+            local.replaying = before
+
+    def _call(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
         ids = self._own_hooks.get(id(module))
         if (
             ids is None
@@ -413,15 +378,6 @@ class Regions:
             region.timing = None
         if pool is not None and region.finish(pool):
             pool._region_done(region)
-
-    @contextlib.contextmanager
-    def replaying(self) -> Any:
-        before = getattr(self._local, "replaying", False)
-        self._local.replaying = True
-        try:
-            yield
-        finally:
-            self._local.replaying = before
 
     # -- costs
 
