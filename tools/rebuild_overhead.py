@@ -20,7 +20,7 @@ import time
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import TreeSpec, tree_map, tree_unflatten
 
 import supermem
 from supermem.bench.models import GPT, Trainer, _tokens
@@ -125,6 +125,8 @@ def _capture(kind: str, recipe: Any, e: Entry, stop: int | None) -> Any:
     args = tree_map(arg, recipe.args)
     if missing:
         return None
+    if isinstance(args[1], TreeSpec):  # kept flat, with the tree's spec
+        args = tree_unflatten(*args)
     return (recipe.module, args, stop)
 
 

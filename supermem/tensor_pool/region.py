@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.nn.modules import module as _nn
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .call_state import CallState
 from .entry import Entry, State, _set_version
@@ -54,9 +54,7 @@ def _storage_ptr(t: Any) -> int | None:
 
 
 def _tensors(tree: Any) -> list[torch.Tensor]:
-    out: list[torch.Tensor] = []
-    tree_map(lambda x: out.append(x) if isinstance(x, torch.Tensor) else None, tree)
-    return out
+    return [x for x in tree_flatten(tree)[0] if isinstance(x, torch.Tensor)]
 
 
 class Region:
@@ -108,7 +106,9 @@ class Region:
                 e.recipe = None
             return False
         self.inputs = []  # the raw inputs go; the pool keeps them as entries from here
-        self.args = tree_map(lambda x: _Input(pool, x) if isinstance(x, torch.Tensor) else x, self.args)
+        # Flat, with the tree's spec: a replay fills the inputs in and rebuilds the tree in one step.
+        leaves, spec = tree_flatten(self.args)
+        self.args = ([_Input(pool, x) if isinstance(x, torch.Tensor) else x for x in leaves], spec)
         self.ready = True
         return True
 
@@ -126,7 +126,8 @@ class Region:
                 want[k] = x
         if not want:
             return
-        args, kwargs = tree_map(lambda x: x.get(pool) if isinstance(x, _Input) else x, self.args)
+        leaves, spec = self.args
+        args, kwargs = tree_unflatten([x.get(pool) if isinstance(x, _Input) else x for x in leaves], spec)
         count = [0]
 
         def pack(t: torch.Tensor) -> None:

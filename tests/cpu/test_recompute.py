@@ -375,3 +375,44 @@ def test_replay_runs_the_modules_own_hooks(policy):
     assert pool.stats()["recomputes"] > 0
     assert len(calls) > 2 * forward_calls  # the replays ran the hooks too
     assert same(ref, got)
+
+
+class Mix(nn.Module):
+    """Called with a nested tuple, a tensor keyword and plain keywords: a replay rebuilds them all."""
+
+    def __init__(self, d=64):
+        super().__init__()
+        self.lin1, self.lin2 = nn.Linear(d, d), nn.Linear(d, d)
+
+    def forward(self, pair, *, gate, scale=1.0, act="tanh"):
+        a, (b,) = pair
+        h = getattr(torch, act)(self.lin1(a) * gate)
+        return (self.lin2(h) + b) * scale
+
+
+class MixNet(nn.Module):
+    def __init__(self, d=64):
+        super().__init__()
+        self.gate = nn.Linear(d, d)
+        self.mix = nn.ModuleList(Mix(d) for _ in range(4))
+
+    def forward(self, x):
+        gate = torch.sigmoid(self.gate(x))
+        y = x
+        for i, m in enumerate(self.mix):
+            y = m((y, (x,)), gate=gate, scale=0.5, act="tanh" if i % 2 else "sigmoid")
+        return y
+
+
+@pytest.mark.parametrize("policy", ["cost_aware", "planned"])
+def test_replay_of_a_call_with_nested_and_keyword_arguments(policy, monkeypatch):
+    from supermem.tensor_pool import region
+
+    replays, rebuild = [], region.Region.rebuild
+    monkeypatch.setattr(region.Region, "rebuild", lambda r, *a: replays.append(r) or rebuild(r, *a))
+    batch = CASES["mlp"][1]
+    ref = train_steps(MixNet, batch, steps=3)
+    pool = slow_link(Pool(budget=0, policy=policy, host_limit="64MiB"))
+    got = train_steps(MixNet, batch, pool, steps=3)
+    assert {type(r.module) for r in replays} == {Mix}
+    assert same(ref, got)
