@@ -308,25 +308,23 @@ def _visit(node: Any, nr: int, depth: int, prog: list, leaves: list) -> int:
 
 
 def _run(prog: list, inputs: list, variant: Any, pool: Pool) -> torch.Tensor:
-    """Runs the chain with grad and autocast off (every autocast cast is a node of its own)."""
+    """Runs the chain with grad and autocast off (every autocast cast is a node of its own). Their
+    contexts are entered only where on: they cost microseconds per rebuild, and a backward (the usual
+    one, outside autocast and without create_graph) has both off already."""
+    on = [d for d in (("cpu", "cuda") if pool.cuda else ("cpu",)) if torch.is_autocast_enabled(d)]
+    if not on and not torch.is_grad_enabled():
+        return _ops(prog, inputs, variant)
+    with torch.no_grad(), contextlib.ExitStack() as stack:
+        for d in on:
+            stack.enter_context(torch.autocast(d, enabled=False))
+        return _ops(prog, inputs, variant)
+
+
+def _ops(prog: list, inputs: list, variant: Any) -> torch.Tensor:
     values = list(inputs)
-    with torch.no_grad(), _autocast_off(pool.cuda):
-        for _, op, args, operands in prog:
-            values.append(op.run(args, variant, *[values[k] for k in operands]))
+    for _, op, args, operands in prog:
+        values.append(op.run(args, variant, *[values[k] for k in operands]))
     return values[-1]
-
-
-def _autocast_off(cuda: bool) -> Any:
-    """Autocast off, entered only where it is on: its context costs microseconds per rebuild, and a
-    backward outside autocast (the usual one) has it off already."""
-    types = ["cpu"] + (["cuda"] if cuda else [])
-    on = [d for d in types if torch.is_autocast_enabled(d)]
-    if not on:
-        return contextlib.nullcontext()
-    stack = contextlib.ExitStack()
-    for d in on:
-        stack.enter_context(torch.autocast(d, enabled=False))
-    return stack
 
 
 def _entry_at(node: Any, nr: int) -> Entry | None:
