@@ -416,3 +416,22 @@ def test_replay_of_a_call_with_nested_and_keyword_arguments(policy, monkeypatch)
     got = train_steps(MixNet, batch, pool, steps=3)
     assert {type(r.module) for r in replays} == {Mix}
     assert same(ref, got)
+
+
+def test_a_weight_copy_rebuilt_in_a_create_graph_backward_holds_no_graph():
+    """A backward with create_graph runs with grad on: an autocast weight copy is cast again detached."""
+    from supermem.tensor_pool.treatments import Cast
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16))
+    pool = Pool(budget="1GiB", policy="cost_aware", host_limit="64MiB")
+    with pool, torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(torch.randn(4, 16))
+    casts = [e for r in pool._entries.values() if (e := r()) is not None and isinstance(e.recipe, Cast)]
+    assert casts
+    for e in casts:
+        assert pool._leave(e, pool.treatments["recompute"])
+    with pool:
+        torch.autograd.grad(out.float().square().sum(), list(model.parameters()), create_graph=True)
+    assert pool.stats()["recomputes"] == len(casts)
+    assert all(e.tensor is not None and not e.tensor.requires_grad for e in casts)
