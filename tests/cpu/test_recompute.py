@@ -435,3 +435,26 @@ def test_a_weight_copy_rebuilt_in_a_create_graph_backward_holds_no_graph():
         torch.autograd.grad(out.float().square().sum(), list(model.parameters()), create_graph=True)
     assert pool.stats()["recomputes"] == len(casts)
     assert all(e.tensor is not None and not e.tensor.requires_grad for e in casts)
+
+
+class SharedNorm(nn.Module):
+    """One BatchNorm reached through two children: its statistics are put back once per replay."""
+
+    def __init__(self, d=64):
+        super().__init__()
+        bn = nn.BatchNorm1d(d)
+        self.a, self.b = nn.Sequential(nn.Linear(d, d), bn), nn.Sequential(nn.Linear(d, d), bn)
+
+    def forward(self, x):
+        return torch.tanh(self.b(torch.tanh(self.a(x))))
+
+
+@pytest.mark.parametrize("policy", ["cost_aware", "planned"])
+def test_replay_restores_a_shared_batchnorm_exactly(policy):
+    build = lambda: nn.Sequential(*[SharedNorm() for _ in range(4)])  # noqa: E731
+    batch = CASES["mlp"][1]
+    ref = train_steps(build, batch, steps=3)
+    pool = slow_link(Pool(budget=0, policy=policy, host_limit="64MiB"))
+    got = train_steps(build, batch, pool, steps=3)
+    assert pool.stats()["recomputes"] > 0
+    assert same(ref, got)  # running statistics and num_batches_tracked included
