@@ -67,6 +67,7 @@ class Region:
         "args",
         "state",
         "slots",
+        "own",
         "ready",
         "timing",
         "__weakref__",
@@ -79,6 +80,7 @@ class Region:
         self.args: Any = (args, kwargs)  # raw until finish() packs them
         self.state = CallState(pool.device)  # RNG, autocast, attention backends
         self.slots: list[weakref.ref[Entry] | None] = []  # one per tensor saved, in save order
+        self.own: tuple[tuple[int, weakref.ref[Entry]], ...] = ()  # (slot, entry) of its own, each once
         self.ready = False
         self.timing: Any = _start_timer(pool) if timed else None
 
@@ -95,11 +97,12 @@ class Region:
 
     def finish(self, pool: Pool) -> bool:
         """The call returned: True if it can be replayed (then its own entries take it as recipe)."""
-        own = []
-        for ref in self.slots:
+        own, slots = [], []
+        for k, ref in enumerate(self.slots):
             e = ref() if ref is not None else None
-            if e is not None and e.recipe is self:
+            if e is not None and e.recipe is self and e not in own:  # one saved twice: its first slot
                 own.append(e)
+                slots.append((k, ref))
         # A call that changed an input in place would be replayed from the changed value.
         if any(x._version != v for x, v in self.inputs) or not own:
             for e in own:
@@ -109,6 +112,7 @@ class Region:
         # Flat, with the tree's spec: a replay fills the inputs in and rebuilds the tree in one step.
         leaves, spec = tree_flatten(self.args)
         self.args = ([_Input(pool, x) if isinstance(x, torch.Tensor) else x for x in leaves], spec)
+        self.own = tuple(slots)
         self.ready = True
         return True
 
@@ -119,32 +123,34 @@ class Region:
         return True  # an op replay reading it rebuilds it first: one region replay, bounded
 
     def rebuild(self, pool: Pool, e: Entry) -> None:
-        want: dict[int, Entry] = {}  # slot -> dropped entry, each entry once (one saved twice has two slots)
-        for k, ref in enumerate(self.slots):
-            x = ref() if ref is not None else None
-            if x is not None and x.recipe is self and x.state is State.AWAY and x not in want.values():
-                want[k] = x
+        want = {
+            k: x
+            for k, ref in self.own
+            if (x := ref()) is not None and x.recipe is self and x.state is State.AWAY
+        }
         if not want:
             return
         leaves, spec = self.args
         args, kwargs = tree_unflatten([x.get(pool) if isinstance(x, _Input) else x for x in leaves], spec)
-        count = [0]
+        arrived = pool._arrived
+        k = -1  # the slot of the tensor being saved
 
         def pack(t: torch.Tensor) -> None:
-            k = count[0]
-            count[0] += 1
+            nonlocal k
+            k += 1
             x = want.pop(k, None)
-            if x is not None:
-                if t.shape != x.shape or t.dtype != x.dtype or t.stride() != x.stride:
-                    raise RuntimeError(
-                        f"supermem: replaying {type(self.module).__name__} saved a different tensor "
-                        f"(#{k}: {tuple(t.shape)} {t.dtype}, expected {tuple(x.shape)} {x.dtype}); "
-                        "its forward is not deterministic in what it saves"
-                    )
-                pool._arrived(x, t.detach(), None)
-                x.treatment.arrived(pool, x)  # e.g. compressed: its payload goes
-                if not want:
-                    raise _Stop
+            if x is None:
+                return None
+            if t.shape != x.shape or t.dtype != x.dtype or t.stride() != x.stride:
+                raise RuntimeError(
+                    f"supermem: replaying {type(self.module).__name__} saved a different tensor "
+                    f"(#{k}: {tuple(t.shape)} {t.dtype}, expected {tuple(x.shape)} {x.dtype}); "
+                    "its forward is not deterministic in what it saves"
+                )
+            arrived(x, t.detach(), None)
+            x.treatment.arrived(pool, x)  # e.g. compressed: its payload goes
+            if not want:
+                raise _Stop
             return None
 
         buffers = [(b, b.detach().clone(), b._version) for b in _buffers(self.module, [])]

@@ -458,3 +458,39 @@ def test_replay_restores_a_shared_batchnorm_exactly(policy):
     got = train_steps(build, batch, pool, steps=3)
     assert pool.stats()["recomputes"] > 0
     assert same(ref, got)  # running statistics and num_batches_tracked included
+
+
+class Fickle(nn.Module):
+    """Saves other tensors once `change` is set (after a forward, before its backward replays it)."""
+
+    def __init__(self, d=64):
+        super().__init__()
+        self.lin, self.change = nn.Linear(d, d), None
+
+    def forward(self, x):
+        h = self.lin(x)
+        if self.change == "shape":
+            h = h[:, : h.shape[1] // 2]
+        if self.change == "fewer":
+            return h.exp()
+        return torch.tanh(h).exp()
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [("shape", "saved a different tensor .*not deterministic"), ("fewer", "saved fewer tensors")],
+)
+def test_replay_that_saves_other_tensors_raises(change, message):
+    torch.manual_seed(0)
+    model, x = nn.Sequential(*[Fickle() for _ in range(4)]), torch.randn(8, 64)
+    pool = slow_link(Pool(budget=0, policy="cost_aware", host_limit="64MiB"))
+    for _ in range(2):  # the first step profiles; the second drops and replays
+        with pool:
+            model(x).sum().backward()
+    assert pool.stats()["recomputes"] > 0
+    with pool:
+        out = model(x).sum()
+        for m in model:
+            m.change = change
+        with pytest.raises(RuntimeError, match=message):
+            out.backward()
