@@ -8,6 +8,10 @@ under the pool); the step times of native PyTorch and of the pool are printed be
 --steps each, measured without the probes.
 
     python3 tools/rebuild_overhead.py [--steps 10] [--policy planned|cost_aware] [--profile]
+
+On a 2-core CPU shared with other jobs (planned policy, four alternating runs, means), self us per call
+before / after the rebuild-host branch: region 454 / 382 (bare 256 / 253), op 38.7 / 28.8 (bare 15.7 /
+15.0), cast 13.5 / 9.0 (bare 4.3 / 4.2); the pool's step 72.9 / 70.7 ms beside native's 30.7 / 31.6 ms.
 """
 
 from __future__ import annotations
