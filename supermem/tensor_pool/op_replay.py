@@ -140,14 +140,16 @@ class _Site:
 class OpReplay:
     """Recipe: rebuild an entry by running its chain of ops again on its inputs (entries and parameters)."""
 
-    __slots__ = ("site", "prog", "leaves", "param_versions", "offset", "ops")
+    __slots__ = ("site", "prog", "leaves", "sources", "held", "offset", "ops")
     ready = True
 
     def __init__(self, site: _Site, prog: list, leaves: list, offset: int):
         self.site = site
         self.prog = prog  # [(Op, args, operand indices)]: operands are leaves, then earlier results
         self.leaves = leaves  # Entry (held: the step keeps it anyway) or a parameter
-        self.param_versions = [x._version for x in leaves if not isinstance(x, Entry)]
+        # per leaf, what a rebuild reads and checks: (entry, None) or (parameter, its version now)
+        self.sources = tuple((x, None) if isinstance(x, Entry) else (x, x._version) for x in leaves)
+        self.held = tuple(x for x in leaves if isinstance(x, Entry))
         self.offset = offset  # the saved tensor's storage offset in its base
         self.ops = tuple(name for name, _, _, _ in prog)
 
@@ -160,33 +162,40 @@ class OpReplay:
 
     def input_entries(self) -> list[Entry]:
         """The entries its rebuild reads (the planner keeps them while this recipe may be needed)."""
-        return [x for x in self.leaves if isinstance(x, Entry)]
+        return list(self.held)
 
     def droppable(self, e: Entry) -> bool:
         """Its inputs are as they were saved and none is away by an op recipe; no dropped op recipe
         reads `e` (see the module's docstring: cascades)."""
-        params = iter(self.param_versions)
-        for x in self.leaves:
-            if isinstance(x, Entry):
+        for x, version in self.sources:
+            if version is None:
                 if _away_by_op(x) or _version(x) != x.version:
                     return False
-            elif x._version != next(params):
+            elif x._version != version:
                 return False
         return not any(_away_by_op(r()) for r in e.readers or ())
 
     def rebuild(self, pool: Pool, e: Entry) -> None:
-        with _holding(pool, self.leaves):
-            params = iter(self.param_versions)
+        # A replay's allocations may call the pool's pressure handler: its input entries are not to be
+        # taken meanwhile (that frees nothing while the replay holds them, and costs another rebuild later).
+        in_use = pool._in_use
+        in_use += self.held
+        try:
             inputs = []
-            for x in self.leaves:
-                if isinstance(x, Entry):
+            for x, version in self.sources:
+                if version is None:
                     inputs.append(pool._unpack_input(x))  # rebuilt or brought back if away; versions checked
                 else:
-                    _check(x, x._version, next(params), x.shape)
+                    if x._version != version:
+                        _check(x, x._version, version, x.shape)
                     inputs.append(x)
-            timer = self.site.timer(pool)
-            base = _run(self.prog, inputs, self.site.variant, pool)
-            self.site.timed(timer, pool)
+            site = self.site
+            timer = site.timer(pool)
+            base = _run(self.prog, inputs, site.variant, pool)
+            site.timed(timer, pool)
+        finally:
+            for x in self.held:
+                in_use.remove(x)
         pool._counters["replays"] += 1
         pool._arrived(e, base.as_strided(e.shape, e.stride, self.offset), None)
 
@@ -247,7 +256,9 @@ class OpReplays:
         variants = [v for name, _, _, _ in prog for v in [OPS[name].variants] if v != (None,)]
         if len(variants) > 1:
             return site  # two ops each with unknowns: not tried
-        with _holding(pool, leaves):
+        held = [x for x in leaves if isinstance(x, Entry)]
+        pool._in_use += held  # as in a rebuild
+        try:
             # An input already taken off the device comes back for this once (its host copy is kept).
             inputs = [pool._unpack_input(x) if isinstance(x, Entry) else x for x in leaves]
             for v in variants[0] if variants else (None,):
@@ -257,6 +268,9 @@ class OpReplays:
                 if _bitwise_equal(out, base):
                     site.ok, site.variant = True, v
                     break
+        finally:
+            for x in held:
+                pool._in_use.remove(x)
         return site
 
 
@@ -294,38 +308,23 @@ def _visit(node: Any, nr: int, depth: int, prog: list, leaves: list) -> int:
 
 
 def _run(prog: list, inputs: list, variant: Any, pool: Pool) -> torch.Tensor:
-    """Runs the chain with grad and autocast off (every autocast cast is a node of its own)."""
+    """Runs the chain with grad and autocast off (every autocast cast is a node of its own). Their
+    contexts are entered only where on: they cost microseconds per rebuild, and a backward (the usual
+    one, outside autocast and without create_graph) has both off already."""
+    on = [d for d in (("cpu", "cuda") if pool.cuda else ("cpu",)) if torch.is_autocast_enabled(d)]
+    if not on and not torch.is_grad_enabled():
+        return _ops(prog, inputs, variant)
+    with torch.no_grad(), contextlib.ExitStack() as stack:
+        for d in on:
+            stack.enter_context(torch.autocast(d, enabled=False))
+        return _ops(prog, inputs, variant)
+
+
+def _ops(prog: list, inputs: list, variant: Any) -> torch.Tensor:
     values = list(inputs)
-    with torch.no_grad(), _autocast_off(pool.cuda):
-        for _, op, args, operands in prog:
-            values.append(op.run(args, variant, *[values[k] for k in operands]))
+    for _, op, args, operands in prog:
+        values.append(op.run(args, variant, *[values[k] for k in operands]))
     return values[-1]
-
-
-def _autocast_off(cuda: bool) -> Any:
-    """Autocast off, entered only where it is on: its context costs microseconds per rebuild, and a
-    backward outside autocast (the usual one) has it off already."""
-    types = ["cpu"] + (["cuda"] if cuda else [])
-    on = [d for d in types if torch.is_autocast_enabled(d)]
-    if not on:
-        return contextlib.nullcontext()
-    stack = contextlib.ExitStack()
-    for d in on:
-        stack.enter_context(torch.autocast(d, enabled=False))
-    return stack
-
-
-@contextlib.contextmanager
-def _holding(pool: Pool, leaves: list) -> Any:
-    """A replay's allocations may call the pool's pressure handler: its input entries are not to be
-    taken meanwhile (that frees nothing while the replay holds them, and costs another rebuild later)."""
-    held = [x for x in leaves if isinstance(x, Entry)]
-    pool._in_use.extend(held)
-    try:
-        yield
-    finally:
-        for x in held:
-            pool._in_use.remove(x)
 
 
 def _entry_at(node: Any, nr: int) -> Entry | None:

@@ -21,15 +21,16 @@ changed value), calls made with grad disabled, and tensors that are views of the
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
 import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.utils._pytree import tree_map
+from torch.nn.modules import module as _nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from .call_state import CallState
 from .entry import Entry, State, _set_version
 
 if TYPE_CHECKING:
@@ -53,9 +54,7 @@ def _storage_ptr(t: Any) -> int | None:
 
 
 def _tensors(tree: Any) -> list[torch.Tensor]:
-    out: list[torch.Tensor] = []
-    tree_map(lambda x: out.append(x) if isinstance(x, torch.Tensor) else None, tree)
-    return out
+    return [x for x in tree_flatten(tree)[0] if isinstance(x, torch.Tensor)]
 
 
 class Region:
@@ -66,11 +65,9 @@ class Region:
         "inputs",
         "input_ptrs",
         "args",
-        "rng_cpu",
-        "rng_cuda",
-        "autocast",
-        "sdpa",
+        "state",
         "slots",
+        "own",
         "ready",
         "timing",
         "__weakref__",
@@ -81,18 +78,9 @@ class Region:
         self.inputs = [(x, x._version) for x in _tensors((args, kwargs))]
         self.input_ptrs = {_storage_ptr(x) for x, _ in self.inputs}
         self.args: Any = (args, kwargs)  # raw until finish() packs them
-        self.rng_cpu = torch.get_rng_state()
-        self.rng_cuda = torch.cuda.get_rng_state(pool.device) if pool.cuda else None
-        self.autocast = {
-            dt: {
-                "enabled": torch.is_autocast_enabled(dt),
-                "dtype": torch.get_autocast_dtype(dt),
-                "cache_enabled": torch.is_autocast_cache_enabled(),
-            }
-            for dt in {"cpu", pool.device.type}
-        }
-        self.sdpa = _sdpa_backends() if pool.cuda else None  # `with sdpa_kernel(...)` is global state
+        self.state = CallState(pool.device)  # RNG, autocast, attention backends
         self.slots: list[weakref.ref[Entry] | None] = []  # one per tensor saved, in save order
+        self.own: tuple[tuple[int, weakref.ref[Entry]], ...] = ()  # (slot, entry) of its own, each once
         self.ready = False
         self.timing: Any = _start_timer(pool) if timed else None
 
@@ -109,18 +97,22 @@ class Region:
 
     def finish(self, pool: Pool) -> bool:
         """The call returned: True if it can be replayed (then its own entries take it as recipe)."""
-        own = []
-        for ref in self.slots:
+        own, slots = [], []
+        for k, ref in enumerate(self.slots):
             e = ref() if ref is not None else None
-            if e is not None and e.recipe is self:
+            if e is not None and e.recipe is self and e not in own:  # one saved twice: its first slot
                 own.append(e)
+                slots.append((k, ref))
         # A call that changed an input in place would be replayed from the changed value.
         if any(x._version != v for x, v in self.inputs) or not own:
             for e in own:
                 e.recipe = None
             return False
         self.inputs = []  # the raw inputs go; the pool keeps them as entries from here
-        self.args = tree_map(lambda x: _Input(pool, x) if isinstance(x, torch.Tensor) else x, self.args)
+        # Flat, with the tree's spec: a replay fills the inputs in and rebuilds the tree in one step.
+        leaves, spec = tree_flatten(self.args)
+        self.args = ([_Input(pool, x) if isinstance(x, torch.Tensor) else x for x in leaves], spec)
+        self.own = tuple(slots)
         self.ready = True
         return True
 
@@ -131,56 +123,48 @@ class Region:
         return True  # an op replay reading it rebuilds it first: one region replay, bounded
 
     def rebuild(self, pool: Pool, e: Entry) -> None:
-        want: dict[int, Entry] = {}  # slot -> dropped entry, each entry once (one saved twice has two slots)
-        for k, ref in enumerate(self.slots):
-            x = ref() if ref is not None else None
-            if x is not None and x.recipe is self and x.state is State.AWAY and x not in want.values():
-                want[k] = x
+        want = {
+            k: x
+            for k, ref in self.own
+            if (x := ref()) is not None and x.recipe is self and x.state is State.AWAY
+        }
         if not want:
             return
-        args, kwargs = tree_map(lambda x: x.get(pool) if isinstance(x, _Input) else x, self.args)
-        count = [0]
+        leaves, spec = self.args
+        args, kwargs = tree_unflatten([x.get(pool) if isinstance(x, _Input) else x for x in leaves], spec)
+        arrived = pool._arrived
+        k = -1  # the slot of the tensor being saved
 
         def pack(t: torch.Tensor) -> None:
-            k = count[0]
-            count[0] += 1
+            nonlocal k
+            k += 1
             x = want.pop(k, None)
-            if x is not None:
-                if t.shape != x.shape or t.dtype != x.dtype or t.stride() != x.stride:
-                    raise RuntimeError(
-                        f"supermem: replaying {type(self.module).__name__} saved a different tensor "
-                        f"(#{k}: {tuple(t.shape)} {t.dtype}, expected {tuple(x.shape)} {x.dtype}); "
-                        "its forward is not deterministic in what it saves"
-                    )
-                pool._arrived(x, t.detach(), None)
-                x.treatment.arrived(pool, x)  # e.g. compressed: its payload goes
-                if not want:
-                    raise _Stop
+            if x is None:
+                return None
+            if t.shape != x.shape or t.dtype != x.dtype or t.stride() != x.stride:
+                raise RuntimeError(
+                    f"supermem: replaying {type(self.module).__name__} saved a different tensor "
+                    f"(#{k}: {tuple(t.shape)} {t.dtype}, expected {tuple(x.shape)} {x.dtype}); "
+                    "its forward is not deterministic in what it saves"
+                )
+            arrived(x, t.detach(), None)
+            x.treatment.arrived(pool, x)  # e.g. compressed: its payload goes
+            if not want:
+                raise _Stop
             return None
 
-        buffers = [(b, b.detach().clone(), b._version) for b in self.module.buffers()]
-        devices = [pool.device] if self.rng_cuda is not None else []
+        buffers = [(b, b.detach().clone(), b._version) for b in _buffers(self.module, [])]
         try:
-            with contextlib.ExitStack() as stack:
-                stack.enter_context(torch.random.fork_rng(devices=devices, device_type="cuda"))
-                torch.set_rng_state(self.rng_cpu)
-                if self.rng_cuda is not None:
-                    torch.cuda.set_rng_state(self.rng_cuda, pool.device)
-                for dt, kw in self.autocast.items():
-                    stack.enter_context(torch.autocast(dt, **kw))
-                if self.sdpa is not None:
-                    stack.enter_context(_sdpa_set(self.sdpa))
-                stack.enter_context(torch.enable_grad())
-                stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, lambda _: None))
-                stack.enter_context(pool.regions.replaying())
-                self.module(*args, **kwargs)
+            with self.state.replay(), torch.autograd.graph.saved_tensors_hooks(pack, _no_unpack):
+                pool.regions.call(self.module, args, kwargs)
         except _Stop:
             pass
         finally:
-            with torch.no_grad():
-                for b, saved, version in buffers:  # batch_norm updates its statistics without a version bump
-                    b.copy_(saved)
-                    _set_version(b, version)
+            if buffers:  # batch_norm updates its statistics without a version bump
+                with torch.no_grad():
+                    for b, saved, version in buffers:
+                        b.copy_(saved)
+                        _set_version(b, version)
         if want:
             raise RuntimeError(
                 f"supermem: replaying {type(self.module).__name__} saved fewer tensors than its first "
@@ -188,28 +172,19 @@ class Region:
             )
 
 
-_SDPA = tuple(
-    n for n in ("flash", "mem_efficient", "math", "cudnn") if hasattr(torch.backends.cuda, f"enable_{n}_sdp")
-)
+def _no_unpack(_: Any) -> None:
+    return None
 
 
-def _sdpa_backends() -> tuple[bool, ...]:
-    b = torch.backends.cuda
-    return tuple(getattr(b, f"{n}_sdp_enabled")() for n in _SDPA)
-
-
-@contextlib.contextmanager
-def _sdpa_set(flags: tuple[bool, ...]) -> Any:
-    """The attention backends enabled at the original call (another backend saves other tensors)."""
-    before = _sdpa_backends()
-    b = torch.backends.cuda
-    try:
-        for n, on in zip(_SDPA, flags):
-            getattr(b, f"enable_{n}_sdp")(on)
-        yield
-    finally:
-        for n, on in zip(_SDPA, before):
-            getattr(b, f"enable_{n}_sdp")(on)
+def _buffers(module: torch.nn.Module, out: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The module's buffers and its children's, by a plain walk: module.buffers(), with its generators
+    and sets of the ones seen, cost a replay of a tiny GPT block ~10 us more in the step (a buffer two
+    children share comes twice here, and is put back twice, to the same value and version)."""
+    out += [b for b in module._buffers.values() if b is not None]
+    for child in module._modules.values():
+        if child is not None:
+            _buffers(child, out)
+    return out
 
 
 class _Input:
@@ -287,6 +262,7 @@ class Regions:
         self._handles: list[Any] = []
         self._roots: list[_Call] = []
         self._costs: dict[int, list] = {}  # id(module) -> [seconds sum, samples, pending timers]
+        self._own_hooks: dict[int, tuple[int, int]] = {}  # id(module) -> its pre and post hook's ids
         self.modules: list[torch.nn.Module] = []
 
     # -- phases
@@ -314,13 +290,55 @@ class Regions:
         self._local.stack = []
         pre, post = _weak(self._pre), _weak(self._post)
         for m in self.modules:
-            self._handles.append(m.register_forward_pre_hook(pre, with_kwargs=True))
-            self._handles.append(m.register_forward_hook(post, with_kwargs=True, always_call=True))
+            # First in, last out: the call's own hooks run inside the region, so a replay, which calls
+            # the module again, runs them on the very arguments they saw (a hook ahead of the region's
+            # would change its arguments twice).
+            hooks = (
+                m.register_forward_pre_hook(pre, with_kwargs=True, prepend=True),
+                m.register_forward_hook(post, with_kwargs=True, always_call=True),
+            )
+            self._handles += hooks
+            self._own_hooks[id(m)] = (hooks[0].id, hooks[1].id)
 
     def close(self) -> None:
         for h in self._global + self._handles:
             h.remove()
         self._global, self._handles = [], []
+        self._own_hooks = {}
+
+    def call(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
+        """A replay's call of `module` (this thread captures nothing meanwhile): straight to its forward
+        when the only hooks are this tracker's own, which do nothing in a replay (torch's path for a
+        module with hooks cost ~10 us a replay of a tiny GPT block); any other hook, tracing or a
+        compiled module takes the usual path."""
+        local = self._local
+        before = getattr(local, "replaying", False)
+        local.replaying = True
+        try:
+            return self._call(module, args, kwargs)
+        finally:
+            local.replaying = before
+
+    def _call(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
+        ids = self._own_hooks.get(id(module))
+        if (
+            ids is None
+            or len(module._forward_pre_hooks) != 1
+            or ids[0] not in module._forward_pre_hooks
+            or len(module._forward_hooks) != 1
+            or ids[1] not in module._forward_hooks
+            or module._backward_hooks
+            or module._backward_pre_hooks
+            or _nn._global_forward_pre_hooks
+            or _nn._global_forward_hooks
+            or _nn._global_backward_pre_hooks
+            or _nn._global_backward_hooks
+            or getattr(module, "_compiled_call_impl", None) is not None
+            or type(module).__call__ is not torch.nn.Module.__call__
+            or torch._C._get_tracing_state()
+        ):
+            return module(*args, **kwargs)
+        return module.forward(*args, **kwargs)
 
     def __del__(self) -> None:
         try:
@@ -379,15 +397,6 @@ class Regions:
             region.timing = None
         if pool is not None and region.finish(pool):
             pool._region_done(region)
-
-    @contextlib.contextmanager
-    def replaying(self) -> Any:
-        before = getattr(self._local, "replaying", False)
-        self._local.replaying = True
-        try:
-            yield
-        finally:
-            self._local.replaying = before
 
     # -- costs
 

@@ -551,9 +551,8 @@ class Cast:
                 "supermem: a parameter changed in place between forward and backward; its autocast "
                 "copy saved for backward cannot be rebuilt (plain autograd would use the stale copy)"
             )
-        with torch.no_grad():
-            flat = self.param.detach().to(self.dtype).reshape(-1)
-        pool._arrived(e, flat.as_strided(self.shape, self.stride, self.offset), None)
+        copy = self.param.detach().to(self.dtype)  # detached: no graph, and no no_grad context to enter
+        pool._arrived(e, copy.as_strided(self.shape, self.stride, self.offset), None)
 
 
 TREATMENTS: dict[str, type[Treatment]] = {t.name: t for t in (Offload, Recompute, Compress)}

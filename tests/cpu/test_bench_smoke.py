@@ -98,3 +98,18 @@ def test_the_tools_trainer_steps_inside_the_saver_and_trains_the_same():
     assert pool.stats()["packed"] > 0
     for a, b in zip(plain.model.parameters(), pooled.model.parameters()):
         assert torch.equal(a, b)
+
+
+def test_rebuild_overhead_tool_sees_every_recipe_kind():
+    """tools/rebuild_overhead.py: every recipe kind rebuilds in the tiny GPT's recompute-only pool, each
+    has a self and a bare time, and the rebuilds' self times (nested ones counted once) fit in the step."""
+    tool = os.path.join(os.path.dirname(__file__), "..", "..", "tools", "rebuild_overhead.py")
+    r = subprocess.run([sys.executable, tool, "--steps", "2"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = r.stdout.splitlines()
+    pool_ms = float(lines[0].split("pool ")[-1].split(" ms")[0])
+    rows = {line.split()[0]: [float(v) for v in line.split()[1:]] for line in lines[2:5]}
+    assert set(rows) == {"region", "op", "cast"}
+    for calls, self_us, bare_us, _ in rows.values():
+        assert calls > 0 and self_us > 0 and bare_us > 0
+    assert sum(calls * self_us for calls, self_us, _, _ in rows.values()) / 1e3 < pool_ms

@@ -288,3 +288,17 @@ def test_inputs_held_by_another_pool_are_not_used():
     entries = [e for r in b._entries.values() if (e := r()) is not None]
     assert entries and not any(isinstance(e.recipe, OpReplay) for e in entries)
     out.sum().backward()
+
+
+def test_a_rebuild_in_a_create_graph_backward_records_no_graph():
+    """A backward with create_graph runs with grad on: the chain still runs under no_grad, so the rebuilt
+    tensor holds no graph of its own (one would keep its inputs' tensors alive with it)."""
+    torch.manual_seed(0)
+    model = Gelu()
+    pool, out, by_ops = saved_recipes(model, torch.randn(8, 16))
+    e = by_ops[("GeluBackward0",)]
+    assert pool._leave(e, pool.treatments["recompute"])
+    with pool:
+        torch.autograd.grad(out.square().sum(), list(model.parameters()), create_graph=True)
+    assert pool.stats()["replays"] == 1
+    assert e.tensor is not None and e.tensor.grad_fn is None and not e.tensor.requires_grad

@@ -348,3 +348,150 @@ def test_check_walks_each_treatments_invariant():
         pool._device_bytes -= 1
         pool.check()
         loss.backward()
+
+
+@pytest.mark.parametrize("policy", ["cost_aware", "planned"])
+def test_replay_runs_the_modules_own_hooks(policy):
+    """A replay calls a region's module as its forward did: a user's pre-hook that changes the input
+    runs again (a replay that skipped it would save other values), and one on a child module too."""
+    calls = []
+
+    def double(module, args):
+        calls.append(module)
+        return (args[0] * 2,)
+
+    def build():
+        model = MLP()
+        for layer in model:
+            layer.register_forward_pre_hook(double)
+            layer[1].register_forward_pre_hook(double)
+        return model
+
+    batch = CASES["mlp"][1]
+    ref = train_steps(build, batch, steps=3)
+    forward_calls = len(calls)
+    pool = slow_link(Pool(budget=0, policy=policy, host_limit="64MiB"))
+    got = train_steps(build, batch, pool, steps=3)
+    assert pool.stats()["recomputes"] > 0
+    assert len(calls) > 2 * forward_calls  # the replays ran the hooks too
+    assert same(ref, got)
+
+
+class Mix(nn.Module):
+    """Called with a nested tuple, a tensor keyword and plain keywords: a replay rebuilds them all."""
+
+    def __init__(self, d=64):
+        super().__init__()
+        self.lin1, self.lin2 = nn.Linear(d, d), nn.Linear(d, d)
+
+    def forward(self, pair, *, gate, scale=1.0, act="tanh"):
+        a, (b,) = pair
+        h = getattr(torch, act)(self.lin1(a) * gate)
+        return (self.lin2(h) + b) * scale
+
+
+class MixNet(nn.Module):
+    def __init__(self, d=64):
+        super().__init__()
+        self.gate = nn.Linear(d, d)
+        self.mix = nn.ModuleList(Mix(d) for _ in range(4))
+
+    def forward(self, x):
+        gate = torch.sigmoid(self.gate(x))
+        y = x
+        for i, m in enumerate(self.mix):
+            y = m((y, (x,)), gate=gate, scale=0.5, act="tanh" if i % 2 else "sigmoid")
+        return y
+
+
+@pytest.mark.parametrize("policy", ["cost_aware", "planned"])
+def test_replay_of_a_call_with_nested_and_keyword_arguments(policy, monkeypatch):
+    from supermem.tensor_pool import region
+
+    replays, rebuild = [], region.Region.rebuild
+    monkeypatch.setattr(region.Region, "rebuild", lambda r, *a: replays.append(r) or rebuild(r, *a))
+    batch = CASES["mlp"][1]
+    ref = train_steps(MixNet, batch, steps=3)
+    pool = slow_link(Pool(budget=0, policy=policy, host_limit="64MiB"))
+    got = train_steps(MixNet, batch, pool, steps=3)
+    assert {type(r.module) for r in replays} == {Mix}
+    assert same(ref, got)
+
+
+def test_a_weight_copy_rebuilt_in_a_create_graph_backward_holds_no_graph():
+    """A backward with create_graph runs with grad on: an autocast weight copy is cast again detached."""
+    from supermem.tensor_pool.treatments import Cast
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16))
+    pool = Pool(budget="1GiB", policy="cost_aware", host_limit="64MiB")
+    with pool, torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(torch.randn(4, 16))
+    casts = [e for r in pool._entries.values() if (e := r()) is not None and isinstance(e.recipe, Cast)]
+    assert casts
+    for e in casts:
+        assert pool._leave(e, pool.treatments["recompute"])
+    with pool:
+        torch.autograd.grad(out.float().square().sum(), list(model.parameters()), create_graph=True)
+    assert pool.stats()["recomputes"] == len(casts)
+    assert all(e.tensor is not None and not e.tensor.requires_grad for e in casts)
+
+
+class SharedNorm(nn.Module):
+    """One BatchNorm reached through two children: its statistics are put back once per replay."""
+
+    def __init__(self, d=64):
+        super().__init__()
+        bn = nn.BatchNorm1d(d)
+        self.a, self.b = nn.Sequential(nn.Linear(d, d), bn), nn.Sequential(nn.Linear(d, d), bn)
+
+    def forward(self, x):
+        return torch.tanh(self.b(torch.tanh(self.a(x))))
+
+
+@pytest.mark.parametrize("policy", ["cost_aware", "planned"])
+def test_replay_restores_a_shared_batchnorm_exactly(policy):
+    build = lambda: nn.Sequential(*[SharedNorm() for _ in range(4)])  # noqa: E731
+    batch = CASES["mlp"][1]
+    ref = train_steps(build, batch, steps=3)
+    pool = slow_link(Pool(budget=0, policy=policy, host_limit="64MiB"))
+    got = train_steps(build, batch, pool, steps=3)
+    assert pool.stats()["recomputes"] > 0
+    assert same(ref, got)  # running statistics and num_batches_tracked included
+
+
+class Fickle(nn.Module):
+    """Saves other tensors once `change` is set (after a forward, before its backward replays it)."""
+
+    def __init__(self, d=64):
+        super().__init__()
+        self.lin, self.change = nn.Linear(d, d), None
+
+    def forward(self, x):
+        h = self.lin(x)
+        if self.change == "shape":
+            h = h[:, : h.shape[1] // 2]
+        if self.change == "fewer":
+            return h  # saves none of its own
+        return torch.tanh(h).exp()
+
+
+@pytest.mark.parametrize("policy", ["cost_aware", "planned"])
+@pytest.mark.parametrize(
+    "change, message",
+    [("shape", "saved a different tensor .*not deterministic"), ("fewer", "saved fewer tensors")],
+)
+def test_replay_that_saves_other_tensors_raises(change, message, policy):
+    torch.manual_seed(0)
+    model, x = nn.Sequential(*[Fickle() for _ in range(4)]), torch.randn(8, 64)
+    pool = slow_link(Pool(budget=0, policy=policy, host_limit="64MiB"))
+    for _ in range(3):  # the first step profiles; the next ones drop and replay (planned: by the plan)
+        with pool:
+            model(x).sum().backward()
+    assert pool.stats()["recomputes"] > 0
+    with pool:
+        out = model(x).sum()
+        for m in model:
+            m.change = change
+        with pytest.raises(RuntimeError, match=message):
+            out.backward()

@@ -1,0 +1,117 @@
+"""The global state a module call ran under that decides what it computes and saves: the CPU (and
+CUDA) RNG state, the autocast state per device type, the attention backends enabled (on CUDA). A
+region captures it at the call; its replay runs under it, with grad on, and puts back what it found.
+
+This is what torch.random.fork_rng, torch.autocast, the attention backend switches and
+torch.enable_grad do, set directly: those contexts cost about 50 us a replay on a CPU inside a
+training step (the step is host-bound on an H100 under the pool). An autocast that is off at the call
+and now, with the same dtype, is not entered (nothing is cast either way); an attention backend is
+switched only where it differs. Under a torch function mode (export's pre-dispatch tracing watches
+autocast contexts) autocast goes through torch.autocast itself.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+_SDPA = tuple(
+    n for n in ("flash", "mem_efficient", "math", "cudnn") if hasattr(torch.backends.cuda, f"enable_{n}_sdp")
+)
+_SDPA_GET = tuple(getattr(torch.backends.cuda, f"{n}_sdp_enabled") for n in _SDPA)
+_SDPA_SET = tuple(getattr(torch.backends.cuda, f"enable_{n}_sdp") for n in _SDPA)
+
+
+def sdpa_backends() -> tuple[bool, ...]:
+    return tuple(get() for get in _SDPA_GET)
+
+
+class CallState:
+    """Captured at a call; `with state.replay():` runs code under it (grad on)."""
+
+    __slots__ = ("device", "rng_cpu", "rng_cuda", "autocast", "cache_enabled", "sdpa")
+
+    def __init__(self, device: torch.device):
+        cuda = device.type == "cuda"
+        self.device = device
+        self.rng_cpu = torch.get_rng_state()
+        self.rng_cuda = torch.cuda.get_rng_state(device) if cuda else None
+        self.autocast = tuple(
+            (dt, torch.is_autocast_enabled(dt), torch.get_autocast_dtype(dt))
+            for dt in (("cpu", "cuda") if cuda else ("cpu",))
+        )
+        self.cache_enabled = torch.is_autocast_cache_enabled()
+        self.sdpa = sdpa_backends() if cuda else None  # `with sdpa_kernel(...)` is global state
+
+    def replay(self) -> _Replay:
+        return _Replay(self)
+
+
+class _Replay:
+    """Sets a CallState and grad on; puts back what it found, in reverse (also when entering fails)."""
+
+    __slots__ = ("call", "rng_cpu", "rng_cuda", "grad", "cache_enabled", "autocast", "sdpa")
+
+    def __init__(self, call: CallState):
+        self.call = call
+
+    def __enter__(self) -> _Replay:
+        c = self.call
+        self.rng_cpu = torch.get_rng_state()
+        self.rng_cuda = torch.cuda.get_rng_state(c.device) if c.rng_cuda is not None else None
+        self.grad = torch.is_grad_enabled()
+        self.cache_enabled = torch.is_autocast_cache_enabled()
+        self.autocast: list[Any] = []  # entered: torch.autocast, or (device type, enabled, dtype) before
+        self.sdpa: list[tuple[Any, bool]] = []  # switched: (setter, value before)
+        try:
+            torch.set_rng_state(c.rng_cpu)
+            if c.rng_cuda is not None:
+                torch.cuda.set_rng_state(c.rng_cuda, c.device)
+            self._enter_autocast(c)
+            if c.sdpa is not None:
+                for get, set_, on in zip(_SDPA_GET, _SDPA_SET, c.sdpa):
+                    was = get()
+                    if was != on:
+                        set_(on)
+                        self.sdpa.append((set_, was))
+            torch._C._set_grad_enabled(True)
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def _enter_autocast(self, c: CallState) -> None:
+        mode = torch._C._is_torch_function_mode_enabled()
+        for dt, enabled, dtype in c.autocast:
+            now, now_dtype = torch.is_autocast_enabled(dt), torch.get_autocast_dtype(dt)
+            if not enabled and not now and dtype == now_dtype:
+                continue
+            if mode:
+                ctx = torch.autocast(dt, enabled=enabled, dtype=dtype, cache_enabled=c.cache_enabled)
+                ctx.__enter__()
+                self.autocast.append(ctx)
+                continue
+            torch.autocast_increment_nesting()
+            self.autocast.append((dt, now, now_dtype))  # from here __exit__ undoes it
+            torch.set_autocast_enabled(dt, enabled)
+            torch.set_autocast_dtype(dt, dtype)
+            torch.set_autocast_cache_enabled(c.cache_enabled)
+
+    def __exit__(self, *exc: Any) -> None:
+        torch._C._set_grad_enabled(self.grad)
+        for set_, was in reversed(self.sdpa):
+            set_(was)
+        for x in reversed(self.autocast):
+            if isinstance(x, torch.autocast):
+                x.__exit__(None, None, None)
+                continue
+            dt, enabled, dtype = x
+            if torch.autocast_decrement_nesting() == 0:  # as torch.autocast: the casts cached go
+                torch.clear_autocast_cache()
+            torch.set_autocast_enabled(dt, enabled)
+            torch.set_autocast_dtype(dt, dtype)
+        torch.set_autocast_cache_enabled(self.cache_enabled)
+        torch.set_rng_state(self.rng_cpu)
+        if self.rng_cuda is not None:
+            torch.cuda.set_rng_state(self.rng_cuda, self.call.device)
