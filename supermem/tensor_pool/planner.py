@@ -232,8 +232,9 @@ def make_plan(p: Profile, budget: int) -> Plan:
     for u in units:
         for s in ix.members[u]:
             plan.treatment.setdefault(s.ordinal, "recompute")
-    read = {o for u in units for o in p.unit_inputs.get(u, ())} | set(plan.treatment)
-    plan.lean = frozenset(s.ordinal for s in p.saved if s.ordinal not in read)
+    if feasible:  # (an infeasible plan leaves the rest to the reactive fallback: it needs entries)
+        read = {o for u in units for o in p.unit_inputs.get(u, ())} | set(plan.treatment)
+        plan.lean = frozenset(s.ordinal for s in p.saved if s.ordinal not in read)
     plan.untreated_peak_bytes = max((b + t for b, t in zip(p.base_bytes, p.transient_bytes)), default=0)
     plan.untreated_step_s = p.step_s
     plan.predicted_peak_bytes = max(sim.curve, default=0)
