@@ -70,6 +70,7 @@ class PlanRunner:
         self._dedup[key] = weakref.ref(kept)
         self._counters["packed"] += 1
         self._kept_bytes += nbytes
+        self._kept_live += 1
         self._note_peak()
         self._plan_events(self._rec.packed(ordinal, nbytes, self._used_bytes()))
         return kept
@@ -89,6 +90,7 @@ class PlanRunner:
         try:
             with self._lock:
                 self._kept_bytes -= k.nbytes
+                self._kept_live -= 1
                 ref = self._dedup.get(k.key)
                 if ref is not None and ref() in (k, None):
                     del self._dedup[k.key]

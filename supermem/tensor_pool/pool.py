@@ -128,6 +128,7 @@ class Pool(PlanRunner):
         self._last_forward_s = 0.0  # the previous step's forward: what bounds hidden copies
         self._device_bytes = 0  # held by entries: resident tensors and away payloads on the device
         self._kept_bytes = 0  # held by the plan's PlanKept tensors (no entries)
+        self._kept_live = 0  # PlanKept tensors alive
         self._margin = 0  # learned: how far a step's peak rises above the most the pool saw (bytes)
         self._seen_peak = 0  # the most device memory the pool saw in use during this step
         self._busy_s = 0.0  # minus the seconds spent fitting the budget (CPU region timing)
@@ -322,7 +323,7 @@ class Pool(PlanRunner):
     def _current_step(self) -> Step:
         """A new step starts at the first tensor saved after backward began, or on an empty pool."""
         s = self._step
-        if s is None or s.backward_s is not None or not self._entries:
+        if s is None or s.backward_s is not None or self._holds_nothing():
             if s is not None and s.forward_s is not None:
                 self._last_forward_s = s.forward_s
             if self.regions.phase == "profiling" and self._steps:
@@ -346,11 +347,15 @@ class Pool(PlanRunner):
                 self._plan_pending = []
         return s
 
+    def _holds_nothing(self) -> bool:
+        """Every tensor saved so far died (a forward with no backward, say): the next save starts a step."""
+        return not self._entries and not self._kept_live
+
     def _capturing_regions(self) -> bool:
         """Whether a region starting now is captured: this step's decision, or, between steps (a
         region call comes before the next step's first save), the one the next step will make."""
         s = self._step
-        if s is None or s.backward_s is not None or not self._entries:
+        if s is None or s.backward_s is not None or self._holds_nothing():
             return self._needed_last_step()
         return self._capture
 

@@ -272,6 +272,18 @@ def test_a_running_plan_makes_entries_only_for_what_it_treats_or_a_rebuild_reads
         assert lean > 0 and entries == saves - lean, seen
 
 
+def test_a_plan_that_keeps_everything_runs_each_step_as_one_step():
+    """With every tensor a PlanKept the pool holds no entry during the forward: that must not read as
+    "everything from the last step died" and start a new step at each save (the plan then no longer
+    matched, and the shape was planned again; the GPU test of GPT with dropout caught it)."""
+    g = torch.Generator().manual_seed(1)
+    batches = [torch.randn(32, 64, generator=g) for _ in range(5)]
+    pool = Pool(budget="1GiB", policy="planned")
+    plans, _ = _train(pool, batches)
+    assert pool.stats()["plans"] == 1 and pool._steps == len(batches), (pool.stats()["plans"], pool._steps)
+    assert plans[-1]["keep"] == len(pool._plan.signature) > 0
+
+
 def test_a_tensor_the_plan_keeps_without_an_entry_is_still_version_checked():
     pool = Pool(budget="1GiB", policy="planned", min_bytes=0)
     w = torch.randn(64, 64, requires_grad=True)
