@@ -523,12 +523,13 @@ class Pool(PlanRunner):
         soft limit): entries leave, cheapest first by the policy, priced as urgent (a copy hides
         nothing now, offloads wait for theirs, so recompute wins where it is cheap), until the device
         really has `need_bytes` more free (an entry something else still references frees nothing)."""
-        t0 = time.perf_counter()
-        self._frames.append(0.0)  # not a rebuild's own time, when one's allocation called it
-        try:
-            return self._free_under_pressure(need_bytes)
-        finally:
-            self._frame_end(t0)
+        with self._lock:  # the frames belong to the thread holding it (a rebuild's, maybe)
+            t0 = time.perf_counter()
+            self._frames.append(0.0)  # not a rebuild's own time, when one's allocation called it
+            try:
+                return self._free_under_pressure(need_bytes)
+            finally:
+                self._frame_end(t0)
 
     def _free_under_pressure(self, need_bytes: int) -> int:
         with self._lock:
