@@ -242,16 +242,22 @@ def test_planned_steps_stay_under_the_budget_and_train_bitwise():
     assert pool.stats()["plans"] == 1
 
 
+def _three_quarters_of_the_peak(steps: int):
+    """`steps` batches, plain training's gradients on them, and 75% of the planned pool's peak when it
+    keeps everything."""
+    g = torch.Generator().manual_seed(1)
+    batches = [torch.randn(32, 64, generator=g) for _ in range(steps)]
+    _, ref_grads = _train(None, batches)
+    full = Pool(budget="1GiB", policy="planned")
+    _train(full, batches[:3])
+    return batches, ref_grads, full.stats()["plan"]["measured_peak_bytes"] * 3 // 4
+
+
 def test_a_running_plan_makes_entries_only_for_what_it_treats_or_a_rebuild_reads():
     """A tensor the plan keeps and no planned rebuild reads needs no entry (an entry costs about three
     times its host time, most of a host-bound step's pool overhead): it is a PlanKept, and training is
     bitwise, under the budget, with the plan's events on time."""
-    g = torch.Generator().manual_seed(1)
-    batches = [torch.randn(32, 64, generator=g) for _ in range(6)]
-    _, ref_grads = _train(None, batches)
-    full = Pool(budget="1GiB", policy="planned")
-    _train(full, batches[:3])
-    budget = full.stats()["plan"]["measured_peak_bytes"] * 3 // 4
+    batches, ref_grads, budget = _three_quarters_of_the_peak(6)
     pool = Pool(budget=budget, policy="planned", host_limit="64MiB")
     seen = []  # per step that ran a plan: (entries made, saves, ordinals the plan keeps without one)
     real = pool._unpack
@@ -305,15 +311,11 @@ def test_a_tensor_the_plan_keeps_without_an_entry_is_still_version_checked():
 
 def test_a_pool_without_offload_plans_no_copies():
     """treatments=(Recompute(),): the plan recomputes or keeps; it never counts on a copy the pool
-    cannot make (it planned copies priced at a link of 1 byte/s, and the step raised KeyError)."""
+    cannot make (it planned copies priced at a link of 1 byte/s; the pool skipped them, went over the
+    budget and threw the plan away)."""
     from supermem.tensor_pool.treatments import Recompute
 
-    g = torch.Generator().manual_seed(1)
-    batches = [torch.randn(32, 64, generator=g) for _ in range(4)]
-    _, ref_grads = _train(None, batches)
-    full = Pool(budget="1GiB", policy="planned")
-    _train(full, batches[:3])
-    budget = full.stats()["plan"]["measured_peak_bytes"] * 3 // 4
+    batches, ref_grads, budget = _three_quarters_of_the_peak(4)
     pool = Pool(budget=budget, policy="planned", treatments=(Recompute(),))
     plans, grads = _train(pool, batches)
     assert all(torch.equal(a, b) for a, b in zip(ref_grads, grads))
@@ -775,13 +777,8 @@ def test_a_restore_inside_another_restore_is_not_counted_again_as_fallback():
     assert depths and set(depths) == {1}, depths
 
 
-def test_alternating_shapes_both_get_plans_and_run_them():
-    """Shapes A, C, A, C, ...: each gets its plan once, cached, and the steps run them (a step that
-    leaves one plan's shape must not cost the other its plan)."""
-    g = torch.Generator().manual_seed(1)
-    big = [torch.randn(32, 64, generator=g) for _ in range(3)]
-    alternating = [torch.randn(n, 64, generator=g) for _ in range(6) for n in (16, 32)]
-    pool = Pool(budget=40 << 10, policy="planned", host_limit="64MiB")
+def _plan_runs(pool: Pool) -> list[bool]:
+    """Fills, at each step's end, whether that step ran a plan."""
     ran, real = [], pool._step_ended
 
     def step_ended(s):
@@ -789,6 +786,17 @@ def test_alternating_shapes_both_get_plans_and_run_them():
         real(s)
 
     pool._step_ended = step_ended
+    return ran
+
+
+def test_alternating_shapes_both_get_plans_and_run_them():
+    """Shapes A, C, A, C, ...: each gets its plan once, cached, and the steps run them (a step that
+    leaves one plan's shape must not cost the other its plan)."""
+    g = torch.Generator().manual_seed(1)
+    big = [torch.randn(32, 64, generator=g) for _ in range(3)]
+    alternating = [torch.randn(n, 64, generator=g) for _ in range(6) for n in (16, 32)]
+    pool = Pool(budget=40 << 10, policy="planned", host_limit="64MiB")
+    ran = _plan_runs(pool)
     _train(pool, big + alternating + big[:1])
     assert any(ran[-6:]), ran
     assert len(pool._plans) == 2 and pool.stats()["plans"] == 2
@@ -803,13 +811,7 @@ def test_a_shape_that_leaves_the_plan_only_at_its_end_gets_its_own_plan():
     torch.manual_seed(0)
     model = MLP()
     pool = Pool(budget=40 << 10, policy="planned", host_limit="64MiB")
-    ran, real = [], pool._step_ended
-
-    def step_ended(s):
-        ran.append(pool._plan_ok)
-        real(s)
-
-    pool._step_ended = step_ended
+    ran = _plan_runs(pool)
     grads = []
     for i, x in enumerate(batches):
         with pool:
