@@ -3,6 +3,7 @@
 # timings share a card: the way to find which commit moved a number.
 #
 #   tools/ab_commits.sh "python3 $PWD/tools/pool_step.py gpt 0.75" e691e00 b8a6b4a HEAD
+#   AB_ROUNDS=3 STEPS=12 tools/ab_commits.sh ...   # interleaved repeats, more timed steps each
 #
 # Each commit is exported (git archive) to $AB_DIR/<commit> and built in place with build_ext (no
 # pip install, so the builds run in parallel and nothing installed is touched); the command runs in
@@ -25,7 +26,11 @@ for c in "$@"; do
   (cd "$AB_DIR/$c" && "$PY" setup.py -q build_ext --inplace > build.log 2>&1 || tail -5 build.log) &
 done
 wait
-for c in "$@"; do
-  echo "== $c"
-  (cd "$AB_DIR/$c" && PYTHONPATH=$PWD timeout "${AB_TIMEOUT:-120}" bash -c "$cmd" 2>&1 | tail -n "${AB_TAIL:-4}")
+# AB_ROUNDS=N runs the commits N times over, interleaved (A B A B ...): a host-bound step drifts by
+# 20-30% over minutes, so one run each compares the drift as much as the commits.
+for round in $(seq "${AB_ROUNDS:-1}"); do
+  for c in "$@"; do
+    echo "== $c (round $round)"
+    (cd "$AB_DIR/$c" && PYTHONPATH=$PWD timeout "${AB_TIMEOUT:-120}" bash -c "$cmd" 2>&1 | tail -n "${AB_TAIL:-4}")
+  done
 done

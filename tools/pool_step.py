@@ -4,9 +4,13 @@ CPU) and the pool's counters. Small and self-contained, so tools/ab_commits.sh c
 several commits on one card.
 
     python3 tools/pool_step.py gpt 0.75 [policy]        # GPU: supermem's allocator installed here
+    STEPS=12 python3 tools/pool_step.py ...             # more timed steps (default 4): the host-bound
+                                                        # step varies by 20-30% from one to the next
 """
 
 import contextlib
+import os
+import statistics
 import sys
 import time
 
@@ -60,11 +64,11 @@ def main() -> None:
     for _ in range(3):
         step(pool)
     pool.reset_stats()
-    times = [step(pool) for _ in range(4)]
+    times = [step(pool) for _ in range(int(os.environ.get("STEPS", 4)))]
     print(
         f"{preset.label} {policy} {fraction:g}: native {native_s * 1e3:.1f} ms, "
         f"pool {min(times) * 1e3:.1f} ms ({min(times) / native_s:.2f}x), "
-        f"steps {[round(t * 1e3, 1) for t in times]} ms"
+        f"median {statistics.median(times) * 1e3:.1f} ms, steps {[round(t * 1e3, 1) for t in times]} ms"
     )
     print({k: v for k, v in pool.stats().items() if v and not isinstance(v, (list, dict))})
 
