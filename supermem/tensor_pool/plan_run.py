@@ -62,8 +62,7 @@ class PlanRunner:
         entry. None where the step leaves the plan's shape here (the entry path finds out why)."""
         ordinal = step.ordinals + 1
         nbytes = storage_extent(t) * t.element_size()
-        sig = self._plan.signature
-        if ordinal > len(sig) or sig[ordinal - 1] != nbytes:
+        if not self._plan_expects(ordinal, nbytes):
             return None
         step.ordinals = ordinal
         kept = PlanKept(self, t, ordinal, nbytes, step, key)
@@ -78,12 +77,9 @@ class PlanRunner:
     def _unpack_kept(self, k: PlanKept) -> Any:
         t = k.unpack()  # the version check autograd skips under hooks
         with self._lock:
-            if k.step.backward_s is None:
-                k.step.unpacked()
-            if self._rec is not None and k.step is self._step:
-                event = self._rec.used(k.ordinal, self._used_bytes())
-                if event is not None and self._plan_ok:
-                    self._plan_events(event)
+            event = self._used(k)
+            if event is not None and self._plan_ok:
+                self._plan_events(event)
         return t
 
     def _release_kept(self, k: PlanKept) -> None:
@@ -91,11 +87,7 @@ class PlanRunner:
             with self._lock:
                 self._kept_bytes -= k.nbytes
                 self._kept_live -= 1
-                ref = self._dedup.get(k.key)
-                if ref is not None and ref() in (k, None):
-                    del self._dedup[k.key]
-                if self._rec is not None and k.step is self._step:
-                    self._rec.died(k.ordinal)
+                self._forget(k)
         except Exception:  # noqa: BLE001  (interpreter shutdown)
             pass
 
@@ -115,16 +107,20 @@ class PlanRunner:
     def _plan_matches(self, e: Entry) -> bool:
         """Whether this step still has the plan's shape; on a change, a cached plan of the new shape
         (the same saves so far) or none: then this step is profiled and planned at its end."""
-        sig, k = self._plan.signature, e.ordinal - 1
-        if k < len(sig) and sig[k] == e.nbytes:
+        if self._plan_expects(e.ordinal, e.nbytes):
             return True
-        seen = [*sig[:k], e.nbytes]  # every save before this one matched the plan
+        seen = [*self._plan.signature[: e.ordinal - 1], e.nbytes]  # the saves before matched the plan
         for plan in self._plans.values():
             if list(plan.signature[: len(seen)]) == seen:
                 self._plan = plan
                 return True
         self._plan_ok = False
         return False
+
+    def _plan_expects(self, ordinal: int, nbytes: int) -> bool:
+        """Whether the plan's step saves `nbytes` at `ordinal` (1-based)."""
+        sig = self._plan.signature
+        return ordinal <= len(sig) and sig[ordinal - 1] == nbytes
 
     def _plan_events(self, event: int) -> None:
         plan = self._plan

@@ -297,11 +297,7 @@ class Pool(PlanRunner):
         with self._lock:
             if self.regions.phase == "profiling":
                 self.regions.end_profiling()
-            if packed.step.backward_s is None:
-                packed.step.unpacked()
-            event = None
-            if self._rec is not None and packed.step is self._step:
-                event = self._rec.used(packed.ordinal, self._used_bytes())
+            event = self._used(packed)
             t = self._materialize(packed)
             self._touch(packed)
             if self._plan_ok:
@@ -310,6 +306,24 @@ class Pool(PlanRunner):
             else:
                 self._prefetch_before(packed)
             return t
+
+    def _used(self, x: Entry | PlanKept) -> int | None:
+        """Backward unpacked `x` (under the lock): its step's backward began, and its first use is an
+        event of the step being recorded or run by a plan (None for a later use)."""
+        if x.step.backward_s is None:
+            x.step.unpacked()
+        if self._rec is None or x.step is not self._step:
+            return None
+        return self._rec.used(x.ordinal, self._used_bytes())
+
+    def _forget(self, x: Entry | PlanKept) -> None:
+        """`x` died (under the lock): its dedup key goes (unless a newer save holds it) and the step
+        being recorded notes its end."""
+        ref = self._dedup.get(x.key)
+        if ref is not None and ref() in (x, None):
+            del self._dedup[x.key]
+        if self._rec is not None and x.step is self._step:
+            self._rec.died(x.ordinal)
 
     def _unpack_input(self, packed: Any) -> Any:
         """A region's input for its replay (materialized; recursively replayed if it was dropped)."""
@@ -532,29 +546,29 @@ class Pool(PlanRunner):
                 self._frame_end(t0)
 
     def _free_under_pressure(self, need_bytes: int) -> int:
-        with self._lock:
-            self._counters["pressure_calls"] += 1
-            self._left = True
-            before = self._used_bytes()
-            if self._rec is not None:  # the plan's curve must hold this point too
-                # the soft limit asks for the excess over it; a failed allocation, for its size
-                soft = self._soft is not None and self._soft.in_soft_limit_call
-                self._rec.pressed((self._soft.soft_limit_bytes if soft else before) + need_bytes)
-            for t in self.treatments.values():
-                t.settle(self, wait=True)  # e.g. originals kept until their pack is known to fit
-            # The stalest CANDIDATES first (used last in backward; pricing all ~1000 entries at each of
-            # a step's dozens of calls cost more than it saved), then everything if they free too little.
-            for limit in (CANDIDATES, None):
-                enough = before - self._used_bytes() >= need_bytes
-                if enough or self._free_by_choices(limit, before, need_bytes):
-                    break
-            # Prefetched entries not used yet go last: they come back soonest.
-            for x in self._restoring_entries():
-                if before - self._used_bytes() >= need_bytes:
-                    break
-                if x.tensor is not None and self._leave(x, x.treatment):
-                    self.copies.wait(x.event)
-            return max(before - self._used_bytes(), 0)
+        """The pressure handler's work; the caller holds the lock."""
+        self._counters["pressure_calls"] += 1
+        self._left = True
+        before = self._used_bytes()
+        if self._rec is not None:  # the plan's curve must hold this point too
+            # the soft limit asks for the excess over it; a failed allocation, for its size
+            soft = self._soft is not None and self._soft.in_soft_limit_call
+            self._rec.pressed((self._soft.soft_limit_bytes if soft else before) + need_bytes)
+        for t in self.treatments.values():
+            t.settle(self, wait=True)  # e.g. originals kept until their pack is known to fit
+        # The stalest CANDIDATES first (used last in backward; pricing all ~1000 entries at each of
+        # a step's dozens of calls cost more than it saved), then everything if they free too little.
+        for limit in (CANDIDATES, None):
+            enough = before - self._used_bytes() >= need_bytes
+            if enough or self._free_by_choices(limit, before, need_bytes):
+                break
+        # Prefetched entries not used yet go last: they come back soonest.
+        for x in self._restoring_entries():
+            if before - self._used_bytes() >= need_bytes:
+                break
+            if x.tensor is not None and self._leave(x, x.treatment):
+                self.copies.wait(x.event)
+        return max(before - self._used_bytes(), 0)
 
     def _free_by_choices(self, limit: int | None, before: int, need_bytes: int) -> bool:
         """Entries leave, the policy's cheapest choices (priced as urgent) over `limit` resident ones
@@ -584,9 +598,7 @@ class Pool(PlanRunner):
             with self._lock:
                 self._entries.pop(e.seq, None)
                 self._away_to_fetch.discard(e.seq)
-                ref = self._dedup.get(e.key)
-                if ref is not None and ref() in (e, None):
-                    del self._dedup[e.key]
+                self._forget(e)
                 if e.state in (State.RESIDENT, State.RETURNING):
                     self._device_bytes -= e.nbytes
                     self._lru.pop(e.seq, None)
@@ -594,8 +606,6 @@ class Pool(PlanRunner):
                     self._device_bytes -= e.treatment.device_bytes(e)
                     if self._rec is not None and e.step is self._step:
                         self._rec.away -= e.nbytes - e.treatment.device_bytes(e)
-                if self._rec is not None and e.step is self._step:
-                    self._rec.died(e.ordinal)
                 e.tensor = None
                 if e.treatment is not None:
                     e.treatment.forget(self, e)
