@@ -11,10 +11,9 @@ import argparse
 import cProfile
 import pstats
 
-import torch
+from tiny_gpt import tiny_gpt24_step
 
 import supermem
-from supermem.bench.models import GPT, Trainer, _tokens
 
 
 def main() -> None:
@@ -22,16 +21,7 @@ def main() -> None:
     ap.add_argument("--profile", choices=("none", "planned", "cost_aware"), help="cProfile that row's steps")
     ap.add_argument("--steps", type=int, default=10)
     args = ap.parse_args()
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda" if cuda else "cpu")
-    if cuda:
-        supermem.install()
-    torch.set_num_threads(1)  # the host's cost, not the CPU's parallelism
-    torch.manual_seed(0)
-    with device:
-        model = GPT(layers=24, d=64, heads=2, vocab=512, ctx=64)
-    x, y = _tokens(2, 64, 512)(device, torch.Generator().manual_seed(0))
-    step = Trainer(model, x, y, bf16=True).step
+    device, step = tiny_gpt24_step()
     for _ in range(3):
         step()
     native_s = min(step() for _ in range(args.steps))
@@ -40,7 +30,7 @@ def main() -> None:
     saved = probe.stats()["peak_resident_bytes"]
     print(f"tiny GPT-24 on {device}: native {native_s * 1e3:.2f} ms, {saved / 2**20:.1f} MiB saved a step")
     # On a GPU a budget counts every allocated byte (the weights too), not only the saved ones.
-    rows = [("none", None)] + ([] if cuda else [("planned", 0.75), ("cost_aware", 0.75)])
+    rows = [("none", None)] + ([] if device.type == "cuda" else [("planned", 0.75), ("cost_aware", 0.75)])
     for policy, fraction in rows:
         budget = None if fraction is None else int(saved * fraction)
         pool = supermem.pool(budget=budget, policy="cost_aware" if policy == "none" else policy, min_bytes=0)

@@ -24,10 +24,10 @@ import time
 from typing import Any
 
 import torch
+from tiny_gpt import tiny_gpt24_step
 from torch.utils._pytree import TreeSpec, tree_map, tree_unflatten
 
 import supermem
-from supermem.bench.models import GPT, Trainer, _tokens
 from supermem.tensor_pool import op_replay, region, treatments
 from supermem.tensor_pool.entry import Entry, Kept, State
 
@@ -189,16 +189,7 @@ def main() -> None:
     ap.add_argument("--budget", type=int, default=300_000, help="bytes of saved tensors kept (CPU)")
     ap.add_argument("--profile", action="store_true", help="cProfile 5 pool steps, by the rebuilds' callees")
     args = ap.parse_args()
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda" if cuda else "cpu")
-    if cuda:
-        supermem.install()
-    torch.set_num_threads(1)  # the host's cost, not the CPU's parallelism
-    torch.manual_seed(0)
-    with device:
-        model = GPT(layers=24, d=64, heads=2, vocab=512, ctx=64)
-    x, y = _tokens(2, 64, 512)(device, torch.Generator().manual_seed(0))
-    step = Trainer(model, x, y, bf16=True).step
+    device, step = tiny_gpt24_step()
     pool = supermem.pool(
         budget=args.budget,
         policy=args.policy,
