@@ -4,6 +4,8 @@ CPU) and the pool's counters. Small and self-contained, so tools/ab_commits.sh c
 several commits on one card.
 
     python3 tools/pool_step.py gpt 0.75 [policy]        # GPU: supermem's allocator installed here
+    python3 tools/pool_step.py gpt 1 hooks              # identity saved-tensor hooks: the floor of any
+                                                        # pool that runs Python per saved tensor
     STEPS=12 python3 tools/pool_step.py ...             # more timed steps (default 4): the host-bound
                                                         # step varies by 20-30% from one to the next
 """
@@ -60,17 +62,22 @@ def main() -> None:
         probe = Pool(budget=None)
         step(probe)
         budget = int(probe.stats()["peak_resident_bytes"] * fraction)
-    pool = supermem.pool(budget=budget, policy=policy)
+    if policy == "hooks":
+        pool = torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
+    else:
+        pool = supermem.pool(budget=budget, policy=policy)
     for _ in range(3):
         step(pool)
-    pool.reset_stats()
+    if policy != "hooks":
+        pool.reset_stats()
     times = [step(pool) for _ in range(int(os.environ.get("STEPS", 4)))]
     print(
         f"{preset.label} {policy} {fraction:g}: native {native_s * 1e3:.1f} ms, "
         f"pool {min(times) * 1e3:.1f} ms ({min(times) / native_s:.2f}x), "
         f"median {statistics.median(times) * 1e3:.1f} ms, steps {[round(t * 1e3, 1) for t in times]} ms"
     )
-    print({k: v for k, v in pool.stats().items() if v and not isinstance(v, (list, dict))})
+    if policy != "hooks":
+        print({k: v for k, v in pool.stats().items() if v and not isinstance(v, (list, dict))})
 
 
 if __name__ == "__main__":
