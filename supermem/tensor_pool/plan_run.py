@@ -91,18 +91,21 @@ class PlanRunner:
         except Exception:  # noqa: BLE001  (interpreter shutdown)
             pass
 
-    def _plan_recipe(self, recipe: Any, entries: list[Entry], cost: Any, offloadable: bool = True) -> None:
+    def _plan_recipe(
+        self, recipe: Any, entries: list[Entry], cost: Any, offloadable: bool = True, start: int | None = None
+    ) -> None:
         """Tells the step being recorded (planned policy; else nothing) that `recipe` can rebuild
         `entries` from now on, for `cost` seconds (or a call that measures them once the plan is made:
         it must not hold entries), reading the entries `_recipe_inputs` names. The one call a new kind
         of recipe needs to be weighed by the planner: at the pack of a recipe ready then (done here, in
-        `_planned_pack`), or wherever it becomes ready later."""
+        `_planned_pack`), or wherever it becomes ready later. `start`: a region's, its step's saves
+        before its call (a plan-running step captures the regions it replays by it)."""
         step, rec = self._step, self._rec
         if rec is None or not rec.full:
             return
         own = [x.ordinal for x in entries if x.step is step]
         inputs = [x.ordinal for x in _recipe_inputs(recipe) if x.step is step]
-        rec.recomputable(recipe, cost, own, offloadable, inputs)
+        rec.recomputable(recipe, cost, own, offloadable, inputs, start)
 
     def _plan_matches(self, e: Entry) -> bool:
         """Whether this step still has the plan's shape; on a change, a cached plan of the new shape

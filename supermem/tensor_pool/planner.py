@@ -52,6 +52,7 @@ class Plan:
     budget_bytes: int
     treatment: dict[int, str] = field(default_factory=dict)  # ordinal -> "offload" | "recompute"
     lean: frozenset[int] = frozenset()  # kept, and no planned rebuild reads them: no entry needed
+    region_starts: frozenset[int] = frozenset()  # the regions it replays, by the step's saves before them
     prefetch_at: dict[int, list[int]] = field(default_factory=dict)  # event -> ordinals to bring back
     wait_at: dict[int, list[int]] = field(default_factory=dict)  # event -> copies that must have landed
     predicted_peak_bytes: int = 0
@@ -232,6 +233,7 @@ def make_plan(p: Profile, budget: int) -> Plan:
     for u in units:
         for s in ix.members[u]:
             plan.treatment.setdefault(s.ordinal, "recompute")
+    plan.region_starts = frozenset(p.unit_start[u] for u in units if u in p.unit_start)
     if feasible:  # (an infeasible plan leaves the rest to the reactive fallback: it needs entries)
         read = {o for u in units for o in p.unit_inputs.get(u, ())} | set(plan.treatment)
         plan.lean = frozenset(s.ordinal for s in p.saved if s.ordinal not in read)

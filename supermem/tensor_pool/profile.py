@@ -50,6 +50,7 @@ class Profile:
     unit_ready: dict[int, int] = field(default_factory=dict)  # unit -> first event its members may leave
     unit_cost_s: dict[int, float] = field(default_factory=dict)  # unit -> measured recompute seconds
     unit_inputs: dict[int, tuple[int, ...]] = field(default_factory=dict)  # unit -> ordinals it reads
+    unit_start: dict[int, int] = field(default_factory=dict)  # region unit -> the step's saves before its call
     link_bytes_per_s: float = 25e9
     sync_copies: bool = False  # CPU: copies block the step
     backward_event: int = 0  # the first unpack
@@ -111,8 +112,9 @@ class Recorder:
         self.saved: dict[int, Saved] = {}  # ordinal -> record
         self.away = 0  # bytes of this step's entries off the device now
         # id(recipe) -> (its cost in seconds, or a call that measures it; ordinals; ready event; input
-        # ordinals). Not the recipe itself: a region holds its inputs' entries, which must die with the step.
-        self.units: dict[int, tuple[Any, list[int], int, list[int]]] = {}
+        # ordinals; kind; a region's start). Not the recipe itself: a region holds its inputs' entries,
+        # which must die with the step.
+        self.units: dict[int, tuple[Any, list[int], int, list[int], str, int | None]] = {}
         self.backward_event: int | None = None
         # Seconds the step lost to the reactive fallback so far (rebuilds and copies it waited for): the
         # plan replaces those choices, so the timeline and the step's time are taken without them.
@@ -164,12 +166,19 @@ class Recorder:
             s.end = self.events
 
     def recomputable(
-        self, recipe: Any, cost: Any, ordinals: list[int], offloadable: bool, inputs: Any = ()
+        self,
+        recipe: Any,
+        cost: Any,
+        ordinals: list[int],
+        offloadable: bool,
+        inputs: Any = (),
+        start: int | None = None,
     ) -> None:
         """`ordinals` may be dropped and rebuilt by `recipe` from the next event on, for `cost`
         seconds (or what `cost()` measures once the plan is made), reading the saved tensors `inputs`
-        (ordinals of this step; others, a parameter say, are always there)."""
-        unit = self.units.setdefault(id(recipe), (cost, [], self.events, [], type(recipe).__name__))
+        (ordinals of this step; others, a parameter say, are always there). `start`: a region's, the
+        step's saves before its call."""
+        unit = self.units.setdefault(id(recipe), (cost, [], self.events, [], type(recipe).__name__, start))
         unit[1].extend(o for o in ordinals if o in self.saved)
         unit[3].extend(o for o in inputs if o in self.saved and o not in ordinals)
         for o in ordinals:
@@ -215,7 +224,7 @@ class Recorder:
             p.transient_bytes[p.backward_event] = spike_bytes
         for i, demand in self.pressure:
             p.transient_bytes[i] = max(p.transient_bytes[i], demand - p.base_bytes[i])
-        for k, (cost, ordinals, ready, inputs, kind) in enumerate(self.units.values()):
+        for k, (cost, ordinals, ready, inputs, kind, start) in enumerate(self.units.values()):
             if callable(cost):
                 cost = cost()
             if cost is None or not ordinals:
@@ -225,6 +234,8 @@ class Recorder:
             p.unit_ready[k] = ready
             p.unit_cost_s[k] = cost
             p.unit_inputs[k] = tuple(dict.fromkeys(inputs))
+            if start is not None:
+                p.unit_start[k] = start
             for o in ordinals:
                 self.saved[o].unit = k
         return p

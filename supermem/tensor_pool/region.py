@@ -70,6 +70,7 @@ class Region:
         "own",
         "ready",
         "timing",
+        "start",
         "__weakref__",
     )
 
@@ -83,6 +84,7 @@ class Region:
         self.own: tuple[tuple[int, weakref.ref[Entry]], ...] = ()  # (slot, entry) of its own, each once
         self.ready = False
         self.timing: Any = _start_timer(pool) if timed else None
+        self.start = 0  # its step's saves before the call (Pool._region_start)
 
     @property
     def group(self) -> Region:
@@ -380,11 +382,16 @@ class Regions:
 
     def _pre(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         pool = self._pool()
-        if pool is None or not pool._capturing_regions() or not self._capturing(pool):
+        if pool is None or not self._capturing(pool):
+            return
+        start = pool._region_start()
+        if start is None:
             return
         cost = self._costs.setdefault(id(module), [0.0, 0, []])
         timed = cost[1] + len(cost[2]) < COST_SAMPLES
-        self._stack().append(Region(module, args, kwargs, pool, timed))
+        region = Region(module, args, kwargs, pool, timed)
+        region.start = start
+        self._stack().append(region)
 
     def _post(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         st = getattr(self._local, "stack", None)
