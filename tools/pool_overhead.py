@@ -11,9 +11,8 @@ import argparse
 import cProfile
 import pstats
 
-from tiny_gpt import tiny_gpt24_step
-
 import torch
+from tiny_gpt import tiny_gpt24_step
 
 import supermem
 
@@ -41,7 +40,8 @@ def main() -> None:
         if policy == "hooks":
             pool = torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
         else:
-            pool = supermem.pool(budget=budget, policy="cost_aware" if policy == "none" else policy, min_bytes=0)
+            name = "cost_aware" if policy == "none" else policy
+            pool = supermem.pool(budget=budget, policy=name, min_bytes=0)
         for _ in range(4):
             step(pool)
         if policy == "hooks":

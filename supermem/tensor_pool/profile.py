@@ -50,7 +50,7 @@ class Profile:
     unit_ready: dict[int, int] = field(default_factory=dict)  # unit -> first event its members may leave
     unit_cost_s: dict[int, float] = field(default_factory=dict)  # unit -> measured recompute seconds
     unit_inputs: dict[int, tuple[int, ...]] = field(default_factory=dict)  # unit -> ordinals it reads
-    unit_start: dict[int, int] = field(default_factory=dict)  # region unit -> the step's saves before its call
+    unit_start: dict[int, int] = field(default_factory=dict)  # region unit -> the step's saves before it
     link_bytes_per_s: float = 25e9
     sync_copies: bool = False  # CPU: copies block the step
     backward_event: int = 0  # the first unpack
