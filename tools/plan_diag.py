@@ -225,6 +225,10 @@ def main() -> None:
         if os.environ.get("HOOKS"):
             hook_report(1)
     report()
+    print(
+        "rebuild host ms by kind (median of samples):",
+        {k: f"{sorted(v)[len(v) // 2] * 1e3:.3f} ({len(v)})" for k, v in pool._host_s.items()},
+    )
     if os.environ.get("PROFILE"):
         profiled(lambda: step(pool), cuda)
 

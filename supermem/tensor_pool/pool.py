@@ -483,14 +483,13 @@ class Pool(PlanRunner):
             if e.state in (State.LEAVING, State.AWAY):  # not brought back in time: compute waits
                 self._counters["sync_restores"] += 1
                 t0 = time.perf_counter()
-                mark = self._gpu_mark()
+                sampled = self._host_bound_now()
                 self._frames.append(0.0)
                 try:
                     e.treatment.come_back(self, e)
                 finally:
                     rebuilt = e.treatment.name == "recompute" and e.recipe is not None
-                    sample = rebuilt and (not self.cuda or (mark is not None and mark.query()))
-                    self._frame_end(t0, type(e.recipe).__name__ if sample else None)
+                    self._frame_end(t0, type(e.recipe).__name__ if rebuilt and sampled else None)
                 outermost = len(self._in_use) == 1  # a nested restore's time is its outer one's too
                 if self._rec is not None and not self._plan_ok and e.step is self._step and outermost:
                     self._rec.fallback_s += self._restore_s(e, time.perf_counter() - t0)
@@ -500,18 +499,17 @@ class Pool(PlanRunner):
         finally:
             self._in_use.pop()
 
-    def _gpu_mark(self) -> Any:
-        """On a GPU, in a step recorded for a plan: an event on the compute stream, now. A rebuild's
-        host seconds are a sample of its kind's host cost only if the GPU reached the event by the
-        rebuild's end: it had caught up with the host, whose seconds were then the step's. If not,
-        the GPU was the slower side, the rebuild cost the step its device seconds, and the host's
-        include waits for room in a full launch queue (one GPT-24 block replay took 100 ms so on an
-        H100, and the plan never replayed a block)."""
-        if not self.cuda or self._rec is None or not self._rec.full:
-            return None
-        mark = torch.cuda.Event()
-        mark.record()
-        return mark
+    def _host_bound_now(self) -> bool:
+        """Whether a rebuild starting now samples its kind's host cost: on CPU always; on a GPU in a
+        step recorded for a plan, only where the compute stream has nothing queued (the GPU waits for
+        the host, whose seconds are then the step's). Where the GPU is busy the rebuild costs the step
+        its device seconds, and the host's include waits for room in a full launch queue: a GPT-24
+        block replay was priced at 100 ms so on an H100, and the plan never replayed a block."""
+        if not self.cuda:
+            return True
+        if self._rec is None or not self._rec.full:
+            return False
+        return torch.cuda.current_stream(self.device).query()
 
     def _frame_end(self, t0: float, kind: str | None = None) -> None:
         """A rebuild or pressure call that began at `t0` ended: its seconds count as its outer one's
