@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import bisect
 import collections
-import statistics
 import threading
 import time
 import weakref
@@ -522,9 +521,11 @@ class Pool(PlanRunner):
             self._host_s.setdefault(kind, collections.deque(maxlen=64)).append(s - inner)
 
     def _host_cost_s(self, kind: str) -> float:
-        """Host seconds of one rebuild of `kind` (the median of the last ones; 0 before one ran)."""
+        """Host seconds of one rebuild of `kind`: the least of the last ones (0 before one ran). The
+        least, as for device seconds: a first call of a shape pays one-time costs (GPT-24's first
+        block replay on an H100: 123 ms, 84 of them cuDNN building its attention plan; the next: 2)."""
         samples = self._host_s.get(kind)
-        return statistics.median(samples) if samples else 0.0
+        return min(samples) if samples else 0.0
 
     def _restore_s(self, e: Entry, host_s: float) -> float:
         """Seconds a synchronous restore cost the step: the host's on CPU; on a GPU, where the work is
