@@ -91,12 +91,20 @@ class _Index:
         for u, inputs in p.unit_inputs.items():
             for o in inputs:
                 self.readers.setdefault(o, []).append(u)
-        # What recomputing a unit drops. Not a tensor another unit's replay reads (a ResNet block's
+        # What recomputing a unit drops. Not a tensor another region's replay reads (a ResNet block's
         # output, the next block's input): kept, as checkpointing keeps block boundaries, or a chain of
-        # blocks each recomputed would replay all of them at the first replay in backward.
+        # blocks each recomputed would replay all of them at the first replay in backward. Nor one an
+        # op replay reads, unless it is a region's: an op replay reading it replays that region first,
+        # one call, bounded (Region.droppable). Were they kept, a GPT block's replay would drop a
+        # third of what the block saves (fc1's output, which GELU's replay reads, stayed) and cost
+        # three times checkpointing's per byte, and the plan never chose one.
+        regions = p.unit_start.keys()
         self.members: dict[int, list] = {}
         for s in p.saved:
-            if s.unit is not None and s.unit in p.unit_cost_s and s.ordinal not in self.readers:
+            if s.unit is None or s.unit not in p.unit_cost_s:
+                continue
+            readers = self.readers.get(s.ordinal, ())
+            if not readers or (s.unit in regions and not any(v in regions for v in readers)):
                 self.members.setdefault(s.unit, []).append(s)
         self.n = len(p.base_bytes)
 
@@ -124,7 +132,11 @@ def simulate(
     n, by, times = ix.n, ix.by, p.times_s
     diff = [0] * (n + 1)
     added = 0.0
-    back = {u: min(s.use for s in ix.members[u]) for u in units}  # replayed at the first use of one
+    own = {u: min(s.use for s in ix.members[u]) for u in units}  # replayed at the first use of one,
+    back = {  # or earlier, by an op replay that reads one of its members
+        u: min([own[u]] + [own[v] for s in ix.members[u] for v in ix.readers.get(s.ordinal, ()) if v in own])
+        for u in units
+    }
     for u in units:
         a = p.unit_ready[u]
         for s in ix.members[u]:

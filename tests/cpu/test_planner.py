@@ -637,6 +637,33 @@ def test_a_tensor_another_replay_reads_is_never_dropped():
     assert plan.feasible and plan.predicted_peak_bytes == max(curve) <= 8 * MiB, [c / MiB for c in curve]
 
 
+@pytest.mark.parametrize("region", [True, False])
+def test_a_regions_tensor_an_op_replay_reads_may_be_dropped_with_the_region(region):
+    """A GPT block (region unit 0) made A and A2; GELU's op replay (unit 1) made B from A. Dropping A
+    with the region is one bounded replay: B's rebuild replays the region first. Only a region's
+    member may go so (an op replay's input that an op replay reads would chain op after op)."""
+    p = _small_profile(
+        [6, 1, 1],
+        [0.0, 0.5, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0],
+        uses=[6, 5, 4],
+        transient=[0, 0, 0, 6, 0, 0, 0, 0],
+        backward_event=3,
+    )
+    for k, (unit, ready) in enumerate([(0, 2), (0, 2), (1, 3)]):
+        p.saved[k].unit, p.saved[k].offloadable = unit, False
+        p.unit_ready[unit], p.unit_cost_s[unit] = ready, 0.1
+    p.unit_inputs[1] = (1,)
+    if region:
+        p.unit_start[0] = 0
+    plan = make_plan(p, 9 * MiB)
+    if not region:
+        assert not plan.feasible and 1 not in plan.treatment
+        return
+    assert plan.feasible and plan.treatment.get(1) == "recompute", plan.treatment
+    curve = resident_curve(p, plan)
+    assert plan.predicted_peak_bytes == max(curve) <= 9 * MiB, [c / MiB for c in curve]
+
+
 def test_an_offloaded_input_of_a_replayed_unit_is_prefetched_for_the_replay():
     """I is a region's input, kept for its replay and never used by backward itself (it dies with the
     region at the end); its unit's member M is recomputed, so I must be back before M's replay."""
