@@ -3,9 +3,12 @@
 The simulator replays the profile's timeline with a set of treatments and prices them in seconds the
 step loses:
 - a recomputed unit's members are off from the unit's end until the unit is replayed, at the first use
-  of any of them. It costs the unit's measured seconds. A member that another unit's replay reads (a
+  of any of them. It costs the unit's measured seconds. A member that another region's replay reads (a
   ResNet block's output is the next block's input) is never dropped by the plan: recomputing a chain
-  of such units would replay all of them at the first replay in backward.
+  of such units would replay all of them at the first replay in backward. A region's member that an
+  op replay reads may be (the op replay replays the region first, one call). A region's replay brings
+  back every member of the other units its call made (an op replay's, a weight cast's) that is away
+  then: those cost nothing more.
 - an offloaded tensor is off from the event its copy lands until its prefetch is issued. Copies to the
   host go one after another on one stream at the link rate, from each save; where the plan needs a copy
   to have landed (before the point it was chosen to lower) and it has not, compute waits: those seconds
@@ -106,6 +109,17 @@ class _Index:
             readers = self.readers.get(s.ordinal, ())
             if not readers or (s.unit in regions and not any(v in regions for v in readers)):
                 self.members.setdefault(s.unit, []).append(s)
+        # region -> the other units whose members its call made (an op replay's, a weight cast's): its
+        # replay computes them anyway, and brings back those away then (Region.rebuild)
+        self.inside: dict[int, list[int]] = {}
+        for u, start in p.unit_start.items():
+            if u not in self.members:
+                continue
+            last = max((s.ordinal for s in p.saved if s.save < p.unit_ready[u]), default=0)
+            reads = set(p.unit_inputs.get(u, ()))
+            for v, ms in self.members.items():
+                if v not in regions and all(start < s.ordinal <= last and s.ordinal not in reads for s in ms):
+                    self.inside.setdefault(u, []).append(v)
         self.n = len(p.base_bytes)
 
 
@@ -137,6 +151,12 @@ def simulate(
         u: min([own[u]] + [own[v] for s in ix.members[u] for v in ix.readers.get(s.ordinal, ()) if v in own])
         for u in units
     }
+    free = set()  # units a chosen region's replay brings back before their own rebuild: no cost
+    for u in units & ix.inside.keys():
+        for v in ix.inside[u]:
+            if v in units and own[v] > back[u]:
+                back[v] = back[u]
+                free.add(v)
     for u in units:
         a = p.unit_ready[u]
         for s in ix.members[u]:
@@ -144,7 +164,8 @@ def simulate(
             if a < b:
                 diff[a] -= s.nbytes
                 diff[b] += s.nbytes
-        added += p.unit_cost_s[u]
+        if u not in free:
+            added += p.unit_cost_s[u]
     land: dict[int, int] = {}
     land_s: dict[int, float] = {}
     free_s, late = 0.0, False
@@ -281,7 +302,8 @@ def _best_choice(
             continue
         freed = sum(s.nbytes for s in ms if peak < s.end)
         if freed:
-            cands.append((p.unit_cost_s[u] / freed, "recompute", u))
+            cost = 0.0 if any(u in ix.inside.get(r, ()) for r in units) else p.unit_cost_s[u]
+            cands.append((cost / freed, "recompute", u))
     taken = {s.ordinal for u in units for s in ix.members[u]}
     queue = sorted((ix.by[o].save, sim.land_s[o], p.times_s[deadline[o]]) for o in offloads if o in deadline)
     saves = [q[0] for q in queue]

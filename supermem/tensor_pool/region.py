@@ -81,7 +81,9 @@ class Region:
         self.args: Any = (args, kwargs)  # raw until finish() packs them
         self.state = CallState(pool.device)  # RNG, autocast, attention backends
         self.slots: list[weakref.ref[Entry] | None] = []  # one per tensor saved, in save order
-        self.own: tuple[tuple[int, weakref.ref[Entry]], ...] = ()  # (slot, entry) of its own, each once
+        # (slot, entry) of each entry the call made, once: its own (this region their recipe) and those
+        # another recipe rebuilds (an op replay, a weight cast), which a replay brings back as well
+        self.own: tuple[tuple[int, weakref.ref[Entry]], ...] = ()
         self.ready = False
         self.timing: Any = _start_timer(pool) if timed else None
         self.start = 0  # its step's saves before the call (Pool._region_start)
@@ -99,12 +101,14 @@ class Region:
 
     def finish(self, pool: Pool) -> bool:
         """The call returned: True if it can be replayed (then its own entries take it as recipe)."""
-        own, slots = [], []
+        own, made, slots = [], [], []
         for k, ref in enumerate(self.slots):
             e = ref() if ref is not None else None
-            if e is not None and e.recipe is self and e not in own:  # one saved twice: its first slot
-                own.append(e)
+            if e is not None and not any(e is x for x in made):  # one saved twice: its first slot
+                made.append(e)
                 slots.append((k, ref))
+                if e.recipe is self:
+                    own.append(e)
         # A call that changed an input in place would be replayed from the changed value.
         if any(x._version != v for x, v in self.inputs) or not own:
             for e in own:
@@ -125,10 +129,17 @@ class Region:
         return True  # an op replay reading it rebuilds it first: one region replay, bounded
 
     def rebuild(self, pool: Pool, e: Entry) -> None:
+        """Replays the call; every entry it made that is away comes back: its own (dropped or
+        compressed), and those another recipe would rebuild (an op replay's, a weight cast's: the
+        replay computes them anyway, and each rebuild of its own costs the host a call), except those
+        being rebuilt now (an op replay that reads one of this region's)."""
+        in_use = pool._in_use
         want = {
             k: x
             for k, ref in self.own
-            if (x := ref()) is not None and x.recipe is self and x.state is State.AWAY
+            if (x := ref()) is not None
+            and x.state is State.AWAY
+            and (x.recipe is self or (x.treatment.name == "recompute" and not any(x is y for y in in_use)))
         }
         if not want:
             return

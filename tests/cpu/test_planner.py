@@ -664,6 +664,26 @@ def test_a_regions_tensor_an_op_replay_reads_may_be_dropped_with_the_region(regi
     assert plan.predicted_peak_bytes == max(curve) <= 9 * MiB, [c / MiB for c in curve]
 
 
+def test_an_op_replay_inside_a_replayed_region_costs_nothing_more():
+    """A GPT block (region unit 0, member A) made B too, which an op replay (unit 1) rebuilds. The
+    block's replay, for A's use, computes B again and brings it back (Region.rebuild): dropping B costs
+    nothing more, and the plan is priced so."""
+    p = _small_profile(
+        [4, 2],
+        [0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0],
+        uses=[4, 5],
+        transient=[0, 0, 0, 6, 0, 0, 0],
+        backward_event=3,
+    )
+    for k, cost in enumerate([0.1, 0.05]):
+        p.saved[k].unit, p.saved[k].offloadable = k, False
+        p.unit_ready[k], p.unit_cost_s[k] = 2, cost
+    p.unit_start[0] = 0
+    plan = make_plan(p, 7 * MiB)
+    assert plan.feasible and plan.treatment == {1: "recompute", 2: "recompute"}, plan.treatment
+    assert plan.added_s == pytest.approx(0.1)
+
+
 def test_an_offloaded_input_of_a_replayed_unit_is_prefetched_for_the_replay():
     """I is a region's input, kept for its replay and never used by backward itself (it dies with the
     region at the end); its unit's member M is recomputed, so I must be back before M's replay."""
