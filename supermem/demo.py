@@ -67,9 +67,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=positive_int, default=6, help="timed training steps per run (default 6)")
     p.add_argument("--budget", default=None, help="pool budget (default: 60%% of the plain run's peak)")
     p.add_argument("--device", choices=("cuda", "cpu"), default=None, help="default: cuda when available")
-    p.add_argument(
-        "--policy", choices=live_names(), default="cost_aware", help="pool policy (default cost_aware)"
-    )
+    p.add_argument("--policy", choices=live_names(), default="planned", help="pool policy (default planned)")
 
 
 def train(device: torch.device, steps: int, pool: Pool | None, ckpt: bool = False) -> dict:

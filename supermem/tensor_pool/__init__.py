@@ -14,7 +14,7 @@ _global: dict[str, Pool] = {}
 
 def pool(
     budget: int | float | str | None = None,
-    policy: str = "cost_aware",
+    policy: str | None = None,
     host_limit: int | float | str | None = "50%",
     **kwargs: Any,
 ) -> Pool:
