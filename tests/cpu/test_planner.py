@@ -617,22 +617,29 @@ def test_prefetches_share_one_link():
     assert max(resident_curve(p, plan)) <= 2 * MiB
 
 
-def test_a_tensor_another_replay_reads_is_never_dropped():
-    """A ResNet block's output is the next block's input: unit 0 made A and A2, unit 1 made B and reads
-    A. Dropping A with both units recomputed would bring it back at B's replay (event 3), before its own
-    use and before the transient at 4, and a chain of such blocks would all be replayed at the first
-    replay. The plan drops A2 and B and keeps A, and its predicted curve is the true one."""
+def _a_unit_reading_another(sizes_mib, transient):
+    """Unit 0 made A and A2 (ready at event 2), unit 1 made B (ready at 3) and its replay reads A; backward
+    (from event 3) uses B, A2, then A; each replay costs 0.1 s."""
     p = _small_profile(
-        [4, 2, 4],
+        sizes_mib,
         [0.0, 0.5, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0],
         uses=[6, 5, 4],
-        transient=[0, 0, 0, 4, 0, 2, 0, 0],
+        transient=transient,
         backward_event=3,
     )
     for k, (unit, ready) in enumerate([(0, 2), (0, 2), (1, 3)]):
         p.saved[k].unit, p.saved[k].offloadable = unit, False
         p.unit_ready[unit], p.unit_cost_s[unit] = ready, 0.1
     p.unit_inputs[1] = (1,)
+    return p
+
+
+def test_a_tensor_another_replay_reads_is_never_dropped():
+    """A ResNet block's output is the next block's input: unit 0 made A and A2, unit 1 made B and reads
+    A. Dropping A with both units recomputed would bring it back at B's replay (event 3), before its own
+    use and before the transient at 4, and a chain of such blocks would all be replayed at the first
+    replay. The plan drops A2 and B and keeps A, and its predicted curve is the true one."""
+    p = _a_unit_reading_another([4, 2, 4], transient=[0, 0, 0, 4, 0, 2, 0, 0])
     plan = make_plan(p, 8 * MiB)
     assert plan.treatment == {2: "recompute", 3: "recompute"}, plan.treatment
     curve = resident_curve(p, plan)
@@ -644,17 +651,7 @@ def test_a_regions_tensor_an_op_replay_reads_may_be_dropped_with_the_region(regi
     """A GPT block (region unit 0) made A and A2; GELU's op replay (unit 1) made B from A. Dropping A
     with the region is one bounded replay: B's rebuild replays the region first. Only a region's
     member may go so (an op replay's input that an op replay reads would chain op after op)."""
-    p = _small_profile(
-        [6, 1, 1],
-        [0.0, 0.5, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0],
-        uses=[6, 5, 4],
-        transient=[0, 0, 0, 6, 0, 0, 0, 0],
-        backward_event=3,
-    )
-    for k, (unit, ready) in enumerate([(0, 2), (0, 2), (1, 3)]):
-        p.saved[k].unit, p.saved[k].offloadable = unit, False
-        p.unit_ready[unit], p.unit_cost_s[unit] = ready, 0.1
-    p.unit_inputs[1] = (1,)
+    p = _a_unit_reading_another([6, 1, 1], transient=[0, 0, 0, 6, 0, 0, 0, 0])
     if region:
         p.unit_start[0] = 0
     plan = make_plan(p, 9 * MiB)
