@@ -58,8 +58,8 @@ class Pool(PlanRunner):
     policy: a name from supermem.policies ("lru": offload least recently used; "cost_aware": offload
         or recompute, whichever frees bytes at the least exposed cost; "planned": profile the first
         step of each shape, plan every saved tensor's treatment, run the plan after). Default: planned
-        when a budget is given (faster than cost_aware at 7 of 10 budgets measured on an H100, all at
-        60-90% of native's peak: README), else cost_aware.
+        when a budget is given (faster than cost_aware at 7 of the 10 budgets of an H100 sweep, and at
+        every one of 60-90% of native's peak: README), else cost_aware.
     host_limit: pinned host bytes the pool may use (int, size string or percentage of host RAM).
     min_bytes: smaller saved tensors stay where they are (default 1 MiB on GPU, 0 on CPU).
     treatments: the ways out (default: Offload and Recompute); the policy chooses among them.
@@ -420,9 +420,12 @@ class Pool(PlanRunner):
         """A region's entries just became recomputable: they may be what the budget needs (or what
         the plan said to drop)."""
         if self._rec is not None and self._rec.full and region is not None:
-            own = [x for ref in region.slots if ref is not None and (x := ref()) is not None]
+            own = [
+                x
+                for ref in region.slots
+                if ref is not None and (x := ref()) is not None and x.recipe is region
+            ]
             regions, module = self.regions, region.module
-            own = [x for x in own if x.recipe is region]
             self._plan_recipe(region, own, lambda: regions.cost_s(module), start=region.start)
         if self._plan_pending:
             still = []

@@ -67,7 +67,7 @@ class Region:
         "args",
         "state",
         "slots",
-        "own",
+        "made",
         "ready",
         "timing",
         "start",
@@ -83,7 +83,7 @@ class Region:
         self.slots: list[weakref.ref[Entry] | None] = []  # one per tensor saved, in save order
         # (slot, entry) of each entry the call made, once: its own (this region their recipe) and those
         # another recipe rebuilds (an op replay, a weight cast), which a replay brings back as well
-        self.own: tuple[tuple[int, weakref.ref[Entry]], ...] = ()
+        self.made: tuple[tuple[int, weakref.ref[Entry]], ...] = ()
         self.ready = False
         self.timing: Any = _start_timer(pool) if timed else None
         self.start = 0  # its step's saves before the call (Pool._region_start)
@@ -118,7 +118,7 @@ class Region:
         # Flat, with the tree's spec: a replay fills the inputs in and rebuilds the tree in one step.
         leaves, spec = tree_flatten(self.args)
         self.args = ([_Input(pool, x) if isinstance(x, torch.Tensor) else x for x in leaves], spec)
-        self.own = tuple(slots)
+        self.made = tuple(slots)
         self.ready = True
         return True
 
@@ -136,7 +136,7 @@ class Region:
         in_use = pool._in_use
         want = {
             k: x
-            for k, ref in self.own
+            for k, ref in self.made
             if (x := ref()) is not None
             and x.state is State.AWAY
             and (x.recipe is self or (x.treatment.name == "recompute" and not any(x is y for y in in_use)))
