@@ -3,12 +3,15 @@ recompute, by kind, with their measured cost per byte), the plan (what it treats
 seconds it expects each to add) and the steps that ran it. GPU or CPU.
 
     python3 tools/plan_diag.py gpt 0.75 [steps]
+    DUMP=gpt.pkl python3 tools/plan_diag.py gpt 0.75   # also keeps the profile: tools/replan.py plans
+                                                      # from it again, offline, at other budgets
 """
 
 import collections
 import cProfile
 import gc
 import os
+import pickle
 import pstats
 import sys
 import time
@@ -225,6 +228,9 @@ def main() -> None:
         if os.environ.get("HOOKS"):
             hook_report(1)
     report()
+    if os.environ.get("DUMP") and "profile" in captured:
+        with open(os.environ["DUMP"], "wb") as f:
+            pickle.dump({"profile": captured["profile"], "native_peak_bytes": native_peak, "model": name}, f)
     print(  # the pool prices each kind at its least sample (Pool._host_cost_s)
         "rebuild host ms by kind, least / median (samples):",
         {

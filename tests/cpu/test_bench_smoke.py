@@ -113,3 +113,32 @@ def test_rebuild_overhead_tool_sees_every_recipe_kind():
     for calls, self_us, bare_us, _ in rows.values():
         assert calls > 0 and self_us > 0 and bare_us > 0
     assert sum(calls * self_us for calls, self_us, _, _ in rows.values()) / 1e3 < pool_ms
+
+
+def test_a_profile_plan_diag_keeps_is_planned_again_offline_the_same(tmp_path):
+    """tools/plan_diag.py DUMP= keeps the profile the pool planned from; tools/replan.py, planning from it
+    at the same budget, makes the plan the pool made (the planner is deterministic)."""
+    tools = os.path.join(os.path.dirname(__file__), "..", "..", "tools")
+    dump = str(tmp_path / "gpt.pkl")
+    env = {**os.environ, "DUMP": dump}
+    diag = subprocess.run(
+        [sys.executable, os.path.join(tools, "plan_diag.py"), "gpt-quick", "0.3", "3"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert diag.returncode == 0, diag.stdout + diag.stderr
+    made = next(line for line in diag.stdout.splitlines() if line.startswith("plan: "))
+    again = subprocess.run(
+        [sys.executable, os.path.join(tools, "replan.py"), dump, "0.3"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert again.returncode == 0, again.stdout + again.stderr
+    line = again.stdout.splitlines()[1]
+    assert line.split(": ", 1)[1].split(", units")[0] == made.split(": ", 1)[1].split(", offload ")[0], (
+        made,
+        line,
+    )

@@ -1,0 +1,35 @@
+"""Plans again, offline, from a profile `tools/plan_diag.py` kept (DUMP=path): the planner's choices,
+predicted added seconds and peak at other budgets, without a GPU. For work on the planner against a
+real card's profile (its unit costs, link rate and timeline), not a simulated one.
+
+    python3 tools/replan.py gpt.pkl 0.9 0.75 0.6 0.5     # budgets: fractions of native's peak
+"""
+
+import collections
+import pickle
+import sys
+
+from supermem.tensor_pool.planner import make_plan
+
+GiB = 2**30
+
+
+def main() -> None:
+    with open(sys.argv[1], "rb") as f:
+        dumped = pickle.load(f)
+    p, native = dumped["profile"], dumped["native_peak_bytes"]
+    kinds = getattr(p, "kinds", {})  # unit -> recipe kind, where plan_diag recorded them
+    print(f"{dumped['model']}: {len(p.saved)} saved tensors, native peak {native / GiB:.2f} GiB")
+    for fraction in [float(x) for x in sys.argv[2:]] or [0.75]:
+        plan = make_plan(p, int(native * fraction))
+        units = {s.unit for s in p.saved if plan.treatment.get(s.ordinal) == "recompute"}
+        by_kind = collections.Counter(kinds.get(u, "?") for u in units)
+        print(
+            f"{fraction:g}: {plan.counts()}, units {dict(by_kind)}, feasible {plan.feasible}, "
+            f"added {plan.added_s * 1e3:.1f} ms, predicted peak {plan.predicted_peak_bytes / GiB:.2f} GiB, "
+            f"plan time {plan.plan_s:.2f} s"
+        )
+
+
+if __name__ == "__main__":
+    main()
