@@ -339,7 +339,7 @@ class Pool(PlanRunner):
     def _current_step(self) -> Step:
         """A new step starts at the first tensor saved after backward began, or on an empty pool."""
         s = self._step
-        if s is None or s.backward_s is not None or self._holds_nothing():
+        if self._between_steps():
             if s is not None and s.forward_s is not None:
                 self._last_forward_s = s.forward_s
             if self.regions.phase == "profiling" and self._steps:
@@ -363,9 +363,12 @@ class Pool(PlanRunner):
                 self._plan_pending = []
         return s
 
-    def _holds_nothing(self) -> bool:
-        """Every tensor saved so far died (a forward with no backward, say): the next save starts a step."""
-        return not self._entries and not self._kept_live
+    def _between_steps(self) -> bool:
+        """The next save starts a step: none yet, its backward began, or every tensor saved so far died
+        (a forward with no backward, say; PlanKept tensors count: a plan keeping everything holds no
+        entry)."""
+        s = self._step
+        return s is None or s.backward_s is not None or (not self._entries and not self._kept_live)
 
     def _region_start(self) -> int | None:
         """Whether a region starting now is captured: None if not, else the step's saves so far (0
@@ -374,7 +377,7 @@ class Pool(PlanRunner):
         calls the plan replays, known by that count: capturing the rest cost ~40 us each on a CPU
         for nothing, on the host that bounds a planned step."""
         s = self._step
-        if s is None or s.backward_s is not None or self._holds_nothing():
+        if self._between_steps():
             if not self._needed_last_step():
                 return None
             start, plan = 0, self._plan if not self._record_full else None
