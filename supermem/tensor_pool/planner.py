@@ -109,9 +109,9 @@ class _Index:
             readers = self.readers.get(s.ordinal, ())
             if not readers or (s.unit in regions and not any(v in regions for v in readers)):
                 self.members.setdefault(s.unit, []).append(s)
-        # region -> the other units whose members its call made (an op replay's, a weight cast's): its
-        # replay computes them anyway, and brings back those away then (Region.rebuild)
-        self.inside: dict[int, list[int]] = {}
+        # unit -> the region whose call made all its members (an op replay's, a weight cast's): that
+        # region's replay computes them anyway, and brings back those away then (Region.rebuild)
+        self.region_of: dict[int, int] = {}
         for u, start in p.unit_start.items():
             if u not in self.members:
                 continue
@@ -119,7 +119,7 @@ class _Index:
             reads = set(p.unit_inputs.get(u, ()))
             for v, ms in self.members.items():
                 if v not in regions and all(start < s.ordinal <= last and s.ordinal not in reads for s in ms):
-                    self.inside.setdefault(u, []).append(v)
+                    self.region_of[v] = u
         self.n = len(p.base_bytes)
 
 
@@ -152,11 +152,11 @@ def simulate(
         for u in units
     }
     free = set()  # units a chosen region's replay brings back before their own rebuild: no cost
-    for u in units & ix.inside.keys():
-        for v in ix.inside[u]:
-            if v in units and own[v] > back[u]:
-                back[v] = back[u]
-                free.add(v)
+    for v in units:
+        r = ix.region_of.get(v)
+        if r in units and own[v] > back[r]:
+            back[v] = back[r]
+            free.add(v)
     for u in units:
         a = p.unit_ready[u]
         for s in ix.members[u]:
@@ -302,7 +302,7 @@ def _best_choice(
             continue
         freed = sum(s.nbytes for s in ms if peak < s.end)
         if freed:
-            cost = 0.0 if any(u in ix.inside.get(r, ()) for r in units) else p.unit_cost_s[u]
+            cost = 0.0 if ix.region_of.get(u) in units else p.unit_cost_s[u]
             cands.append((cost / freed, "recompute", u))
     taken = {s.ordinal for u in units for s in ix.members[u]}
     queue = sorted((ix.by[o].save, sim.land_s[o], p.times_s[deadline[o]]) for o in offloads if o in deadline)
