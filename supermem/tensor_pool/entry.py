@@ -177,11 +177,11 @@ def _check(t: torch.Tensor, now: int, saved: int, shape: torch.Size) -> None:
 def version_watcher(t: torch.Tensor) -> torch.Tensor:
     """A tensor without storage that shares `t`'s version counter (detach() shares it; set_() drops
     the storage; the version set_() added is taken back, so `t`'s own version is unchanged). It lets
-    the pool check a saved tensor's version after the pool let go of its memory."""
+    the pool check a saved tensor's version after the pool let go of its memory. No no_grad(): a
+    detached tensor needs none, and entering it doubled this call, made at every drop."""
     version = t._version
     w = t.detach()
-    with torch.no_grad():
-        w.set_()
+    w.set_()
     _set_version(w, version)
     return w
 
@@ -201,3 +201,10 @@ def movable(t: torch.Tensor) -> bool:
     if t.layout is not torch.strided or t.is_nested or t.is_meta or t.is_quantized or t.is_mkldnn:
         return False
     return not torch._C._functorch.is_functorch_wrapped_tensor(t)
+
+
+def alive_anyway(t: torch.Tensor) -> bool:
+    """Parameters and leaf inputs (and views of them) stay alive through the step: moving them
+    would free nothing."""
+    base = t._base if t._base is not None else t
+    return base.is_leaf and base.requires_grad

@@ -33,7 +33,7 @@ from ..policies import Choice, make_policy
 from ..units import parse_bytes
 from .compiled import CompiledGraphs
 from .copy import CopyEngine
-from .entry import Entry, Kept, PlanKept, State, check_version, movable
+from .entry import Entry, Kept, PlanKept, State, alive_anyway, check_version, movable
 from .host import shared_host_pool
 from .op_replay import OpReplays
 from .plan_run import PlanRunner
@@ -107,6 +107,7 @@ class Pool(PlanRunner):
         self._last_step_s = 0.0  # the last step's measured duration (host clock)
         self._step_peak = 0
         self.treatments = {t.name: t for t in (treatments or (Offload(), Recompute()))}
+        self._settlers = [t for t in self.treatments.values() if type(t).settle is not Treatment.settle]
         host_bytes = _size(
             "host_limit", "50%" if host_limit is None else host_limit, psutil.virtual_memory().total
         )
@@ -225,6 +226,10 @@ class Pool(PlanRunner):
     def _pack(self, t: torch.Tensor) -> Any:
         if self.compiled.saved_by_graph(t):
             return Kept(t)  # moving it would cost time and save nothing: compiled.py
+        if self._plan_ok and self.regions.top() is None:
+            packed = self._lean_pack(t)  # plan_run.py: a running plan's common saves, fast
+            if packed is not None:
+                return packed
         packed = self._pack_tensor(t)
         region = self.regions.top()
         if region is not None:
@@ -234,11 +239,15 @@ class Pool(PlanRunner):
             if isinstance(packed, Entry):
                 self._fit_budget()
             else:  # a small or kept tensor: no fitting, but what finished in the background still goes
-                for treatment in self.treatments.values():
-                    treatment.settle(self)
+                self._settle()
         if not self.cuda:  # region timers on CPU leave the pool's work out (on a GPU they time kernels)
             self._busy_s -= time.perf_counter() - t0
         return packed
+
+    def _settle(self) -> None:
+        """What finished in the background frees (only treatments that work in the background)."""
+        for treatment in self._settlers:
+            treatment.settle(self)
 
     def _pack_tensor(self, t: torch.Tensor) -> Any:
         if not movable(t):
@@ -246,7 +255,7 @@ class Pool(PlanRunner):
         if (
             t.device != self.device
             or t.numel() * t.element_size() < max(self.min_bytes, 1)
-            or _alive_anyway(t)
+            or alive_anyway(t)
         ):
             return Kept(t)  # stays where it is; its version is still checked at unpack
         key = (t.data_ptr(), t.shape, t.stride(), t.dtype, t._version)  # data_ptr: storage + offset
@@ -402,8 +411,7 @@ class Pool(PlanRunner):
             return
         if self._soft is None:
             self._keep_budget()
-        for t in self.treatments.values():
-            t.settle(self)  # what finished in the background frees before the pool measures
+        self._settle()  # what finished in the background frees before the pool measures
         target = self._target()
         over = self._used_bytes() - target
         if over <= 0:
@@ -892,13 +900,6 @@ def _drop_soft_limit(alloc: Any, budget: int) -> None:
             alloc.soft_limit_bytes = 0
     except Exception:  # noqa: BLE001  (interpreter shutdown)
         pass
-
-
-def _alive_anyway(t: torch.Tensor) -> bool:
-    """Parameters and leaf inputs (and views of them) stay alive through the step: moving them
-    would free nothing."""
-    base = t._base if t._base is not None else t
-    return base.is_leaf and base.requires_grad
 
 
 def _weak_method(method: Any) -> Any:
