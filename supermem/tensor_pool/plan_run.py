@@ -65,7 +65,7 @@ class PlanRunner:
         (Pool._pack_tensor) decides, by the same rules. A planned step's forward is host-bound on the
         H100 hosts: the full path's ~25 us a save added 16 ms to GPT-24's 21 ms forward."""
         step = self._step
-        if step.backward_s is not None or not (self._entries or self._kept_live):
+        if step.backward_s is not None or not (self._entries or self._kept_live or self._light_live):
             return None  # this save starts a step (Pool._between_steps)
         if not movable(t):
             return None
@@ -85,6 +85,26 @@ class PlanRunner:
             if key in self._dedup:
                 return None  # saved twice: one entry (the full path)
             return self._plan_kept(t, key, step)
+
+    def _light_end(self, start: int) -> int | None:
+        """Whether the region call starting now (after `start` saves) runs under checkpoint (Plan.light):
+        the step's saves at its end, or None (captured as a Region, if at all)."""
+        plan = self._plan
+        if plan is None or start not in plan.light or self._record_full:
+            return None
+        with self._lock:
+            if start == 0 and self._between_steps():
+                self._current_step()  # the call opens the step: it begins now, not at its first save
+            plan = self._plan
+            if not self._plan_ok or self._rec.full or self._step.ordinals != start:
+                return None
+            return plan.light.get(start)
+
+    def _light_done(self, end: int) -> None:
+        """A call run under checkpoint returned: the step's saves skip to the plan's count at its end."""
+        with self._lock:
+            self._step.ordinals = end
+            self._counters["light_calls"] += 1
 
     def _plan_kept(self, t: Any, key: tuple, step: Step) -> PlanKept | None:
         """The next saved tensor, which the plan keeps and no planned rebuild reads: a PlanKept, not an
@@ -121,7 +141,13 @@ class PlanRunner:
             pass
 
     def _plan_recipe(
-        self, recipe: Any, entries: list[Entry], cost: Any, offloadable: bool = True, start: int | None = None
+        self,
+        recipe: Any,
+        entries: list[Entry],
+        cost: Any,
+        offloadable: bool = True,
+        start: int | None = None,
+        end: int | None = None,
     ) -> None:
         """Tells the step being recorded (planned policy; else nothing) that `recipe` can rebuild
         `entries` from now on, for `cost` seconds (or a call that measures them once the plan is made:
@@ -134,7 +160,7 @@ class PlanRunner:
             return
         own = [x.ordinal for x in entries if x.step is step]
         inputs = [x.ordinal for x in _recipe_inputs(recipe) if x.step is step]
-        rec.recomputable(recipe, cost, own, offloadable, inputs, start)
+        rec.recomputable(recipe, cost, own, offloadable, inputs, start, end)
 
     def _plan_matches(self, e: Entry) -> bool:
         """Whether this step still has the plan's shape; on a change, a cached plan of the new shape
@@ -145,6 +171,8 @@ class PlanRunner:
         for plan in self._plans.values():
             if list(plan.signature[: len(seen)]) == seen:
                 self._plan = plan
+                if not self._rec.full:
+                    self._rec.event_of = plan.event_of
                 return True
         self._plan_ok = False
         return False

@@ -56,6 +56,9 @@ class Plan:
     treatment: dict[int, str] = field(default_factory=dict)  # ordinal -> "offload" | "recompute"
     lean: frozenset[int] = frozenset()  # kept, and no planned rebuild reads them: no entry needed
     region_starts: frozenset[int] = frozenset()  # the regions it replays, by the step's saves before them
+    # regions it replays whole by checkpoint: the step's saves before the call -> at its end (light())
+    light: dict[int, int] = field(default_factory=dict)
+    event_of: dict[tuple[str, int], int] = field(default_factory=dict)  # ("p"|"u", ordinal) -> event
     prefetch_at: dict[int, list[int]] = field(default_factory=dict)  # event -> ordinals to bring back
     wait_at: dict[int, list[int]] = field(default_factory=dict)  # event -> copies that must have landed
     predicted_peak_bytes: int = 0
@@ -267,9 +270,13 @@ def make_plan(p: Profile, budget: int) -> Plan:
         for s in ix.members[u]:
             plan.treatment.setdefault(s.ordinal, "recompute")
     plan.region_starts = frozenset(p.unit_start[u] for u in units if u in p.unit_start)
+    n = len(p.times_s)
+    plan.event_of = {("p", s.ordinal): s.save for s in p.saved}
+    plan.event_of.update((("u", s.ordinal), s.use) for s in p.saved if s.use < n)
     if feasible:  # (an infeasible plan leaves the rest to the reactive fallback: it needs entries)
         read = {o for u in units for o in p.unit_inputs.get(u, ())} | set(plan.treatment)
         plan.lean = frozenset(s.ordinal for s in p.saved if s.ordinal not in read)
+        plan.light = light(p, plan, units)
     plan.untreated_peak_bytes = max((b + t for b, t in zip(p.base_bytes, p.transient_bytes)), default=0)
     plan.untreated_step_s = p.step_s
     plan.predicted_peak_bytes = max(sim.curve, default=0)
@@ -346,3 +353,39 @@ def _best_choice(
         if score < best_score:
             best, best_score = (kind, key, trial), score
     return best
+
+
+def light(p: Profile, plan: Plan, units: set[int]) -> dict[int, int]:
+    """The region calls the plan replays that can run under torch's non-reentrant checkpoint instead:
+    the pool then sees none of the call's saves (no entry, no hook of its own: what made a replayed
+    block cost 2-3x checkpoint's on a host-bound step), and the step's ordinals skip the call's.
+    A call qualifies when the plan offloads none of its saves, no chosen rebuild outside the call reads
+    one, and no prefetch or wait of the plan is keyed to one's save or first use (those events are
+    not seen)."""
+    keyed = set(plan.wait_at) | set(plan.prefetch_at)
+    last: dict[int, int] = {}  # unit -> its last member's ordinal (its members are in save order)
+    first: dict[int, int] = {}
+    for s in p.saved:
+        if s.unit in units:
+            first.setdefault(s.unit, s.ordinal)
+            last[s.unit] = s.ordinal
+    readers: dict[int, set[int]] = {}
+    for v in units:
+        for o in p.unit_inputs.get(v, ()):
+            readers.setdefault(o, set()).add(v)
+    out = {}
+    for u in units:
+        start, end = p.unit_start.get(u), p.unit_end.get(u)
+        if start is None or end is None:
+            continue
+        inside = range(start + 1, end + 1)
+        if any(
+            plan.treatment.get(o) == "offload"
+            or any(not (start < first[v] and last[v] <= end) for v in readers.get(o, ()))
+            or plan.event_of.get(("p", o)) in keyed
+            or plan.event_of.get(("u", o)) in keyed
+            for o in inside
+        ):
+            continue
+        out[start] = end
+    return out

@@ -132,6 +132,8 @@ class Pool(PlanRunner):
         self._device_bytes = 0  # held by entries: resident tensors and away payloads on the device
         self._kept_bytes = 0  # held by the plan's PlanKept tensors (no entries)
         self._kept_live = 0  # PlanKept tensors alive
+        self._light_live = 0  # calls run under checkpoint whose saved tensors autograd still holds
+        self._passthrough = False  # saves not the step's (checkpoint's own of its inputs): left alone
         self._margin = 0  # learned: how far a step's peak rises above the most the pool saw (bytes)
         self._seen_peak = 0  # the most device memory the pool saw in use during this step
         self._busy_s = 0.0  # minus the seconds spent fitting the budget (CPU region timing)
@@ -152,6 +154,7 @@ class Pool(PlanRunner):
                 "backpressure_waits",
                 "plans",
                 "replans",
+                "light_calls",
                 "replays",
             ),
             0,
@@ -224,6 +227,8 @@ class Pool(PlanRunner):
     # ------------------------------------------------------------------ hooks
 
     def _pack(self, t: torch.Tensor) -> Any:
+        if self._passthrough:
+            return t
         if self.compiled.saved_by_graph(t):
             return Kept(t)  # moving it would cost time and save nothing: compiled.py
         if self._plan_ok and self.regions.top() is None:
@@ -364,7 +369,7 @@ class Pool(PlanRunner):
             if self.planning and self.budget_bytes is not None:
                 self._plan_ok = self._plan is not None
                 if self._plan_ok and not self._record_full:
-                    self._rec = EventCounter()  # a plan runs: only its events are counted
+                    self._rec = EventCounter(self._plan.event_of)  # a plan runs: its events only
                 else:
                     self._rec = Recorder(self.cuda, timed=not self._plan_ok)
                 self._rec.regions_on = self.regions.phase == "on"
@@ -377,7 +382,11 @@ class Pool(PlanRunner):
         (a forward with no backward, say; PlanKept tensors count: a plan keeping everything holds no
         entry)."""
         s = self._step
-        return s is None or s.backward_s is not None or (not self._entries and not self._kept_live)
+        return (
+            s is None
+            or s.backward_s is not None
+            or not (self._entries or self._kept_live or self._light_live)
+        )
 
     def _region_start(self) -> int | None:
         """Whether a region starting now is captured: None if not, else the step's saves so far (0
@@ -437,7 +446,8 @@ class Pool(PlanRunner):
                 if ref is not None and (x := ref()) is not None and x.recipe is region
             ]
             regions, module = self.regions, region.module
-            self._plan_recipe(region, own, lambda: regions.cost_s(module), start=region.start)
+            cost = lambda: regions.cost_s(module)  # noqa: E731
+            self._plan_recipe(region, own, cost, start=region.start, end=self._step.ordinals)
         if self._plan_pending:
             still = []
             for ref in self._plan_pending:

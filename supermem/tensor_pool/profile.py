@@ -51,6 +51,7 @@ class Profile:
     unit_cost_s: dict[int, float] = field(default_factory=dict)  # unit -> measured recompute seconds
     unit_inputs: dict[int, tuple[int, ...]] = field(default_factory=dict)  # unit -> ordinals it reads
     unit_start: dict[int, int] = field(default_factory=dict)  # region unit -> the step's saves before it
+    unit_end: dict[int, int] = field(default_factory=dict)  # region unit -> the step's saves at its end
     link_bytes_per_s: float = 25e9
     sync_copies: bool = False  # CPU: copies block the step
     backward_event: int = 0  # the first unpack
@@ -63,14 +64,16 @@ class Profile:
 
 
 class EventCounter:
-    """A plan-running step's events, only counted: the plan's prefetches and waits are keyed by event
-    number. What a Recorder keeps besides is for making a plan, and this step runs one (a step that
-    leaves the plan's shape makes the next steps record in full: PlanRunner._step_ended)."""
+    """A plan-running step's events: the plan's prefetches and waits are keyed by the recorded step's
+    event numbers, which this finds by the save and the first use of each ordinal (`event_of`), not
+    by counting: the saves inside a call the plan checkpoints are not seen. What a Recorder keeps
+    besides is for making a plan, and this step runs one (a step that leaves the plan's shape makes
+    the next steps record in full: PlanRunner._step_ended)."""
 
     full = False
 
-    def __init__(self) -> None:
-        self.events = 0
+    def __init__(self, event_of: dict[tuple[str, int], int] | None = None) -> None:
+        self.event_of = event_of or {}
         self.first_used: set[int] = set()
         self.backward_event: int | None = None
         self.away = 0
@@ -78,17 +81,16 @@ class EventCounter:
         self.regions_on = True
 
     def packed(self, ordinal: int, nbytes: int, used: int) -> int:
-        self.events += 1
-        return self.events - 1
+        return self.event_of.get(("p", ordinal), -1)
 
     def used(self, ordinal: int, used: int) -> int | None:
         if ordinal in self.first_used:
             return None
         self.first_used.add(ordinal)
-        self.events += 1
+        event = self.event_of.get(("u", ordinal), -1)
         if self.backward_event is None:
-            self.backward_event = self.events - 1
-        return self.events - 1
+            self.backward_event = event
+        return event
 
     def died(self, ordinal: int) -> None:
         pass
@@ -115,6 +117,7 @@ class Recorder:
         # ordinals; kind; a region's start). Not the recipe itself: a region holds its inputs' entries,
         # which must die with the step.
         self.units: dict[int, tuple[Any, list[int], int, list[int], str, int | None]] = {}
+        self.unit_ends: dict[int, int] = {}  # id(recipe) -> a region's saves at its call's end
         self.backward_event: int | None = None
         # Seconds the step lost to the reactive fallback so far (rebuilds and copies it waited for): the
         # plan replaces those choices, so the timeline and the step's time are taken without them.
@@ -173,12 +176,15 @@ class Recorder:
         offloadable: bool,
         inputs: Any = (),
         start: int | None = None,
+        end: int | None = None,
     ) -> None:
         """`ordinals` may be dropped and rebuilt by `recipe` from the next event on, for `cost`
         seconds (or what `cost()` measures once the plan is made), reading the saved tensors `inputs`
         (ordinals of this step; others, a parameter say, are always there). `start`: a region's, the
-        step's saves before its call."""
+        step's saves before its call, `end` at its end."""
         unit = self.units.setdefault(id(recipe), (cost, [], self.events, [], type(recipe).__name__, start))
+        if end is not None:
+            self.unit_ends[id(recipe)] = end
         unit[1].extend(o for o in ordinals if o in self.saved)
         unit[3].extend(o for o in inputs if o in self.saved and o not in ordinals)
         for o in ordinals:
@@ -224,7 +230,7 @@ class Recorder:
             p.transient_bytes[p.backward_event] = spike_bytes
         for i, demand in self.pressure:
             p.transient_bytes[i] = max(p.transient_bytes[i], demand - p.base_bytes[i])
-        for k, (cost, ordinals, ready, inputs, kind, start) in enumerate(self.units.values()):
+        for k, (key, (cost, ordinals, ready, inputs, kind, start)) in enumerate(self.units.items()):
             if callable(cost):
                 cost = cost()
             if cost is None or not ordinals:
@@ -236,6 +242,8 @@ class Recorder:
             p.unit_inputs[k] = tuple(dict.fromkeys(inputs))
             if start is not None:
                 p.unit_start[k] = start
+            if key in self.unit_ends:
+                p.unit_end[k] = self.unit_ends[key]
             for o in ordinals:
                 self.saved[o].unit = k
         return p

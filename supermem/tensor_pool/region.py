@@ -33,6 +33,12 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from .call_state import CallState
 from .entry import Entry, State, _set_version
 
+try:  # the generator torch.utils.checkpoint(use_reentrant=False) runs: a call split over two hooks
+    from torch.utils.checkpoint import _checkpoint_without_reentrant_generator as _checkpoint_call
+    from torch.utils.checkpoint import noop_context_fn
+except ImportError:  # pragma: no cover  (an older torch: no call runs under checkpoint, Plan.light unused)
+    _checkpoint_call = None
+
 if TYPE_CHECKING:
     from .pool import Pool
 
@@ -166,18 +172,14 @@ class Region:
                 raise _Stop
             return None
 
-        buffers = [(b, b.detach().clone(), b._version) for b in _buffers(self.module, [])]
+        buffers = _saved_buffers(self.module)
         try:
             with self.state.replay(), torch.autograd.graph.saved_tensors_hooks(pack, _no_unpack):
                 pool.regions.call(self.module, args, kwargs)
         except _Stop:
             pass
         finally:
-            if buffers:  # batch_norm updates its statistics without a version bump
-                with torch.no_grad():
-                    for b, saved, version in buffers:
-                        b.copy_(saved)
-                        _set_version(b, version)
+            _put_back(buffers)
         if want:
             raise RuntimeError(
                 f"supermem: replaying {type(self.module).__name__} saved fewer tensors than its first "
@@ -187,6 +189,35 @@ class Region:
 
 def _no_unpack(_: Any) -> None:
     return None
+
+
+def _saved_buffers(module: torch.nn.Module) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
+    return [(b, b.detach().clone(), b._version) for b in _buffers(module, [])]
+
+
+def _put_back(buffers: list[tuple[torch.Tensor, torch.Tensor, int]]) -> None:
+    """After a replay: batch_norm updated its statistics again, without a version bump."""
+    if buffers:
+        with torch.no_grad():
+            for b, saved, version in buffers:
+                b.copy_(saved)
+                _set_version(b, version)
+
+
+class _Alive:
+    """Held by the rebuild of a call run under checkpoint, so by the autograd graph: the step is not
+    over while one lives (Pool._between_steps), though the pool holds none of its saved tensors."""
+
+    __slots__ = ("pool",)
+
+    def __init__(self, pool: Pool):
+        self.pool = weakref.ref(pool)
+        pool._light_live += 1
+
+    def __del__(self) -> None:
+        pool = self.pool()
+        if pool is not None:
+            pool._light_live -= 1
 
 
 def _buffers(module: torch.nn.Module, out: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -398,13 +429,47 @@ class Regions:
         start = pool._region_start()
         if start is None:
             return
+        end = pool._light_end(start) if _checkpoint_call is not None else None
+        if end is not None:
+            self._light(module, args, kwargs, pool, end)
+            return
         cost = self._costs.setdefault(id(module), [0.0, 0, []])
         timed = cost[1] + len(cost[2]) < COST_SAMPLES
         region = Region(module, args, kwargs, pool, timed)
         region.start = start
         self._stack().append(region)
 
+    def _light(self, module: torch.nn.Module, args: tuple, kwargs: dict, pool: Pool, end: int) -> None:
+        """The call runs under torch's non-reentrant checkpoint (Plan.light): its saves go to
+        checkpoint's hooks, not the pool's; in backward checkpoint calls it again by `call` (RNG and
+        autocast state as checkpoint keeps them, buffers put back after)."""
+        alive = _Alive(pool)
+
+        def again(*a: Any, **k: Any) -> Any:
+            buffers = _saved_buffers(module)
+            try:
+                return self.call(module, a, k)
+            finally:
+                _put_back(buffers)
+
+        again.alive = alive  # type: ignore[attr-defined]  (lives as long as checkpoint's frame)
+        call = _checkpoint_call(again, True, noop_context_fn, "default", False, True, *args, **kwargs)
+        pool._passthrough = True  # checkpoint saves the call's inputs itself: not the step's saves
+        try:
+            next(call)
+        finally:
+            pool._passthrough = False
+        self._local.__dict__.setdefault("light", []).append((module, call, end))
+
     def _post(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        light = getattr(self._local, "light", None)
+        if light and light[-1][0] is module:
+            _, call, end = light.pop()
+            next(call, None)  # checkpoint's hooks end here
+            pool = self._pool()
+            if pool is not None:
+                pool._light_done(end)
+            return
         st = getattr(self._local, "stack", None)
         if not st or not isinstance(st[-1], Region) or st[-1].module is not module:
             return

@@ -346,12 +346,21 @@ def test_a_running_plan_captures_only_the_regions_it_replays(monkeypatch):
         real(s)
 
     pool._step_ended = step_ended
+    light = pool._light_done
+
+    def light_done(end):  # a call the plan replays run under checkpoint: no Region object either
+        made.append(None)
+        light(end)
+
+    pool._light_done = light_done
     params = train(pool, batches)
     assert all(torch.equal(a, b) for a, b in zip(ref, params))
     plan = pool._plan
     assert plan.feasible and plan.region_starts and pool.stats()["recomputes"] > 0
     assert pool.stats()["plan"]["measured_peak_bytes"] <= budget
-    running = [n for n, r in zip(per_step, ran) if r]
+    # From the second planned step: a step's first call (at its start) is counted into the step before
+    # it, and the first planned step's comes before its plan existed (a capture, a checkpoint after).
+    running = [n for n, r in zip(per_step, ran) if r][1:]
     assert running and all(n == len(plan.region_starts) < 6 for n in running), (per_step, ran)
 
 

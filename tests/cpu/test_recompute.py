@@ -542,3 +542,41 @@ def test_a_region_replay_brings_back_what_op_replays_would_rebuild(monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(ref, run(pool)))
     # per block and step: one region replay and the GELU's op replay that asked for it
     assert calls["region"] > 0 and calls["op"] == calls["region"], calls
+
+
+class _Block(nn.Module):
+    """x + f(x): a block the plan replays whole (its input is the only tensor it reads from outside)."""
+
+    def __init__(self, kind, d=64):
+        super().__init__()
+        if kind == "dropout":  # RNG: the rebuild must draw the same mask
+            self.f = nn.Sequential(nn.Linear(d, 4 * d), nn.Dropout(0.2), nn.GELU(), nn.Linear(4 * d, d))
+        elif kind == "batchnorm":  # buffers: checkpoint's rebuild updates the statistics a second time
+            self.f = nn.Sequential(nn.Linear(d, 4 * d), nn.BatchNorm1d(4 * d), nn.Tanh(), nn.Linear(4 * d, d))
+        else:
+            self.f = nn.Sequential(nn.Linear(d, 4 * d), nn.Tanh(), nn.Linear(4 * d, d))
+
+    def forward(self, x):
+        return x + self.f(x)
+
+
+@pytest.mark.parametrize("kind", ["plain", "dropout", "batchnorm"])
+@pytest.mark.parametrize("autocast", [False, True])
+def test_a_plan_runs_the_blocks_it_replays_under_checkpoint_bitwise(kind, autocast):
+    """Plan.light: a block call the plan replays whole runs under torch's non-reentrant checkpoint (the
+    pool makes no entry for what it saves). Dropout's RNG, autocast and BatchNorm's statistics (put
+    back after checkpoint's rebuild) stay bitwise plain PyTorch's, and the step stays under budget."""
+    from supermem.tensor_pool.treatments import Recompute
+
+    build = lambda: nn.Sequential(*[_Block(kind) for _ in range(6)])  # noqa: E731
+    batch = lambda g: (torch.randn(32, 64, generator=g), None)  # noqa: E731
+    full = Pool(budget="1GiB", policy="planned")
+    train_steps(build, batch, full, 3, autocast)
+    # a quarter: bf16 blocks also offer op replays and weight casts, which a plan takes first
+    budget = full.stats()["plan"]["measured_peak_bytes"] // (4 if autocast else 2)
+    pool = Pool(budget=budget, policy="planned", treatments=(Recompute(),))
+    ref = train_steps(build, batch, None, 6, autocast)
+    assert same(ref, train_steps(build, batch, pool, 6, autocast))
+    s = pool.stats()
+    assert s["light_calls"] > 0 and s["plan"]["feasible"], s
+    assert s["plan"]["measured_peak_bytes"] <= budget, s
