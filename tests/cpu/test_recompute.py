@@ -580,3 +580,51 @@ def test_a_plan_runs_the_blocks_it_replays_under_checkpoint_bitwise(kind, autoca
     s = pool.stats()
     assert s["light_calls"] > 0 and s["plan"]["feasible"], s
     assert s["plan"]["measured_peak_bytes"] <= budget, s
+
+
+def test_blocks_run_under_checkpoint_survive_retain_graph_a_forward_alone_and_an_exception():
+    """Plan.light in the orders a user may take: two grads of one forward (retain_graph), a forward
+    with no backward (the step ends when its tensors die), a block that raises mid-forward (no hook is
+    left pushed), then training again: blocks run under checkpoint again."""
+    from supermem.tensor_pool.treatments import Recompute
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[_Block("dropout") for _ in range(6)])
+    x = torch.randn(32, 64)
+    loss = lambda: model(x).square().mean()  # noqa: E731
+    full = Pool(budget="1GiB", policy="planned")
+    for _ in range(3):
+        with full:
+            loss().backward()
+    pool = Pool(
+        budget=full.stats()["plan"]["measured_peak_bytes"] // 2, policy="planned", treatments=(Recompute(),)
+    )
+    for _ in range(4):
+        with pool:
+            loss().backward()
+    ran = pool.stats()["light_calls"]
+    assert ran > 0
+    with pool:
+        out = loss()
+        params = list(model.parameters())
+        first = torch.autograd.grad(out, params, retain_graph=True)
+        assert all(torch.equal(a, b) for a, b in zip(first, torch.autograd.grad(out, params)))
+    with pool:
+        loss()  # no backward
+    gc.collect()
+    assert pool._light_live == 0
+
+    def boom(_):
+        raise ValueError("boom")
+
+    model[3].forward = boom
+    with pytest.raises(ValueError, match="boom"), pool:
+        loss().backward()
+    del model[3].forward
+    gc.collect()
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    before = pool.stats()["light_calls"]
+    for _ in range(2):  # the step after a broken one may record again (it left the plan's shape)
+        with pool:
+            loss().backward()
+    assert pool.stats()["light_calls"] > before and pool._light_live == 0
