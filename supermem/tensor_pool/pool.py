@@ -446,8 +446,9 @@ class Pool(PlanRunner):
                 if ref is not None and (x := ref()) is not None and x.recipe is region
             ]
             regions, module = self.regions, region.module
-            cost = lambda: regions.cost_s(module)  # noqa: E731
-            self._plan_recipe(region, own, cost, start=region.start, end=self._step.ordinals)
+            self._plan_recipe(
+                region, own, lambda: regions.cost_s(module), start=region.start, end=self._step.ordinals
+            )
         if self._plan_pending:
             still = []
             for ref in self._plan_pending:

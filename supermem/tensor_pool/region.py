@@ -212,12 +212,14 @@ class _Alive:
 
     def __init__(self, pool: Pool):
         self.pool = weakref.ref(pool)
-        pool._light_live += 1
+        with pool._lock:
+            pool._light_live += 1
 
     def __del__(self) -> None:
         pool = self.pool()
-        if pool is not None:
-            pool._light_live -= 1
+        if pool is not None:  # (autograd's thread may free the graph)
+            with pool._lock:
+                pool._light_live -= 1
 
 
 def _buffers(module: torch.nn.Module, out: list[torch.Tensor]) -> list[torch.Tensor]:
