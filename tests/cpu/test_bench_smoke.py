@@ -142,3 +142,23 @@ def test_a_profile_plan_diag_keeps_is_planned_again_offline_the_same(tmp_path):
         made,
         line,
     )
+
+
+def test_step_phases_prints_each_rows_phases_beside_native_and_checkpointing():
+    """tools/step_phases.py: native, the planned pool at a budget, checkpointing the first blocks and
+    native again, each with its host time per phase (on a GPU also the GPU's), in one process."""
+    tools = os.path.join(os.path.dirname(__file__), "..", "..", "tools")
+    run = subprocess.run(
+        [sys.executable, os.path.join(tools, "step_phases.py"), "gpt-quick", "0.6"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    rows = {line[:16].strip(): line for line in run.stdout.splitlines() if " wall " in line}
+    assert set(rows) == {"native", "planned 0.6", "ckpt first 1", "native again"}, run.stdout
+    for line in rows.values():
+        host = line.split("| host ")[1].split()  # fwd F bwd B opt O
+        fwd, bwd = float(host[1]), float(host[3])
+        assert fwd > 0 and bwd > 0, line
+    assert "x native" in run.stdout
