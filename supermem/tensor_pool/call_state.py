@@ -27,6 +27,24 @@ def sdpa_backends() -> tuple[bool, ...]:
     return tuple(get() for get in _SDPA_GET)
 
 
+def switch_sdpa(backends: tuple[bool, ...] | None) -> list[tuple[Any, bool]]:
+    """Enables the attention backends as `backends` says (None: leaves them), switching only those that
+    differ; returns what put_back_sdpa needs to undo it."""
+    switched = []
+    if backends is not None:
+        for get, set_, on in zip(_SDPA_GET, _SDPA_SET, backends):
+            was = get()
+            if was != on:
+                set_(on)
+                switched.append((set_, was))
+    return switched
+
+
+def put_back_sdpa(switched: list[tuple[Any, bool]]) -> None:
+    for set_, was in reversed(switched):
+        set_(was)
+
+
 class CallState:
     """Captured at a call; `with state.replay():` runs code under it (grad on)."""
 
@@ -69,12 +87,7 @@ class _Replay:
             if c.rng_cuda is not None:
                 torch.cuda.set_rng_state(c.rng_cuda, c.device)
             self._enter_autocast(c)
-            if c.sdpa is not None:
-                for get, set_, on in zip(_SDPA_GET, _SDPA_SET, c.sdpa):
-                    was = get()
-                    if was != on:
-                        set_(on)
-                        self.sdpa.append((set_, was))
+            self.sdpa = switch_sdpa(c.sdpa)
             torch._C._set_grad_enabled(True)
         except BaseException:
             self.__exit__(None, None, None)
@@ -100,8 +113,7 @@ class _Replay:
 
     def __exit__(self, *exc: Any) -> None:
         torch._C._set_grad_enabled(self.grad)
-        for set_, was in reversed(self.sdpa):
-            set_(was)
+        put_back_sdpa(self.sdpa)
         for x in reversed(self.autocast):
             if isinstance(x, torch.autocast):
                 x.__exit__(None, None, None)

@@ -30,7 +30,7 @@ import torch
 from torch.nn.modules import module as _nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .call_state import CallState
+from .call_state import CallState, put_back_sdpa, sdpa_backends, switch_sdpa
 from .entry import Entry, State, _set_version
 
 try:  # the generator torch.utils.checkpoint(use_reentrant=False) runs: a call split over two hooks
@@ -426,8 +426,8 @@ class Regions:
 
     def _pre(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         pool = self._pool()
-        if pool is None or not self._capturing(pool):
-            return
+        if pool is None or not self._capturing(pool) or getattr(self._local, "light", None):
+            return  # (inside a call run under checkpoint, whose saves the pool does not see)
         start = pool._region_start()
         if start is None:
             return
@@ -444,14 +444,18 @@ class Regions:
     def _light(self, module: torch.nn.Module, args: tuple, kwargs: dict, pool: Pool, end: int) -> None:
         """The call runs under torch's non-reentrant checkpoint (Plan.light): its saves go to
         checkpoint's hooks, not the pool's; in backward checkpoint calls it again by `call` (RNG and
-        autocast state as checkpoint keeps them, buffers put back after)."""
+        autocast state as checkpoint keeps them; the attention backends of the call, which checkpoint
+        does not keep, as a Region's replay; buffers put back after)."""
         alive = _Alive(pool)
+        sdpa = sdpa_backends() if pool.cuda else None
 
         def again(*a: Any, **k: Any) -> Any:
             buffers = _saved_buffers(module)
+            switched = switch_sdpa(sdpa)
             try:
                 return self.call(module, a, k)
             finally:
+                put_back_sdpa(switched)
                 _put_back(buffers)
 
         again.alive = alive  # type: ignore[attr-defined]  (lives as long as checkpoint's frame)
