@@ -208,3 +208,8 @@ def alive_anyway(t: torch.Tensor) -> bool:
     would free nothing."""
     base = t._base if t._base is not None else t
     return base.is_leaf and base.requires_grad
+
+
+def dedup_key(t: torch.Tensor) -> tuple:
+    """A saved tensor's identity for the pool (saved twice, one entry); data_ptr: storage + offset."""
+    return (t.data_ptr(), t.shape, t.stride(), t.dtype, t._version)

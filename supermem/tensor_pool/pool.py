@@ -33,7 +33,7 @@ from ..policies import Choice, make_policy
 from ..units import parse_bytes
 from .compiled import CompiledGraphs
 from .copy import CopyEngine
-from .entry import Entry, Kept, PlanKept, State, alive_anyway, check_version, movable
+from .entry import Entry, Kept, PlanKept, State, alive_anyway, check_version, dedup_key, movable
 from .host import shared_host_pool
 from .op_replay import OpReplays
 from .plan_run import PlanRunner
@@ -254,16 +254,25 @@ class Pool(PlanRunner):
         for treatment in self._settlers:
             treatment.settle(self)
 
-    def _pack_tensor(self, t: torch.Tensor) -> Any:
+    def _left_alone(self, t: torch.Tensor) -> Any:
+        """What the pool does not track: `t` itself where it is not ours to move (sparse, nested, meta,
+        subclasses: no version to check either), a Kept where moving it frees nothing or is not worth
+        it (its version still checked at unpack); None for a tensor the pool tracks."""
         if not movable(t):
-            return t  # sparse, nested, meta, subclasses: not ours to move (and no version to check)
+            return t
         if (
             t.device != self.device
             or t.numel() * t.element_size() < max(self.min_bytes, 1)
             or alive_anyway(t)
         ):
-            return Kept(t)  # stays where it is; its version is still checked at unpack
-        key = (t.data_ptr(), t.shape, t.stride(), t.dtype, t._version)  # data_ptr: storage + offset
+            return Kept(t)
+        return None
+
+    def _pack_tensor(self, t: torch.Tensor) -> Any:
+        left = self._left_alone(t)
+        if left is not None:
+            return left
+        key = dedup_key(t)
         with self._lock:
             step = self._current_step()
             self._tick += 1
