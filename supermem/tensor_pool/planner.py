@@ -276,7 +276,7 @@ def make_plan(p: Profile, budget: int) -> Plan:
     if feasible:  # (an infeasible plan leaves the rest to the reactive fallback: it needs entries)
         read = {o for u in units for o in p.unit_inputs.get(u, ())} | set(plan.treatment)
         plan.lean = frozenset(s.ordinal for s in p.saved if s.ordinal not in read)
-        plan.light = light(p, plan, units)
+        plan.light = light(p, plan, units, ix)
     plan.untreated_peak_bytes = max((b + t for b, t in zip(p.base_bytes, p.transient_bytes)), default=0)
     plan.untreated_step_s = p.step_s
     plan.predicted_peak_bytes = max(sim.curve, default=0)
@@ -355,7 +355,7 @@ def _best_choice(
     return best
 
 
-def light(p: Profile, plan: Plan, units: set[int]) -> dict[int, int]:
+def light(p: Profile, plan: Plan, units: set[int], ix: _Index) -> dict[int, int]:
     """The region calls the plan replays that can run under torch's non-reentrant checkpoint instead:
     the pool then sees none of the call's saves (no entry each: on a host-bound step those cost more
     than the replay; tiny GPT-24 on this CPU, the pool at 50% +22 ms, checkpointing half its blocks
@@ -370,10 +370,6 @@ def light(p: Profile, plan: Plan, units: set[int]) -> dict[int, int]:
         if s.unit in units:
             first.setdefault(s.unit, s.ordinal)
             last[s.unit] = s.ordinal
-    readers: dict[int, set[int]] = {}
-    for v in units:
-        for o in p.unit_inputs.get(v, ()):
-            readers.setdefault(o, set()).add(v)
     out = {}
     for u in units:
         start, end = p.unit_start.get(u), p.unit_end.get(u)
@@ -382,7 +378,7 @@ def light(p: Profile, plan: Plan, units: set[int]) -> dict[int, int]:
         inside = range(start + 1, end + 1)
         if any(
             plan.treatment.get(o) == "offload"
-            or any(not (start < first[v] and last[v] <= end) for v in readers.get(o, ()))
+            or any(v in units and not (start < first[v] and last[v] <= end) for v in ix.readers.get(o, ()))
             or plan.event_of.get(("p", o)) in keyed
             or plan.event_of.get(("u", o)) in keyed
             for o in inside

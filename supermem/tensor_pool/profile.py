@@ -114,10 +114,9 @@ class Recorder:
         self.saved: dict[int, Saved] = {}  # ordinal -> record
         self.away = 0  # bytes of this step's entries off the device now
         # id(recipe) -> (its cost in seconds, or a call that measures it; ordinals; ready event; input
-        # ordinals; kind; a region's start). Not the recipe itself: a region holds its inputs' entries,
-        # which must die with the step.
-        self.units: dict[int, tuple[Any, list[int], int, list[int], str, int | None]] = {}
-        self.unit_ends: dict[int, int] = {}  # id(recipe) -> a region's saves at its call's end
+        # ordinals; kind; a region's start and end). Not the recipe itself: a region holds its inputs'
+        # entries, which must die with the step.
+        self.units: dict[int, tuple[Any, list[int], int, list[int], str, int | None, int | None]] = {}
         self.backward_event: int | None = None
         # Seconds the step lost to the reactive fallback so far (rebuilds and copies it waited for): the
         # plan replaces those choices, so the timeline and the step's time are taken without them.
@@ -182,9 +181,8 @@ class Recorder:
         seconds (or what `cost()` measures once the plan is made), reading the saved tensors `inputs`
         (ordinals of this step; others, a parameter say, are always there). `start`: a region's, the
         step's saves before its call, `end` at its end."""
-        unit = self.units.setdefault(id(recipe), (cost, [], self.events, [], type(recipe).__name__, start))
-        if end is not None:
-            self.unit_ends[id(recipe)] = end
+        kind = type(recipe).__name__
+        unit = self.units.setdefault(id(recipe), (cost, [], self.events, [], kind, start, end))
         unit[1].extend(o for o in ordinals if o in self.saved)
         unit[3].extend(o for o in inputs if o in self.saved and o not in ordinals)
         for o in ordinals:
@@ -230,7 +228,7 @@ class Recorder:
             p.transient_bytes[p.backward_event] = spike_bytes
         for i, demand in self.pressure:
             p.transient_bytes[i] = max(p.transient_bytes[i], demand - p.base_bytes[i])
-        for k, (key, (cost, ordinals, ready, inputs, kind, start)) in enumerate(self.units.items()):
+        for k, (cost, ordinals, ready, inputs, kind, start, end) in enumerate(self.units.values()):
             if callable(cost):
                 cost = cost()
             if cost is None or not ordinals:
@@ -242,8 +240,8 @@ class Recorder:
             p.unit_inputs[k] = tuple(dict.fromkeys(inputs))
             if start is not None:
                 p.unit_start[k] = start
-            if key in self.unit_ends:
-                p.unit_end[k] = self.unit_ends[key]
+            if end is not None:
+                p.unit_end[k] = end
             for o in ordinals:
                 self.saved[o].unit = k
         return p
