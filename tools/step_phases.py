@@ -10,48 +10,33 @@ What it found on an H100 (session 8): a planned GPT-24 step's forward is host-bo
 GPU 21; keeping everything: host 28; at 75%: host 42), its backward GPU-bound.
 """
 
-import contextlib
 import sys
 import time
 
 import torch
 
 import supermem
-from supermem.bench.models import PRESETS, Trainer, loss_fn
+from supermem.bench.models import PRESETS, Trainer
 
 STEPS = 8  # timed steps a row; the fastest is printed, with the median
 
 
-def step_phases(tr: Trainer, ctx) -> tuple[float, list[float], list[float]]:
-    """One step: its wall ms, host ms per phase, and (GPU) ms until the GPU finished each phase."""
+def step_phases(tr: Trainer, ctx) -> tuple[float, list[float], list[float] | None]:
+    """One step (Trainer.step, marked at its start and after the loss, backward and the optimizer): its
+    wall ms, host ms per phase, and on a GPU the ms until the GPU finished each phase (None on a CPU)."""
     cuda = tr.device.type == "cuda"
-    if cuda:
-        torch.cuda.synchronize()
-        events = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
-        events[0].record()
-    marks = [time.perf_counter()]
+    marks, events = [], []
 
-    def mark(i: int) -> None:
+    def mark() -> None:
         marks.append(time.perf_counter())
         if cuda:
-            events[i].record()
+            events.append(torch.cuda.Event(enable_timing=True))
+            events[-1].record()
 
-    with ctx if ctx is not None else contextlib.nullcontext():
-        with torch.autocast(tr.device.type, dtype=torch.bfloat16, enabled=tr.bf16):
-            out = tr.model(tr.x)
-        loss = loss_fn(out, tr.y)
-        mark(1)
-        loss.backward()
-    mark(2)
-    tr.opt.step()
-    tr.opt.zero_grad(set_to_none=True)
-    mark(3)
-    if cuda:
-        torch.cuda.synchronize()
-    wall_ms = (time.perf_counter() - marks[0]) * 1e3
+    wall_s = tr.step(ctx, mark=mark)
     host = [(marks[i + 1] - marks[i]) * 1e3 for i in range(3)]
     gpu = [events[i].elapsed_time(events[i + 1]) for i in range(3)] if cuda else None
-    return wall_ms, host, gpu
+    return wall_s * 1e3, host, gpu
 
 
 def row(label: str, tr: Trainer, ctx=None) -> float:

@@ -164,6 +164,10 @@ PRESETS: dict[str, Preset] = {
 }
 
 
+def _nothing() -> None:
+    pass
+
+
 def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(out.float().reshape(-1, out.shape[-1]), y.reshape(-1))
 
@@ -190,17 +194,25 @@ class Trainer:
         x, y = preset.batch(device, torch.Generator().manual_seed(0))
         return cls(model, x, y, preset.bf16)
 
-    def step(self, ctx: Any = None) -> float:
+    def step(self, ctx: Any = None, mark: Callable[[], None] | None = None) -> float:
+        """`mark`: called at the step's start (after the device sync), after the loss, after backward
+        and after the optimizer (phase timing: tools/step_phases.py)."""
         cuda = self.device.type == "cuda"
+        mark = mark or _nothing
         if cuda:
             torch.cuda.synchronize(self.device)
         t0 = time.perf_counter()
+        mark()
         with ctx if ctx is not None else contextlib.nullcontext():
             with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
                 out = self.model(self.x)
-            loss_fn(out, self.y).backward()
+            loss = loss_fn(out, self.y)
+            mark()
+            loss.backward()
+        mark()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
+        mark()
         self.host_s = time.perf_counter() - t0
         if cuda:
             torch.cuda.synchronize(self.device)
