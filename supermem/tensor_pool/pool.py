@@ -272,6 +272,7 @@ class Pool(PlanRunner):
         left = self._left_alone(t)
         if left is not None:
             return left
+        t0 = time.perf_counter()
         key = dedup_key(t)
         with self._lock:
             step = self._current_step()
@@ -305,6 +306,8 @@ class Pool(PlanRunner):
             self._tick += 1
             e.last_use = self._tick
             if self._rec is not None:
+                if self._rec.full:  # what an entry costs the host to make (its units' price: profile.py)
+                    self._rec.entry_s.append(time.perf_counter() - t0)
                 self._planned_pack(e)
             return e
 

@@ -52,6 +52,7 @@ class Profile:
     unit_inputs: dict[int, tuple[int, ...]] = field(default_factory=dict)  # unit -> ordinals it reads
     unit_start: dict[int, int] = field(default_factory=dict)  # region unit -> the step's saves before it
     unit_end: dict[int, int] = field(default_factory=dict)  # region unit -> the step's saves at its end
+    entry_s: float = 0.0  # host seconds to make one entry, in each non-region unit's cost per member
     link_bytes_per_s: float = 25e9
     sync_copies: bool = False  # CPU: copies block the step
     backward_event: int = 0  # the first unpack
@@ -117,6 +118,7 @@ class Recorder:
         # ordinals; kind; a region's start and end). Not the recipe itself: a region holds its inputs'
         # entries, which must die with the step.
         self.units: dict[int, tuple[Any, list[int], int, list[int], str, int | None, int | None]] = {}
+        self.entry_s: list[float] = []  # host seconds to make each entry (Pool._pack_tensor)
         self.backward_event: int | None = None
         # Seconds the step lost to the reactive fallback so far (rebuilds and copies it waited for): the
         # plan replaces those choices, so the timeline and the step's time are taken without them.
@@ -198,9 +200,13 @@ class Recorder:
         host_copy_s: float = 0.0,
     ) -> Profile:
         """`host_s(kind)`: host seconds of one rebuild of that kind of recipe; a unit costs the larger of
-        its device and host seconds (where the host is the slower side, the host's are the step's).
-        `host_copy_s`: host seconds to issue one copy."""
+        its device and host seconds (where the host is the slower side, the host's are the step's),
+        plus, but for a region (a plan runs those under checkpoint: Plan.light), what making an entry
+        of each member costs the host in the forward (the median this step took to make one): a
+        planned step's forward is host-bound on the H100 hosts, ~55 us an entry against a GELU's
+        0.05 ms replay. `host_copy_s`: host seconds to issue one copy."""
         n = self.events
+        entry_s = sorted(self.entry_s)[len(self.entry_s) // 2] if self.entry_s else 0.0
         if self.start_event is not None:
             self.times[-1].synchronize()
             times = [self.start_event.elapsed_time(e) / 1e3 for e in self.times]
@@ -223,6 +229,7 @@ class Recorder:
             backward_event=self.backward_event if self.backward_event is not None else n,
             step_s=time.perf_counter() - self.start_s - self.fallback_s,
             host_copy_s=host_copy_s,
+            entry_s=entry_s,
         )
         if p.backward_event < n:
             p.transient_bytes[p.backward_event] = spike_bytes
@@ -235,6 +242,8 @@ class Recorder:
                 continue
             if host_s is not None:
                 cost = max(cost, host_s(kind))
+            if kind != "Region":
+                cost += len(set(ordinals)) * entry_s
             p.unit_ready[k] = ready
             p.unit_cost_s[k] = cost
             p.unit_inputs[k] = tuple(dict.fromkeys(inputs))

@@ -567,6 +567,33 @@ def test_a_unit_costs_the_larger_of_its_device_and_host_seconds():
     assert sorted(p.unit_cost_s.values()) == [1e-4, 2e-3]
 
 
+def test_each_member_of_a_unit_but_a_region_adds_what_making_an_entry_cost_the_host():
+    """A planned step's forward is host-bound on the H100 hosts (~55 us to make an entry): a unit's
+    price adds the step's median entry cost per member, but for a region, which a plan runs under
+    checkpoint with no entry (Plan.light)."""
+
+    class OpReplay:
+        pass
+
+    class Region:
+        pass
+
+    from supermem.tensor_pool.profile import Recorder
+
+    rec = Recorder(cuda=False, timed=False)
+    op, region = OpReplay(), Region()
+    for o in (1, 2, 3, 4):
+        rec.packed(o, MiB, o * MiB)
+    rec.recomputable(op, 1e-5, [1, 2], offloadable=True)
+    rec.recomputable(region, 2e-3, [3, 4], offloadable=True)
+    rec.entry_s += [50e-6, 60e-6, 1e-3]  # the median: one slow entry does not set the price
+    for o in (4, 3, 2, 1):
+        rec.used(o, o * MiB)
+    p = rec.profile(0, 1e9, sync_copies=True)
+    assert sorted(p.unit_cost_s.values()) == pytest.approx([1e-5 + 2 * 60e-6, 2e-3])
+    assert p.entry_s == 60e-6
+
+
 def test_a_rebuilds_host_seconds_leave_out_the_rebuilds_and_pressure_calls_inside_it(monkeypatch):
     """Pool._frame_end: an outer rebuild's own host seconds are its time less its inner frames'."""
     import importlib
