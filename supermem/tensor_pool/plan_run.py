@@ -170,6 +170,7 @@ class PlanRunner:
                     self._rec.event_of = plan.event_of
                 return True
         self._plan_ok = False
+        self._counters["plan_misses"] += 1
         return False
 
     def _plan_expects(self, ordinal: int, nbytes: int) -> bool:

@@ -361,8 +361,10 @@ def light(p: Profile, plan: Plan, units: set[int], ix: _Index) -> dict[int, int]
     than the replay; tiny GPT-24 on this CPU, the pool at 50% +22 ms, checkpointing half its blocks
     +8.6 ms), and the step's ordinals skip the call's.
     A call qualifies when the plan offloads none of its saves, no chosen rebuild outside the call reads
-    one, and no prefetch or wait of the plan is keyed to one's save or first use (those events are
-    not seen)."""
+    one, no prefetch or wait of the plan is keyed to one's save or first use (those events are not
+    seen), and none is saved again after the call (there the recorded step made no new ordinal, the
+    running one would: a ResNet block's output, saved by the next block's first conv, made every
+    later save of the step miss the plan)."""
     keyed = set(plan.wait_at) | set(plan.prefetch_at)
     last: dict[int, int] = {}  # unit -> its last member's ordinal (its members are in save order)
     first: dict[int, int] = {}
@@ -381,6 +383,7 @@ def light(p: Profile, plan: Plan, units: set[int], ix: _Index) -> dict[int, int]
             or any(v in units and not (start < first[v] and last[v] <= end) for v in ix.readers.get(o, ()))
             or plan.event_of.get(("p", o)) in keyed
             or plan.event_of.get(("u", o)) in keyed
+            or p.resaved.get(o, 0) > end
             for o in inside
         ):
             continue

@@ -154,6 +154,7 @@ class Pool(PlanRunner):
                 "backpressure_waits",
                 "plans",
                 "replans",
+                "plan_misses",
                 "light_calls",
                 "replays",
             ),
@@ -282,6 +283,8 @@ class Pool(PlanRunner):
             if same is not None and same.source() is t:  # saved twice: one entry
                 if type(same) is not PlanKept:
                     self._touch(same)
+                if self._rec is not None and self._rec.full:
+                    self._rec.resaved[same.ordinal] = step.ordinals
                 return same
             if self._plan_ok and step.ordinals + 1 in self._plan.lean:
                 kept = self._plan_kept(t, key, step)

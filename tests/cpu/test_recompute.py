@@ -582,6 +582,37 @@ def test_a_plan_runs_the_blocks_it_replays_under_checkpoint_bitwise(kind, autoca
     assert s["plan"]["measured_peak_bytes"] <= budget, s
 
 
+class _ReluBlock(nn.Module):
+    """relu(x + f(x)), as a ResNet bottleneck ends: the ReLU saves its output, which the next block's
+    first layer saves again (one entry, no ordinal of its own in the recorded step)."""
+
+    def __init__(self, d=64):
+        super().__init__()
+        self.f = nn.Sequential(nn.Linear(d, 4 * d), nn.Tanh(), nn.Linear(4 * d, d))
+
+    def forward(self, x):
+        return F.relu(x + self.f(x))
+
+
+def test_a_block_whose_output_is_saved_again_after_it_does_not_run_under_checkpoint():
+    """Under checkpoint the pool would not see the ReLU's save, and the next block's save of that
+    tensor would be a save the recorded step never had: every later save of the step missed the plan
+    (ResNet-152 ran its plans so). The plan leaves such blocks to regions and runs in every step."""
+    from supermem.tensor_pool.treatments import Recompute
+
+    build = lambda: nn.Sequential(*[_ReluBlock() for _ in range(6)])  # noqa: E731
+    batch = lambda g: (torch.randn(32, 64, generator=g), None)  # noqa: E731
+    full = Pool(budget="1GiB", policy="planned")
+    train_steps(build, batch, full, 3)
+    pool = Pool(
+        budget=full.stats()["plan"]["measured_peak_bytes"] // 2, policy="planned", treatments=(Recompute(),)
+    )
+    ref = train_steps(build, batch, None, 6)
+    assert same(ref, train_steps(build, batch, pool, 6))
+    s = pool.stats()
+    assert s["plan_misses"] == 0 and s["recomputes"] > 0 and s["plan"]["feasible"], s
+
+
 def test_blocks_run_under_checkpoint_survive_retain_graph_a_forward_alone_and_an_exception():
     """Plan.light in the orders a user may take: two grads of one forward (retain_graph), a forward
     with no backward (the step ends when its tensors die), a block that raises mid-forward (no hook is
