@@ -81,11 +81,17 @@ class PlanRunner:
                 return None  # saved twice: one entry (the full path)
             return self._plan_kept(t, key, step)
 
-    def _light_end(self, start: int) -> int | None:
-        """Whether the region call starting now (after `start` saves) runs under checkpoint (Plan.light):
-        the step's saves at its end, or None (captured as a Region, if at all)."""
+    def _unseen_call(self, start: int, light_ok: bool, bypass_ok: bool) -> tuple[bool, int] | None:
+        """Whether the region call starting now (after `start` saves) goes unseen by the pool: under
+        checkpoint (Plan.light: True) or with the pool's hooks off (Plan.bypass: False), with the step's
+        saves at its end; None: captured as a Region, if at all. `light_ok`, `bypass_ok`: whether the
+        call can go either way (region.py)."""
         plan = self._plan
-        if plan is None or start not in plan.light or self._record_full:
+        if (
+            plan is None
+            or self._record_full
+            or not ((light_ok and start in plan.light) or (bypass_ok and start in plan.bypass))
+        ):
             return None
         with self._lock:
             if start == 0 and self._between_steps():
@@ -93,13 +99,21 @@ class PlanRunner:
             plan = self._plan
             if not self._plan_ok or self._rec.full or self._step.ordinals != start:
                 return None
-            return plan.light.get(start)
+            if light_ok and start in plan.light:
+                return True, plan.light[start]
+            if bypass_ok and start in plan.bypass:
+                return False, plan.bypass[start]
+            return None
 
-    def _light_done(self, end: int) -> None:
-        """A call run under checkpoint returned: the step's saves skip to the plan's count at its end."""
+    def _unseen_bytes(self, end: int) -> int:
+        """The plan's bytes of the saves from the step's count now to `end`."""
+        return sum(self._plan.signature[self._step.ordinals : end])
+
+    def _unseen_done(self, end: int, light: bool) -> None:
+        """A call the pool did not see returned: the step's saves skip to the plan's count at its end."""
         with self._lock:
             self._step.ordinals = end
-            self._counters["light_calls"] += 1
+            self._counters["light_calls" if light else "bypassed_calls"] += 1
 
     def _plan_kept(self, t: Any, key: tuple, step: Step) -> PlanKept | None:
         """The next saved tensor, which the plan keeps and no planned rebuild reads: a PlanKept, not an

@@ -58,6 +58,8 @@ class Plan:
     region_starts: frozenset[int] = frozenset()  # the regions it replays, by the step's saves before them
     # regions it replays whole by checkpoint: the step's saves before the call -> at its end (light())
     light: dict[int, int] = field(default_factory=dict)
+    # region calls whose saves it all keeps: run with the pool's hooks off (bypass()), same keys
+    bypass: dict[int, int] = field(default_factory=dict)
     event_of: dict[tuple[str, int], int] = field(default_factory=dict)  # ("p"|"u", ordinal) -> event
     prefetch_at: dict[int, list[int]] = field(default_factory=dict)  # event -> ordinals to bring back
     wait_at: dict[int, list[int]] = field(default_factory=dict)  # event -> copies that must have landed
@@ -277,6 +279,7 @@ def make_plan(p: Profile, budget: int) -> Plan:
         read = {o for u in units for o in p.unit_inputs.get(u, ())} | set(plan.treatment)
         plan.lean = frozenset(s.ordinal for s in p.saved if s.ordinal not in read)
         plan.light = light(p, plan, units, ix)
+        plan.bypass = bypass(p, plan, ix, sim.curve, budget)
     plan.untreated_peak_bytes = max((b + t for b, t in zip(p.base_bytes, p.transient_bytes)), default=0)
     plan.untreated_step_s = p.step_s
     plan.predicted_peak_bytes = max(sim.curve, default=0)
@@ -360,32 +363,65 @@ def light(p: Profile, plan: Plan, units: set[int], ix: _Index) -> dict[int, int]
     the pool then sees none of the call's saves (no entry each: on a host-bound step those cost more
     than the replay; tiny GPT-24 on this CPU, the pool at 50% +22 ms, checkpointing half its blocks
     +8.6 ms), and the step's ordinals skip the call's.
-    A call qualifies when the plan offloads none of its saves, no chosen rebuild outside the call reads
-    one, no prefetch or wait of the plan is keyed to one's save or first use (those events are not
-    seen), and none is saved again after the call (there the recorded step made no new ordinal, the
-    running one would: a ResNet block's output, saved by the next block's first conv, made every
-    later save of the step miss the plan)."""
-    keyed = set(plan.wait_at) | set(plan.prefetch_at)
+    A call qualifies when it can go unseen (_unseen) and the plan offloads none of its saves and no
+    chosen rebuild outside the call reads one."""
     last: dict[int, int] = {}  # unit -> its last member's ordinal (its members are in save order)
     first: dict[int, int] = {}
     for s in p.saved:
         if s.unit in units:
             first.setdefault(s.unit, s.ordinal)
             last[s.unit] = s.ordinal
-    out = {}
+    return {
+        start: end
+        for start, end in _unseen(p, plan, units)
+        if not any(
+            plan.treatment.get(o) == "offload"
+            or any(v in units and not (start < first[v] and last[v] <= end) for v in ix.readers.get(o, ()))
+            for o in range(start + 1, end + 1)
+        )
+    }
+
+
+def bypass(p: Profile, plan: Plan, ix: _Index, curve: list[int], budget: int) -> dict[int, int]:
+    """The region calls whose saves the plan keeps, none read by a rebuild it chose: they run with the
+    pool's saved-tensor hooks off (autograd keeps their saves itself), the step's ordinals skipping
+    theirs. A kept save through the pool cost ~6.5 us on this CPU (tiny GPT-24: 3.8 ms of a 9 ms
+    forward), ~12 us on an H100 host, whose planned GPT-24 forward is host-bound.
+    The pool sees such a call's saves die only together, once backward is through the call: it
+    counts each until its last one died, and a call qualifies only where that keeps the curve under
+    the budget."""
+    out: dict[int, int] = {}
+    later = [0] * len(curve)  # bytes the calls taken so far count beyond their deaths
+    for start, end in sorted(_unseen(p, plan, set(p.unit_start))):
+        inside = range(start + 1, end + 1)
+        if end <= start or not all(o in plan.lean for o in inside):
+            continue
+        last = max(ix.by[o].end for o in inside)
+        more = [0] * len(curve)
+        for o in inside:
+            for k in range(ix.by[o].end, min(last, len(curve))):
+                more[k] += ix.by[o].nbytes
+        if all(c + a + b <= budget for c, a, b in zip(curve, later, more) if b):
+            later = [a + b for a, b in zip(later, more)]
+            out[start] = end
+    return out
+
+
+def _unseen(p: Profile, plan: Plan, units: set[int]) -> list[tuple[int, int]]:
+    """The (start, end) of the region calls among `units` whose saves the pool may leave unseen: no
+    prefetch or wait of the plan is keyed to one's save or first use (those events would not come),
+    and none is saved again after the call (there the recorded step made no new ordinal, the running
+    one would: a ResNet block's output, saved by the next block's first conv, made every later save
+    of the step miss the plan)."""
+    keyed = set(plan.wait_at) | set(plan.prefetch_at)
+    out = []
     for u in units:
         start, end = p.unit_start.get(u), p.unit_end.get(u)
         if start is None or end is None:
             continue
-        inside = range(start + 1, end + 1)
-        if any(
-            plan.treatment.get(o) == "offload"
-            or any(v in units and not (start < first[v] and last[v] <= end) for v in ix.readers.get(o, ()))
-            or plan.event_of.get(("p", o)) in keyed
-            or plan.event_of.get(("u", o)) in keyed
-            or p.resaved.get(o, 0) > end
-            for o in inside
+        if not any(
+            plan.event_of.get(("p", o)) in keyed or plan.event_of.get(("u", o)) in keyed or o in p.resaved
+            for o in range(start + 1, end + 1)
         ):
-            continue
-        out[start] = end
+            out.append((start, end))
     return out

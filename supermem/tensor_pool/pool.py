@@ -132,7 +132,7 @@ class Pool(PlanRunner):
         self._device_bytes = 0  # held by entries: resident tensors and away payloads on the device
         self._kept_bytes = 0  # held by the plan's PlanKept tensors (no entries)
         self._kept_live = 0  # PlanKept tensors alive
-        self._light_live = 0  # calls run under checkpoint whose saved tensors autograd still holds
+        self._unseen_live = 0  # calls the pool did not see (region.py: _Alive) whose saves autograd holds
         self._passthrough = False  # saves not the step's (checkpoint's own of its inputs): left alone
         self._margin = 0  # learned: how far a step's peak rises above the most the pool saw (bytes)
         self._seen_peak = 0  # the most device memory the pool saw in use during this step
@@ -156,6 +156,7 @@ class Pool(PlanRunner):
                 "replans",
                 "plan_misses",
                 "light_calls",
+                "bypassed_calls",
                 "replays",
             ),
             0,
@@ -269,7 +270,13 @@ class Pool(PlanRunner):
             return Kept(t)
         return None
 
-    def _pack_tensor(self, t: torch.Tensor) -> Any:
+    def _saved_in_open_region(self, e: Any) -> bool:
+        """Whether `e` was first saved inside the region call open now (saved again, by that call)."""
+        start = getattr(self.regions.top(), "start", None)
+        return start is not None and getattr(e, "ordinal", 0) > start
+
+    def _pack_tensor(self, t: torch.Tensor, saved: bool = True) -> Any:
+        """`saved`: autograd saves `t` (False: a region keeps its input for a replay)."""
         left = self._left_alone(t)
         if left is not None:
             return left
@@ -283,8 +290,13 @@ class Pool(PlanRunner):
             if same is not None and same.source() is t:  # saved twice: one entry
                 if type(same) is not PlanKept:
                     self._touch(same)
-                if self._rec is not None and self._rec.full:
-                    self._rec.resaved[same.ordinal] = step.ordinals
+                if (
+                    saved
+                    and self._rec is not None
+                    and self._rec.full
+                    and not self._saved_in_open_region(same)
+                ):
+                    self._rec.resaved.add(same.ordinal)
                 return same
             if self._plan_ok and step.ordinals + 1 in self._plan.lean:
                 kept = self._plan_kept(t, key, step)
@@ -400,15 +412,15 @@ class Pool(PlanRunner):
         return (
             s is None
             or s.backward_s is not None
-            or not (self._entries or self._kept_live or self._light_live)
+            or not (self._entries or self._kept_live or self._unseen_live)
         )
 
     def _region_start(self) -> int | None:
         """Whether a region starting now is captured: None if not, else the step's saves so far (0
         between steps: a region call comes before the next step's first save, and the next step's
         decision is taken). A step that runs a feasible plan (without recording) captures only the
-        calls the plan replays, known by that count: capturing the rest cost ~40 us each on a CPU
-        for nothing, on the host that bounds a planned step."""
+        calls the plan replays or runs unseen, known by that count: capturing the rest cost ~40 us
+        each on a CPU for nothing, on the host that bounds a planned step."""
         s = self._step
         if self._between_steps():
             if not self._needed_last_step():
@@ -418,7 +430,9 @@ class Pool(PlanRunner):
             if not self._capture:
                 return None
             start, plan = s.ordinals, self._plan if self._plan_ok and not self._rec.full else None
-        if plan is None or not self.planning or not plan.feasible or start in plan.region_starts:
+        if plan is None or not self.planning or not plan.feasible:
+            return start
+        if start in plan.region_starts or start in plan.bypass:  # (bypass: a call it runs unseen)
             return start
         return None
 

@@ -53,9 +53,9 @@ class Profile:
     unit_start: dict[int, int] = field(default_factory=dict)  # region unit -> the step's saves before it
     unit_end: dict[int, int] = field(default_factory=dict)  # region unit -> the step's saves at its end
     entry_s: float = 0.0  # host seconds to make one entry, in each non-region unit's cost per member
-    # ordinal -> the step's saves when it was saved once more (one entry, no ordinal of its own): a
-    # ResNet block's output, saved by its last ReLU and again by the next block's first conv
-    resaved: dict[int, int] = field(default_factory=dict)
+    # saved again after the region call that first saved it returned (one entry, no ordinal of its
+    # own): a ResNet block's output, saved by its last ReLU and again by the next block's first conv
+    resaved: set[int] = field(default_factory=set)
     link_bytes_per_s: float = 25e9
     sync_copies: bool = False  # CPU: copies block the step
     backward_event: int = 0  # the first unpack
@@ -122,7 +122,7 @@ class Recorder:
         # entries, which must die with the step.
         self.units: dict[int, tuple[Any, list[int], int, list[int], str, int | None, int | None]] = {}
         self.entry_s: list[float] = []  # host seconds to make each entry (Pool._pack_tensor)
-        self.resaved: dict[int, int] = {}  # Profile.resaved
+        self.resaved: set[int] = set()  # Profile.resaved
         self.backward_event: int | None = None
         # Seconds the step lost to the reactive fallback so far (rebuilds and copies it waited for): the
         # plan replaces those choices, so the timeline and the step's time are taken without them.
@@ -234,7 +234,7 @@ class Recorder:
             step_s=time.perf_counter() - self.start_s - self.fallback_s,
             host_copy_s=host_copy_s,
             entry_s=entry_s,
-            resaved=dict(self.resaved),
+            resaved=set(self.resaved),
         )
         if p.backward_event < n:
             p.transient_bytes[p.backward_event] = spike_bytes

@@ -39,6 +39,9 @@ try:  # the generator torch.utils.checkpoint(use_reentrant=False) runs: a call s
 except ImportError:  # pragma: no cover  (an older torch: no call runs under checkpoint, Plan.light unused)
     _checkpoint_call = None
 
+# the saved-tensor hooks on top of this thread's stack (Plan.bypass takes the pool's off around a call)
+_top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+
 if TYPE_CHECKING:
     from .pool import Pool
 
@@ -209,21 +212,45 @@ def _put_back(buffers: list[tuple[torch.Tensor, torch.Tensor, int]]) -> None:
 
 
 class _Alive:
-    """Held by the rebuild of a call run under checkpoint, so by the autograd graph: the step is not
-    over while one lives (Pool._between_steps), though the pool holds none of its saved tensors."""
+    """Held by the autograd graph of a call the pool did not see (by the rebuild of a call run under
+    checkpoint; by a hook on a bypassed call's input, which runs once backward is through the call):
+    the step is not over while one lives (Pool._between_steps), though the pool holds none of the
+    call's saved tensors."""
 
-    __slots__ = ("pool",)
+    __slots__ = ("pool", "nbytes")
 
-    def __init__(self, pool: Pool):
+    def __init__(self, pool: Pool, nbytes: int = 0):
+        """`nbytes`: what the call's graph holds that the plan keeps (a bypassed call's saves), in the
+        pool's count of kept bytes meanwhile (on a CPU, the step's peak is that count)."""
         self.pool = weakref.ref(pool)
+        self.nbytes = nbytes
         with pool._lock:
-            pool._light_live += 1
+            pool._unseen_live += 1
+            pool._kept_bytes += nbytes
+            pool._note_peak()
 
-    def __del__(self) -> None:
-        pool = self.pool()
+    def release(self, *_: Any) -> None:
+        pool, self.pool = self.pool(), _dead
         if pool is not None:  # (autograd's thread may free the graph)
             with pool._lock:
-                pool._light_live -= 1
+                pool._unseen_live -= 1
+                pool._kept_bytes -= self.nbytes
+
+    __del__ = release
+
+
+def _pool_hooks(pool: Pool, args: tuple) -> tuple | None:
+    """The saved-tensor hooks on top of this thread's stack if they are the pool's (a call with the
+    pool's hooks off, Plan.bypass, pops them; not the user's own, pushed inside the pool's) and the
+    call has an input made in the graph (its hook tells when backward is through the call); else None."""
+    top = _top_hooks(False) if _top_hooks is not None else None
+    if top is None or top[0] != pool._pack or not any(x.grad_fn is not None for x in _tensors(args)):
+        return None
+    return top
+
+
+def _dead() -> None:
+    return None
 
 
 def _buffers(module: torch.nn.Module, out: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -244,7 +271,7 @@ class _Input:
     __slots__ = ("packed", "requires_grad")
 
     def __init__(self, pool: Pool, x: torch.Tensor):
-        self.packed = pool._pack_tensor(x)
+        self.packed = pool._pack_tensor(x, saved=False)
         self.requires_grad = x.requires_grad
 
     def get(self, pool: Pool) -> torch.Tensor:
@@ -438,9 +465,15 @@ class Regions:
         start = pool._region_start()
         if start is None:
             return
-        end = pool._light_end(start) if _checkpoint_call is not None else None
-        if end is not None:
-            self._light(module, args, kwargs, pool, end)
+        hooks = _pool_hooks(pool, args)
+        unseen = pool._unseen_call(start, _checkpoint_call is not None, hooks is not None)
+        if unseen is not None:
+            light, end = unseen
+            if light:
+                self._light(module, args, kwargs, pool, end)
+            else:
+                torch._C._autograd._pop_saved_tensors_default_hooks()  # Plan.bypass: autograd keeps them
+                self._local.__dict__.setdefault("light", []).append((module, hooks, end))
             return
         kind = (type(module), *((x.shape, x.dtype) for x in _tensors((args, kwargs))))
         self._kind[id(module)] = kind
@@ -481,10 +514,19 @@ class Regions:
         light = getattr(self._local, "light", None)
         if light and light[-1][0] is module:
             _, call, end = light.pop()
-            next(call, None)  # checkpoint's hooks end here
+            bypassed = isinstance(call, tuple)
+            if bypassed:  # the pool's hooks back on
+                torch._C._autograd._push_saved_tensors_default_hooks(*call)
+            else:
+                next(call, None)  # checkpoint's hooks end here
             pool = self._pool()
             if pool is not None:
-                pool._light_done(end)
+                if bypassed:  # its saves count until backward is through the call (or its graph dies)
+                    alive = _Alive(pool, pool._unseen_bytes(end))
+                    for x in _tensors(args):
+                        if x.grad_fn is not None:  # (a leaf would keep each step's hook)
+                            x.register_hook(alive.release)
+                pool._unseen_done(end, light=not bypassed)
             return
         st = getattr(self._local, "stack", None)
         if not st or not isinstance(st[-1], Region) or st[-1].module is not module:

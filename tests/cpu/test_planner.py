@@ -346,13 +346,14 @@ def test_a_running_plan_captures_only_the_regions_it_replays(monkeypatch):
         real(s)
 
     pool._step_ended = step_ended
-    light = pool._light_done
+    unseen = pool._unseen_done
 
-    def light_done(end):  # a call the plan replays run under checkpoint: no Region object either
-        made.append(None)
-        light(end)
+    def unseen_done(end, light):  # a call the plan replays run under checkpoint: no Region object either
+        if light:
+            made.append(None)
+        unseen(end, light)
 
-    pool._light_done = light_done
+    pool._unseen_done = unseen_done
     params = train(pool, batches)
     assert all(torch.equal(a, b) for a, b in zip(ref, params))
     plan = pool._plan

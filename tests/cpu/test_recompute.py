@@ -613,10 +613,12 @@ def test_a_block_whose_output_is_saved_again_after_it_does_not_run_under_checkpo
     assert s["plan_misses"] == 0 and s["recomputes"] > 0 and s["plan"]["feasible"], s
 
 
-def test_blocks_run_under_checkpoint_survive_retain_graph_a_forward_alone_and_an_exception():
-    """Plan.light in the orders a user may take: two grads of one forward (retain_graph), a forward
-    with no backward (the step ends when its tensors die), a block that raises mid-forward (no hook is
-    left pushed), then training again: blocks run under checkpoint again."""
+@pytest.mark.parametrize("how", ["light_calls", "bypassed_calls"])
+def test_calls_the_pool_does_not_see_survive_retain_graph_a_forward_alone_and_an_exception(how):
+    """Blocks run under checkpoint (Plan.light, at half the budget) or with the pool's hooks off
+    (Plan.bypass, everything kept) in the orders a user may take: two grads of one forward
+    (retain_graph), a forward with no backward (the step ends when its tensors die), a block that
+    raises mid-forward (no hook is left pushed, the pool's hooks are back), then training again."""
     from supermem.tensor_pool.treatments import Recompute
 
     torch.manual_seed(0)
@@ -627,13 +629,15 @@ def test_blocks_run_under_checkpoint_survive_retain_graph_a_forward_alone_and_an
     for _ in range(3):
         with full:
             loss().backward()
-    pool = Pool(
-        budget=full.stats()["plan"]["measured_peak_bytes"] // 2, policy="planned", treatments=(Recompute(),)
-    )
+    if how == "light_calls":
+        budget = full.stats()["plan"]["measured_peak_bytes"] // 2
+        pool = Pool(budget=budget, policy="planned", treatments=(Recompute(),))
+    else:
+        pool = full
     for _ in range(4):
         with pool:
             loss().backward()
-    ran = pool.stats()["light_calls"]
+    ran = pool.stats()[how]
     assert ran > 0
     with pool:
         out = loss()
@@ -643,7 +647,7 @@ def test_blocks_run_under_checkpoint_survive_retain_graph_a_forward_alone_and_an
     with pool:
         loss()  # no backward
     gc.collect()
-    assert pool._light_live == 0
+    assert pool._unseen_live == 0
 
     def boom(_):
         raise ValueError("boom")
@@ -654,11 +658,47 @@ def test_blocks_run_under_checkpoint_survive_retain_graph_a_forward_alone_and_an
     del model[3].forward
     gc.collect()
     assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
-    before = pool.stats()["light_calls"]
+    before = pool.stats()[how]
     for _ in range(2):  # the step after a broken one may record again (it left the plan's shape)
         with pool:
             loss().backward()
-    assert pool.stats()["light_calls"] > before and pool._light_live == 0
+    assert pool.stats()[how] > before and pool._unseen_live == 0
+
+
+def test_a_plan_that_keeps_a_block_whole_runs_it_with_the_pools_hooks_off():
+    """Plan.bypass: the pool's hooks come off around a block call whose saves the plan keeps
+    (autograd keeps them, as without a pool: on an H100 host a kept save through the pool costs
+    ~12 us), training stays bitwise, and what autograd checks itself still raises: a saved tensor
+    changed in place. The user's own hooks inside the pool's keep their saves (no bypass there)."""
+    build = lambda: nn.Sequential(*[_Block("dropout") for _ in range(6)])  # noqa: E731
+    batch = lambda g: (torch.randn(32, 64, generator=g), None)  # noqa: E731
+    pool = Pool(budget="1GiB", policy="planned")
+    ref = train_steps(build, batch, None, 6)
+    assert same(ref, train_steps(build, batch, pool, 6))
+    s = pool.stats()
+    assert s["bypassed_calls"] >= 5 * 3 and s["plan_misses"] == 0, s  # blocks 2-6 of the planned steps
+    torch.manual_seed(0)
+    model = build()
+    x = torch.randn(32, 64)
+    pool = Pool(budget="1GiB", policy="planned")
+    packs = []
+    pack = pool._pack
+    pool._pack = lambda t: packs.append(1) or pack(t)  # what the pool's hook sees
+    for _ in range(4):
+        packs.clear()
+        with pool:
+            model(x).square().mean().backward()
+    assert 0 < len(packs) < pool.stats()["plan"]["keep"] / 2, (len(packs), pool.stats()["plan"])
+    with pool:
+        h = model[0](x)
+        out = model[1:](h)
+        h.add_(1)  # model[1] saved h (its Linear's input) with autograd's own hooks off
+        with pytest.raises(RuntimeError, match="inplace"):
+            out.sum().backward()
+    mine = []
+    with pool, torch.autograd.graph.saved_tensors_hooks(lambda t: mine.append(1) or t, lambda t: t):
+        model(x).sum().backward()
+    assert mine
 
 
 def test_a_block_is_priced_by_a_timed_replay_when_its_recorded_call_ran_slow():
