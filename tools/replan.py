@@ -19,6 +19,7 @@ def main() -> None:
         dumped = pickle.load(f)
     p, native = dumped["profile"], dumped["native_peak_bytes"]
     p.__dict__.setdefault("unit_end", {})  # a dump older than Profile.unit_end (Plan.light: none then)
+    p.__dict__.setdefault("resaved", set())  # older than Profile.resaved
     kinds = getattr(p, "kinds", {})  # unit -> recipe kind, where plan_diag recorded them
     print(f"{dumped['model']}: {len(p.saved)} saved tensors, native peak {native / GiB:.2f} GiB")
     for fraction in [float(x) for x in sys.argv[2:]] or [0.75]:

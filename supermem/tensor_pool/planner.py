@@ -125,7 +125,29 @@ class _Index:
             for v, ms in self.members.items():
                 if v not in regions and all(start < s.ordinal <= last and s.ordinal not in reads for s in ms):
                     self.region_of[v] = u
+        # Region calls the plan may run with the pool's hooks off (Plan.bypass) while it treats none of
+        # their saves: ordinal -> its call, call -> its saves, unit -> the calls whose saves it treats
+        # or reads. Treating one costs the host the kept saves of its call (Profile.kept_s each).
+        self.call_of: dict[int, int] = {}
+        self.call_saves: dict[int, int] = {}
+        for u, start in p.unit_start.items():
+            inside = range(start + 1, p.unit_end.get(u, start) + 1)
+            if inside and not any(o in p.resaved for o in inside):
+                self.call_saves[u] = len(inside)
+                self.call_of.update((o, u) for o in inside)
+        self.touches: dict[int, set[int]] = {}
+        for u, ms in self.members.items():
+            ordinals = [s.ordinal for s in ms] + list(p.unit_inputs.get(u, ()))
+            self.touches[u] = {self.call_of[o] for o in ordinals if o in self.call_of}
         self.n = len(p.base_bytes)
+
+
+def _broken(ix: _Index, offloads: set[int], units: set[int]) -> set[int]:
+    """The region calls of which the plan treats or reads a save: none runs with the pool's hooks off."""
+    broken = {ix.call_of[o] for o in offloads if o in ix.call_of}
+    for u in units:
+        broken |= ix.touches[u]
+    return broken
 
 
 def _need(ix: _Index, s, back: dict[int, int]) -> int:
@@ -171,6 +193,8 @@ def simulate(
                 diff[b] += s.nbytes
         if u not in free:
             added += p.unit_cost_s[u]
+    if p.kept_s:  # calls no longer run with the pool's hooks off: their kept saves cost the host
+        added += p.kept_s * sum(ix.call_saves[c] for c in _broken(ix, offloads, units) - units)
     land: dict[int, int] = {}
     land_s: dict[int, float] = {}
     free_s, late = 0.0, False
@@ -305,6 +329,7 @@ def _best_choice(
     priced exactly by simulating the plan with it, until the bound passes the best exact price. `late`:
     offloads whose copies land after `peak` count too (compute waits for them: priced, not hidden)."""
     cands = []  # (lower bound per byte, kind, key)
+    broken = _broken(ix, offloads, units) | units if p.kept_s else set()
     for u, ms in ix.members.items():
         if u in units or any(s.ordinal in offloads for s in ms):
             continue
@@ -313,6 +338,8 @@ def _best_choice(
         freed = sum(s.nbytes for s in ms if peak < s.end)
         if freed:
             cost = 0.0 if ix.region_of.get(u) in units else p.unit_cost_s[u]
+            if p.kept_s and u not in ix.call_saves:  # (a region chosen runs unseen: Plan.light)
+                cost += p.kept_s * sum(ix.call_saves[c] for c in ix.touches[u] - broken)
             cands.append((cost / freed, "recompute", u))
     taken = {s.ordinal for u in units for s in ix.members[u]}
     queue = sorted((ix.by[o].save, sim.land_s[o], p.times_s[deadline[o]]) for o in offloads if o in deadline)
@@ -329,15 +356,17 @@ def _best_choice(
         if not (s.save < p.backward_event and s.save < peak < min(s.use, s.end)):
             continue  # offloads are made in the forward, for a point before the tensor is needed
         c = s.nbytes / p.link_bytes_per_s
+        call = ix.call_of.get(s.ordinal)
+        lost = p.kept_s * ix.call_saves[call] if call is not None and call not in broken else 0.0
         if p.sync_copies:
-            cost = 2 * c
+            cost = 2 * c + lost
         else:
             k = bisect.bisect_right(saves, s.save)
             free_s = queue[k - 1][1] if k else 0.0
             wait_s = max(p.times_s[s.save], free_s) + c - p.times_s[peak]
             if (wait_s > 0 or c > spare[k]) and not late:
                 continue  # its copy, or one queued behind it, cannot land before the point it must lower
-            cost = 2 * max(COPY_INTERFERENCE * c, p.host_copy_s) + max(0.0, wait_s)
+            cost = 2 * max(COPY_INTERFERENCE * c, p.host_copy_s) + max(0.0, wait_s) + lost
         cands.append((cost / s.nbytes, "offload", s.ordinal))
     cands.sort(key=lambda c: c[0])
     best, best_score, tries = None, float("inf"), 0

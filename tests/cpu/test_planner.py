@@ -595,6 +595,30 @@ def test_each_member_of_a_unit_but_a_region_adds_what_making_an_entry_cost_the_h
     assert p.entry_s == 60e-6
 
 
+def test_treating_one_save_of_a_block_is_priced_at_the_kept_saves_its_call_no_longer_bypasses():
+    """A block call whose saves the plan all keeps runs with the pool's hooks off (Plan.bypass); once
+    the plan treats one of them (a weight cast), each of its kept saves costs the host again
+    (Profile.kept_s). Priced so, the plan replays whole blocks rather than break others for their
+    casts, and runs every block it leaves alone with its hooks off."""
+
+    def plan(kept_s):
+        p = gpt24_profile(block_cost_s=1.5e-3)  # 4.8 ms per GiB: dearer per byte than a cast (2.4)
+        for blk in range(24):
+            p.unit_start[blk], p.unit_end[blk] = 9 * blk, 9 * blk + 9
+        p.kept_s = kept_s
+        made = make_plan(p, int(native_peak(p) * 0.75))
+        units = {s.unit for s in p.saved if made.treatment.get(s.ordinal) == "recompute"}
+        touched = {u % 1000 for u in units if u is not None and u % 1000 < 24}
+        return made, {u for u in units if u < 24}, touched
+
+    free, blocks, touched = plan(0.0)
+    assert touched - blocks  # casts of blocks it keeps: cheaper per byte than a block's replay
+    priced, blocks, touched = plan(30e-6)  # 9 saves a block: 0.27 ms to break one, for a 0.06 ms cast
+    assert blocks and touched == blocks, (blocks, touched)
+    assert sorted(priced.bypass) == [9 * b for b in range(24) if b not in blocks]
+    assert priced.feasible and free.feasible
+
+
 def test_a_rebuilds_host_seconds_leave_out_the_rebuilds_and_pressure_calls_inside_it(monkeypatch):
     """Pool._frame_end: an outer rebuild's own host seconds are its time less its inner frames'."""
     import importlib
