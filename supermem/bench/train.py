@@ -87,6 +87,10 @@ def modes(device: str, budgets: list[float]) -> list[Mode]:
 
 
 SWEEP_BUDGETS = (0.9, 0.75, 0.6, 0.5)
+# --sweep's warm-up: a planned pool records its first steps, then may record and plan again a few times
+# (PlanRunner: MAX_REPLANS) before its plan holds; the rows time the steps after (an H100 sweep with 3
+# warm-up steps timed GPT-24's planned 75% at 183.7 ms a step, its plan's own steps at 95.3)
+SWEEP_WARMUP = 10
 COMPILE_BUDGETS = (1.0, 0.5, 0.2)  # torch._functorch.config.activation_memory_budget
 
 
@@ -343,6 +347,8 @@ def run(args: argparse.Namespace) -> dict:
     budgets = [float(b) for b in args.budgets.split(",") if b]
     wanted = set(filter(None, args.modes.split(",")))
     sweep = getattr(args, "sweep", False)
+    if sweep and not args.quick:
+        args.warmup = max(args.warmup, SWEEP_WARMUP)
     all_modes = sweep_modes(args.device) if sweep else modes(args.device, budgets)
     chosen = [m for m in all_modes if _selected(m, wanted)]
     out = {"bench": "train", "device": args.device, "models": {}}
@@ -495,7 +501,10 @@ def _print_sweep(model: str, rows: list[dict], args: argparse.Namespace) -> None
             ]
             names = ", ".join(f"{e['config']} ({e['step_x']:.2f}x {mem(e['peak_alloc_bytes'])})" for e in dom)
             line += f", dominated by {names}" if dom else ", no eager baseline dominates it"
-        plan = (r.get("pool") or {}).get("plan")
+        pool = r.get("pool") or {}
+        plan = pool.get("plan")
+        if pool.get("plans"):  # a step recorded and planned again inside the timed ones
+            line += f"; {pool['plans']} plan(s) made in the timed steps"
         if plan:
             line += (
                 f"; plan peak {mem(plan['predicted_peak_bytes'])} predicted /"
