@@ -209,6 +209,11 @@ def measure(spec: dict) -> dict:
             ctx.synchronize()
         if hasattr(ctx, "reset_stats"):
             ctx.reset_stats()
+    warmup_peak = None
+    if cuda:  # the peak of the timed steps; a planned pool's recorded steps may rise higher: kept apart
+        sync()
+        warmup_peak = torch.cuda.max_memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
     times_ms = []
     for _ in range(spec["steps"]):
         times_ms.append(_timed(step, cuda))
@@ -220,6 +225,7 @@ def measure(spec: dict) -> dict:
     if cuda:
         alloc, reserved = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
         row.update(peak_alloc_bytes=alloc, peak_reserved_bytes=reserved, frag=reserved / alloc)
+        row["warmup_peak_alloc_bytes"] = warmup_peak
     row["pool"] = _saver_stats(entered, spec["steps"])
     if saved is not None:
         row["peak_alloc_bytes"] = saved.peak_bytes
@@ -522,6 +528,9 @@ def _peak_gib(r: dict) -> float | None:
 def _note(r: dict) -> str | None:
     if r.get("oom"):
         return "OOM"
+    warm, peak = r.get("warmup_peak_alloc_bytes"), r.get("peak_alloc_bytes")
+    if r.get("error") is None and warm and peak and warm > 1.01 * peak:
+        return f"warm-up peak {warm / GiB:.2f} GiB"
     return r.get("error")
 
 
