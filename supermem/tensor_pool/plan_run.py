@@ -105,6 +105,26 @@ class PlanRunner:
                 return False, plan.bypass[start]
             return None
 
+    def _unseen_outputs(self, outputs: list, light: bool) -> None:
+        """A call the pool did not see returned: each output it saved, which the recorded step saved
+        again after it (a ResNet block's output, by the next block's first conv), is kept under its
+        recorded ordinal, so that save finds it (Plan.outputs). Its bytes count here for a call run
+        under checkpoint (which drops its own save); a bypassed call's count them already."""
+        with self._lock:
+            step = self._step
+            for ordinal, k in self._plan.outputs.get(step.ordinals, ()):
+                t = outputs[k] if k < len(outputs) else None
+                nbytes = self._plan.signature[ordinal - 1]
+                if t is None or storage_extent(t) * t.element_size() != nbytes:
+                    continue  # (the next save leaves the plan: the entry path finds out)
+                key = dedup_key(t)
+                kept = PlanKept(self, t, ordinal, nbytes if light else 0, step, key)
+                self._dedup[key] = weakref.ref(kept)
+                self._kept_bytes += kept.nbytes
+                self._kept_live += 1
+                step.held.append(kept)
+            self._note_peak()
+
     def _unseen_bytes(self, end: int) -> int:
         """The plan's bytes of the saves from the step's count now to `end`."""
         return sum(self._plan.signature[self._step.ordinals : end])

@@ -60,6 +60,8 @@ class Plan:
     light: dict[int, int] = field(default_factory=dict)
     # region calls whose saves it all keeps: run with the pool's hooks off (bypass()), same keys
     bypass: dict[int, int] = field(default_factory=dict)
+    # of those calls, the outputs they save that are saved again after them: Profile.call_outputs
+    outputs: dict[int, tuple[tuple[int, int], ...]] = field(default_factory=dict)
     event_of: dict[tuple[str, int], int] = field(default_factory=dict)  # ("p"|"u", ordinal) -> event
     prefetch_at: dict[int, list[int]] = field(default_factory=dict)  # event -> ordinals to bring back
     wait_at: dict[int, list[int]] = field(default_factory=dict)  # event -> copies that must have landed
@@ -132,7 +134,8 @@ class _Index:
         self.call_saves: dict[int, int] = {}
         for u, start in p.unit_start.items():
             inside = range(start + 1, p.unit_end.get(u, start) + 1)
-            if inside and not any(o in p.resaved for o in inside):
+            outputs = {o for o, _ in p.call_outputs.get(start, ())}
+            if inside and not any(o in p.resaved and o not in outputs for o in inside):
                 self.call_saves[u] = len(inside)
                 self.call_of.update((o, u) for o in inside)
         self.touches: dict[int, set[int]] = {}
@@ -304,6 +307,8 @@ def make_plan(p: Profile, budget: int) -> Plan:
         plan.lean = frozenset(s.ordinal for s in p.saved if s.ordinal not in read)
         plan.light = light(p, plan, units, ix)
         plan.bypass = bypass(p, plan, ix, sim.curve, budget)
+        unseen = {**plan.light, **plan.bypass}
+        plan.outputs = {start: p.call_outputs[start] for start in unseen if p.call_outputs.get(start)}
     plan.untreated_peak_bytes = max((b + t for b, t in zip(p.base_bytes, p.transient_bytes)), default=0)
     plan.untreated_step_s = p.step_s
     plan.predicted_peak_bytes = max(sim.curve, default=0)
@@ -400,15 +405,27 @@ def light(p: Profile, plan: Plan, units: set[int], ix: _Index) -> dict[int, int]
         if s.unit in units:
             first.setdefault(s.unit, s.ordinal)
             last[s.unit] = s.ordinal
-    return {
+    calls = {
         start: end
         for start, end in _unseen(p, plan, units)
-        if not any(
-            plan.treatment.get(o) == "offload"
-            or any(v in units and not (start < first[v] and last[v] <= end) for v in ix.readers.get(o, ()))
-            for o in range(start + 1, end + 1)
-        )
+        if not any(plan.treatment.get(o) == "offload" for o in range(start + 1, end + 1))
     }
+    unit_at = {p.unit_start[u]: u for u in units if u in p.unit_start}
+    while True:  # a reader run under checkpoint itself reads its inputs from checkpoint, not the pool
+        light_units = {unit_at[s] for s in calls if s in unit_at}
+        out = [
+            start
+            for start, end in calls.items()
+            if any(
+                v in units and v not in light_units and not (start < first[v] and last[v] <= end)
+                for o in range(start + 1, end + 1)
+                for v in ix.readers.get(o, ())
+            )
+        ]
+        if not out:
+            return calls
+        for start in out:
+            del calls[start]
 
 
 def bypass(p: Profile, plan: Plan, ix: _Index, curve: list[int], budget: int) -> dict[int, int]:
@@ -441,15 +458,19 @@ def _unseen(p: Profile, plan: Plan, units: set[int]) -> list[tuple[int, int]]:
     prefetch or wait of the plan is keyed to one's save or first use (those events would not come),
     and none is saved again after the call (there the recorded step made no new ordinal, the running
     one would: a ResNet block's output, saved by the next block's first conv, made every later save
-    of the step miss the plan)."""
+    of the step miss the plan), unless it is an output of the call (the pool is given those at the
+    call's end: Profile.call_outputs)."""
     keyed = set(plan.wait_at) | set(plan.prefetch_at)
     out = []
     for u in units:
         start, end = p.unit_start.get(u), p.unit_end.get(u)
         if start is None or end is None:
             continue
+        outputs = {o for o, _ in p.call_outputs.get(start, ())}  # the pool gets them at the call's end
         if not any(
-            plan.event_of.get(("p", o)) in keyed or plan.event_of.get(("u", o)) in keyed or o in p.resaved
+            plan.event_of.get(("p", o)) in keyed
+            or plan.event_of.get(("u", o)) in keyed
+            or (o in p.resaved and o not in outputs)
             for o in range(start + 1, end + 1)
         ):
             out.append((start, end))

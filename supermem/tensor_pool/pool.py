@@ -270,6 +270,17 @@ class Pool(PlanRunner):
             return Kept(t)
         return None
 
+    def _own_outputs(self, start: int, outputs: list) -> tuple[tuple[int, int], ...]:
+        """(ordinal, index among `outputs`) of each output tensor the call starting after `start` saves
+        saved itself (Profile.call_outputs)."""
+        out = []
+        for k, t in enumerate(outputs):
+            ref = self._dedup.get(dedup_key(t))
+            e = ref() if ref is not None else None
+            if e is not None and e.source() is t and getattr(e, "ordinal", 0) > start:
+                out.append((e.ordinal, k))
+        return tuple(out)
+
     def _saved_in_open_region(self, e: Any) -> bool:
         """Whether `e` was first saved inside the region call open now (saved again, by that call)."""
         start = getattr(self.regions.top(), "start", None)
@@ -425,7 +436,11 @@ class Pool(PlanRunner):
         if self._between_steps():
             if not self._needed_last_step():
                 return None
-            start, plan = 0, self._plan if not self._record_full else None
+            if self._record_full or self._plan is None or not self.planning:
+                return 0
+            # the step's shape is not known yet: captured if a plan of any shape may replay it
+            plans = self._plans.values()
+            return 0 if any(not p.feasible or 0 in p.region_starts or 0 in p.bypass for p in plans) else None
         else:
             if not self._capture:
                 return None
@@ -465,10 +480,11 @@ class Pool(PlanRunner):
             if over <= 0:
                 break
 
-    def _region_done(self, region: Any = None) -> None:
+    def _region_done(self, region: Any = None, outputs: list | None = None) -> None:
         """A region's entries just became recomputable: they may be what the budget needs (or what
-        the plan said to drop)."""
+        the plan said to drop). `outputs`: the call's output tensors."""
         if self._rec is not None and self._rec.full and region is not None:
+            self._rec.call_outputs[region.start] = self._own_outputs(region.start, outputs or [])
             own = [
                 x
                 for ref in region.slots

@@ -62,6 +62,9 @@ class Profile:
     # saved again after the region call that first saved it returned (one entry, no ordinal of its
     # own): a ResNet block's output, saved by its last ReLU and again by the next block's first conv
     resaved: set[int] = field(default_factory=set)
+    # a region call (by the step's saves before it) -> (ordinal, index among the output's tensors) of
+    # each output it saved itself: a call the plan does not see gives the pool these at its end
+    call_outputs: dict[int, tuple[tuple[int, int], ...]] = field(default_factory=dict)
     link_bytes_per_s: float = 25e9
     sync_copies: bool = False  # CPU: copies block the step
     backward_event: int = 0  # the first unpack
@@ -129,6 +132,7 @@ class Recorder:
         self.units: dict[int, tuple[Any, list[int], int, list[int], str, int | None, int | None]] = {}
         self.entry_s: list[float] = []  # host seconds to make each entry (Pool._pack_tensor)
         self.resaved: set[int] = set()  # Profile.resaved
+        self.call_outputs: dict[int, tuple[tuple[int, int], ...]] = {}  # Profile.call_outputs
         self.backward_event: int | None = None
         # Seconds the step lost to the reactive fallback so far (rebuilds and copies it waited for): the
         # plan replaces those choices, so the timeline and the step's time are taken without them.
@@ -242,6 +246,7 @@ class Recorder:
             entry_s=entry_s,
             kept_s=KEPT_SHARE * entry_s,
             resaved=set(self.resaved),
+            call_outputs=dict(self.call_outputs),
         )
         if p.backward_event < n:
             p.transient_bytes[p.backward_event] = spike_bytes

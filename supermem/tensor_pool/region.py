@@ -521,6 +521,7 @@ class Regions:
                 next(call, None)  # checkpoint's hooks end here
             pool = self._pool()
             if pool is not None:
+                pool._unseen_outputs(_tensors(output), light=not bypassed)
                 if bypassed:  # its saves count until backward is through the call (or its graph dies)
                     alive = _Alive(pool, pool._unseen_bytes(end))
                     for x in _tensors(args):
@@ -540,7 +541,7 @@ class Regions:
         if pool is not None and region.finish(pool):
             if timed and not (pool.cuda and torch.cuda.is_current_stream_capturing()):
                 self._time_replay(region, args, kwargs, pool)
-            pool._region_done(region)
+            pool._region_done(region, _tensors(output))
 
     def _time_replay(self, region: Region, args: tuple, kwargs: dict, pool: Pool) -> None:
         """Runs the call once more, its saves dropped, timed from an idle stream: a sample of what a

@@ -22,6 +22,7 @@ class Step:
         "ordinals",
         "saved_bytes",
         "offloaded",
+        "held",
     )
 
     def __init__(self, index: int, cuda: bool = False):
@@ -35,6 +36,8 @@ class Step:
         self.ordinals = 0
         self.saved_bytes = 0
         self.offloaded = 0  # bytes sent to host in this step's forward
+        # outputs of calls the pool did not see, for their next save (PlanRunner._unseen_outputs)
+        self.held: list = []
 
     @property
     def forward_s(self) -> float | None:
@@ -46,8 +49,9 @@ class Step:
         return self.backward_s - self.started_s
 
     def unpacked(self) -> None:
-        """Its first unpack marks where backward began."""
+        """Its first unpack marks where backward began (no save comes after: what was held goes)."""
         self.backward_s = time.perf_counter()
+        self.held = []
         if self.events is not None:
             self.events.append(torch.cuda.Event(enable_timing=True))
             self.events[1].record()
