@@ -133,9 +133,9 @@ class _Index:
         self.call_of: dict[int, int] = {}
         self.call_saves: dict[int, int] = {}
         for u, start in p.unit_start.items():
-            inside = range(start + 1, p.unit_end.get(u, start) + 1)
-            outputs = {o for o, _ in p.call_outputs.get(start, ())}
-            if inside and not any(o in p.resaved and o not in outputs for o in inside):
+            end = p.unit_end.get(u, start)
+            inside = range(start + 1, end + 1)
+            if inside and not _saved_again_after(p, start, end):
                 self.call_saves[u] = len(inside)
                 self.call_of.update((o, u) for o in inside)
         self.touches: dict[int, set[int]] = {}
@@ -442,13 +442,14 @@ def bypass(p: Profile, plan: Plan, ix: _Index, curve: list[int], budget: int) ->
         inside = range(start + 1, end + 1)
         if end <= start or not all(o in plan.lean for o in inside):
             continue
-        last = max(ix.by[o].end for o in inside)
-        more = [0] * len(curve)
+        last = min(max(ix.by[o].end for o in inside), len(curve))
+        more: dict[int, int] = {}  # event -> bytes counted past their death there
         for o in inside:
-            for k in range(ix.by[o].end, min(last, len(curve))):
-                more[k] += ix.by[o].nbytes
-        if all(c + a + b <= budget for c, a, b in zip(curve, later, more) if b):
-            later = [a + b for a, b in zip(later, more)]
+            for k in range(ix.by[o].end, last):
+                more[k] = more.get(k, 0) + ix.by[o].nbytes
+        if all(curve[k] + later[k] + b <= budget for k, b in more.items()):
+            for k, b in more.items():
+                later[k] += b
             out[start] = end
     return out
 
@@ -456,22 +457,25 @@ def bypass(p: Profile, plan: Plan, ix: _Index, curve: list[int], budget: int) ->
 def _unseen(p: Profile, plan: Plan, units: set[int]) -> list[tuple[int, int]]:
     """The (start, end) of the region calls among `units` whose saves the pool may leave unseen: no
     prefetch or wait of the plan is keyed to one's save or first use (those events would not come),
-    and none is saved again after the call (there the recorded step made no new ordinal, the running
-    one would: a ResNet block's output, saved by the next block's first conv, made every later save
-    of the step miss the plan), unless it is an output of the call (the pool is given those at the
-    call's end: Profile.call_outputs)."""
+    and none is saved again after the call (_saved_again_after: there the recorded step made no new
+    ordinal, the running one would; a ResNet block's output, saved by the next block's first conv,
+    made every later save of the step miss the plan)."""
     keyed = set(plan.wait_at) | set(plan.prefetch_at)
     out = []
     for u in units:
         start, end = p.unit_start.get(u), p.unit_end.get(u)
         if start is None or end is None:
             continue
-        outputs = {o for o, _ in p.call_outputs.get(start, ())}  # the pool gets them at the call's end
-        if not any(
-            plan.event_of.get(("p", o)) in keyed
-            or plan.event_of.get(("u", o)) in keyed
-            or (o in p.resaved and o not in outputs)
+        if not _saved_again_after(p, start, end) and not any(
+            plan.event_of.get(("p", o)) in keyed or plan.event_of.get(("u", o)) in keyed
             for o in range(start + 1, end + 1)
         ):
             out.append((start, end))
     return out
+
+
+def _saved_again_after(p: Profile, start: int, end: int) -> bool:
+    """Whether a save of the region call from `start` to `end` is saved again after the call, other
+    than an output of the call (the pool is given those at the call's end: Profile.call_outputs)."""
+    outputs = {o for o, _ in p.call_outputs.get(start, ())}
+    return any(o in p.resaved and o not in outputs for o in range(start + 1, end + 1))
