@@ -114,16 +114,10 @@ class PlanRunner:
             step = self._step
             for ordinal, k in self._plan.outputs.get(step.ordinals, ()):
                 t = outputs[k] if k < len(outputs) else None
-                nbytes = self._plan.signature[ordinal - 1]
-                if t is None or storage_extent(t) * t.element_size() != nbytes:
+                if t is None or not self._plan_expects(ordinal, storage_extent(t) * t.element_size()):
                     continue  # (the next save leaves the plan: the entry path finds out)
-                key = dedup_key(t)
-                kept = PlanKept(self, t, ordinal, nbytes if light else 0, step, key)
-                self._dedup[key] = weakref.ref(kept)
-                self._kept_bytes += kept.nbytes
-                self._kept_live += 1
-                step.held.append(kept)
-            self._note_peak()
+                nbytes = self._plan.signature[ordinal - 1] if light else 0
+                step.held.append(self._new_kept(t, ordinal, nbytes, step, dedup_key(t)))
 
     def _unseen_bytes(self, end: int) -> int:
         """The plan's bytes of the saves from the step's count now to `end`."""
@@ -143,13 +137,18 @@ class PlanRunner:
         if not self._plan_expects(ordinal, nbytes):
             return None
         step.ordinals = ordinal
+        kept = self._new_kept(t, ordinal, nbytes, step, key)
+        self._counters["packed"] += 1
+        self._plan_events(self._rec.packed(ordinal, nbytes, self._used_bytes()))
+        return kept
+
+    def _new_kept(self, t: Any, ordinal: int, nbytes: int, step: Step, key: tuple) -> PlanKept:
+        """A PlanKept of `t` under `ordinal`, found by its next save, its `nbytes` in the kept count."""
         kept = PlanKept(self, t, ordinal, nbytes, step, key)
         self._dedup[key] = weakref.ref(kept)
-        self._counters["packed"] += 1
         self._kept_bytes += nbytes
         self._kept_live += 1
         self._note_peak()
-        self._plan_events(self._rec.packed(ordinal, nbytes, self._used_bytes()))
         return kept
 
     def _unpack_kept(self, k: PlanKept) -> Any:

@@ -177,7 +177,7 @@ class Region:
 
         buffers = _saved_buffers(self.module)
         try:
-            with self.state.replay(), torch.autograd.graph.saved_tensors_hooks(pack, _no_unpack):
+            with self.state.replay(), torch.autograd.graph.saved_tensors_hooks(pack, _none):
                 pool.regions.call(self.module, args, kwargs)
         except _Stop:
             pass
@@ -190,11 +190,8 @@ class Region:
             )
 
 
-def _no_unpack(_: Any) -> None:
-    return None
-
-
-def _drop(_: torch.Tensor) -> None:
+def _none(*_: Any) -> None:
+    """Nothing: an unpack hook with nothing to give back, a pack hook that drops, a dead weakref."""
     return None
 
 
@@ -230,7 +227,7 @@ class _Alive:
             pool._note_peak()
 
     def release(self, *_: Any) -> None:
-        pool, self.pool = self.pool(), _dead
+        pool, self.pool = self.pool(), _none
         if pool is not None:  # (autograd's thread may free the graph)
             with pool._lock:
                 pool._unseen_live -= 1
@@ -247,10 +244,6 @@ def _pool_hooks(pool: Pool, args: tuple) -> tuple | None:
     if top is None or top[0] != pool._pack or not any(x.grad_fn is not None for x in _tensors(args)):
         return None
     return top
-
-
-def _dead() -> None:
-    return None
 
 
 def _buffers(module: torch.nn.Module, out: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -460,8 +453,8 @@ class Regions:
 
     def _pre(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         pool = self._pool()
-        if pool is None or not self._capturing(pool) or getattr(self._local, "light", None):
-            return  # (inside a call run under checkpoint, whose saves the pool does not see)
+        if pool is None or not self._capturing(pool) or getattr(self._local, "unseen", None):
+            return  # (inside a call the pool does not see: under checkpoint or with its hooks off)
         start = pool._region_start()
         if start is None:
             return
@@ -473,7 +466,7 @@ class Regions:
                 self._light(module, args, kwargs, pool, end)
             else:
                 torch._C._autograd._pop_saved_tensors_default_hooks()  # Plan.bypass: autograd keeps them
-                self._local.__dict__.setdefault("light", []).append((module, hooks, end))
+                self._local.__dict__.setdefault("unseen", []).append((module, hooks, end))
             return
         kind = (type(module), *((x.shape, x.dtype) for x in _tensors((args, kwargs))))
         self._kind[id(module)] = kind
@@ -508,12 +501,12 @@ class Regions:
             next(call)
         finally:
             pool._passthrough = False
-        self._local.__dict__.setdefault("light", []).append((module, call, end))
+        self._local.__dict__.setdefault("unseen", []).append((module, call, end))
 
     def _post(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        light = getattr(self._local, "light", None)
-        if light and light[-1][0] is module:
-            _, call, end = light.pop()
+        unseen = getattr(self._local, "unseen", None)
+        if unseen and unseen[-1][0] is module:
+            _, call, end = unseen.pop()  # call: checkpoint's generator, or the pool's hooks (bypassed)
             bypassed = isinstance(call, tuple)
             if bypassed:  # the pool's hooks back on
                 torch._C._autograd._push_saved_tensors_default_hooks(*call)
@@ -554,7 +547,7 @@ class Regions:
             torch.cuda.current_stream(pool.device).synchronize()
         timer = _start_timer(pool)
         try:
-            with region.state.replay(), torch.autograd.graph.saved_tensors_hooks(_drop, _no_unpack):
+            with region.state.replay(), torch.autograd.graph.saved_tensors_hooks(_none, _none):
                 self.call(region.module, args, kwargs)
         finally:
             _put_back(buffers)
