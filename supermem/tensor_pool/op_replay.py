@@ -191,7 +191,7 @@ class OpReplay:
                     inputs.append(x)
             site = self.site
             timer = site.timer(pool)
-            base = _run(self.prog, inputs, site.variant, pool)
+            base = _run(self.prog, inputs, site.variant, pool.cuda)
             site.timed(timer, pool)
         finally:
             for x in self.held:
@@ -231,11 +231,7 @@ class OpReplays:
         if pool.cuda and torch.cuda.is_current_stream_capturing():
             return None  # a CUDA graph is being captured: a verification would read a result back
         params = [x for x in leaves if not isinstance(x, Entry)]
-        key = (
-            tuple((name, args) for name, _, args, _ in prog),
-            tuple((x.shape, x.stride, x.dtype) if isinstance(x, Entry) else ("param", id(x)) for x in leaves),
-            (base.shape, base.stride(), base.dtype, base.device),
-        )
+        key = _site_key(prog, leaves, base)
         site = self._sites.get(key)
         if site is None or not site.same_params(params):
             site = self._verify(pool, base, prog, leaves, params)
@@ -251,6 +247,14 @@ class OpReplays:
                 x.readers = (x.readers or []) + [weakref.ref(e)]
         return recipe
 
+    def site_of(self, prog: list, leaves: list, base: torch.Tensor) -> _Site | None:
+        """The verified site of a chain whose leaves are tensors (saved ones have a grad_fn) and
+        parameters, as the pool saw it in a recorded step; None if none (LeanCall: it verifies none)."""
+        site = self._sites.get(_site_key(prog, leaves, base))
+        if site is None or not site.ok or not site.same_params([x for x in leaves if x.is_leaf]):
+            return None
+        return site
+
     def _verify(self, pool: Pool, base: torch.Tensor, prog: list, leaves: list, params: list) -> _Site:
         site = _Site(params)
         variants = [v for name, _, _, _ in prog for v in [OPS[name].variants] if v != (None,)]
@@ -262,13 +266,13 @@ class OpReplays:
             # An input already taken off the device comes back for this once (its host copy is kept).
             inputs = [pool._unpack_input(x) if isinstance(x, Entry) else x for x in leaves]
             for v in variants[0] if variants else (None,):
-                if _bitwise_equal(_run(prog, inputs, v, pool), base):
+                if _bitwise_equal(_run(prog, inputs, v, pool.cuda), base):
                     site.ok, site.variant = True, v
                     # Timed once more: a first call of a shape pays one-time costs (cuDNN builds its
                     # plan, CUDA loads the kernel): ResNet-152's BatchNorm+ReLU sites were priced at
                     # ~5 ms each so on an H100, 20 times their run.
                     timer = site.timer(pool)
-                    _run(prog, inputs, v, pool)
+                    _run(prog, inputs, v, pool.cuda)
                     site.timed(timer, pool)
                     break
         finally:
@@ -277,11 +281,29 @@ class OpReplays:
         return site
 
 
-def _visit(node: Any, nr: int, depth: int, prog: list, leaves: list) -> int:
+def _site_key(prog: list, leaves: list, base: torch.Tensor) -> tuple:
+    """A chain's identity: its ops and arguments, its leaves' layouts (an entry's, or a saved tensor's)
+    or identities (a parameter's), and its output's layout."""
+    return (
+        tuple((name, args) for name, _, args, _ in prog),
+        tuple(
+            (x.shape, x.stride, x.dtype)
+            if isinstance(x, Entry)
+            else ("param", id(x))
+            if x.is_leaf
+            else (x.shape, x.stride(), x.dtype)
+            for x in leaves
+        ),
+        (base.shape, base.stride(), base.dtype, base.device),
+    )
+
+
+def _visit(node: Any, nr: int, depth: int, prog: list, leaves: list, find: Any = None) -> int:
     """Adds the tensor at edge (node, nr) to the chain: a leaf if the step keeps it, else the op that
-    made it (its inputs first). Returns its operand index (leaves are renumbered after the walk)."""
+    made it (its inputs first). Returns its operand index (leaves are renumbered after the walk).
+    `find(node, nr)`: the kept tensor at that edge, or None (default: the pool's entry tagged there)."""
     if depth > 0:
-        x = _entry_at(node, nr)
+        x = (find or _entry_at)(node, nr)
         if x is None and hasattr(node, "variable"):  # AccumulateGrad: a parameter (or leaf input)
             x = node.variable
         if x is not None:
@@ -301,7 +323,7 @@ def _visit(node: Any, nr: int, depth: int, prog: list, leaves: list) -> int:
     for n, k in edges[: op.inputs]:
         if n is None:
             raise _Unsupported  # no grad, or an absent input (bias=None): the node does not say which
-        operands.append(_visit(n, k, depth + 1, prog, leaves))
+        operands.append(_visit(n, k, depth + 1, prog, leaves, find))
     prog.append((name, op, args, operands))
     if depth == 0:  # the walk is done: operands index leaves first, then results
         nleaves = len(leaves)
@@ -310,11 +332,11 @@ def _visit(node: Any, nr: int, depth: int, prog: list, leaves: list) -> int:
     return len(prog) - 1
 
 
-def _run(prog: list, inputs: list, variant: Any, pool: Pool) -> torch.Tensor:
+def _run(prog: list, inputs: list, variant: Any, cuda: bool) -> torch.Tensor:
     """Runs the chain with grad and autocast off (every autocast cast is a node of its own). Their
     contexts are entered only where on: they cost microseconds per rebuild, and a backward (the usual
     one, outside autocast and without create_graph) has both off already."""
-    on = [d for d in (("cpu", "cuda") if pool.cuda else ("cpu",)) if torch.is_autocast_enabled(d)]
+    on = [d for d in (("cpu", "cuda") if cuda else ("cpu",)) if torch.is_autocast_enabled(d)]
     if not on and not torch.is_grad_enabled():
         return _ops(prog, inputs, variant)
     with torch.no_grad(), contextlib.ExitStack() as stack:

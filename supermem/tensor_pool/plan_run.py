@@ -19,6 +19,7 @@ import torch
 from torch.utils._pytree import tree_map
 
 from .entry import Entry, PlanKept, State, dedup_key, storage_extent
+from .lean_call import LeanCall
 from .op_replay import OpReplay
 from .planner import Plan, make_plan
 from .treatments import Cast
@@ -81,11 +82,12 @@ class PlanRunner:
                 return None  # saved twice: one entry (the full path)
             return self._plan_kept(t, key, step)
 
-    def _unseen_call(self, start: int, light_ok: bool, bypass_ok: bool) -> tuple[bool, int] | None:
+    def _unseen_call(self, start: int, light_ok: bool, bypass_ok: bool) -> tuple[bool, int, Any] | None:
         """Whether the region call starting now (after `start` saves) goes unseen by the pool: under
         checkpoint (Plan.light: True) or with the pool's hooks off (Plan.bypass: False), with the step's
-        saves at its end; None: captured as a Region, if at all. `light_ok`, `bypass_ok`: whether the
-        call can go either way (region.py)."""
+        saves at its end, and the LeanCall whose hooks it runs under (Plan.drops; else None); None:
+        captured as a Region, if at all. `light_ok`, `bypass_ok`: whether the call can go either way
+        (region.py)."""
         plan = self._plan
         if (
             plan is None
@@ -100,9 +102,10 @@ class PlanRunner:
             if not self._plan_ok or self._rec.full or self._step.ordinals != start:
                 return None
             if light_ok and start in plan.light:
-                return True, plan.light[start]
+                return True, plan.light[start], None
             if bypass_ok and start in plan.bypass:
-                return False, plan.bypass[start]
+                drops = plan.drops.get(start)
+                return False, plan.bypass[start], LeanCall(self, drops, plan.reads[start]) if drops else None
             return None
 
     def _unseen_outputs(self, outputs: list, light: bool) -> None:
@@ -123,11 +126,14 @@ class PlanRunner:
         """The plan's bytes of the saves from the step's count now to `end`."""
         return sum(self._plan.signature[self._step.ordinals : end])
 
-    def _unseen_done(self, end: int, light: bool) -> None:
+    def _unseen_done(self, end: int, light: bool, lean: LeanCall | None) -> None:
         """A call the pool did not see returned: the step's saves skip to the plan's count at its end."""
         with self._lock:
             self._step.ordinals = end
             self._counters["light_calls" if light else "bypassed_calls"] += 1
+            if lean is not None:
+                self._counters["lean_calls"] += 1
+                self._counters["lean_drops"] += lean.dropped
 
     def _plan_kept(self, t: Any, key: tuple, step: Step) -> PlanKept | None:
         """The next saved tensor, which the plan keeps and no planned rebuild reads: a PlanKept, not an

@@ -62,6 +62,10 @@ class Plan:
     bypass: dict[int, int] = field(default_factory=dict)
     # of those calls, the outputs they save that are saved again after them: Profile.call_outputs
     outputs: dict[int, tuple[tuple[int, int], ...]] = field(default_factory=dict)
+    # of those calls, the ones run lean (lean_call.py): call -> its save number -> the ordinal it drops,
+    # and call -> the save numbers of what those rebuilds read
+    drops: dict[int, dict[int, int]] = field(default_factory=dict)
+    reads: dict[int, frozenset[int]] = field(default_factory=dict)
     event_of: dict[tuple[str, int], int] = field(default_factory=dict)  # ("p"|"u", ordinal) -> event
     prefetch_at: dict[int, list[int]] = field(default_factory=dict)  # event -> ordinals to bring back
     wait_at: dict[int, list[int]] = field(default_factory=dict)  # event -> copies that must have landed
@@ -138,10 +142,22 @@ class _Index:
             if inside and not _saved_again_after(p, start, end):
                 self.call_saves[u] = len(inside)
                 self.call_of.update((o, u) for o in inside)
+        # A non-region unit whose members and inputs are all saves of one such call (none an output of
+        # it) is inner to it: the call can run lean (lean_call.py) and drop them itself, unbroken.
+        self.inner: dict[int, int] = {}
         self.touches: dict[int, set[int]] = {}
         for u, ms in self.members.items():
             ordinals = [s.ordinal for s in ms] + list(p.unit_inputs.get(u, ()))
             self.touches[u] = {self.call_of[o] for o in ordinals if o in self.call_of}
+            inside = all(o in self.call_of for o in ordinals) and len(self.touches[u]) == 1
+            if u not in regions and inside and u in p.unit_lean_s:
+                (c,) = self.touches[u]
+                start = p.unit_start[c]
+                places = set(p.call_slots.get(start, {}).values())
+                outputs = {o for o, _ in p.call_outputs.get(start, ())}
+                if all(o in places and o not in outputs for o in ordinals):
+                    self.inner[u] = c
+                    self.touches[u] = set()
         self.n = len(p.base_bytes)
 
 
@@ -151,6 +167,12 @@ def _broken(ix: _Index, offloads: set[int], units: set[int]) -> set[int]:
     for u in units:
         broken |= ix.touches[u]
     return broken
+
+
+def _unit_s(p: Profile, ix: _Index, u: int, broken: set[int]) -> float:
+    """A unit's seconds: its lean price where it is inner to a call that stays unbroken."""
+    c = ix.inner.get(u)
+    return p.unit_lean_s[u] if c is not None and c not in broken else p.unit_cost_s[u]
 
 
 def _need(ix: _Index, s, back: dict[int, int]) -> int:
@@ -187,6 +209,7 @@ def simulate(
         if r in units and own[v] > back[r]:
             back[v] = back[r]
             free.add(v)
+    broken = _broken(ix, offloads, units) | units
     for u in units:
         a = p.unit_ready[u]
         for s in ix.members[u]:
@@ -195,9 +218,9 @@ def simulate(
                 diff[a] -= s.nbytes
                 diff[b] += s.nbytes
         if u not in free:
-            added += p.unit_cost_s[u]
+            added += _unit_s(p, ix, u, broken)
     if p.kept_s:  # calls no longer run with the pool's hooks off: their kept saves cost the host
-        added += p.kept_s * sum(ix.call_saves[c] for c in _broken(ix, offloads, units) - units)
+        added += p.kept_s * sum(ix.call_saves[c] for c in broken - units)
     land: dict[int, int] = {}
     land_s: dict[int, float] = {}
     free_s, late = 0.0, False
@@ -306,7 +329,7 @@ def make_plan(p: Profile, budget: int) -> Plan:
         read = {o for u in units for o in p.unit_inputs.get(u, ())} | set(plan.treatment)
         plan.lean = frozenset(s.ordinal for s in p.saved if s.ordinal not in read)
         plan.light = light(p, plan, units, ix)
-        plan.bypass = bypass(p, plan, ix, sim.curve, budget)
+        plan.bypass = bypass(p, plan, ix, units, sim.curve, budget)
         unseen = {**plan.light, **plan.bypass}
         plan.outputs = {start: p.call_outputs[start] for start in unseen if p.call_outputs.get(start)}
     plan.untreated_peak_bytes = max((b + t for b, t in zip(p.base_bytes, p.transient_bytes)), default=0)
@@ -334,7 +357,7 @@ def _best_choice(
     priced exactly by simulating the plan with it, until the bound passes the best exact price. `late`:
     offloads whose copies land after `peak` count too (compute waits for them: priced, not hidden)."""
     cands = []  # (lower bound per byte, kind, key)
-    broken = _broken(ix, offloads, units) | units if p.kept_s else set()
+    broken = _broken(ix, offloads, units) | units
     for u, ms in ix.members.items():
         if u in units or any(s.ordinal in offloads for s in ms):
             continue
@@ -342,7 +365,7 @@ def _best_choice(
             continue
         freed = sum(s.nbytes for s in ms if peak < s.end)
         if freed:
-            cost = 0.0 if ix.region_of.get(u) in units else p.unit_cost_s[u]
+            cost = 0.0 if ix.region_of.get(u) in units else _unit_s(p, ix, u, broken | units)
             if p.kept_s and u not in ix.call_saves:  # (a region chosen runs unseen: Plan.light)
                 cost += p.kept_s * sum(ix.call_saves[c] for c in ix.touches[u] - broken)
             cands.append((cost / freed, "recompute", u))
@@ -428,29 +451,47 @@ def light(p: Profile, plan: Plan, units: set[int], ix: _Index) -> dict[int, int]
             del calls[start]
 
 
-def bypass(p: Profile, plan: Plan, ix: _Index, curve: list[int], budget: int) -> dict[int, int]:
+def bypass(p: Profile, plan: Plan, ix: _Index, units: set, curve: list[int], budget: int) -> dict[int, int]:
     """The region calls whose saves the plan keeps, none read by a rebuild it chose: they run with the
     pool's saved-tensor hooks off (autograd keeps their saves itself), the step's ordinals skipping
     theirs. A kept save through the pool cost ~6.5 us on this CPU (tiny GPT-24: 3.8 ms of a 9 ms
     forward), ~12 us on an H100 host, whose planned GPT-24 forward is host-bound.
-    The pool sees such a call's saves die only together, once backward is through the call: it
+    A call whose saves the plan keeps but for the members of units inner to it (and their inputs)
+    runs lean, dropping those itself (Plan.drops).
+    The pool sees such a call's kept saves die only together, once backward is through the call: it
     counts each until its last one died, and a call qualifies only where that keeps the curve under
     the budget."""
     out: dict[int, int] = {}
+    unit_at = {start: u for u, start in p.unit_start.items()}
     later = [0] * len(curve)  # bytes the calls taken so far count beyond their deaths
     for start, end in sorted(_unseen(p, plan, set(p.unit_start))):
         inside = range(start + 1, end + 1)
-        if end <= start or not all(o in plan.lean for o in inside):
+        call = unit_at[start]
+        inner = {u for u in units if ix.inner.get(u) == call}
+        dropped = {s.ordinal for u in inner for s in ix.members[u]}
+        read = {o for u in inner for o in p.unit_inputs.get(u, ())}
+        readers = {o: {v for v in ix.readers.get(o, ()) if v in units} for o in read}
+        if end <= start or start in plan.light:
             continue
-        last = min(max(ix.by[o].end for o in inside), len(curve))
+        if not all(
+            o in plan.lean or o in dropped or (o in read and o not in plan.treatment and readers[o] <= inner)
+            for o in inside
+        ):
+            continue
+        kept = [o for o in inside if o not in dropped]
+        last = min(max(ix.by[o].end for o in kept), len(curve)) if kept else 0
         more: dict[int, int] = {}  # event -> bytes counted past their death there
-        for o in inside:
+        for o in kept:
             for k in range(ix.by[o].end, last):
                 more[k] = more.get(k, 0) + ix.by[o].nbytes
         if all(curve[k] + later[k] + b <= budget for k, b in more.items()):
             for k, b in more.items():
                 later[k] += b
             out[start] = end
+            if dropped:
+                places = p.call_slots[start]
+                plan.drops[start] = {k: o for k, o in places.items() if o in dropped}
+                plan.reads[start] = frozenset(k for k, o in places.items() if o in read)
     return out
 
 

@@ -157,6 +157,8 @@ class Pool(PlanRunner):
                 "plan_misses",
                 "light_calls",
                 "bypassed_calls",
+                "lean_calls",
+                "lean_drops",
                 "replays",
             ),
             0,
@@ -485,6 +487,7 @@ class Pool(PlanRunner):
         the plan said to drop). `outputs`: the call's output tensors."""
         if self._rec is not None and self._rec.full and region is not None:
             self._rec.call_outputs[region.start] = self._own_outputs(region.start, outputs or [])
+            self._rec.call_slots[region.start] = region.places
             own = [
                 x
                 for ref in region.slots

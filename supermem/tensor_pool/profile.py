@@ -31,6 +31,10 @@ import torch
 # of what making an entry took in the recorded step (Profile.entry_s): tiny GPT-24 on this CPU 6.5 +
 # 1.8 + 1.25 us against 7.8
 KEPT_SHARE = 1.2
+# What a drop and its rebuild cost the host in a lean call (lean_call.py), as a share of what they cost
+# through the pool (an entry, a pool rebuild): tiny GPT-24 on this CPU, a plan's drops run either way,
+# 41 and 60 us a drop against 78 and 104 (kernels included)
+LEAN_SHARE = 0.5
 
 
 @dataclass(slots=True)
@@ -57,6 +61,8 @@ class Profile:
     unit_inputs: dict[int, tuple[int, ...]] = field(default_factory=dict)  # unit -> ordinals it reads
     unit_start: dict[int, int] = field(default_factory=dict)  # region unit -> the step's saves before it
     unit_end: dict[int, int] = field(default_factory=dict)  # region unit -> the step's saves at its end
+    # non-region unit -> its seconds where its call runs lean (lean_call.py: no entries, lighter rebuilds)
+    unit_lean_s: dict[int, float] = field(default_factory=dict)
     entry_s: float = 0.0  # host seconds to make one entry, in each non-region unit's cost per member
     kept_s: float = 0.0  # host seconds of a save the plan keeps through the pool (planner: Plan.bypass)
     # saved again after the region call that first saved it returned (one entry, no ordinal of its
@@ -65,6 +71,8 @@ class Profile:
     # a region call (by the step's saves before it) -> (ordinal, index among the output's tensors) of
     # each output it saved itself: a call the plan does not see gives the pool these at its end
     call_outputs: dict[int, tuple[tuple[int, int], ...]] = field(default_factory=dict)
+    # a region call (as above) -> the number of a save among the call's saves -> the ordinal it saved
+    call_slots: dict[int, dict[int, int]] = field(default_factory=dict)
     link_bytes_per_s: float = 25e9
     sync_copies: bool = False  # CPU: copies block the step
     backward_event: int = 0  # the first unpack
@@ -133,6 +141,7 @@ class Recorder:
         self.entry_s: list[float] = []  # host seconds to make each entry (Pool._pack_tensor)
         self.resaved: set[int] = set()  # Profile.resaved
         self.call_outputs: dict[int, tuple[tuple[int, int], ...]] = {}  # Profile.call_outputs
+        self.call_slots: dict[int, dict[int, int]] = {}  # Profile.call_slots
         self.backward_event: int | None = None
         # Seconds the step lost to the reactive fallback so far (rebuilds and copies it waited for): the
         # plan replaces those choices, so the timeline and the step's time are taken without them.
@@ -218,7 +227,8 @@ class Recorder:
         plus, but for a region (a plan runs those under checkpoint: Plan.light), what making an entry
         of each member costs the host in the forward (the median this step took to make one): a
         planned step's forward is host-bound on the H100 hosts, ~55 us an entry against a GELU's
-        0.05 ms replay. `host_copy_s`: host seconds to issue one copy."""
+        0.05 ms replay. A non-region unit's price in a lean call (unit_lean_s) counts LEAN_SHARE of
+        both host costs. `host_copy_s`: host seconds to issue one copy."""
         n = self.events
         entry_s = sorted(self.entry_s)[len(self.entry_s) // 2] if self.entry_s else 0.0
         if self.start_event is not None:
@@ -247,6 +257,7 @@ class Recorder:
             kept_s=KEPT_SHARE * entry_s,
             resaved=set(self.resaved),
             call_outputs=dict(self.call_outputs),
+            call_slots=dict(self.call_slots),
         )
         if p.backward_event < n:
             p.transient_bytes[p.backward_event] = spike_bytes
@@ -257,10 +268,13 @@ class Recorder:
                 cost = cost()
             if cost is None or not ordinals:
                 continue
-            if host_s is not None:
-                cost = max(cost, host_s(kind))
+            host = host_s(kind) if host_s is not None else 0.0
             if kind != "Region":
-                cost += len(set(ordinals)) * entry_s
+                members_s = len(set(ordinals)) * entry_s
+                p.unit_lean_s[k] = max(cost, LEAN_SHARE * host) + LEAN_SHARE * members_s
+                cost = max(cost, host) + members_s
+            else:
+                cost = max(cost, host)
             p.unit_ready[k] = ready
             p.unit_cost_s[k] = cost
             p.unit_inputs[k] = tuple(dict.fromkeys(inputs))

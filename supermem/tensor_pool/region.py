@@ -80,6 +80,7 @@ class Region:
         "ready",
         "timing",
         "start",
+        "places",
         "__weakref__",
     )
 
@@ -96,6 +97,7 @@ class Region:
         self.ready = False
         self.timing: Any = _start_timer(pool) if timed else None
         self.start = 0  # its step's saves before the call (Pool._region_start)
+        self.places: dict[int, int] = {}  # the number of a save in the call -> the ordinal it saved
 
     @property
     def group(self) -> Region:
@@ -103,6 +105,9 @@ class Region:
 
     def saw(self, packed: Any, t: torch.Tensor) -> None:
         """The call saved `t` (packed as `packed`): a slot, recomputable if the call made it."""
+        ordinal = getattr(packed, "ordinal", 0)
+        if ordinal > self.start:
+            self.places[len(self.slots)] = ordinal
         mine = isinstance(packed, Entry) and _storage_ptr(t) not in self.input_ptrs
         self.slots.append(weakref.ref(packed) if mine else None)
         if mine and packed.recipe is None:
@@ -461,12 +466,14 @@ class Regions:
         hooks = _pool_hooks(pool, args)
         unseen = pool._unseen_call(start, _checkpoint_call is not None, hooks is not None)
         if unseen is not None:
-            light, end = unseen
+            light, end, lean = unseen
             if light:
                 self._light(module, args, kwargs, pool, end)
             else:
                 torch._C._autograd._pop_saved_tensors_default_hooks()  # Plan.bypass: autograd keeps them
-                self._local.__dict__.setdefault("unseen", []).append((module, hooks, end))
+                if lean is not None:  # but for those the plan drops (Plan.drops)
+                    torch._C._autograd._push_saved_tensors_default_hooks(lean.pack, lean.unpack)
+                self._local.__dict__.setdefault("unseen", []).append((module, hooks, end, lean))
             return
         kind = (type(module), *((x.shape, x.dtype) for x in _tensors((args, kwargs))))
         self._kind[id(module)] = kind
@@ -501,13 +508,16 @@ class Regions:
             next(call)
         finally:
             pool._passthrough = False
-        self._local.__dict__.setdefault("unseen", []).append((module, call, end))
+        self._local.__dict__.setdefault("unseen", []).append((module, call, end, None))
 
     def _post(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         unseen = getattr(self._local, "unseen", None)
         if unseen and unseen[-1][0] is module:
-            _, call, end = unseen.pop()  # call: checkpoint's generator, or the pool's hooks (bypassed)
+            _, call, end, lean = unseen.pop()  # call: checkpoint's generator, or the pool's hooks (bypassed)
             bypassed = isinstance(call, tuple)
+            if lean is not None:
+                torch._C._autograd._pop_saved_tensors_default_hooks()
+                lean.close()
             if bypassed:  # the pool's hooks back on
                 torch._C._autograd._push_saved_tensors_default_hooks(*call)
             else:
@@ -515,12 +525,12 @@ class Regions:
             pool = self._pool()
             if pool is not None:
                 pool._unseen_outputs(_tensors(output), light=not bypassed)
-                if bypassed:  # its saves count until backward is through the call (or its graph dies)
-                    alive = _Alive(pool, pool._unseen_bytes(end))
+                if bypassed:  # its kept saves count until backward is through the call (or its graph dies)
+                    alive = _Alive(pool, pool._unseen_bytes(end) - (lean.dropped_bytes if lean else 0))
                     for x in _tensors(args):
                         if x.grad_fn is not None:  # (a leaf would keep each step's hook)
                             x.register_hook(alive.release)
-                pool._unseen_done(end, light=not bypassed)
+                pool._unseen_done(end, not bypassed, lean)
             return
         st = getattr(self._local, "stack", None)
         if not st or not isinstance(st[-1], Region) or st[-1].module is not module:

@@ -348,10 +348,11 @@ def test_a_running_plan_captures_only_the_regions_it_replays(monkeypatch):
     pool._step_ended = step_ended
     unseen = pool._unseen_done
 
-    def unseen_done(end, light):  # a call the plan replays run under checkpoint: no Region object either
+    # a call the plan replays run under checkpoint: no Region object either
+    def unseen_done(end, light, lean):
         if light:
             made.append(None)
-        unseen(end, light)
+        unseen(end, light, lean)
 
     pool._unseen_done = unseen_done
     params = train(pool, batches)

@@ -616,10 +616,11 @@ def test_a_block_whose_output_is_saved_again_after_it_runs_unseen_and_the_plan_h
     assert s["plan"]["measured_peak_bytes"] <= budget, s
 
 
-@pytest.mark.parametrize("how", ["light_calls", "bypassed_calls"])
+@pytest.mark.parametrize("how", ["light_calls", "bypassed_calls", "lean_drops"])
 def test_calls_the_pool_does_not_see_survive_retain_graph_a_forward_alone_and_an_exception(how):
-    """Blocks run under checkpoint (Plan.light, at half the budget) or with the pool's hooks off
-    (Plan.bypass, everything kept) in the orders a user may take: two grads of one forward
+    """Blocks run under checkpoint (Plan.light, at half the budget), with the pool's hooks off
+    (Plan.bypass, everything kept) or with hooks of their own that drop GELU's output (Plan.drops, at
+    three quarters) in the orders a user may take: two grads of one forward
     (retain_graph), a forward with no backward (the step ends when its tensors die), a block that
     raises mid-forward (no hook is left pushed, the pool's hooks are back), then training again."""
     from supermem.tensor_pool.treatments import Recompute
@@ -632,11 +633,12 @@ def test_calls_the_pool_does_not_see_survive_retain_graph_a_forward_alone_and_an
     for _ in range(3):
         with full:
             loss().backward()
-    if how == "light_calls":
-        budget = full.stats()["plan"]["measured_peak_bytes"] // 2
-        pool = Pool(budget=budget, policy="planned", treatments=(Recompute(),))
-    else:
+    if how == "bypassed_calls":
         pool = full
+    else:
+        share = 0.5 if how == "light_calls" else 0.75
+        budget = int(full.stats()["plan"]["measured_peak_bytes"] * share)
+        pool = Pool(budget=budget, policy="planned", treatments=(Recompute(),))
     for _ in range(4):
         with pool:
             loss().backward()
