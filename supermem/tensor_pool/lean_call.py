@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .entry import Kept, _check, movable, storage_extent
-from .op_replay import OPS, _run, _Unsupported, _visit
+from .op_replay import _run, _Unsupported, chain_of
 from .treatments import autocast_copy_of
 
 if TYPE_CHECKING:
@@ -116,16 +116,10 @@ class LeanCall:
         if param is not None:
             dropped = Dropped(None, [param], None, pool.cuda, t)
         else:
-            base = t._base if t._base is not None else t
-            fn = base.grad_fn
-            if fn is None or type(fn).__name__ not in OPS:
+            chain = chain_of(t, self._kept_at)
+            if chain is None:
                 return None
-            prog: list = []
-            leaves: list = []
-            try:
-                _visit(fn, base.output_nr, 0, prog, leaves, self._kept_at)
-            except _Unsupported:
-                return None
+            base, prog, leaves = chain
             site = pool.op_replays.site_of(prog, leaves, base)
             if site is None:
                 return None

@@ -215,16 +215,10 @@ class OpReplays:
 
     def recipe_for(self, e: Entry, t: torch.Tensor) -> OpReplay | None:
         """A recipe that rebuilds `t` bitwise from entries and parameters, or None."""
-        base = t._base if t._base is not None else t
-        fn = base.grad_fn
-        if fn is None or type(fn).__name__ not in OPS:
+        chain = chain_of(t)
+        if chain is None:
             return None
-        prog: list = []
-        leaves: list = []
-        try:
-            _visit(fn, base.output_nr, 0, prog, leaves)
-        except _Unsupported:
-            return None
+        base, prog, leaves = chain
         pool = self._pool()
         if pool is None or any(x is e or (isinstance(x, Entry) and x._pool() is not pool) for x in leaves):
             return None  # itself, or an entry of another pool (not this one's to bring back)
@@ -279,6 +273,22 @@ class OpReplays:
             for x in held:
                 pool._in_use.remove(x)
         return site
+
+
+def chain_of(t: torch.Tensor, find: Any = None) -> tuple[torch.Tensor, list, list] | None:
+    """(base, chain, leaves) that made `t` (its base, for a view) from kept tensors, or None where its
+    node leaves OPS; `find` as _visit's."""
+    base = t._base if t._base is not None else t
+    fn = base.grad_fn
+    if fn is None or type(fn).__name__ not in OPS:
+        return None
+    prog: list = []
+    leaves: list = []
+    try:
+        _visit(fn, base.output_nr, 0, prog, leaves, find)
+    except _Unsupported:
+        return None
+    return base, prog, leaves
 
 
 def _site_key(prog: list, leaves: list, base: torch.Tensor) -> tuple:
