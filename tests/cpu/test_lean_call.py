@@ -115,3 +115,28 @@ def test_a_lean_blocks_dropped_tensor_whose_input_changed_in_place_raises_like_p
     gc.collect()
     with pool:  # and the pool trains on
         model(x).square().mean().backward()
+
+
+def test_a_plan_whose_calls_cannot_run_lean_is_priced_as_run_through_the_pool(monkeypatch):
+    """Where a call the greedy priced lean cannot run lean (here none can), the units it priced so
+    would run through the pool at full price: the plan is made again without them, and it is the plan
+    of a profile with no lean prices at all."""
+    import copy
+
+    from supermem.tensor_pool import plan_run, planner
+
+    profiles = []
+    real = plan_run.make_plan
+    monkeypatch.setattr(
+        plan_run, "make_plan", lambda p, budget: profiles.append(copy.deepcopy(p)) or real(p, budget)
+    )
+    pool, budget = planned_at("gelu", 0.6)
+    train_steps(build("gelu"), batch, pool, 3)
+    p = profiles[-1]
+    assert p.unit_lean_s and planner.make_plan(p, budget).drops  # lean calls where they can run
+    monkeypatch.setattr(planner, "bypass", lambda *a: {})
+    plan = planner.make_plan(p, budget)
+    unlean = copy.deepcopy(p)
+    unlean.unit_lean_s = {}
+    expected = planner.make_plan(unlean, budget)
+    assert plan.treatment == expected.treatment and plan.added_s == expected.added_s
