@@ -480,9 +480,8 @@ def bypass(p: Profile, plan: Plan, ix: _Index, units: set, curve: list[int], bud
     A call whose saves the plan keeps but for the members of units inner to it (and their inputs)
     runs lean, dropping those itself (Plan.drops).
     The pool sees such a call's kept saves die only together, once backward is through the call: it
-    counts each until its last one died. On CPU, where that count is what the budget measures, a call
-    qualifies only where it keeps the curve under the budget (on a GPU the budget counts the
-    allocator's bytes, which autograd frees one by one either way)."""
+    counts each until its last one died, and a call qualifies only where that keeps the curve under
+    the budget."""
     out: dict[int, int] = {}
     unit_at = {start: u for u, start in p.unit_start.items()}
     later = [0] * len(curve)  # bytes the calls taken so far count beyond their deaths
@@ -506,7 +505,7 @@ def bypass(p: Profile, plan: Plan, ix: _Index, units: set, curve: list[int], bud
         for o in kept:
             for k in range(ix.by[o].end, last):
                 more[k] = more.get(k, 0) + ix.by[o].nbytes
-        if not p.sync_copies or all(curve[k] + later[k] + b <= budget for k, b in more.items()):
+        if all(curve[k] + later[k] + b <= budget for k, b in more.items()):
             for k, b in more.items():
                 later[k] += b
             out[start] = end

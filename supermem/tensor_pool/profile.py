@@ -74,7 +74,7 @@ class Profile:
     # a region call (as above) -> the number of a save among the call's saves -> the ordinal it saved
     call_slots: dict[int, dict[int, int]] = field(default_factory=dict)
     link_bytes_per_s: float = 25e9
-    sync_copies: bool = False  # CPU: copies block the step (and the budget counts the pool's own bytes)
+    sync_copies: bool = False  # CPU: copies block the step
     backward_event: int = 0  # the first unpack
     step_s: float = 0.0
     host_copy_s: float = 0.0  # host seconds to issue one copy: a host-bound step is longer by it
