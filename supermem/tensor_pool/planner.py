@@ -300,7 +300,11 @@ def make_plan(p: Profile, budget: int) -> Plan:
     ix = _Index(p)
     while True:
         plan, units = _plan_once(p, budget, ix)
-        lost = {c for u in units if (c := ix.inner.get(u)) is not None and p.unit_start[c] not in plan.drops}
+        lost = {  # (a call the plan replays whole rebuilds its inner units with it: not lost)
+            c
+            for u in units
+            if (c := ix.inner.get(u)) is not None and p.unit_start[c] not in plan.drops and c not in units
+        }
         if not lost or not plan.feasible:
             break
         for u, c in list(ix.inner.items()):
