@@ -44,6 +44,9 @@ class PlanRunner:
             # an op replay's cost by its site (measured later; the recipe itself holds this step's entries)
             cost = e.recipe.site.cost_s if isinstance(e.recipe, OpReplay) else e.recipe.cost_s(self)
             self._plan_recipe(e.recipe, [e], cost, offloadable=not isinstance(e.recipe, Cast))
+        compress = self.treatments.get("compress")
+        if rec.full and compress is not None and compress.compressible(e):
+            rec.compressible(e.ordinal, int(compress.price(self)[1] * e.nbytes))
         if not self._plan_ok:
             return
         if not self._plan_matches(e):
@@ -57,6 +60,8 @@ class PlanRunner:
                 self._leave(e, self.treatments["recompute"])
             else:
                 self._plan_pending.append(weakref.ref(e))  # its call has not returned yet
+        elif how == "compress" and compress is not None and compress.compressible(e):
+            self._leave(e, compress)
         self._plan_events(event)
 
     def _lean_pack(self, t: torch.Tensor) -> Any:
@@ -252,13 +257,14 @@ class PlanRunner:
             return
         if not rec.regions_on:
             return
-        offload = self.treatments.get("offload")
+        offload, compress = self.treatments.get("offload"), self.treatments.get("compress")
         profile = rec.profile(
             self._last_spike,
             offload.rate(self) if offload else 1.0,
             sync_copies=not self.cuda,
             host_s=self._host_cost_s,
             host_copy_s=self.copies.issue_s(),
+            compress_s_per_byte=compress.price(self)[0] if compress else 0.0,
         )
         if offload is None:  # a pool without the treatment: the plan must not count on copies
             for s in profile.saved:

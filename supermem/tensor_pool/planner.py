@@ -57,7 +57,7 @@ EXACT_TRIES = 4  # candidates simulated per decision, cheapest lower bound first
 class Plan:
     signature: tuple[int, ...]
     budget_bytes: int
-    treatment: dict[int, str] = field(default_factory=dict)  # ordinal -> "offload" | "recompute"
+    treatment: dict[int, str] = field(default_factory=dict)  # ordinal -> "offload" | "recompute" | "compress"
     lean: frozenset[int] = frozenset()  # kept, and no planned rebuild reads them: no entry needed
     region_starts: frozenset[int] = frozenset()  # the regions it replays, by the step's saves before them
     # regions it replays whole by checkpoint: the step's saves before the call -> at its end (light())
@@ -82,7 +82,7 @@ class Plan:
     untreated_step_s: float = 0.0  # the profiled step's seconds, less what the reactive fallback cost
 
     def counts(self) -> dict[str, int]:
-        out = {"offload": 0, "recompute": 0}
+        out = {"offload": 0, "recompute": 0, "compress": 0}
         for t in self.treatment.values():
             out[t] += 1
         out["keep"] = len(self.signature) - sum(out.values())
@@ -195,6 +195,7 @@ def simulate(
     budget: int,
     deadline: dict[int, int] | None = None,
     ix: _Index | None = None,
+    compressed: set[int] = frozenset(),
 ) -> Simulated:
     """The curve and added seconds of a plan; `deadline`: offloaded ordinal -> the point it must lower."""
     ix = ix or _Index(p)
@@ -213,7 +214,7 @@ def simulate(
         if r in units and own[v] > back[r]:
             back[v] = back[r]
             free.add(v)
-    broken = _broken(ix, offloads, units) | units
+    broken = _broken(ix, offloads | compressed, units) | units
     for u in units:
         a = p.unit_ready[u]
         for s in ix.members[u]:
@@ -225,6 +226,13 @@ def simulate(
             added += _unit_s(p, ix, u, broken)
     if p.kept_s:  # calls no longer run with the pool's hooks off: their kept saves cost the host
         added += p.kept_s * sum(ix.call_saves[c] for c in broken - units)
+    for o in compressed:  # packed from its save to its first use (or a rebuild that reads it)
+        s = by[o]
+        a, b = s.save + 1, min(_need(ix, s, back), s.end)
+        if a < b:
+            diff[a] -= s.nbytes - s.packed_bytes
+            diff[b] += s.nbytes - s.packed_bytes
+        added += p.compress_s_per_byte * s.nbytes
     land: dict[int, int] = {}
     land_s: dict[int, float] = {}
     free_s, late = 0.0, False
@@ -318,16 +326,18 @@ def make_plan(p: Profile, budget: int) -> Plan:
 def _plan_once(p: Profile, budget: int, ix: _Index) -> tuple[Plan, set[int]]:
     offloads: set[int] = set()
     units: set[int] = set()
+    compressed: set[int] = set()
     deadline: dict[int, int] = {}  # offloaded ordinal -> the first point it was chosen to lower
     feasible = True
     sim = simulate(p, offloads, units, budget, deadline, ix)
+    chosen = (offloads, units, compressed)
     while sim.curve:
         peak = max(range(len(sim.curve)), key=sim.curve.__getitem__)
         if sim.curve[peak] <= budget:
             break
-        best = _best_choice(p, ix, sim, peak, offloads, units, deadline, budget, False)
+        best = _best_choice(p, ix, sim, peak, chosen, deadline, budget, False)
         if best is None:  # the last resort: a copy that lands late, compute waiting for it before the point
-            best = _best_choice(p, ix, sim, peak, offloads, units, deadline, budget, True)
+            best = _best_choice(p, ix, sim, peak, chosen, deadline, budget, True)
         if best is None:
             feasible = False
             break
@@ -335,6 +345,8 @@ def _plan_once(p: Profile, budget: int, ix: _Index) -> tuple[Plan, set[int]]:
         if kind == "offload":
             offloads.add(key)
             deadline[key] = peak
+        elif kind == "compress":
+            compressed.add(key)
         else:
             units.add(key)
     plan = Plan(p.signature, budget, feasible=feasible)
@@ -344,6 +356,8 @@ def _plan_once(p: Profile, budget: int, ix: _Index) -> tuple[Plan, set[int]]:
             plan.prefetch_at.setdefault(sim.fetch[o], []).append(o)
         if not p.sync_copies:  # backpressure: the copy must have landed before the point it lowers
             plan.wait_at.setdefault(max(deadline[o] - 1, 0), []).append(o)
+    for o in compressed:
+        plan.treatment[o] = "compress"
     for u in units:
         for s in ix.members[u]:
             plan.treatment.setdefault(s.ordinal, "recompute")
@@ -371,8 +385,7 @@ def _best_choice(
     ix: _Index,
     sim: Simulated,
     peak: int,
-    offloads: set,
-    units: set,
+    chosen: tuple[set, set, set],
     deadline: dict,
     budget: int,
     late: bool,
@@ -381,10 +394,11 @@ def _best_choice(
     candidates in order of a lower bound on that (their own cost over the most they could free), each
     priced exactly by simulating the plan with it, until the bound passes the best exact price. `late`:
     offloads whose copies land after `peak` count too (compute waits for them: priced, not hidden)."""
+    offloads, units, compressed = chosen
     cands = []  # (lower bound per byte, kind, key)
-    broken = _broken(ix, offloads, units) | units
+    broken = _broken(ix, offloads | compressed, units) | units
     for u, ms in ix.members.items():
-        if u in units or any(s.ordinal in offloads for s in ms):
+        if u in units or any(s.ordinal in offloads or s.ordinal in compressed for s in ms):
             continue
         if not p.unit_ready[u] <= peak < min(s.use for s in ms):
             continue
@@ -403,14 +417,23 @@ def _best_choice(
     for k in range(len(queue) - 1, -1, -1):
         _, land_s, point_s = queue[k]
         spare[k] = min(spare[k + 1], point_s - land_s if land_s <= point_s else float("inf"))
+    for s in p.saved:  # packs on the device: from its save on, no link
+        freed = s.nbytes - s.packed_bytes
+        if not s.packed_bytes or freed <= 0 or s.ordinal in offloads or s.ordinal in compressed:
+            continue
+        if s.ordinal in taken or not (s.save < p.backward_event and s.save < peak < min(s.use, s.end)):
+            continue
+        cost = p.compress_s_per_byte * s.nbytes + _lost(p, ix, s.ordinal, broken)
+        cands.append((cost / freed, "compress", s.ordinal))
     for s in p.saved:
-        if not s.offloadable or s.ordinal in offloads or s.ordinal in taken or s.nbytes == 0:
+        if not s.offloadable or s.ordinal in offloads or s.ordinal in compressed or s.ordinal in taken:
+            continue
+        if s.nbytes == 0:
             continue
         if not (s.save < p.backward_event and s.save < peak < min(s.use, s.end)):
             continue  # offloads are made in the forward, for a point before the tensor is needed
         c = s.nbytes / p.link_bytes_per_s
-        call = ix.call_of.get(s.ordinal)
-        lost = p.kept_s * ix.call_saves[call] if call is not None and call not in broken else 0.0
+        lost = _lost(p, ix, s.ordinal, broken)
         if p.sync_copies:
             cost = 2 * c + lost
         else:
@@ -428,9 +451,11 @@ def _best_choice(
             break
         tries += 1
         if kind == "offload":
-            trial = simulate(p, offloads | {key}, units, budget, {**deadline, key: peak}, ix)
+            trial = simulate(p, offloads | {key}, units, budget, {**deadline, key: peak}, ix, compressed)
+        elif kind == "compress":
+            trial = simulate(p, offloads, units, budget, deadline, ix, compressed | {key})
         else:
-            trial = simulate(p, offloads, units | {key}, budget, deadline, ix)
+            trial = simulate(p, offloads, units | {key}, budget, deadline, ix, compressed)
         freed = sim.curve[peak] - trial.curve[peak]
         if freed <= 0 or (trial.late and not sim.late and not late):
             continue  # it frees nothing there, or it delays a copy queued behind it past its point
@@ -438,6 +463,12 @@ def _best_choice(
         if score < best_score:
             best, best_score = (kind, key, trial), score
     return best
+
+
+def _lost(p: Profile, ix: _Index, ordinal: int, broken: set[int]) -> float:
+    """What treating `ordinal` one by one costs its call's kept saves (the call runs unseen no more)."""
+    call = ix.call_of.get(ordinal)
+    return p.kept_s * ix.call_saves[call] if call is not None and call not in broken else 0.0
 
 
 def light(p: Profile, plan: Plan, units: set[int], ix: _Index) -> dict[int, int]:
@@ -456,7 +487,7 @@ def light(p: Profile, plan: Plan, units: set[int], ix: _Index) -> dict[int, int]
     calls = {
         start: end
         for start, end in _unseen(p, plan, units)
-        if not any(plan.treatment.get(o) == "offload" for o in range(start + 1, end + 1))
+        if not any(plan.treatment.get(o) in ("offload", "compress") for o in range(start + 1, end + 1))
     }
     unit_at = {p.unit_start[u]: u for u in units if u in p.unit_start}
     while True:  # a reader run under checkpoint itself reads its inputs from checkpoint, not the pool

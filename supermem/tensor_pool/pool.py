@@ -412,7 +412,7 @@ class Pool(PlanRunner):
                     self._rec = EventCounter(self._plan.event_of)  # a plan runs: its events only
                 else:
                     self._rec = Recorder(self.cuda, timed=not self._plan_ok)
-                self._rec.regions_on = self.regions.phase == "on"
+                self._rec.regions_on = self.regions.phase != "profiling"  # ("off": a pool without them)
                 self._by_ordinal = {}
                 self._plan_pending = []
         return s

@@ -48,6 +48,7 @@ class Saved:
     end: int = -1  # the first event after it died (the timeline's length if it outlived the step)
     unit: int | None = None  # recompute unit (dropping it frees every member at once)
     offloadable: bool = True  # autocast weight copies are rebuilt, never copied to host
+    packed_bytes: int = 0  # compressible (a ReLU's output): what its pack would hold, estimated; else 0
 
 
 @dataclass
@@ -73,6 +74,7 @@ class Profile:
     call_outputs: dict[int, tuple[tuple[int, int], ...]] = field(default_factory=dict)
     # a region call (as above) -> the number of a save among the call's saves -> the ordinal it saved
     call_slots: dict[int, dict[int, int]] = field(default_factory=dict)
+    compress_s_per_byte: float = 0.0  # a pack and its unpack (Compress.price)
     link_bytes_per_s: float = 25e9
     sync_copies: bool = False  # CPU: copies block the step
     backward_event: int = 0  # the first unpack
@@ -175,6 +177,10 @@ class Recorder:
         self.saved[ordinal] = Saved(ordinal, nbytes, i, -1)
         return i
 
+    def compressible(self, ordinal: int, packed_bytes: int) -> None:
+        """`ordinal` (just packed) may be compressed into about `packed_bytes`."""
+        self.saved[ordinal].packed_bytes = packed_bytes
+
     def used(self, ordinal: int, used: int) -> int | None:
         """First unpack of `ordinal`: an event; None when it is not the first."""
         s = self.saved.get(ordinal)
@@ -221,6 +227,7 @@ class Recorder:
         sync_copies: bool,
         host_s: Any = None,
         host_copy_s: float = 0.0,
+        compress_s_per_byte: float = 0.0,
     ) -> Profile:
         """`host_s(kind)`: host seconds of one rebuild of that kind of recipe; a unit costs the larger of
         its device and host seconds (where the host is the slower side, the host's are the step's),
@@ -253,6 +260,7 @@ class Recorder:
             backward_event=self.backward_event if self.backward_event is not None else n,
             step_s=time.perf_counter() - self.start_s - self.fallback_s,
             host_copy_s=host_copy_s,
+            compress_s_per_byte=compress_s_per_byte,
             entry_s=entry_s,
             kept_s=KEPT_SHARE * entry_s,
             resaved=set(self.resaved),

@@ -264,6 +264,10 @@ class Compress(Treatment):
     def applies(self, e: Entry) -> bool:
         if e.recipe is not None and not e.recipe.ready:
             return False  # a call still running decides at its end, as for offload
+        return self.compressible(e)
+
+    def compressible(self, e: Entry) -> bool:
+        """A ReLU made it, and it can be packed here now (what a plan asks, which decided already)."""
         t = e.tensor
         if t is None:
             return False
@@ -278,13 +282,19 @@ class Compress(Treatment):
     def measured(self) -> bool:
         return all(x.s_per_byte is not None for x in self._timing.values())
 
+    def price(self, pool: Pool) -> tuple[float, float]:
+        """(seconds per byte to pack and unpack, packed bytes per tensor byte): measured so far, or
+        the priors."""
+        prior = PRIOR_PASSES / 2 / pool._device_bytes_per_s()
+        s_per_byte = sum(x.s_per_byte_or(prior) for x in self._timing.values())
+        ratio = self._packed_bytes / self._tensor_bytes if self._tensor_bytes else PACKED_RATIO_PRIOR
+        return s_per_byte, ratio
+
     def choices(self, pool: Pool, resident: Iterable[Entry]) -> list[Choice]:
         _count(pool)
         if self._packing:
             return []
-        prior = PRIOR_PASSES / 2 / pool._device_bytes_per_s()
-        s_per_byte = sum(x.s_per_byte_or(prior) for x in self._timing.values())
-        ratio = self._packed_bytes / self._tensor_bytes if self._tensor_bytes else PACKED_RATIO_PRIOR
+        s_per_byte, ratio = self.price(pool)
         out = []
         for e in resident:
             if self.applies(e):

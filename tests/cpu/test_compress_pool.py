@@ -609,3 +609,23 @@ def test_a_kept_tensor_saved_after_the_last_pack_lets_it_settle():
     got = train("mlp", pool, steps=2, during=leave_then_save_a_small_one)
     assert same(train("mlp", steps=2), got)
     assert seen[1][0] > 0 and seen[1][1] == 0, seen
+
+
+@pytest.mark.parametrize(
+    ("case", "share"), [("mlp", 0.85), ("blocks", 0.85), ("resnet", 0.85), ("bottleneck", 0.93)]
+)
+def test_the_planned_policy_compresses_relu_outputs_by_their_measured_cost(case, share):
+    """planned with Compress as its only way to free bytes: the recorded step notes which saves a ReLU
+    made and what their packs would hold, the plan compresses some of them (and nothing else), the
+    step stays under the budget (packed payloads counted), and training is bitwise plain PyTorch's."""
+    ref = train(case, steps=6)
+    probe = Pool(budget="1GiB", policy="planned", treatments=(Compress(),))
+    train(case, probe, steps=3)
+    budget = int(probe.stats()["plan"]["untreated_peak_bytes"] * share)
+    pool = Pool(budget=budget, policy="planned", host_limit="64MiB", treatments=(Compress(),))
+    assert same(ref, train(case, pool, steps=6))
+    s = pool.stats()
+    plan = s["plan"]
+    assert plan["compress"] > 0 and plan["recompute"] == plan["offload"] == 0, plan
+    assert plan["feasible"] and plan["measured_peak_bytes"] <= budget, s
+    assert s["compressions"] > 0, s
