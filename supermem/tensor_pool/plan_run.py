@@ -264,7 +264,7 @@ class PlanRunner:
             sync_copies=not self.cuda,
             host_s=self._host_cost_s,
             host_copy_s=self.copies.issue_s(),
-            compress_s_per_byte=compress.price(self)[0] if compress else 0.0,
+            compress_price=compress.price(self) if compress else None,
         )
         if offload is None:  # a pool without the treatment: the plan must not count on copies
             for s in profile.saved:

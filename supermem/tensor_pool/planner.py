@@ -232,7 +232,7 @@ def simulate(
         if a < b:
             diff[a] -= s.nbytes - s.packed_bytes
             diff[b] += s.nbytes - s.packed_bytes
-        added += p.compress_s_per_byte * s.nbytes
+        added += p.compress_s_per_byte * s.nbytes + p.compress_wait_s
     land: dict[int, int] = {}
     land_s: dict[int, float] = {}
     free_s, late = 0.0, False
@@ -423,7 +423,7 @@ def _best_choice(
             continue
         if s.ordinal in taken or not (s.save < p.backward_event and s.save < peak < min(s.use, s.end)):
             continue
-        cost = p.compress_s_per_byte * s.nbytes + _lost(p, ix, s.ordinal, broken)
+        cost = p.compress_s_per_byte * s.nbytes + p.compress_wait_s + _lost(p, ix, s.ordinal, broken)
         cands.append((cost / freed, "compress", s.ordinal))
     for s in p.saved:
         if not s.offloadable or s.ordinal in offloads or s.ordinal in compressed or s.ordinal in taken:

@@ -75,6 +75,7 @@ class Profile:
     # a region call (as above) -> the number of a save among the call's saves -> the ordinal it saved
     call_slots: dict[int, dict[int, int]] = field(default_factory=dict)
     compress_s_per_byte: float = 0.0  # a pack and its unpack (Compress.price)
+    compress_wait_s: float = 0.0  # what a pack waits for its count (Compress.price: an exact one on a GPU)
     link_bytes_per_s: float = 25e9
     sync_copies: bool = False  # CPU: copies block the step
     backward_event: int = 0  # the first unpack
@@ -227,7 +228,7 @@ class Recorder:
         sync_copies: bool,
         host_s: Any = None,
         host_copy_s: float = 0.0,
-        compress_s_per_byte: float = 0.0,
+        compress_price: tuple[float, float, float] | None = None,
     ) -> Profile:
         """`host_s(kind)`: host seconds of one rebuild of that kind of recipe; a unit costs the larger of
         its device and host seconds (where the host is the slower side, the host's are the step's),
@@ -260,7 +261,8 @@ class Recorder:
             backward_event=self.backward_event if self.backward_event is not None else n,
             step_s=time.perf_counter() - self.start_s - self.fallback_s,
             host_copy_s=host_copy_s,
-            compress_s_per_byte=compress_s_per_byte,
+            compress_s_per_byte=compress_price[0] if compress_price else 0.0,
+            compress_wait_s=compress_price[2] if compress_price else 0.0,
             entry_s=entry_s,
             kept_s=KEPT_SHARE * entry_s,
             resaved=set(self.resaved),

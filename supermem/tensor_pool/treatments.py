@@ -223,6 +223,11 @@ TIMED_USES = 8  # packs (and unpacks) timed; the fastest per byte prices them (t
 ROOM_MARGIN = 1.03  # values room: this times the same saved tensor's nonzeros last step, ...
 ROOM_SLACK = 1 / 256  # ... plus this share of the elements (densities drift from step to step)
 ROOM_NEW_SLACK = 1 / 16  # a tensor never packed: the densest of its size so far, plus this share
+# Host seconds of an exact pack on a GPU before one was measured: it reads its count back, a host sync
+# that drains the GPU's queue. On an H100 a plan packing ~30 of ResNet-152's ReLU outputs a step ran
+# ~1.6 ms a pack slower than one that packed none (a replan included: a rough prior, not a measurement)
+EXACT_PACK_PRIOR_S = 1e-3
+EXACT_SAMPLES = 16  # the last exact packs' host seconds kept; their median prices the next
 
 
 class Compress(Treatment):
@@ -260,6 +265,7 @@ class Compress(Treatment):
         self._last_nnz: dict[tuple[int, int], int] = {}  # (ordinal in its step, elements) -> nonzeros
         self._densest: dict[int, float] = {}  # elements -> the highest nonzero share packed at that size
         self._unsettled: list[weakref.ref[Entry]] = []  # packed into a guessed room, count not read yet
+        self._exact_s: list[float] = []  # host seconds of the last exact packs on a GPU (their sync)
 
     def applies(self, e: Entry) -> bool:
         if e.recipe is not None and not e.recipe.ready:
@@ -282,19 +288,22 @@ class Compress(Treatment):
     def measured(self) -> bool:
         return all(x.s_per_byte is not None for x in self._timing.values())
 
-    def price(self, pool: Pool) -> tuple[float, float]:
-        """(seconds per byte to pack and unpack, packed bytes per tensor byte): measured so far, or
-        the priors."""
+    def price(self, pool: Pool) -> tuple[float, float, float]:
+        """(seconds per byte to pack and unpack, packed bytes per tensor byte, host seconds a pack
+        waits for its count): measured so far, or the priors. The wait is an exact pack's on a GPU."""
         prior = PRIOR_PASSES / 2 / pool._device_bytes_per_s()
         s_per_byte = sum(x.s_per_byte_or(prior) for x in self._timing.values())
         ratio = self._packed_bytes / self._tensor_bytes if self._tensor_bytes else PACKED_RATIO_PRIOR
-        return s_per_byte, ratio
+        wait_s = 0.0
+        if pool.cuda and not self.guess_room:
+            wait_s = sorted(self._exact_s)[len(self._exact_s) // 2] if self._exact_s else EXACT_PACK_PRIOR_S
+        return s_per_byte, ratio, wait_s
 
     def choices(self, pool: Pool, resident: Iterable[Entry]) -> list[Choice]:
         _count(pool)
         if self._packing:
             return []
-        s_per_byte, ratio = self.price(pool)
+        s_per_byte, ratio, _ = self.price(pool)  # (the reactive policies do not weigh the wait yet)
         out = []
         for e in resident:
             if self.applies(e):
@@ -330,9 +339,13 @@ class Compress(Treatment):
         self._packing += 1
         pool._in_use.append(e)
         try:
-            # Timed when it guesses the room: the steady state's pack (an exact one waits for the GPU).
+            # Timed when it guesses the room: the steady state's pack (an exact one waits for the GPU,
+            # which its host seconds price: price()).
+            t0 = time.perf_counter()
             with self._timing["pack"].timed(pool, e.nbytes if room is not None or not pool.cuda else 0):
                 packed = relu_pack(e.tensor, capacity=room)
+            if room is None and pool.cuda:
+                self._exact_s = [*self._exact_s[1 - EXACT_SAMPLES :], time.perf_counter() - t0]
         except torch.OutOfMemoryError:
             return False  # no room for the payload even after pressure: another treatment frees
         finally:

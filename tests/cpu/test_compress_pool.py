@@ -629,3 +629,25 @@ def test_the_planned_policy_compresses_relu_outputs_by_their_measured_cost(case,
     assert plan["compress"] > 0 and plan["recompute"] == plan["offload"] == 0, plan
     assert plan["feasible"] and plan["measured_peak_bytes"] <= budget, s
     assert s["compressions"] > 0, s
+
+
+def test_the_plan_prices_what_a_pack_waits_for_its_count(monkeypatch):
+    """An exact pack on a GPU reads its nonzero count back (a host sync); the plan prices that wait
+    (Profile.compress_wait_s, from Compress.price) per packed tensor: where it is long, the plan
+    rebuilds instead of packing."""
+    import copy
+
+    from supermem.tensor_pool import plan_run, planner
+
+    profiles = []
+    real = plan_run.make_plan
+    monkeypatch.setattr(plan_run, "make_plan", lambda p, b: profiles.append(copy.deepcopy(p)) or real(p, b))
+    probe = Pool(budget="1GiB", policy="planned", treatments=(Compress(), Recompute()))
+    train("bottleneck", probe, steps=3)
+    p = profiles[-1]
+    budget = int(probe.stats()["plan"]["untreated_peak_bytes"] * 0.85)
+    p.compress_wait_s = 0.0
+    assert planner.make_plan(p, budget).counts()["compress"] > 0
+    p.compress_wait_s = 1.0
+    plan = planner.make_plan(p, budget)
+    assert plan.counts()["compress"] == 0 and plan.counts()["recompute"] > 0 and plan.feasible
