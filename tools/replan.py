@@ -6,20 +6,33 @@ real card's profile (its unit costs, link rate and timeline), not a simulated on
 """
 
 import collections
+import dataclasses
 import pickle
 import sys
 
 from supermem.tensor_pool.planner import make_plan
+from supermem.tensor_pool.profile import Profile, Saved
 
 GiB = 2**30
+
+
+def upgraded(p: Profile) -> Profile:
+    """A dump made before some of Profile's or Saved's fields existed, with their defaults (no lean
+    prices, no compressible saves, no call records: what the planner then plans without)."""
+    for f in dataclasses.fields(Profile):
+        if f.name not in p.__dict__:
+            factory = f.default_factory
+            p.__dict__[f.name] = factory() if factory is not dataclasses.MISSING else f.default
+    names = [f.name for f in dataclasses.fields(Saved)]
+    defaults = {f.name: f.default for f in dataclasses.fields(Saved)}
+    p.saved = [Saved(**{n: getattr(s, n, defaults[n]) for n in names}) for s in p.saved]
+    return p
 
 
 def main() -> None:
     with open(sys.argv[1], "rb") as f:
         dumped = pickle.load(f)
-    p, native = dumped["profile"], dumped["native_peak_bytes"]
-    p.__dict__.setdefault("unit_end", {})  # a dump older than Profile.unit_end (Plan.light: none then)
-    p.__dict__.setdefault("resaved", set())  # older than Profile.resaved
+    p, native = upgraded(dumped["profile"]), dumped["native_peak_bytes"]
     kinds = getattr(p, "kinds", {})  # unit -> recipe kind, where plan_diag recorded them
     print(f"{dumped['model']}: {len(p.saved)} saved tensors, native peak {native / GiB:.2f} GiB")
     for fraction in [float(x) for x in sys.argv[2:]] or [0.75]:
