@@ -54,11 +54,9 @@ def row(label: str, tr: Trainer, ctx=None) -> float:
     print(line, flush=True)
     if hasattr(ctx, "stats"):
         s = ctx.stats()
-        did = {
-            k: s.get(k)
-            for k in ("light_calls", "bypassed_calls", "plan_misses", "recomputes", "replays", "offloads")
-        }
-        plan = s.get("plan") and {k: s["plan"][k] for k in ("offload", "recompute", "keep")}
+        counters = ("light_calls", "bypassed_calls", "lean_calls", "lean_drops", "plan_misses", "replays")
+        did = {k: s.get(k) for k in (*counters, "offloads")}
+        plan = s.get("plan") and {k: s["plan"][k] for k in ("offload", "recompute", "compress", "keep")}
         print(f"{'':16s} per {STEPS} steps {did}, plan {plan}")
     return wall
 
