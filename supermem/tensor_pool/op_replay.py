@@ -94,6 +94,25 @@ OPS: dict[str, Op] = {
         lambda n: (n._input_metadata[0].dtype, n._input_metadata[0].device),
         lambda a, v, x: x.to(dtype=a[0], device=a[1]),
     ),
+    # a reshape that copies (attention's heads merged back: a.transpose(1, 2).reshape(b, t, d), what
+    # the output projection saves): transpose, clone (its memory format tried: the node does not keep
+    # it), view to the output's shape (the node's input metadata)
+    "TransposeBackward0": Op(
+        1,
+        lambda n: (n._saved_dim0, n._saved_dim1),
+        lambda a, v, x: x.transpose(a[0], a[1]),
+    ),
+    "CloneBackward0": Op(
+        1,
+        lambda n: (),
+        lambda a, v, x: x.clone(memory_format=v),
+        (torch.contiguous_format, torch.preserve_format),
+    ),
+    "UnsafeViewBackward0": Op(
+        1,
+        lambda n: (tuple(n._input_metadata[0].shape),),
+        lambda a, v, x: x.view(a[0]),
+    ),
 }
 
 

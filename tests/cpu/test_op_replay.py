@@ -133,6 +133,20 @@ class ConvBN(nn.Module):
         return self.c2(y)
 
 
+class Heads(nn.Module):
+    """Attention's heads merged back before the output projection, a.transpose(1, 2).reshape(b, t, d):
+    a copy the projection saves, rebuilt from `a` (which its op keeps: here exp, as flash attention
+    keeps its output)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(16, 16)
+
+    def forward(self, x):
+        a = x.view(2, 4, 4, 4).exp()  # (b, heads, t, head dim)
+        return self.proj(a.transpose(1, 2).reshape(2, 4, 16))
+
+
 X16 = torch.randn(8, 16)
 IMG = torch.randn(2, 4, 8, 8)
 
@@ -152,6 +166,13 @@ def test_layer_norm_fp32(eps):
 def test_layer_norm_then_autocast_cast():
     ops = ("NativeLayerNormBackward0", "ToCopyBackward0")
     ref, got = grads_plain_and_replayed(Norm, X16, ops, autocast=True)
+    assert same(ref, got)
+
+
+def test_heads_merged_by_a_reshape_that_copies():
+    ops = ("TransposeBackward0", "CloneBackward0", "UnsafeViewBackward0")
+    x = torch.randn(8, 16, requires_grad=True)
+    ref, got = grads_plain_and_replayed(Heads, x, ops)
     assert same(ref, got)
 
 
