@@ -2,12 +2,13 @@
 made it, from tensors the step keeps anyway.
 
 At pack time the pool looks at the saved tensor's grad_fn (its base's, for a view). If the node is in
-OPS (GELU, ReLU, add, LayerNorm, BatchNorm in training, a cast) and each of its inputs is, within
-MAX_OPS such nodes, a tensor the step keeps anyway (another entry of the pool, or a parameter), the
-entry gets an OpReplay recipe, which the Recompute treatment uses like any other: the policy may
-drop the tensor, and its unpack rebuilds it. GPT: a block's GELU output from fc1's, its two bf16
-LayerNorm outputs from the fp32 residuals; ResNet: each ReLU output from its BatchNorm's input (and
-the residual). Nothing runs per op in the forward, only per saved tensor.
+OPS (GELU, ReLU, add, LayerNorm, BatchNorm in training, a cast, a reshape that copies) and each of
+its inputs is, within MAX_OPS such nodes, a tensor the step keeps anyway (another entry of the pool,
+or a parameter), the entry gets an OpReplay recipe, which the Recompute treatment uses like any
+other: the policy may drop the tensor, and its unpack rebuilds it. GPT: a block's GELU output from
+fc1's, its two bf16 LayerNorm outputs from the fp32 residuals, the output projection's input from
+the attention output; ResNet: each ReLU output from its BatchNorm's input (and the residual).
+Nothing runs per op in the forward, only per saved tensor.
 
 How inputs are found without unpacking anything (reading a node's saved tensor would call the pool's
 unpack hook): each entry tags its tensor's autograd node (node.metadata, which lives as long as the
