@@ -511,6 +511,9 @@ def _print_sweep(model: str, rows: list[dict], args: argparse.Namespace) -> None
         plan = pool.get("plan")
         if pool.get("plans"):  # a step recorded and planned again inside the timed ones
             line += f"; {pool['plans']} plan(s) made in the timed steps"
+        ran = [(k, pool.get(k)) for k in RAN_COUNTERS]
+        if any(v for _, v in ran):
+            line += "; " + ", ".join(f"{k} {v}" for k, v in ran if v)
         if plan:
             line += (
                 f"; plan peak {mem(plan['predicted_peak_bytes'])} predicted /"
@@ -518,6 +521,11 @@ def _print_sweep(model: str, rows: list[dict], args: argparse.Namespace) -> None
                 f" predicted / {plan['measured_step_s'] * 1e3:.1f} measured ms"
             )
         print(line)
+
+
+# How a pool row's timed steps ran: blocks the pool did not see (under checkpoint, bypassed, lean), or
+# its own op replays
+RAN_COUNTERS = ("light_calls", "bypassed_calls", "lean_calls", "lean_drops", "replays")
 
 
 def _peak_gib(r: dict) -> float | None:
