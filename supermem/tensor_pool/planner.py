@@ -429,21 +429,21 @@ def _best_choice(
     for k in range(len(queue) - 1, -1, -1):
         _, land_s, point_s = queue[k]
         spare[k] = min(spare[k + 1], point_s - land_s if land_s <= point_s else float("inf"))
-    for s in p.saved:  # packs on the device: from its save on, no link
+    # A copy or a pack is made in the forward, for a point before the tensor is needed; one per tensor.
+    open_ = [
+        s
+        for s in p.saved
+        if s.ordinal not in offloads and s.ordinal not in compressed and s.ordinal not in taken
+        if s.save < p.backward_event and s.save < peak < min(s.use, s.end)
+    ]
+    for s in open_:  # packs on the device: from its save on, no link
         freed = s.nbytes - s.packed_bytes
-        if not s.packed_bytes or freed <= 0 or s.ordinal in offloads or s.ordinal in compressed:
+        if s.packed_bytes and freed > 0:
+            cost = p.compress_s_per_byte * s.nbytes + p.compress_wait_s + _lost(p, ix, s.ordinal, broken)
+            cands.append((cost / freed, "compress", s.ordinal))
+    for s in open_:
+        if not s.offloadable or s.nbytes == 0:
             continue
-        if s.ordinal in taken or not (s.save < p.backward_event and s.save < peak < min(s.use, s.end)):
-            continue
-        cost = p.compress_s_per_byte * s.nbytes + p.compress_wait_s + _lost(p, ix, s.ordinal, broken)
-        cands.append((cost / freed, "compress", s.ordinal))
-    for s in p.saved:
-        if not s.offloadable or s.ordinal in offloads or s.ordinal in compressed or s.ordinal in taken:
-            continue
-        if s.nbytes == 0:
-            continue
-        if not (s.save < p.backward_event and s.save < peak < min(s.use, s.end)):
-            continue  # offloads are made in the forward, for a point before the tensor is needed
         c = s.nbytes / p.link_bytes_per_s
         lost = _lost(p, ix, s.ordinal, broken)
         if p.sync_copies:
@@ -488,8 +488,8 @@ def light(p: Profile, plan: Plan, units: set[int], ix: _Index) -> dict[int, int]
     the pool then sees none of the call's saves (no entry each: on a host-bound step those cost more
     than the replay; tiny GPT-24 on this CPU, the pool at 50% +22 ms, checkpointing half its blocks
     +8.6 ms), and the step's ordinals skip the call's.
-    A call qualifies when it can go unseen (_unseen) and the plan offloads none of its saves and no
-    chosen rebuild outside the call reads one."""
+    A call qualifies when it can go unseen (_unseen) and the plan offloads or compresses none of its
+    saves and no chosen rebuild outside the call reads one."""
     last: dict[int, int] = {}  # unit -> its last member's ordinal (its members are in save order)
     first: dict[int, int] = {}
     for s in p.saved:
