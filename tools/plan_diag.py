@@ -35,6 +35,7 @@ def spy() -> None:
         return recomputable(self, recipe, *a, **k)
 
     def profile_spy(self, *a, **k):
+        captured["recorder"] = self
         p = profile_orig(self, *a, **k)
         kinds = getattr(self, "kinds", {})
         p.kinds = {k: kinds.get(key, "?") for k, key in enumerate(self.units)}
@@ -201,6 +202,15 @@ def main() -> None:
             step()
         hook_report(3)
     pool = supermem.pool(budget=budget, policy="planned")
+    counters = []  # each plan-running step's event counter: the bytes in use at its events
+    step_ended = pool._step_ended
+
+    def keep_counter(s):
+        if pool._rec is not None and not pool._rec.full:
+            counters.append((pool._rec, pool._plan))
+        step_ended(s)
+
+    pool._step_ended = keep_counter
     before = allocator_counts(cuda)
     step()
     print(
@@ -228,9 +238,28 @@ def main() -> None:
         if os.environ.get("HOOKS"):
             hook_report(1)
     report()
+    rec = captured.get("recorder")
+    if rec is not None and rec.segs:
+        b = captured["profile"].backward_event
+        print(
+            f"segments: forward {sum(rec.segs[:b]) * 1e3:.1f} ms, backward {sum(rec.segs[b:]) * 1e3:.1f}, "
+            f"tail {rec.seg * 1e3:.1f}; {rec.late} of {len(rec.segs)} outran their spin"
+        )
+    if counters:  # where the last planned step's bytes rose above the plan's curve
+        rec, plan = counters[-1]
+        if os.environ.get("DUMP"):
+            captured["used_at"], captured["plan"] = rec.used_at, plan
+        over = sorted(((u - plan.curve[e], e, u) for e, u in rec.used_at.items() if 0 <= e < len(plan.curve)))
+        print(
+            "planned step above the plan's curve, most (GiB over, event, in use):",
+            [(round(d / GiB, 2), e, round(u / GiB, 2)) for d, e, u in over[-5:]],
+            "least:",
+            [(round(d / GiB, 2), e) for d, e, _ in over[:3]],
+        )
     if os.environ.get("DUMP") and "profile" in captured:
         with open(os.environ["DUMP"], "wb") as f:
-            pickle.dump({"profile": captured["profile"], "native_peak_bytes": native_peak, "model": name}, f)
+            keep = {k: captured.get(k) for k in ("profile", "plan", "used_at")}
+            pickle.dump({**keep, "native_peak_bytes": native_peak, "model": name}, f)
     print(  # the pool prices each kind at its least sample (Pool._host_cost_s)
         "rebuild host ms by kind, least / median (samples):",
         {

@@ -78,8 +78,9 @@ class Plan:
     added_s: float = 0.0
     feasible: bool = True
     plan_s: float = 0.0
+    curve: list[int] = field(default_factory=list)  # per event of the profiled step: the bytes predicted
     untreated_peak_bytes: int = 0  # the profiled step's curve with nothing treated, the spike included
-    untreated_step_s: float = 0.0  # the profiled step's seconds, less what the reactive fallback cost
+    untreated_step_s: float = 0.0  # the profiled step's seconds without the pool's own (Recorder.pause)
 
     def counts(self) -> dict[str, int]:
         out = {"offload": 0, "recompute": 0, "compress": 0}
@@ -386,6 +387,7 @@ def _plan_once(p: Profile, budget: int, ix: _Index) -> tuple[Plan, set[int]]:
         plan.outputs = {start: p.call_outputs[start] for start in unseen if p.call_outputs.get(start)}
     plan.untreated_peak_bytes = max((b + t for b, t in zip(p.base_bytes, p.transient_bytes)), default=0)
     plan.untreated_step_s = p.step_s
+    plan.curve = sim.curve
     plan.predicted_peak_bytes = max(sim.curve, default=0)
     plan.added_s = sim.added_s
     plan.predicted_step_s = p.step_s + sim.added_s

@@ -104,6 +104,7 @@ class Pool(PlanRunner):
         self._last_peak_bytes = 0  # the last step's measured peak
         self._plan_aim: dict[tuple[int, ...], int] = {}  # by signature: plan this far below the budget
         self._replans: dict[tuple[int, ...], int] = {}  # by signature: plans that overshot
+        self._profiles: dict[tuple[int, ...], Any] = {}  # by signature: the profile its plans come from
         self._last_step_s = 0.0  # the last step's measured duration (host clock)
         self._step_peak = 0
         self.treatments = {t.name: t for t in (treatments or (Offload(), Recompute()))}
@@ -230,9 +231,22 @@ class Pool(PlanRunner):
 
     # ------------------------------------------------------------------ hooks
 
+    def _own(self, fn: Any, *args: Any) -> Any:
+        """`fn(*args)`, the pool's own work: a step being recorded takes its pace without it
+        (Recorder.pause)."""
+        rec = self._rec
+        if rec is None or not rec.full:
+            return fn(*args)
+        rec.pause()
+        try:
+            return fn(*args)
+        finally:
+            rec.resume()
+
     def _pack(self, t: torch.Tensor) -> Any:
-        if self._passthrough:
-            return t
+        return t if self._passthrough else self._own(self._pack_saved, t)
+
+    def _pack_saved(self, t: torch.Tensor) -> Any:
         if self.compiled.saved_by_graph(t):
             return Kept(t)  # moving it would cost time and save nothing: compiled.py
         if self._plan_ok and self.regions.top() is None:
@@ -340,9 +354,13 @@ class Pool(PlanRunner):
             return e
 
     def _unpack(self, packed: Any) -> torch.Tensor:
+        return self._own(self._unpack_saved, packed)
+
+    def _unpack_saved(self, packed: Any) -> torch.Tensor:
         if type(packed) is PlanKept:
             return self._unpack_kept(packed)
         if type(packed) is Kept:
+            self._backward_began()
             if self.regions.phase == "profiling":  # backward began, and maybe no entry was saved at all
                 with self._lock:
                     self.regions.end_profiling()
@@ -418,7 +436,7 @@ class Pool(PlanRunner):
         return s
 
     def _between_steps(self) -> bool:
-        """The next save starts a step: none yet, its backward began, or every tensor saved so far died
+        """The next save starts a step: none yet, its backward began, every tensor saved so far died
         (a forward with no backward, say; PlanKept tensors count: a plan keeping everything holds no
         entry)."""
         s = self._step
@@ -427,6 +445,15 @@ class Pool(PlanRunner):
             or s.backward_s is not None
             or not (self._entries or self._kept_live or self._unseen_live)
         )
+
+    def _backward_began(self) -> None:
+        """Backward unpacked a tensor the pool left alone, or went through a call it did not see: the
+        step's backward began, though none of its entries may be unpacked (every call unseen; on an
+        H100 a ResNet-152 planned step now and then ran on into the next one's image: a plan miss, and
+        a step of the reactive fallback, 2 s)."""
+        s = self._step
+        if s is not None and s.backward_s is None:
+            s.unpacked()
 
     def _region_start(self) -> int | None:
         """Whether a region starting now is captured: None if not, else the step's saves so far (0
@@ -565,9 +592,6 @@ class Pool(PlanRunner):
                 finally:
                     rebuilt = e.treatment.name == "recompute" and e.recipe is not None
                     self._frame_end(t0, type(e.recipe).__name__ if rebuilt and sampled else None)
-                outermost = len(self._in_use) == 1  # a nested restore's time is its outer one's too
-                if self._rec is not None and not self._plan_ok and e.step is self._step and outermost:
-                    self._rec.fallback_s += self._restore_s(e, time.perf_counter() - t0)
             if e.state is State.RETURNING:
                 e.treatment.ready(self, e)
             return e.tensor
@@ -602,17 +626,6 @@ class Pool(PlanRunner):
         block replay on an H100: 123 ms, 84 of them cuDNN building its attention plan; the next: 2)."""
         samples = self._host_s.get(kind)
         return min(samples) if samples else 0.0
-
-    def _restore_s(self, e: Entry, host_s: float) -> float:
-        """Seconds a synchronous restore cost the step: the host's on CPU; on a GPU, where the work is
-        queued, the recipe's measured cost or the copy back at the link rate."""
-        if not self.cuda:
-            return host_s
-        if e.treatment.name == "recompute":
-            return e.recipe.cost_s(self) or 0.0
-        if e.treatment.name == "offload":
-            return e.nbytes / self.treatments["offload"].rate(self)
-        return 0.0
 
     def _prefetch_before(self, e: Entry) -> None:
         """Prefetches the entries of the same step saved just before `e`: backward needs them next."""

@@ -21,6 +21,8 @@ the planner needs nothing else to weigh it against the others.
 
 from __future__ import annotations
 
+import collections
+import itertools
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,6 +33,14 @@ import torch
 # of what making an entry took in the recorded step (Profile.entry_s): tiny GPT-24 on this CPU 6.5 +
 # 1.8 + 1.25 us against 7.8
 KEPT_SHARE = 1.2
+# A profiled step's segment's kernels wait behind a spin kernel this many times the most host seconds
+# of the last SPIN_WINDOW segments (within these bounds), so that they are timed running back to back
+# (Recorder.resume): on an H100, GPT-24 and ResNet-152 with a 2 ms spin, the segments' device seconds
+# summed to 1.03-1.09x native's step (72 and 80 ms), their wall seconds, the stream synced at each end,
+# to 1.4-1.7x. Three times the last segment's alone: a third to a half of the segments outran it.
+SPIN_AHEAD = 3.0
+SPIN_WINDOW = 32
+SPIN_MIN_S, SPIN_MAX_S = 100e-6, 2e-3
 # What a drop and its rebuild cost the host in a lean call (lean_call.py), as a share of what they cost
 # through the pool (an entry, a pool rebuild): tiny GPT-24 on this CPU, a plan's drops run either way,
 # 41 and 60 us a drop against 78 and 104 (kernels included)
@@ -99,13 +109,15 @@ class EventCounter:
     def __init__(self, event_of: dict[tuple[str, int], int] | None = None) -> None:
         self.event_of = event_of or {}
         self.first_used: set[int] = set()
+        self.used_at: dict[int, int] = {}  # event -> the device's bytes in use then (beside Plan.curve)
         self.backward_event: int | None = None
         self.away = 0
-        self.fallback_s = 0.0
         self.regions_on = True
 
     def packed(self, ordinal: int, nbytes: int, used: int) -> int:
-        return self.event_of.get(("p", ordinal), -1)
+        event = self.event_of.get(("p", ordinal), -1)
+        self.used_at[event] = used
+        return event
 
     def used(self, ordinal: int, used: int) -> int | None:
         if ordinal in self.first_used:
@@ -114,6 +126,7 @@ class EventCounter:
         event = self.event_of.get(("u", ordinal), -1)
         if self.backward_event is None:
             self.backward_event = event
+        self.used_at[event] = used
         return event
 
     def died(self, ordinal: int) -> None:
@@ -130,11 +143,9 @@ class Recorder:
 
     def __init__(self, cuda: bool, timed: bool):
         self.cuda = cuda
-        self.timed = timed  # GPU: a CUDA event per event (profiling steps only)
+        self.synced = cuda and timed  # GPU: segments timed to their kernels' end (profiling steps only)
         self.start_s = time.perf_counter()
-        self.start_event = _event() if cuda and timed else None
         self.bytes: list[int] = []
-        self.times: list[Any] = []
         self.saved: dict[int, Saved] = {}  # ordinal -> record
         self.away = 0  # bytes of this step's entries off the device now
         # id(recipe) -> (its cost in seconds, or a call that measures it; ordinals; ready event; input
@@ -146,10 +157,20 @@ class Recorder:
         self.call_outputs: dict[int, tuple[tuple[int, int], ...]] = {}  # Profile.call_outputs
         self.call_slots: dict[int, dict[int, int]] = {}  # Profile.call_slots
         self.backward_event: int | None = None
-        # Seconds the step lost to the reactive fallback so far (rebuilds and copies it waited for): the
-        # plan replaces those choices, so the timeline and the step's time are taken without them.
-        self.fallback_s = 0.0
-        self.fallback_at: list[float] = []  # per event: fallback_s when it happened
+        # The step's pace without the pool's: its segments, the model's own work between two of the
+        # pool's calls (pause / resume), in seconds: its kernels' on a GPU (pause), the host's on CPU.
+        # The pool's work (entries, the reactive fallback's rebuilds and waits, replays timed) is in no
+        # segment: the plan replaces it. On a GPU the host's seconds are not taken: the pool's work
+        # between segments slows the model's own launches 1.3-2.7x (natest, H100), and both models
+        # measured there are the device's pace (GPT-24: host 36 ms of a 72 ms step, ResNet-152: 38 of 80).
+        self.paused = 0  # the pool's calls open now (one may run inside another)
+        self.resumed_s = self.start_s
+        self.spin_s = SPIN_MIN_S
+        self.recent_host_s: collections.deque[float] = collections.deque(maxlen=SPIN_WINDOW)
+        self.seg_start: Any = None  # GPU: the event after the spin that holds back the segment's kernels
+        self.late = 0  # GPU: segments whose host seconds outran their spin (timed at the host's pace)
+        self.seg = 0.0  # the segment's seconds so far
+        self.segs: list[float] = []  # per event: the seconds of the segment that ended at it
         self.regions_on = True  # regions were hooked when the step began (their inputs are entries)
         # (last event before it, untreated bytes it asked for) per allocation that came to the pressure
         # handler: a transient between two events (the loss's temporaries) the curve must hold too
@@ -159,13 +180,43 @@ class Recorder:
     def events(self) -> int:
         return len(self.bytes)
 
+    def pause(self) -> None:
+        """One of the pool's calls (a hook, a module call's wrapper) begins: the model's segment ends.
+        On a GPU its device seconds are its kernels' own, run back to back (resume)."""
+        self.paused += 1
+        if self.paused > 1:
+            return
+        seconds = host_s = time.perf_counter() - self.resumed_s
+        if self.synced:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            end.synchronize()
+            if self.seg_start is not None:
+                seconds = self.seg_start.elapsed_time(end) / 1e3
+                self.late += host_s > self.spin_s
+            self.recent_host_s.append(host_s)
+            self.spin_s = min(SPIN_MAX_S, max(SPIN_MIN_S, SPIN_AHEAD * max(self.recent_host_s)))
+        self.seg += seconds
+
+    def resume(self) -> None:
+        """The pool's call returns. On a GPU, once its kernels are done, a spin kernel holds back the
+        segment's kernels until the host has launched them (most of them: SPIN_AHEAD times the last
+        segment's host seconds), so its timing events count their seconds and not the host's pace of
+        launching them (which the pool's own work between segments slows down too)."""
+        self.paused -= 1
+        if self.paused:
+            return
+        if self.synced:
+            torch.cuda.current_stream().synchronize()
+            torch.cuda._sleep(int(self.spin_s * _spin_cycles_per_s()))
+            self.seg_start = torch.cuda.Event(enable_timing=True)
+            self.seg_start.record()
+        self.resumed_s = time.perf_counter()
+
     def _event(self, used: int) -> int:
         self.bytes.append(used + self.away)
-        self.fallback_at.append(self.fallback_s)
-        if self.start_event is not None:
-            self.times.append(_event())
-        else:
-            self.times.append(time.perf_counter() - self.start_s)
+        self.segs.append(self.seg)
+        self.seg = 0.0
         return len(self.bytes) - 1
 
     def pressed(self, demand: int) -> None:
@@ -239,12 +290,7 @@ class Recorder:
         both host costs. `host_copy_s`: host seconds to issue one copy."""
         n = self.events
         entry_s = sorted(self.entry_s)[len(self.entry_s) // 2] if self.entry_s else 0.0
-        if self.start_event is not None:
-            self.times[-1].synchronize()
-            times = [self.start_event.elapsed_time(e) / 1e3 for e in self.times]
-        else:
-            times = list(self.times)
-        times = [t - x for t, x in zip(times, self.fallback_at)]
+        times = list(itertools.accumulate(self.segs))
         saved = sorted(self.saved.values(), key=lambda s: s.save)
         for s in saved:
             if s.use < 0:
@@ -259,7 +305,7 @@ class Recorder:
             link_bytes_per_s=link_bytes_per_s,
             sync_copies=sync_copies,
             backward_event=self.backward_event if self.backward_event is not None else n,
-            step_s=time.perf_counter() - self.start_s - self.fallback_s,
+            step_s=sum(self.segs) + self.seg,  # to the next step's first save
             host_copy_s=host_copy_s,
             compress_s_per_byte=compress_price[0] if compress_price else 0.0,
             compress_wait_s=compress_price[2] if compress_price else 0.0,
@@ -297,7 +343,16 @@ class Recorder:
         return p
 
 
-def _event() -> torch.cuda.Event:
-    e = torch.cuda.Event(enable_timing=True)
-    e.record()
-    return e
+_cycles_per_s: list[float] = []
+
+
+def _spin_cycles_per_s() -> float:
+    """torch.cuda._sleep's cycles per second on this device, measured once."""
+    if not _cycles_per_s:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.cuda._sleep(10**6)
+        end.record()
+        end.synchronize()
+        _cycles_per_s.append(10**6 / max(start.elapsed_time(end) / 1e3, 1e-6))
+    return _cycles_per_s[0]

@@ -240,6 +240,13 @@ class _Alive:
 
     __del__ = release
 
+    def through(self, _grad: Any) -> None:
+        """The hook on a bypassed call's input: backward is through the call."""
+        pool = self.pool()
+        if pool is not None:
+            pool._backward_began()
+        self.release()
+
 
 def _pool_hooks(pool: Pool, args: tuple) -> tuple | None:
     """The saved-tensor hooks on top of this thread's stack if they are the pool's (a call with the
@@ -458,7 +465,11 @@ class Regions:
 
     def _pre(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         pool = self._pool()
-        if pool is None or not self._capturing(pool) or getattr(self._local, "unseen", None):
+        if pool is not None:
+            pool._own(self._pre_call, module, args, kwargs, pool)
+
+    def _pre_call(self, module: torch.nn.Module, args: tuple, kwargs: dict, pool: Pool) -> None:
+        if not self._capturing(pool) or getattr(self._local, "unseen", None):
             return  # (inside a call the pool does not see: under checkpoint or with its hooks off)
         start = pool._region_start()
         if start is None:
@@ -511,6 +522,13 @@ class Regions:
         self._local.__dict__.setdefault("unseen", []).append((module, call, end, None))
 
     def _post(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        pool = self._pool()
+        if pool is None:
+            self._post_call(module, args, kwargs, output)  # (the hooks a call popped go back still)
+        else:
+            pool._own(self._post_call, module, args, kwargs, output)
+
+    def _post_call(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         unseen = getattr(self._local, "unseen", None)
         if unseen and unseen[-1][0] is module:
             _, call, end, lean = unseen.pop()  # call: checkpoint's generator, or the pool's hooks (bypassed)
@@ -529,7 +547,7 @@ class Regions:
                     alive = _Alive(pool, pool._unseen_bytes(end) - (lean.dropped_bytes if lean else 0))
                     for x in _tensors(args):
                         if x.grad_fn is not None:  # (a leaf would keep each step's hook)
-                            x.register_hook(alive.release)
+                            x.register_hook(alive.through)
                 pool._unseen_done(end, not bypassed, lean)
             return
         st = getattr(self._local, "stack", None)
