@@ -3,12 +3,13 @@
 A step's timeline is its events in order: each saved tensor's pack (its first save) and its first
 unpack in backward. At each event the recorder notes the bytes resident (the allocator's count on a
 GPU, the pool's own on CPU) with what the pool had taken off the device added back, so the curve is
-the step's untreated memory; and the event's time (CUDA events on a GPU, read once when the plan is
-made; the host clock on CPU). The transient the pool cannot see (the loss's temporaries, workspaces) is
-the step's true peak (the allocator's watermark) above the most the pool saw; it is put at backward's
-start, where the loss's spike falls. An allocation that came to the pressure handler (over the budget:
-the allocator asked the pool for room) is a transient too, at the event before it, of the bytes it
-would have taken the untreated step to. The link rate comes from the copy engine.
+the step's untreated memory; and the event's time: the model's own seconds so far, the pool's work
+left out (Recorder.pause: on a GPU, its kernels' seconds; on CPU, the host's). The transient the pool
+cannot see (the loss's temporaries, workspaces) is the step's true peak (the allocator's watermark)
+above the most the pool saw; it is put at backward's start, where the loss's spike falls. An
+allocation that came to the pressure handler (over the budget: the allocator asked the pool for room)
+is a transient too, at the event before it, of the bytes it would have taken the untreated step to.
+The link rate comes from the copy engine.
 
 A recompute choice is a unit, whatever rebuilds it (a module call replayed, an autocast weight copy
 cast again, an op replayed from its kept inputs): its members (the saved tensors one rebuild brings
@@ -200,8 +201,8 @@ class Recorder:
 
     def resume(self) -> None:
         """The pool's call returns. On a GPU, once its kernels are done, a spin kernel holds back the
-        segment's kernels until the host has launched them (most of them: SPIN_AHEAD times the last
-        segment's host seconds), so its timing events count their seconds and not the host's pace of
+        segment's kernels until the host has launched them (most of them: SPIN_AHEAD times the most host
+        seconds of the recent segments), so its timing events count their seconds and not the host's pace of
         launching them (which the pool's own work between segments slows down too)."""
         self.paused -= 1
         if self.paused:
