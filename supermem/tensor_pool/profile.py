@@ -188,7 +188,7 @@ class Recorder:
         if self.paused > 1:
             return
         seconds = host_s = time.perf_counter() - self.resumed_s
-        if self.synced:
+        if self.synced and not torch.cuda.is_current_stream_capturing():
             end = torch.cuda.Event(enable_timing=True)
             end.record()
             end.synchronize()
@@ -207,7 +207,7 @@ class Recorder:
         self.paused -= 1
         if self.paused:
             return
-        if self.synced:
+        if self.synced and not torch.cuda.is_current_stream_capturing():
             torch.cuda.current_stream().synchronize()
             torch.cuda._sleep(int(self.spin_s * _spin_cycles_per_s()))
             self.seg_start = torch.cuda.Event(enable_timing=True)
