@@ -39,7 +39,10 @@ class PlanRunner:
     def _planned_pack(self, e: Entry) -> None:
         """Records the pack; runs the plan's treatment for it and whatever the plan set for this event."""
         rec = self._rec
-        event = rec.packed(e.ordinal, e.nbytes, self._used_bytes())
+        # (a storage counts once where the budget reads the allocator; the pool's own count on CPU
+        # counts each save whole)
+        storage = e.tensor if rec.full and self.cuda else None
+        event = rec.packed(e.ordinal, e.nbytes, self._used_bytes(), storage)
         # a recipe made at pack (a weight copy, an op's replay), for the plan a recording step makes
         if rec.full and e.recipe is not None and e.recipe.ready:
             # an op replay's cost by its site (measured later; the recipe itself holds this step's entries)

@@ -228,8 +228,8 @@ def simulate(
         for s in ix.members[u]:
             b = min(back[u], s.end)
             if a < b:
-                diff[a] -= s.nbytes
-                diff[b] += s.nbytes
+                diff[a] -= s.counted
+                diff[b] += s.counted
         if u not in free:
             added += _unit_s(p, ix, u, broken)
     if p.kept_s:  # calls no longer run with the pool's hooks off: their kept saves cost the host
@@ -416,7 +416,7 @@ def _best_choice(
             continue
         if not p.unit_ready[u] <= peak < min(s.use for s in ms):
             continue
-        freed = sum(s.nbytes for s in ms if peak < s.end)
+        freed = sum(s.counted for s in ms if peak < s.end)
         if freed:
             cost = 0.0 if ix.region_of.get(u) in units else _unit_s(p, ix, u, broken | units)
             if p.kept_s and u not in ix.call_saves:  # (a region chosen runs unseen: Plan.light)
@@ -436,7 +436,7 @@ def _best_choice(
         s
         for s in p.saved
         if s.ordinal not in offloads and s.ordinal not in compressed and s.ordinal not in taken
-        if s.save < p.backward_event and s.save < peak < min(s.use, s.end)
+        if s.save < p.backward_event and s.save < peak < min(s.use, s.end) and not s.shared
     ]
     for s in open_:  # packs on the device: from its save on, no link
         freed = s.nbytes - s.packed_bytes

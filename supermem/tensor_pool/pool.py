@@ -563,7 +563,7 @@ class Pool(PlanRunner):
             self._away_to_fetch.add(e.seq)
         self._device_bytes += t.device_bytes(e)
         if self._rec is not None and e.step is self._step:
-            self._rec.away += e.nbytes - t.device_bytes(e)
+            self._rec.left(e.ordinal, e.nbytes - t.device_bytes(e))
         self._left = True
         return True
 
@@ -572,7 +572,7 @@ class Pool(PlanRunner):
         self._device_bytes -= e.treatment.device_bytes(e)
         self._away_to_fetch.discard(e.seq)
         if self._rec is not None and e.step is self._step:
-            self._rec.away -= e.nbytes - e.treatment.device_bytes(e)
+            self._rec.left(e.ordinal, e.treatment.device_bytes(e) - e.nbytes)
         e.tensor = tensor
         e.event = event
         e.state = State.RETURNING if event is not None else State.RESIDENT
@@ -722,7 +722,7 @@ class Pool(PlanRunner):
                 elif e.treatment is not None:
                     self._device_bytes -= e.treatment.device_bytes(e)
                     if self._rec is not None and e.step is self._step:
-                        self._rec.away -= e.nbytes - e.treatment.device_bytes(e)
+                        self._rec.left(e.ordinal, e.treatment.device_bytes(e) - e.nbytes)
                 e.tensor = None
                 if e.treatment is not None:
                     e.treatment.forget(self, e)

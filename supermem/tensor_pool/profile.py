@@ -25,6 +25,7 @@ from __future__ import annotations
 import collections
 import itertools
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,6 +61,16 @@ class Saved:
     unit: int | None = None  # recompute unit (dropping it frees every member at once)
     offloadable: bool = True  # autocast weight copies are rebuilt, never copied to host
     packed_bytes: int = 0  # compressible (a ReLU's output): what its pack would hold, estimated; else 0
+    # The device bytes it alone holds: its bytes, but for a save whose storage another of the step's
+    # saves holds too (attention's q, k and v, views of one projection, each spanning most of it): the
+    # part of its span the ones before it do not cover. Such saves free their storage together, by a
+    # rebuild of them all; a copy or a pack of one frees nothing (`shared`).
+    counted: int = -1
+    shared: bool = False
+
+    def __post_init__(self) -> None:
+        if self.counted < 0:
+            self.counted = self.nbytes
 
 
 @dataclass
@@ -115,10 +126,13 @@ class EventCounter:
         self.away = 0
         self.regions_on = True
 
-    def packed(self, ordinal: int, nbytes: int, used: int) -> int:
+    def packed(self, ordinal: int, nbytes: int, used: int, tensor: Any = None) -> int:
         event = self.event_of.get(("p", ordinal), -1)
         self.used_at[event] = used
         return event
+
+    def left(self, ordinal: int, nbytes: int) -> None:
+        self.away += nbytes
 
     def used(self, ordinal: int, used: int) -> int | None:
         if ordinal in self.first_used:
@@ -148,6 +162,10 @@ class Recorder:
         self.start_s = time.perf_counter()
         self.bytes: list[int] = []
         self.saved: dict[int, Saved] = {}  # ordinal -> record
+        # storage address -> (the first save's tensor, weakly; the bytes the saves on it span), and
+        # that save's ordinal (Saved.counted)
+        self.storages: dict[int, tuple[Any, int, int]] = {}
+        self.storage_first: dict[int, int] = {}
         self.away = 0  # bytes of this step's entries off the device now
         # id(recipe) -> (its cost in seconds, or a call that measures it; ordinals; ready event; input
         # ordinals; kind; a region's start and end). Not the recipe itself: a region holds its inputs'
@@ -225,10 +243,39 @@ class Recorder:
         if self.events:
             self.pressure.append((self.events - 1, demand + self.away))
 
-    def packed(self, ordinal: int, nbytes: int, used: int) -> int:
+    def packed(self, ordinal: int, nbytes: int, used: int, tensor: torch.Tensor | None = None) -> int:
+        """`tensor`, saved as `ordinal`: its storage is compared with the saves before it (Saved.counted)."""
         i = self._event(used)
-        self.saved[ordinal] = Saved(ordinal, nbytes, i, -1)
+        s = self.saved[ordinal] = Saved(ordinal, nbytes, i, -1)
+        if tensor is not None:
+            self._count_storage(s, tensor)
         return i
+
+    def _count_storage(self, s: Saved, t: torch.Tensor) -> None:
+        """Saved.counted and .shared: against the save that first held `t`'s storage, while it still does
+        (a storage freed and allocated again is another tensor's)."""
+        storage = t.untyped_storage()
+        ptr, lo = storage.data_ptr(), t.storage_offset() * t.element_size()
+        hi = lo + s.nbytes
+        held = self.storages.get(ptr)
+        if held is not None:
+            ref, a, b = held
+            first = ref()
+            if first is not None and first.untyped_storage().data_ptr() == ptr:
+                s.counted = max(0, min(hi, a) - lo) + max(0, hi - max(lo, b))
+                s.shared = self.saved[self.storage_first[ptr]].shared = True
+                self.storages[ptr] = (ref, min(a, lo), max(b, hi))
+                return
+        self.storages[ptr] = (weakref.ref(t), lo, hi)
+        self.storage_first[ptr] = s.ordinal
+
+    def left(self, ordinal: int, nbytes: int) -> None:
+        """`nbytes` of save `ordinal` left the device (came back: negative); a save that shares its
+        storage counts its own part of them (Saved.counted)."""
+        s = self.saved.get(ordinal)
+        if s is not None and s.counted != s.nbytes:
+            nbytes = (1 if nbytes > 0 else -1) * (abs(nbytes) * s.counted // max(1, s.nbytes))
+        self.away += nbytes
 
     def compressible(self, ordinal: int, packed_bytes: int) -> None:
         """`ordinal` (just packed) may be compressed into about `packed_bytes`."""

@@ -1078,3 +1078,64 @@ def test_a_pressure_call_records_the_demand_of_the_allocation_behind_it(soft_cal
     pool._on_pressure(before + size - 1024 if soft_call else size)
     assert pool._rec.pressure == [(0, before + size)]
     del keep
+
+
+def _qkv(b=2, t=8, heads=2, dh=4):
+    """Attention's q, k and v as GPT blocks make them: views of one projection, each spanning most of
+    its storage."""
+    qkv = torch.randn(b, t, 3 * heads * dh).view(b, t, 3, heads, dh).permute(2, 0, 3, 1, 4)
+    return qkv, (qkv[0], qkv[1], qkv[2])
+
+
+def test_saves_sharing_a_storage_count_it_once():
+    """The profile counts a storage once (on a GPU the allocator, which the budget reads, does): q, k
+    and v of one projection sum to its bytes, not three times their spans; none may be copied or packed
+    alone (a copy of one frees nothing); what leaves the device counts their part of it."""
+    from supermem.tensor_pool.entry import storage_extent
+    from supermem.tensor_pool.profile import Recorder
+
+    base, views = _qkv()
+    other = torch.randn(16)
+    rec = Recorder(cuda=False, timed=False)
+    for k, t in enumerate((*views, other)):
+        rec.packed(k + 1, storage_extent(t) * t.element_size(), 0, t)
+    q, k, v, o = (rec.saved[i] for i in (1, 2, 3, 4))
+    assert q.nbytes + k.nbytes + v.nbytes > 2 * base.untyped_storage().nbytes()  # each spans most of it
+    assert q.counted + k.counted + v.counted == base.untyped_storage().nbytes()
+    assert q.shared and k.shared and v.shared and not o.shared and o.counted == o.nbytes
+    for s in (q, k, v):
+        rec.left(s.ordinal, s.nbytes)
+    assert rec.away == base.untyped_storage().nbytes()
+    for s in (q, k, v):
+        rec.left(s.ordinal, -s.nbytes)
+    assert rec.away == 0
+
+
+def _shared_profile(shared: bool, unit: int | None) -> Profile:
+    """q, k and v (28 MiB spans, 30 MiB of storage together) saved at events 0-2, used at 7-9; the
+    curve 40 MiB from event 3 to 6."""
+    saved = [Saved(k + 1, 28 * MiB, save=k, use=9 - k, end=10 - k, unit=unit) for k in range(3)]
+    if shared:
+        for s, counted in zip(saved, (26, 2, 2)):
+            s.counted, s.shared = counted * MiB, True
+    base = [m * MiB for m in (10, 20, 30, 40, 40, 40, 40, 30, 20, 10)]
+    p = Profile(saved, [float(i) for i in range(10)], base, [0] * 10, backward_event=5, link_bytes_per_s=1e12)
+    p.step_s = 10.0
+    if unit is not None:
+        p.unit_ready[unit], p.unit_cost_s[unit] = 3, 0.1
+    return p
+
+
+def test_a_rebuild_of_saves_sharing_a_storage_frees_it_once():
+    """A unit of q, k and v (a block's replay) lowers the curve by their storage, once (not by three
+    times their spans); a copy of one of them alone is never planned (it would free nothing)."""
+    from supermem.tensor_pool.planner import simulate
+
+    p = _shared_profile(True, 0)
+    curve = simulate(p, set(), {0}, 0).curve
+    assert curve[3:7] == [10 * MiB] * 4, curve
+    for shared in (True, False):
+        plan = make_plan(_shared_profile(shared, None), 35 * MiB)
+        offloaded = {o for o, t in plan.treatment.items() if t == "offload"}
+        ok = (not offloaded and not plan.feasible) if shared else (offloaded and plan.feasible)
+        assert ok, (shared, plan.treatment)
