@@ -327,6 +327,36 @@ def test_planned_gpt_dropout_bf16_is_bitwise():
             assert s["offloads"] == 0 and s["dropped"] == 0, s
 
 
+def test_planned_profile_counts_attentions_qkv_storage_once(monkeypatch):
+    """Attention's q, k and v are views of one projection, each spanning most of it: the profile counts
+    the storage once (the allocator, which the budget reads, does), and the plan copies or packs none
+    of them alone (that would free nothing). Training stays bitwise."""
+    from supermem.bench.models import GPT
+    from supermem.tensor_pool import Pool, plan_run
+
+    profiles, make_plan = [], plan_run.make_plan
+
+    def spy(p, budget):
+        profiles.append(p)
+        return make_plan(p, budget)
+
+    monkeypatch.setattr(plan_run, "make_plan", spy)
+    g = torch.Generator().manual_seed(0)
+    idx = torch.randint(0, 2048, (8, 129), generator=g).cuda()
+    batch = (idx[:, :-1].contiguous(), idx[:, 1:].contiguous())
+    build = lambda: GPT(layers=4, d=256, heads=4, vocab=2048, ctx=128, dropout=0.1)  # noqa: E731
+    ref = _train(build, batch, amp=True, steps=5)
+    pool = Pool(budget=64 << 10, policy="planned", min_bytes=0)
+    got = _train(build, batch, pool, amp=True, steps=5)
+    assert all(torch.equal(a, b) for a, b in zip(ref, got))
+    assert profiles, pool.stats()
+    shared = [s for s in profiles[0].saved if s.shared]
+    assert len(shared) >= 3 * 4, [(s.ordinal, s.nbytes, s.counted) for s in profiles[0].saved]
+    assert sum(s.counted for s in shared) <= 0.4 * sum(s.nbytes for s in shared)
+    treatments = {pool._plan.treatment.get(s.ordinal) for s in shared}
+    assert not treatments & {"offload", "compress"}, treatments
+
+
 def test_planned_keeps_the_peak_at_the_budget_and_beats_lru():
     """planned's peak within 5% of the budget and its step faster than lru's; the plan's predicted peak
     and step time are printed beside the measured ones."""
