@@ -259,6 +259,8 @@ def main() -> None:
     if os.environ.get("DUMP") and "profile" in captured:
         with open(os.environ["DUMP"], "wb") as f:
             keep = {k: captured.get(k) for k in ("profile", "plan", "used_at")}
+            rec = captured.get("recorder")  # each event's segment seconds, the tail last
+            keep["segs"] = [*rec.segs, rec.seg] if rec is not None else None
             pickle.dump({**keep, "native_peak_bytes": native_peak, "model": name}, f)
     print(  # the pool prices each kind at its least sample (Pool._host_cost_s)
         "rebuild host ms by kind, least / median (samples):",
