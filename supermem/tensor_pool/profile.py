@@ -395,9 +395,10 @@ _cycles_per_s: list[float] = []
 
 
 def _spin_cycles_per_s() -> float:
-    """torch.cuda._sleep's cycles per second on this device, measured once."""
+    """torch.cuda._sleep's cycles per second on this device, measured once (its kernel loaded first)."""
     if not _cycles_per_s:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(1)
         start.record()
         torch.cuda._sleep(10**6)
         end.record()
