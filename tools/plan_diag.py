@@ -245,6 +245,14 @@ def main() -> None:
             f"segments: forward {sum(rec.segs[:b]) * 1e3:.1f} ms, backward {sum(rec.segs[b:]) * 1e3:.1f}, "
             f"tail {rec.seg * 1e3:.1f}; {rec.late} of {len(rec.segs)} outran their spin"
         )
+        p = captured["profile"]
+        what = {s.save: f"pack o{s.ordinal} {s.nbytes >> 20} MiB {p.kinds.get(s.unit, '-')}" for s in p.saved}
+        what.update((s.use, f"use o{s.ordinal}") for s in p.saved if s.use < len(rec.segs))
+        slow = sorted(range(len(rec.segs)), key=rec.segs.__getitem__)[-8:]
+        print(
+            "slowest segments (ms, event, what ends it):",
+            [(round(rec.segs[i] * 1e3, 2), i, what.get(i)) for i in slow],
+        )
     if counters:  # where the last planned step's bytes rose above the plan's curve
         rec, plan = counters[-1]
         if os.environ.get("DUMP"):
