@@ -3,6 +3,7 @@ bitwise plain PyTorch's on MLPs, a small GPT with dropout (RNG replay), a small 
 in-place ReLU), shared weights and autocast; regions really are dropped and replayed; misuse raises."""
 
 import gc
+import sys
 
 import pytest
 import torch
@@ -730,3 +731,43 @@ def test_a_block_is_priced_by_a_timed_replay_when_its_recorded_call_ran_slow():
             model(x).square().mean().backward()
     prices = [pool.regions.cost_s(m) for m in model]
     assert all(p is not None and p < 0.01 for p in prices), prices
+
+
+@pytest.mark.parametrize("through", [True, False])
+def test_backward_through_a_bypassed_call_ends_its_step(monkeypatch, through):
+    """A bypassed call's saves never reach the pool: the hook on its input, which runs once backward is
+    through the call, marks the step's backward. Here that is all that marks it (the entries' and left
+    alone tensors' unpacks are hidden) and each step's graph is kept (retain_graph): the next step's
+    first save starts a new step, no plan miss. Without the hook's mark (`through` False) it does not."""
+    from supermem.tensor_pool.region import _Alive
+
+    pool = Pool(budget="1GiB", policy="planned")
+    began, used = pool._backward_began, pool._used
+
+    def only_through():
+        if sys._getframe(1).f_code.co_name == "through":
+            began()
+
+    def unnoticed(x):  # an entry's unpack does not mark its step's backward
+        before = x.step.backward_s
+        out = used(x)
+        if pool._plan_ok:
+            x.step.backward_s = before
+        return out
+
+    monkeypatch.setattr(pool, "_used", unnoticed)
+    monkeypatch.setattr(pool, "_backward_began", only_through)
+    if not through:
+        monkeypatch.setattr(_Alive, "through", lambda self, grad: self.release())
+    torch.manual_seed(0)
+    model = nn.Sequential(*[_ReluBlock() for _ in range(6)])
+    g = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(6):
+        with pool:
+            loss = model(torch.randn(32, 64, generator=g)).square().mean()
+            loss.backward(retain_graph=True)
+        losses.append(loss)  # its graph and saves live on
+    s = pool.stats()
+    assert s["bypassed_calls"] > 0 or not through, s
+    assert (s["plan_misses"] == 0) == through, s
