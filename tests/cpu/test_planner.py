@@ -14,6 +14,7 @@ import time
 
 import pytest
 import torch
+from small_models import hide_entry_unpacks
 
 from supermem.tensor_pool import Pool
 from supermem.tensor_pool.planner import make_plan
@@ -980,16 +981,7 @@ def test_a_backward_that_unpacks_no_entry_still_ends_its_step(monkeypatch):
     g = torch.Generator().manual_seed(1)
     batches = [torch.randn(32, 64, generator=g) for _ in range(8)]
     pool = Pool(budget=40 << 10, policy="planned", host_limit="64MiB")
-    used = pool._used
-
-    def unnoticed(x):  # a planned step's entries unpacked do not mark its backward
-        began = x.step.backward_s
-        out = used(x)
-        if pool._plan_ok:
-            x.step.backward_s = began
-        return out
-
-    monkeypatch.setattr(pool, "_used", unnoticed)
+    hide_entry_unpacks(pool, monkeypatch)
     torch.manual_seed(0)
     model = MLP()
     losses = []

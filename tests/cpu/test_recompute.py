@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from small_models import ResNet, same, train_steps
+from small_models import ResNet, hide_entry_unpacks, same, train_steps
 
 from supermem.bench.models import GPT
 from supermem.errors import ConfigError
@@ -742,20 +742,13 @@ def test_backward_through_a_bypassed_call_ends_its_step(monkeypatch, through):
     from supermem.tensor_pool.region import _Alive
 
     pool = Pool(budget="1GiB", policy="planned")
-    began, used = pool._backward_began, pool._used
+    began = pool._backward_began
 
     def only_through():
         if sys._getframe(1).f_code.co_name == "through":
             began()
 
-    def unnoticed(x):  # an entry's unpack does not mark its step's backward
-        before = x.step.backward_s
-        out = used(x)
-        if pool._plan_ok:
-            x.step.backward_s = before
-        return out
-
-    monkeypatch.setattr(pool, "_used", unnoticed)
+    hide_entry_unpacks(pool, monkeypatch)
     monkeypatch.setattr(pool, "_backward_began", only_through)
     if not through:
         monkeypatch.setattr(_Alive, "through", lambda self, grad: self.release())
