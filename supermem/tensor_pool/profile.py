@@ -162,10 +162,9 @@ class Recorder:
         self.start_s = time.perf_counter()
         self.bytes: list[int] = []
         self.saved: dict[int, Saved] = {}  # ordinal -> record
-        # storage address -> (the first save's tensor, weakly; the bytes the saves on it span), and
-        # that save's ordinal (Saved.counted)
-        self.storages: dict[int, tuple[Any, int, int]] = {}
-        self.storage_first: dict[int, int] = {}
+        # storage address -> (the first save's tensor, weakly; its ordinal; the bytes the saves on it
+        # span): Saved.counted
+        self.storages: dict[int, tuple[Any, int, int, int]] = {}
         self.away = 0  # bytes of this step's entries off the device now
         # id(recipe) -> (its cost in seconds, or a call that measures it; ordinals; ready event; input
         # ordinals; kind; a region's start and end). Not the recipe itself: a region holds its inputs'
@@ -259,15 +258,14 @@ class Recorder:
         hi = lo + s.nbytes
         held = self.storages.get(ptr)
         if held is not None:
-            ref, a, b = held
+            ref, ordinal, a, b = held
             first = ref()
             if first is not None and first.untyped_storage().data_ptr() == ptr:
                 s.counted = max(0, min(hi, a) - lo) + max(0, hi - max(lo, b))
-                s.shared = self.saved[self.storage_first[ptr]].shared = True
-                self.storages[ptr] = (ref, min(a, lo), max(b, hi))
+                s.shared = self.saved[ordinal].shared = True
+                self.storages[ptr] = (ref, ordinal, min(a, lo), max(b, hi))
                 return
-        self.storages[ptr] = (weakref.ref(t), lo, hi)
-        self.storage_first[ptr] = s.ordinal
+        self.storages[ptr] = (weakref.ref(t), s.ordinal, lo, hi)
 
     def left(self, ordinal: int, nbytes: int) -> None:
         """`nbytes` of save `ordinal` left the device (came back: negative); a save that shares its

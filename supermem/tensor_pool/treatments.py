@@ -11,6 +11,7 @@ and keeps the byte counters; a new treatment is a new class here, in `TREATMENTS
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import time
@@ -265,7 +266,8 @@ class Compress(Treatment):
         self._last_nnz: dict[tuple[int, int], int] = {}  # (ordinal in its step, elements) -> nonzeros
         self._densest: dict[int, float] = {}  # elements -> the highest nonzero share packed at that size
         self._unsettled: list[weakref.ref[Entry]] = []  # packed into a guessed room, count not read yet
-        self._exact_s: list[float] = []  # host seconds of the last exact packs on a GPU (their sync)
+        # host seconds of the last exact packs on a GPU (their sync)
+        self._exact_s: collections.deque[float] = collections.deque(maxlen=EXACT_SAMPLES)
 
     def applies(self, e: Entry) -> bool:
         if e.recipe is not None and not e.recipe.ready:
@@ -345,7 +347,7 @@ class Compress(Treatment):
             with self._timing["pack"].timed(pool, e.nbytes if room is not None or not pool.cuda else 0):
                 packed = relu_pack(e.tensor, capacity=room)
             if room is None and pool.cuda:
-                self._exact_s = [*self._exact_s[1 - EXACT_SAMPLES :], time.perf_counter() - t0]
+                self._exact_s.append(time.perf_counter() - t0)
         except torch.OutOfMemoryError:
             return False  # no room for the payload even after pressure: another treatment frees
         finally:
