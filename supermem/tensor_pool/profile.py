@@ -162,7 +162,7 @@ class Recorder:
         self.start_s = time.perf_counter()
         self.bytes: list[int] = []
         self.saved: dict[int, Saved] = {}  # ordinal -> record
-        # storage address -> (the first save's tensor, weakly; its ordinal; the bytes the saves on it
+        # storage address -> (its storage, weakly; the first save on it; the bytes the saves on it
         # span): Saved.counted
         self.storages: dict[int, tuple[Any, int, int, int]] = {}
         self.away = 0  # bytes of this step's entries off the device now
@@ -251,21 +251,21 @@ class Recorder:
         return i
 
     def _count_storage(self, s: Saved, t: torch.Tensor) -> None:
-        """Saved.counted and .shared: against the save that first held `t`'s storage, while it still does
-        (a storage freed and allocated again is another tensor's)."""
+        """Saved.counted and .shared: against the save that first held `t`'s storage, while the storage
+        lives (one freed and allocated again is another tensor's). The weak reference is to the storage:
+        the view autograd's hook is given dies with the hook, the storage's object lives as it does."""
         storage = t.untyped_storage()
         ptr, lo = storage.data_ptr(), t.storage_offset() * t.element_size()
         hi = lo + s.nbytes
         held = self.storages.get(ptr)
         if held is not None:
             ref, ordinal, a, b = held
-            first = ref()
-            if first is not None and first.untyped_storage().data_ptr() == ptr:
+            if ref() is not None:
                 s.counted = max(0, min(hi, a) - lo) + max(0, hi - max(lo, b))
                 s.shared = self.saved[ordinal].shared = True
                 self.storages[ptr] = (ref, ordinal, min(a, lo), max(b, hi))
                 return
-        self.storages[ptr] = (weakref.ref(t), s.ordinal, lo, hi)
+        self.storages[ptr] = (weakref.ref(storage), s.ordinal, lo, hi)
 
     def left(self, ordinal: int, nbytes: int) -> None:
         """`nbytes` of save `ordinal` left the device (came back: negative); a save that shares its
