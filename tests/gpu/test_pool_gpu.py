@@ -351,8 +351,9 @@ def test_planned_profile_counts_attentions_qkv_storage_once(monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(ref, got))
     assert profiles, pool.stats()
     shared = [s for s in profiles[0].saved if s.shared]
-    assert len(shared) >= 3 * 4, [(s.ordinal, s.nbytes, s.counted) for s in profiles[0].saved]
-    assert sum(s.counted for s in shared) <= 0.4 * sum(s.nbytes for s in shared)
+    # (math SDPA scales q into a tensor of its own first: k and v are the views it saves, 2 a block)
+    assert len(shared) >= 2 * 4, [(s.ordinal, s.nbytes, s.counted) for s in profiles[0].saved]
+    assert sum(s.counted for s in shared) <= 0.6 * sum(s.nbytes for s in shared), shared
     treatments = {pool._plan.treatment.get(s.ordinal) for s in shared}
     assert not treatments & {"offload", "compress"}, treatments
 
