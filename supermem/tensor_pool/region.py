@@ -30,14 +30,8 @@ import torch
 from torch.nn.modules import module as _nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .call_state import CallState, put_back_sdpa, sdpa_backends, switch_sdpa
+from .call_state import CallState
 from .entry import Entry, State, _set_version
-
-try:  # the generator torch.utils.checkpoint(use_reentrant=False) runs: a call split over two hooks
-    from torch.utils.checkpoint import _checkpoint_without_reentrant_generator as _checkpoint_call
-    from torch.utils.checkpoint import noop_context_fn
-except ImportError:  # pragma: no cover  (an older torch: no call runs under checkpoint, Plan.light unused)
-    _checkpoint_call = None
 
 # the saved-tensor hooks on top of this thread's stack (Plan.bypass takes the pool's off around a call)
 _top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
@@ -269,6 +263,104 @@ def _buffers(module: torch.nn.Module, out: list[torch.Tensor]) -> list[torch.Ten
     return out
 
 
+def _identity(t: Any) -> Any:
+    return t
+
+
+_ANCHOR = torch.empty(0, requires_grad=True)  # an input of every _LightFn: its outputs need grad always
+
+
+class _Light:
+    """A call run with grad off (Regions._light): what calling it again in backward needs. No tensor:
+    its tensor inputs are saved by its node (_LightFn), its outputs are the step's."""
+
+    __slots__ = ("state", "tracker", "module", "spec", "leaves", "places", "out_places", "alive")
+
+    def __init__(self, state: CallState):
+        self.state = state  # RNG, autocast, attention backends at the call
+
+    def attach(
+        self, tracker: Regions, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any, pool: Any
+    ) -> Any:
+        """The call's output with its floating-point tensors given one node (_LightFn)."""
+        leaves, self.spec = tree_flatten((args, kwargs))
+        self.places = [k for k, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+        self.leaves = [None if isinstance(x, torch.Tensor) else x for x in leaves]
+        outs, out_spec = tree_flatten(output)
+        self.out_places = [
+            k for k, x in enumerate(outs) if isinstance(x, torch.Tensor) and x.is_floating_point()
+        ]
+        if not self.out_places:
+            return output
+        self.tracker, self.module = weakref.ref(tracker), module
+        self.alive = _Alive(pool) if pool is not None else None  # the step lasts while the node lives
+        inputs = [leaves[k] for k in self.places]
+        params = [w for w in module.parameters() if w.requires_grad]
+        outputs = [outs[k] for k in self.out_places]
+        if pool is not None:
+            pool._passthrough = True  # the node saves the call's inputs itself: not the step's saves
+        try:
+            attached = _LightFn.apply(self, outputs, len(inputs), _ANCHOR, *inputs, *params)
+        finally:
+            if pool is not None:
+                pool._passthrough = False
+        for k, x in zip(self.out_places, attached):
+            outs[k] = x
+        return tree_unflatten(outs, out_spec)
+
+    def again(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The call once more, with grad on, under its state, the module's buffers put back after; the
+        saves it makes stay with autograd (the pool's hooks are not asked)."""
+        leaves = list(self.leaves)
+        for k, x in zip(self.places, inputs):
+            leaves[k] = x
+        args, kwargs = tree_unflatten(leaves, self.spec)
+        tracker = self.tracker()
+        buffers = _saved_buffers(self.module)
+        try:
+            with self.state.replay(), torch.autograd.graph.saved_tensors_hooks(_identity, _identity):
+                out = tracker.call(self.module, args, kwargs) if tracker else self.module(*args, **kwargs)
+        finally:
+            _put_back(buffers)
+        outs = tree_flatten(out)[0]
+        return [outs[k] for k in self.out_places]
+
+
+class _LightFn(torch.autograd.Function):
+    """The node of a call run with grad off, its inputs and parameters: its backward runs the call
+    again from the inputs it saved and differentiates that call (torch.autograd.grad, so the gradients
+    go where autograd sends them: .grad and its hooks, or autograd.grad's results)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, light: _Light, outputs: list, n: int, _anchor: torch.Tensor, *tensors: Any
+    ) -> tuple:
+        ctx.light, ctx.params = light, tensors[n:]
+        ctx.save_for_backward(*tensors[:n])
+        return tuple(o.detach() for o in outputs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
+        inputs = [x.detach().requires_grad_(x.requires_grad) for x in ctx.saved_tensors]
+        outputs = ctx.light.again(inputs)
+        pairs = [(o, g) for o, g in zip(outputs, grads) if g is not None and o.requires_grad]
+        wrt = [x for x in (*inputs, *ctx.params) if x.requires_grad]
+        got = iter(
+            torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True)
+            if pairs and wrt
+            else ()
+        )
+        if ctx.light.alive is not None:
+            ctx.light.alive.through(None)  # backward is through the call (a second one is the pool's no more)
+        return (
+            None,
+            None,
+            None,
+            None,
+            *(next(got, None) if x.requires_grad else None for x in (*inputs, *ctx.params)),
+        )
+
+
 class _Input:
     """A region's tensor input, held by the pool (an entry it may offload) for a replay. The replay
     gets it detached, with the requires_grad it had: what an op saves depends on it."""
@@ -475,7 +567,7 @@ class Regions:
         if start is None:
             return
         hooks = _pool_hooks(pool, args)
-        unseen = pool._unseen_call(start, _checkpoint_call is not None, hooks is not None)
+        unseen = pool._unseen_call(start, True, hooks is not None)
         if unseen is not None:
             light, end, lean = unseen
             if light:
@@ -496,51 +588,37 @@ class Regions:
         self._stack().append(region)
 
     def _light(self, module: torch.nn.Module, args: tuple, kwargs: dict, pool: Pool, end: int) -> None:
-        """The call runs under torch's non-reentrant checkpoint (Plan.light): its saves go to
-        checkpoint's hooks, not the pool's; in backward checkpoint calls it again by `call` (RNG and
-        autocast state as checkpoint keeps them; the attention backends of the call, which checkpoint
-        does not keep, as a Region's replay; buffers put back after)."""
-        alive = _Alive(pool)
-        sdpa = sdpa_backends() if pool.cuda else None
+        """The call runs with grad off (Plan.light): autograd builds no graph in it and saves nothing;
+        at its end `_Light` gives its outputs one node, whose backward calls it again with grad on and
+        backpropagates through that call (reentrant checkpointing). Non-reentrant checkpointing, which
+        this replaced, builds the graph and hands each save to hooks of its own: on an H100 ResNet-152
+        with every block so took 1.89x native against 1.31x (host 143 ms a step against 75)."""
+        light = _Light(CallState(pool.device))
+        self._local.__dict__.setdefault("unseen", []).append((module, light, end, None))
+        torch._C._set_grad_enabled(False)
 
-        def again(*a: Any, **k: Any) -> Any:
-            buffers = _saved_buffers(module)
-            switched = switch_sdpa(sdpa)
-            try:
-                return self.call(module, a, k)
-            finally:
-                put_back_sdpa(switched)
-                _put_back(buffers)
-
-        again.alive = alive  # type: ignore[attr-defined]  (lives as long as checkpoint's frame)
-        call = _checkpoint_call(again, True, noop_context_fn, "default", False, True, *args, **kwargs)
-        pool._passthrough = True  # checkpoint saves the call's inputs itself: not the step's saves
-        try:
-            next(call)
-        finally:
-            pool._passthrough = False
-        self._local.__dict__.setdefault("unseen", []).append((module, call, end, None))
-
-    def _post(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+    def _post(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        """The call's output, or what replaces it (a call run with grad off: its outputs with a node)."""
         pool = self._pool()
         if pool is None:
-            self._post_call(module, args, kwargs, output)  # (the hooks a call popped go back still)
-        else:
-            pool._own(self._post_call, module, args, kwargs, output)
+            return self._post_call(module, args, kwargs, output)  # (the hooks a call popped go back still)
+        return pool._own(self._post_call, module, args, kwargs, output)
 
-    def _post_call(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+    def _post_call(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         unseen = getattr(self._local, "unseen", None)
         if unseen and unseen[-1][0] is module:
-            _, call, end, lean = unseen.pop()  # call: checkpoint's generator, or the pool's hooks (bypassed)
+            _, call, end, lean = unseen.pop()  # call: a _Light, or the pool's hooks (bypassed)
             bypassed = isinstance(call, tuple)
             if lean is not None:
                 torch._C._autograd._pop_saved_tensors_default_hooks()
                 lean.close()
+            pool = self._pool()
             if bypassed:  # the pool's hooks back on
                 torch._C._autograd._push_saved_tensors_default_hooks(*call)
             else:
-                next(call, None)  # checkpoint's hooks end here
-            pool = self._pool()
+                torch._C._set_grad_enabled(True)
+                if output is not None:  # (None: the call raised)
+                    output = call.attach(self, module, args, kwargs, output, pool)
             if pool is not None:
                 pool._unseen_outputs(_tensors(output), light=not bypassed)
                 if bypassed:  # its kept saves count until backward is through the call (or its graph dies)
@@ -549,7 +627,7 @@ class Regions:
                         if x.grad_fn is not None:  # (a leaf would keep each step's hook)
                             x.register_hook(alive.through)
                 pool._unseen_done(end, not bypassed, lean)
-            return
+            return output
         st = getattr(self._local, "stack", None)
         if not st or not isinstance(st[-1], Region) or st[-1].module is not module:
             return

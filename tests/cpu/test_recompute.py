@@ -564,9 +564,10 @@ class _Block(nn.Module):
 @pytest.mark.parametrize("kind", ["plain", "dropout", "batchnorm"])
 @pytest.mark.parametrize("autocast", [False, True])
 def test_a_plan_runs_the_blocks_it_replays_under_checkpoint_bitwise(kind, autocast):
-    """Plan.light: a block call the plan replays whole runs under torch's non-reentrant checkpoint (the
-    pool makes no entry for what it saves). Dropout's RNG, autocast and BatchNorm's statistics (put
-    back after checkpoint's rebuild) stay bitwise plain PyTorch's, and the step stays under budget."""
+    """Plan.light: a block call the plan replays whole runs with grad off (autograd saves nothing in
+    it, the pool makes no entry), its node calling it again in backward. Dropout's RNG, autocast and
+    BatchNorm's statistics (put back after the rebuild) stay bitwise plain PyTorch's, and the step
+    stays under budget."""
     from supermem.tensor_pool.treatments import Recompute
 
     build = lambda: nn.Sequential(*[_Block(kind) for _ in range(6)])  # noqa: E731
@@ -581,6 +582,56 @@ def test_a_plan_runs_the_blocks_it_replays_under_checkpoint_bitwise(kind, autoca
     s = pool.stats()
     assert s["light_calls"] > 0 and s["plan"]["feasible"], s
     assert s["plan"]["measured_peak_bytes"] <= budget, s
+
+
+class _TupleBlock(nn.Module):
+    """A block with keyword arguments and a tuple out: an integer tensor and None beside its output."""
+
+    def __init__(self, d=64):
+        super().__init__()
+        self.f = nn.Sequential(nn.Linear(d, 4 * d), nn.Dropout(0.2), nn.GELU(), nn.Linear(4 * d, d))
+
+    def forward(self, x, mask=None, scale=1.0):
+        return x + scale * self.f(x) * mask, (mask > 0).sum(), None
+
+
+class _TupleChain(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(_TupleBlock() for _ in range(6))
+
+    def forward(self, x):
+        mask = (torch.arange(x.shape[0]) % 3 != 0).float()[:, None]
+        for b in self.blocks:
+            x, n, _ = b(x, mask=mask, scale=0.5)
+        return x * (n > 0)
+
+
+def test_blocks_run_with_grad_off_take_keywords_give_tuples_and_send_gradients_through_autograd():
+    """A block the plan runs with grad off (Plan.light) may take keyword arguments and return a tuple
+    with an integer tensor and None in it; the first one's input needs no grad. Training stays bitwise,
+    and each parameter's gradient reaches it through autograd: its post-accumulate hook runs once a
+    backward, as in plain PyTorch (a distributed wrapper's hooks depend on it)."""
+    from supermem.tensor_pool.treatments import Recompute
+
+    batch = lambda g: (torch.randn(32, 64, generator=g), None)  # noqa: E731
+    full = Pool(budget="1GiB", policy="planned")
+    ref = train_steps(_TupleChain, batch, None, 6)
+    assert same(ref, train_steps(_TupleChain, batch, full, 6))
+    budget = full.stats()["plan"]["measured_peak_bytes"] // 2
+    runs = []
+
+    def counted():
+        model = _TupleChain()
+        for w in model.parameters():
+            w.register_post_accumulate_grad_hook(lambda w: runs.append(w))
+        return model
+
+    pool = Pool(budget=budget, policy="planned", treatments=(Recompute(),))
+    assert same(ref, train_steps(counted, batch, pool, 6))
+    s = pool.stats()
+    assert s["light_calls"] > 0 and s["plan_misses"] == 0, s
+    assert len(runs) == 6 * len(list(_TupleChain().parameters()))
 
 
 class _ReluBlock(nn.Module):
