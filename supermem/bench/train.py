@@ -99,6 +99,7 @@ def sweep_modes(device: str) -> list[Mode]:
     checkpoint's own peak. On CPU one torch.compile row only: inductor's build takes ~15 s a row."""
     cuda = device == "cuda"
     out = [Mode("native", "native", "none", table="allocator"), Mode("checkpoint", "native", "checkpoint")]
+    out.append(Mode("checkpoint reentrant", "native", "checkpoint", options={"reentrant": True}))
     for name, f in (("quarter", 0.25), ("half", 0.5), ("three quarters", 0.75)):
         out.append(Mode(f"checkpoint first {name}", "native", "checkpoint_first", options={"fraction": f}))
     if cuda:
@@ -171,6 +172,7 @@ def measure(spec: dict) -> dict:
     model.checkpoint_blocks = {"checkpoint": True, "checkpoint_half": n // 2, "checkpoint_first": first}.get(
         spec["saver"], False
     )
+    model.checkpoint_reentrant = spec.get("reentrant", False)
     forward = model
     if spec["saver"] == "compile":
         import torch._functorch.config

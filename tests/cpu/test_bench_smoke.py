@@ -51,7 +51,7 @@ def test_bench_train_sweep_quick_cpu(tmp_path):
     stdout, result = _bench(tmp_path, "train", "--sweep", "--model", "gpt")
     by_name = {r["config"]: r for r in result["models"]["gpt"]}
     parts = ("quarter", "half", "three quarters")
-    baselines = ["native", "checkpoint"] + [f"checkpoint first {p}" for p in parts]
+    baselines = ["native", "checkpoint", "checkpoint reentrant"] + [f"checkpoint first {p}" for p in parts]
     budgets = ["90%", "75%", "60%", "50%", "ckpt peak"]
     pool_rows = [f"{policy} {b}" for policy in ("cost_aware", "planned") for b in budgets]
     assert set(by_name) == set(baselines + ["compile budget 0.5"] + pool_rows)  # CPU: no save_on_cpu
