@@ -102,6 +102,11 @@ class Pool(PlanRunner):
         self._plan_pending: list[weakref.ref[Entry]] = []  # planned for recompute, their call still running
         self._last_spike = 0  # the last step's true peak above the most the pool saw
         self._last_peak_bytes = 0  # the last step's measured peak
+        # the device's highest bytes up to the last exit from this pool's contexts, since the last step's
+        # end; how many are entered now (_watch)
+        self._inside_peak = 0
+        self._entered = 0
+        self._outside = False  # the last exit came after its step: the watermark from then is not its
         self._plan_aim: dict[tuple[int, ...], int] = {}  # by signature: plan this far below the budget
         self._replans: dict[tuple[int, ...], int] = {}  # by signature: plans that overshot
         self._profiles: dict[tuple[int, ...], Any] = {}  # by signature: the profile its plans come from
@@ -190,10 +195,30 @@ class Pool(PlanRunner):
         hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         hooks.__enter__()
         self._local.__dict__.setdefault("stack", []).append(hooks)
+        self._watch(+1)
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self._local.stack.pop().__exit__(*exc)
+        self._watch(-1)
+
+    def _watch(self, entered: int) -> None:
+        """The step's measured peak leaves out what runs outside the pool's contexts between steps (a
+        training step without the pool, at native's peak): at the last exit, if the step is over, the
+        device's watermark so far is kept and the one up to the next entry let go. Without it, GPT-24's
+        planned steps taken between native ones each overshot by native's peak, and the plans made
+        lower for it were infeasible. (A step whose backward runs after the exit keeps counting.)"""
+        alloc = self._supermem_allocator() if self.budget_bytes is not None else None
+        if alloc is None:
+            return
+        with self._lock:
+            if self._entered == 0 and entered > 0 and self._outside:
+                alloc.take_watermark()
+                self._outside = False
+            self._entered += entered
+            if self._entered == 0 and self._between_steps():
+                self._inside_peak = max(self._inside_peak, alloc.take_watermark())
+                self._outside = True
 
     def _start(self) -> None:
         self._register_pressure_handler()
@@ -799,7 +824,8 @@ class Pool(PlanRunner):
         if alloc is None and self.cuda:
             self._last_peak_bytes = self._seen_peak  # what the pool saw: PyTorch's allocator has no watermark
         if alloc is not None:
-            peak = alloc.take_watermark()
+            peak = max(self._inside_peak, alloc.take_watermark())
+            self._inside_peak = 0
             self._last_peak_bytes = peak
             if self._seen_peak:
                 self._last_spike = max(0, peak - self._seen_peak)

@@ -373,3 +373,44 @@ def test_planned_keeps_its_peak_within_3_percent_of_the_budget():
     main and on its successor alike)."""
     rows = _budget_rows("cost_aware", "planned")
     assert rows["planned"]["peak"] <= 1.03 * rows["planned"]["budget"], rows
+
+
+def test_planned_steps_taken_between_native_ones_keep_their_plan():
+    """Planned steps alternating with steps run without the pool (at native's peak, over the budget):
+    the pool measures its own steps' peak, so each keeps its plan (before, each overshot by native's
+    peak, was planned again that much lower, and the plans went infeasible)."""
+    out = _run(
+        """
+        import json, torch, supermem
+        from supermem.bench.models import GPT, loss_fn
+        supermem.install()
+        torch.manual_seed(0)
+        model = GPT(layers=8, d=512, heads=8, vocab=8192, ctx=512).cuda()
+        idx = torch.randint(0, 8192, (8, 513), device="cuda")
+        x, y = idx[:, :-1].contiguous(), idx[:, 1:].contiguous()
+        plain = torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
+        def step(pool=None):
+            with pool if pool is not None else plain:
+                with torch.autocast("cuda", torch.bfloat16):
+                    loss = loss_fn(model(x), y)
+                loss.backward()
+            model.zero_grad(set_to_none=True)
+        step()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        step()
+        native = torch.cuda.max_memory_allocated()
+        pool = supermem.pool(budget=int(0.6 * native), policy="planned")
+        for _ in range(4):
+            step(pool)
+        for _ in range(6):
+            step()
+            step(pool)
+        s = pool.stats()
+        print(json.dumps({"native": native, "budget": pool.budget_bytes, "replans": s["replans"],
+                          "feasible": s["plan"]["feasible"], "peak": s["plan"]["measured_peak_bytes"]}))
+        """
+    )
+    r = json.loads(out.strip().splitlines()[-1])
+    assert r["replans"] == 0 and r["feasible"], r
+    assert r["peak"] <= 1.03 * r["budget"] < r["native"], r
