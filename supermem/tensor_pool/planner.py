@@ -50,6 +50,13 @@ from .profile import Profile
 # about 35%: 2.52 GiB out and back per step (100 ms of copies at 54 GB/s, 17 ms of it waited for) cost
 # about 50 ms more than recomputing the same bytes would have (cost_aware, same run).
 COPY_INTERFERENCE = 0.35
+# The share of the backward's device seconds the host is free (GPU): a region's replay there is priced
+# by its kernels' seconds until the host seconds of the replays pass that slack. Its timed replay, the
+# larger of its kernels and its launches, overprices a block replayed in backward, whose launches run
+# ahead of the backward's kernels: on an H100 (reentrant checkpoint of every block, against native)
+# ResNet-152's 51 blocks were priced at 64 ms and cost 25-37 ms (their forward's kernels: 28), GPT-24's
+# 24 at 30 ms and cost 16-21 (kernels: 19-21).
+BACKWARD_HOST_FREE = 0.5
 EXACT_TRIES = 4  # candidates simulated per decision, cheapest lower bound first (late copies: 1)
 
 
@@ -164,6 +171,17 @@ class _Index:
                     self.inner[u] = c
                     self.touches[u] = set()
         self.n = len(p.base_bytes)
+        # region unit -> its call's kernel seconds in the forward; the host's free seconds in backward
+        self.device_s: dict[int, float] = {}
+        self.slack_s = 0.0
+        if not p.sync_copies and p.backward_event < len(p.times_s):
+            self.slack_s = BACKWARD_HOST_FREE * (p.step_s - p.times_s[p.backward_event])
+            for u, start in p.unit_start.items():
+                inside = range(start + 1, p.unit_end.get(u, start) + 1)
+                saves = [self.by[o].save for o in inside if o in self.by]
+                if saves:
+                    before = p.times_s[self.by[start].save] if start in self.by else 0.0
+                    self.device_s[u] = max(0.0, p.times_s[max(saves)] - before)
 
     def not_inner(self, calls: set[int]) -> None:
         """The units inner to these calls are priced as run through the pool from now on."""
@@ -185,6 +203,12 @@ def _unit_s(p: Profile, ix: _Index, u: int, broken: set[int]) -> float:
     """A unit's seconds: its lean price where it is inner to a call that stays unbroken."""
     c = ix.inner.get(u)
     return p.unit_lean_s[u] if c is not None and c not in broken else p.unit_cost_s[u]
+
+
+def _least_s(p: Profile, ix: _Index, u: int, broken: set[int]) -> float:
+    """The least a unit may add: a region's kernels where backward's host slack takes its launches."""
+    s = _unit_s(p, ix, u, broken)
+    return min(s, ix.device_s[u]) if u in ix.device_s and ix.slack_s else s
 
 
 def _need(ix: _Index, s, back: dict[int, int]) -> int:
@@ -223,6 +247,7 @@ def simulate(
             back[v] = back[r]
             free.add(v)
     broken = _broken(ix, offloads | compressed, units) | units
+    device_s = host_s = 0.0  # of the regions replayed: their kernels, and their timed replays
     for u in units:
         a = p.unit_ready[u]
         for s in ix.members[u]:
@@ -230,8 +255,14 @@ def simulate(
             if a < b:
                 diff[a] -= s.counted
                 diff[b] += s.counted
-        if u not in free:
+        if u in free:
+            continue
+        if u in ix.device_s and ix.slack_s:
+            device_s += _least_s(p, ix, u, broken)
+            host_s += _unit_s(p, ix, u, broken)
+        else:
             added += _unit_s(p, ix, u, broken)
+    added += max(device_s, host_s - ix.slack_s)
     if p.kept_s:  # calls no longer run with the pool's hooks off: their kept saves cost the host
         added += p.kept_s * sum(ix.call_saves[c] for c in broken - units)
     for o in compressed:  # packed from its save to its first use (or a rebuild that reads it)
@@ -418,7 +449,7 @@ def _best_choice(
             continue
         freed = sum(s.counted for s in ms if peak < s.end)
         if freed:
-            cost = 0.0 if ix.region_of.get(u) in units else _unit_s(p, ix, u, broken | units)
+            cost = 0.0 if ix.region_of.get(u) in units else _least_s(p, ix, u, broken | units)
             if p.kept_s and u not in ix.call_saves:  # (a region chosen runs unseen: Plan.light)
                 cost += p.kept_s * sum(ix.call_saves[c] for c in ix.touches[u] - broken)
             cands.append((cost / freed, "recompute", u))
@@ -486,10 +517,10 @@ def _lost(p: Profile, ix: _Index, ordinal: int, broken: set[int]) -> float:
 
 
 def light(p: Profile, plan: Plan, units: set[int], ix: _Index) -> dict[int, int]:
-    """The region calls the plan replays that can run under torch's non-reentrant checkpoint instead:
-    the pool then sees none of the call's saves (no entry each: on a host-bound step those cost more
-    than the replay; tiny GPT-24 on this CPU, the pool at 50% +22 ms, checkpointing half its blocks
-    +8.6 ms), and the step's ordinals skip the call's.
+    """The region calls the plan replays that can run with grad off instead (reentrant checkpointing,
+    region.py's _LightFn): autograd saves nothing in the call, the pool makes no entry (on a host-bound
+    step entries cost more than the replay; tiny GPT-24 on this CPU, the pool at 50% +22 ms,
+    checkpointing half its blocks +8.6 ms), and the step's ordinals skip the call's.
     A call qualifies when it can go unseen (_unseen) and the plan offloads or compresses none of its
     saves and no chosen rebuild outside the call reads one."""
     last: dict[int, int] = {}  # unit -> its last member's ordinal (its members are in save order)
@@ -504,7 +535,7 @@ def light(p: Profile, plan: Plan, units: set[int], ix: _Index) -> dict[int, int]
         if not any(plan.treatment.get(o) in ("offload", "compress") for o in range(start + 1, end + 1))
     }
     unit_at = {p.unit_start[u]: u for u in units if u in p.unit_start}
-    while True:  # a reader run under checkpoint itself reads its inputs from checkpoint, not the pool
+    while True:  # a reader run light itself reads its inputs from its node, not the pool
         light_units = {unit_at[s] for s in calls if s in unit_at}
         out = [
             start

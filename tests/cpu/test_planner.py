@@ -1133,3 +1133,26 @@ def test_a_rebuild_of_saves_sharing_a_storage_frees_it_once():
         offloaded = {o for o, t in plan.treatment.items() if t == "offload"}
         ok = (not offloaded and not plan.feasible) if shared else (offloaded and plan.feasible)
         assert ok, (shared, plan.treatment)
+
+
+def test_blocks_replayed_in_backward_cost_their_kernels_until_the_host_slack_is_spent(monkeypatch):
+    """On a GPU a block's timed replay is the larger of its kernels and its launches; in backward its
+    launches run ahead of the backward's kernels, so the replays cost their kernels' seconds (the
+    block's forward on the profile's timeline) until their launches pass the host's free share of the
+    backward (BACKWARD_HOST_FREE): max(kernels, launches - slack). On a CPU, their timed seconds."""
+    from supermem.tensor_pool import planner
+    from supermem.tensor_pool.planner import simulate
+
+    p = gpt24_profile(block_cost_s=2e-3)
+    for blk in range(24):
+        p.unit_start[blk], p.unit_end[blk] = 9 * blk, 9 * blk + 9
+    kernels = 19.9e-3 * 9 / (24 * 9 + 1)  # a block's 9 saves of the forward's 217 events
+    slack = planner.BACKWARD_HOST_FREE * (p.step_s - p.times_s[p.backward_event])  # (its first event: ~46 ms)
+    few, all_ = set(range(6)), set(range(24))
+    assert simulate(p, set(), few, 0).added_s == pytest.approx(6 * kernels)
+    assert simulate(p, set(), all_, 0).added_s == pytest.approx(24 * 2e-3 - slack)
+    monkeypatch.setattr(planner, "BACKWARD_HOST_FREE", 0.0)
+    assert simulate(p, set(), few, 0).added_s == pytest.approx(6 * 2e-3)
+    p.sync_copies = True  # CPU: no slack, whatever the share
+    monkeypatch.setattr(planner, "BACKWARD_HOST_FREE", 0.5)
+    assert simulate(p, set(), all_, 0).added_s == pytest.approx(24 * 2e-3 + 0)
