@@ -92,8 +92,8 @@ class PlanRunner:
             return self._plan_kept(t, key, step)
 
     def _unseen_call(self, start: int, light_ok: bool, bypass_ok: bool) -> tuple[bool, int, Any] | None:
-        """Whether the region call starting now (after `start` saves) goes unseen by the pool: under
-        checkpoint (Plan.light: True) or with the pool's hooks off (Plan.bypass: False), with the step's
+        """Whether the region call starting now (after `start` saves) goes unseen by the pool: with
+        grad off (Plan.light: True) or with the pool's hooks off (Plan.bypass: False), with the step's
         saves at its end, and the LeanCall whose hooks it runs under (Plan.drops; else None); None:
         captured as a Region, if at all. `light_ok`, `bypass_ok`: whether the call can go either way
         (region.py)."""
@@ -121,7 +121,7 @@ class PlanRunner:
         """A call the pool did not see returned: each output it saved, which the recorded step saved
         again after it (a ResNet block's output, by the next block's first conv), is kept under its
         recorded ordinal, so that save finds it (Plan.outputs). Its bytes count here for a call run
-        under checkpoint (which drops its own save); a bypassed call's count them already."""
+        light (which saves nothing itself); a bypassed call's count them already."""
         with self._lock:
             step = self._step
             for ordinal, k in self._plan.outputs.get(step.ordinals, ()):

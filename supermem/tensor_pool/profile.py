@@ -329,7 +329,7 @@ class Recorder:
     ) -> Profile:
         """`host_s(kind)`: host seconds of one rebuild of that kind of recipe; a unit costs the larger of
         its device and host seconds (where the host is the slower side, the host's are the step's),
-        plus, but for a region (a plan runs those under checkpoint: Plan.light), what making an entry
+        plus, but for a region (a plan runs those light: Plan.light), what making an entry
         of each member costs the host in the forward (the median this step took to make one): a
         planned step's forward is host-bound on the H100 hosts, ~55 us an entry against a GELU's
         0.05 ms replay. A non-region unit's price in a lean call (unit_lean_s) counts LEAN_SHARE of
