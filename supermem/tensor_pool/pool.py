@@ -222,6 +222,7 @@ class Pool(PlanRunner):
 
     def _start(self) -> None:
         self._register_pressure_handler()
+        self._keep_budget()
         if "recompute" in self.policy.treatments and "recompute" in self.treatments:
             self.regions.start_profiling()
 
@@ -240,19 +241,21 @@ class Pool(PlanRunner):
             # per device, offloads only where memory is short
             _C.plugin_add_pressure_handler(_weak_method(self._on_pressure), self.device.index)
             self._pressure_registered = True
-        self._keep_budget()
 
     def _keep_budget(self) -> None:
         """The budget becomes the allocator's soft limit: an allocation the pool never sees coming (the
         loss's temporaries, a workspace) that would take the device over it first makes entries leave,
-        through the pressure handler. Needs supermem's allocator, and its device allocator made."""
-        if self._soft is not None or self.budget_bytes is None or not self._pressure_registered:
+        through the pressure handler. Needs supermem's allocator, and its device allocator made. Set at
+        each entry: of two pools used in turn on one device, each step runs under its own pool's (the
+        limit was the last made pool's, and a pool at 75% of GPT-24's peak stepped under 55%'s)."""
+        if self.budget_bytes is None or not self._pressure_registered:
             return
         alloc = self._supermem_allocator()
         if alloc is not None:
             alloc.soft_limit_bytes = self.budget_bytes
-            self._soft = alloc
-            weakref.finalize(self, _drop_soft_limit, alloc, self.budget_bytes)
+            if self._soft is None:
+                self._soft = alloc
+                weakref.finalize(self, _drop_soft_limit, alloc, self.budget_bytes)
 
     # ------------------------------------------------------------------ hooks
 

@@ -113,3 +113,21 @@ def test_the_handlers_know_a_soft_limit_call_from_an_out_of_memory_one(alloc):
     assert seen[1:] and not any(seen[1:])
     for p in (a, b):
         alloc.free(p)
+
+
+def test_two_pools_used_in_turn_each_step_under_its_own_budget(alloc):
+    """The soft limit is the budget of the pool entered last: two pools on one device used in turn
+    (a benchmark's arms, a model and its evaluation) each keep theirs while entered."""
+    from supermem.tensor_pool import Pool
+
+    pools = [Pool(budget=budget) for budget in (40 * MiB, 20 * MiB)]
+    for pool in pools:  # (a CPU pool has no allocator: this one's is simulated)
+        pool._alloc, pool._pressure_registered = alloc, True
+    for pool in pools + pools[::-1]:
+        with pool:
+            assert alloc.soft_limit_bytes == pool.budget_bytes
+    del pools, pool
+    import gc
+
+    gc.collect()
+    assert alloc.soft_limit_bytes == 0  # the last pool's end leaves no limit behind
