@@ -252,7 +252,8 @@ class Pool(PlanRunner):
             return
         alloc = self._supermem_allocator()
         if alloc is not None:
-            alloc.soft_limit_bytes = self.budget_bytes
+            if alloc.soft_limit_bytes != self.budget_bytes:  # (setting it arms it: one pool's stays as is)
+                alloc.soft_limit_bytes = self.budget_bytes
             if self._soft is None:
                 self._soft = alloc
                 weakref.finalize(self, _drop_soft_limit, alloc, self.budget_bytes)
