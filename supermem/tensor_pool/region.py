@@ -341,12 +341,16 @@ class _LightFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
-        inputs = [x.detach().requires_grad_(x.requires_grad) for x in ctx.saved_tensors]
+        # Grad on: a backward with create_graph, whose gradients a second backward goes through; the
+        # call then runs on its inputs themselves, so the gradients' graph reaches back past them.
+        create = torch.is_grad_enabled()
+        inputs = [x if create else x.detach().requires_grad_(x.requires_grad) for x in ctx.saved_tensors]
         outputs = ctx.light.again(inputs)
         pairs = [(o, g) for o, g in zip(outputs, grads) if g is not None and o.requires_grad]
         wrt = [x for x in (*inputs, *ctx.params) if x.requires_grad]
+        outs, gs = [o for o, _ in pairs], [g for _, g in pairs]
         got = iter(
-            torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True)
+            torch.autograd.grad(outs, wrt, gs, allow_unused=True, create_graph=create)
             if pairs and wrt
             else ()
         )

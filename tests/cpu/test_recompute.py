@@ -815,3 +815,72 @@ def test_backward_through_a_bypassed_call_ends_its_step(monkeypatch, through):
     s = pool.stats()
     assert s["bypassed_calls"] > 0 or not through, s
     assert (s["plan_misses"] == 0) == through, s
+
+
+def test_a_gradient_penalty_trains_bitwise_under_the_planned_pool():
+    """A second-order step (the gradients' norm as a penalty: autograd.grad with create_graph, then
+    backward through it) under a planned pool at half the peak: bitwise plain PyTorch's. (Its steps
+    save in backward too, so they keep leaving the plan's shape: the reactive pool runs them.)"""
+    from supermem.tensor_pool.treatments import Recompute
+
+    def train(pool, steps=6):
+        torch.manual_seed(0)
+        model = nn.Sequential(*[_Block("dropout") for _ in range(6)])
+        x = torch.randn(32, 64, generator=torch.Generator().manual_seed(1))
+        out = []
+        for _ in range(steps):
+            model.zero_grad()
+            with (
+                pool
+                if pool is not None
+                else torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
+            ):
+                loss = model(x).square().mean()
+                grads = torch.autograd.grad(loss, list(model.parameters()), create_graph=True)
+                (loss + sum(g.square().sum() for g in grads)).backward()
+            out.append(loss.detach())
+        return out + [p.grad for p in model.parameters()]
+
+    ref = train(None)
+    full = Pool(budget="1GiB", policy="planned")
+    train(full, 3)
+    budget = full.stats()["plan"]["measured_peak_bytes"] // 2
+    assert same(ref, train(Pool(budget=budget, policy="planned", treatments=(Recompute(),))))
+
+
+def test_a_call_run_with_grad_off_gives_first_and_second_order_gradients_of_the_plain_call():
+    """_LightFn, the node of a call run with grad off: the gradients of its inputs and parameters
+    (autograd.grad, with create_graph) are bitwise the plain call's, dropout drawing the same mask in
+    the replay; a gradient penalty's, through the graph that backward built, equal them to rounding
+    (that graph sums in another order). Before, the replay's detached inputs cut the graph: the
+    input's second-order gradient was 3e-3 off."""
+    from supermem.tensor_pool.call_state import CallState
+    from supermem.tensor_pool.region import _Light
+
+    class Tracker:  # (let go at once: the replay calls the module itself)
+        pass
+
+    torch.manual_seed(0)
+    block = _Block("dropout")
+    x = torch.randn(16, 64, requires_grad=True)
+
+    def run(light):
+        torch.manual_seed(3)
+        if light:
+            state = CallState(torch.device("cpu"))
+            with torch.no_grad():
+                out = block(x * 1)
+            y = _Light(state).attach(Tracker(), block, (x * 1,), {}, out, None)
+        else:
+            y = block(x * 1)
+        loss = y.square().mean()
+        params = list(block.parameters())
+        first = torch.autograd.grad(loss, [x, *params], create_graph=True)
+        penalty = sum(g.square().sum() for g in first)
+        second = torch.autograd.grad(penalty, [x, *params])
+        return [loss, *first, *second]
+
+    plain, light = run(False), run(True)
+    assert len(plain) == len(light) == 11
+    assert all(torch.equal(a, b) for a, b in zip(plain[:6], light[:6]))
+    assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-7) for a, b in zip(plain[6:], light[6:]))
