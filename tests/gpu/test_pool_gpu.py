@@ -237,7 +237,8 @@ def test_cost_aware_gpt_dropout_bf16_is_bitwise():
             assert s["offloads"] == 0 and s["dropped"] == 0, s
 
 
-_BUDGET_RUN = """
+# A child process's small GPT (8 blocks, d1024, bf16) under supermem's allocator: step(pool=None)
+_GPT_STEP = """
 import json, sys, torch, supermem
 from supermem.bench.models import GPT, loss_fn
 supermem.install()
@@ -254,6 +255,11 @@ def step(pool=None):
         loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
+"""
+
+_BUDGET_RUN = (
+    _GPT_STEP
+    + """
 def peak(pool=None, warm=4, timed=5):
     for _ in range(warm):
         step(pool)
@@ -277,6 +283,7 @@ for policy in sys.argv[1:]:
     rows[policy] = {"peak": p, "ms": ms, "budget": budget, **{k: s[k] for k in keys}, "plan": s["plan"]}
 print(json.dumps(rows))
 """
+)
 
 
 def _budget_rows(*policies: str) -> dict:
@@ -380,36 +387,23 @@ def test_planned_steps_taken_between_native_ones_keep_their_plan():
     the pool measures its own steps' peak, so each keeps its plan (before, each overshot by native's
     peak, was planned again that much lower, and the plans went infeasible)."""
     out = _run(
-        """
-        import json, torch, supermem
-        from supermem.bench.models import GPT, loss_fn
-        supermem.install()
-        torch.manual_seed(0)
-        model = GPT(layers=8, d=512, heads=8, vocab=8192, ctx=512).cuda()
-        idx = torch.randint(0, 8192, (8, 513), device="cuda")
-        x, y = idx[:, :-1].contiguous(), idx[:, 1:].contiguous()
-        plain = torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
-        def step(pool=None):
-            with pool if pool is not None else plain:
-                with torch.autocast("cuda", torch.bfloat16):
-                    loss = loss_fn(model(x), y)
-                loss.backward()
-            model.zero_grad(set_to_none=True)
-        step()
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        step()
-        native = torch.cuda.max_memory_allocated()
-        pool = supermem.pool(budget=int(0.6 * native), policy="planned")
-        for _ in range(4):
-            step(pool)
-        for _ in range(6):
-            step()
-            step(pool)
-        s = pool.stats()
-        print(json.dumps({"native": native, "budget": pool.budget_bytes, "replans": s["replans"],
-                          "feasible": s["plan"]["feasible"], "peak": s["plan"]["measured_peak_bytes"]}))
-        """
+        _GPT_STEP
+        + """
+step()
+torch.cuda.synchronize()
+torch.cuda.reset_peak_memory_stats()
+step()
+native = torch.cuda.max_memory_allocated()
+pool = supermem.pool(budget=int(0.75 * native), policy="planned")
+for _ in range(4):
+    step(pool)
+for _ in range(6):
+    step()
+    step(pool)
+s = pool.stats()
+print(json.dumps({"native": native, "budget": pool.budget_bytes, "replans": s["replans"],
+                  "feasible": s["plan"]["feasible"], "peak": s["plan"]["measured_peak_bytes"]}))
+"""
     )
     r = json.loads(out.strip().splitlines()[-1])
     assert r["replans"] == 0 and r["feasible"], r
