@@ -57,6 +57,21 @@ def _storage_ptr(t: Any) -> int | None:
 
 
 def _tensors(tree: Any) -> list[torch.Tensor]:
+    """The tensors of a call's arguments or output, in tree_flatten's order. A tensor, a tuple of
+    tensors and (tensors, no keywords) skip pytree's walk (~16 us a call on this CPU, a few a block)."""
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    if type(tree) is tuple:
+        out: list[torch.Tensor] = []
+        for x in tree:
+            if isinstance(x, torch.Tensor):
+                out.append(x)
+            elif type(x) is tuple and all(isinstance(y, torch.Tensor) for y in x):
+                out += x
+            elif not (type(x) is dict and not x):
+                break
+        else:
+            return out
     return [x for x in tree_flatten(tree)[0] if isinstance(x, torch.Tensor)]
 
 

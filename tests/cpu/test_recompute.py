@@ -884,3 +884,19 @@ def test_a_call_run_with_grad_off_gives_first_and_second_order_gradients_of_the_
     assert len(plain) == len(light) == 11
     assert all(torch.equal(a, b) for a, b in zip(plain[:6], light[:6]))
     assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-7) for a, b in zip(plain[6:], light[6:]))
+
+
+def test_a_calls_tensors_are_pytrees_in_its_order_also_where_pytree_is_skipped():
+    """region._tensors skips pytree for a tensor, a tuple of tensors and (tensors, no keywords): the
+    same tensors in the same order as tree_flatten gives, for those and for every other shape."""
+    from torch.utils._pytree import tree_flatten
+
+    from supermem.tensor_pool.region import _tensors
+
+    a, b, c = torch.ones(1), torch.ones(2), torch.ones(3)
+    trees = [a, (a, b), ((a, b), {}), ((a,), {"m": c}), ((a, 3), {}), ([a, b],), ((a, (b, c)), {}), ()]
+    trees += [((), {}), {"x": a}, (a, None, b), ((a, b), {"k": None}), ((b, a), {}, c)]
+    for tree in trees:
+        ref = [x for x in tree_flatten(tree)[0] if isinstance(x, torch.Tensor)]
+        got = _tensors(tree)
+        assert len(got) == len(ref) and all(x is y for x, y in zip(got, ref)), tree
