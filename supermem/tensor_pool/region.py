@@ -382,22 +382,17 @@ class _LightFn(torch.autograd.Function):
         inputs = [x if create else x.detach().requires_grad_(x.requires_grad) for x in ctx.saved_tensors]
         outputs = ctx.light.again(inputs)
         pairs = [(o, g) for o, g in zip(outputs, grads) if g is not None and o.requires_grad]
-        wrt = [x for x in (*inputs, *ctx.params) if x.requires_grad]
-        outs, gs = [o for o, _ in pairs], [g for _, g in pairs]
-        got = iter(
-            torch.autograd.grad(outs, wrt, gs, allow_unused=True, create_graph=create)
-            if pairs and wrt
-            else ()
-        )
+        # each tensor once (under create_graph an input passed twice, or a parameter passed as an
+        # input, is one tensor: autograd.grad would give it its whole gradient at each place)
+        slots = {id(x): x for x in (*inputs, *ctx.params) if x.requires_grad}
+        wrt = list(slots.values())
+        got = dict.fromkeys(slots)
+        if pairs and wrt:
+            outs, gs = [o for o, _ in pairs], [g for _, g in pairs]
+            got.update(zip(slots, torch.autograd.grad(outs, wrt, gs, allow_unused=True, create_graph=create)))
         if ctx.light.alive is not None:
             ctx.light.alive.through(None)  # backward is through the call (a second one is the pool's no more)
-        return (
-            None,
-            None,
-            None,
-            None,
-            *(next(got, None) if x.requires_grad else None for x in (*inputs, *ctx.params)),
-        )
+        return (None, None, None, None, *(got.pop(id(x), None) for x in (*inputs, *ctx.params)))
 
 
 class _Input:

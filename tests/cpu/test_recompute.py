@@ -900,3 +900,33 @@ def test_a_calls_tensors_are_pytrees_in_its_order_also_where_pytree_is_skipped()
         ref = [x for x in tree_flatten(tree)[0] if isinstance(x, torch.Tensor)]
         got = _tensors(tree)
         assert len(got) == len(ref) and all(x is y for x, y in zip(got, ref)), tree
+
+
+def test_a_call_run_with_grad_off_given_one_tensor_twice_gives_its_gradient_once():
+    """f(x, x) run with grad off: x's gradient through the node is plain PyTorch's, with and without
+    create_graph (where the node runs on x itself: one tensor at two places, counted once)."""
+    from supermem.tensor_pool.call_state import CallState
+    from supermem.tensor_pool.region import _Light
+
+    class Twice(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.f = nn.Linear(8, 8)
+
+        def forward(self, a, b):
+            return self.f(a) * b
+
+    class Tracker:
+        pass
+
+    torch.manual_seed(0)
+    m, x = Twice(), torch.randn(4, 8, requires_grad=True)
+    for create in (False, True):
+        h = x * 1
+        plain = torch.autograd.grad(m(h, h).square().sum(), [x, *m.parameters()], create_graph=create)
+        h = x * 1
+        with torch.no_grad():
+            out = m(h, h)
+        y = _Light(CallState(torch.device("cpu"))).attach(Tracker(), m, (h, h), {}, out, None)
+        light = torch.autograd.grad(y.square().sum(), [x, *m.parameters()], create_graph=create)
+        assert all(torch.equal(a, b) for a, b in zip(plain, light)), create
