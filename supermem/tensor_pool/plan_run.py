@@ -117,6 +117,11 @@ class PlanRunner:
                 return False, plan.bypass[start], LeanCall(self, drops, plan.reads[start]) if drops else None
             return None
 
+    def _plan_captures(self) -> frozenset[int]:
+        """Plan.captures of the plan this step runs (none in a recording step)."""
+        plan = self._plan
+        return plan.captures if plan is not None and self._plan_ok and not self._rec.full else frozenset()
+
     def _unseen_outputs(self, outputs: list, light: bool) -> None:
         """A call the pool did not see returned: each output it saved, which the recorded step saved
         again after it (a ResNet block's output, by the next block's first conv), is kept under its

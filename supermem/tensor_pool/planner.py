@@ -67,6 +67,9 @@ class Plan:
     treatment: dict[int, str] = field(default_factory=dict)  # ordinal -> "offload" | "recompute" | "compress"
     lean: frozenset[int] = frozenset()  # kept, and no planned rebuild reads them: no entry needed
     region_starts: frozenset[int] = frozenset()  # the regions it replays, by the step's saves before them
+    # region calls whose recording's capture made a save of the step (Profile.capture_made): captured
+    # in every step it runs, which makes that save too, or the step's ordinals would skip it
+    captures: frozenset[int] = frozenset()
     # regions it replays whole by checkpoint: the step's saves before the call -> at its end (light())
     light: dict[int, int] = field(default_factory=dict)
     # region calls whose saves it all keeps: run with the pool's hooks off (bypass()), same keys
@@ -406,6 +409,9 @@ def _plan_once(p: Profile, budget: int, ix: _Index) -> tuple[Plan, set[int]]:
         for s in ix.members[u]:
             plan.treatment.setdefault(s.ordinal, "recompute")
     plan.region_starts = frozenset(p.unit_start[u] for u in units if u in p.unit_start)
+    plan.captures = frozenset(
+        start for u, start in p.unit_start.items() if p.capture_made & set(p.unit_inputs.get(u, ()))
+    )
     n = len(p.times_s)
     plan.event_of = {("p", s.ordinal): s.save for s in p.saved}
     plan.event_of.update((("u", s.ordinal), s.use) for s in p.saved if s.use < n)
@@ -553,10 +559,11 @@ def light(p: Profile, plan: Plan, units: set[int], ix: _Index) -> dict[int, int]
 
 
 def bypass(p: Profile, plan: Plan, ix: _Index, units: set, curve: list[int], budget: int) -> dict[int, int]:
-    """The region calls whose saves the plan keeps, none read by a rebuild it chose: they run with the
-    pool's saved-tensor hooks off (autograd keeps their saves itself), the step's ordinals skipping
-    theirs. A kept save through the pool cost ~6.5 us on this CPU (tiny GPT-24: 3.8 ms of a 9 ms
-    forward), ~12 us on an H100 host, whose planned GPT-24 forward is host-bound.
+    """The region calls whose saves the plan keeps, none read by a rebuild it chose (and none in
+    Profile.no_bypass): they run with the pool's saved-tensor hooks off (autograd keeps their saves
+    itself), the step's ordinals skipping theirs. A kept save through the pool cost ~6.5 us on this
+    CPU (tiny GPT-24: 3.8 ms of a 9 ms forward), ~12 us on an H100 host, whose planned GPT-24 forward
+    is host-bound.
     A call whose saves the plan keeps but for the members of units inner to it (and their inputs)
     runs lean, dropping those itself (Plan.drops).
     The pool sees such a call's kept saves die only together, once backward is through the call: it
@@ -572,7 +579,7 @@ def bypass(p: Profile, plan: Plan, ix: _Index, units: set, curve: list[int], bud
         dropped = {s.ordinal for u in inner for s in ix.members[u]}
         read = {o for u in inner for o in p.unit_inputs.get(u, ())}
         readers = {o: {v for v in ix.readers.get(o, ()) if v in units} for o in read}
-        if end <= start or start in plan.light:
+        if end <= start or start in plan.light or start in p.no_bypass:
             continue
         if not all(
             o in plan.lean or o in dropped or (o in read and o not in plan.treatment and readers[o] <= inner)

@@ -380,6 +380,8 @@ class Pool(PlanRunner):
                 if self._rec.full:  # what an entry costs the host to make (its units' price: profile.py)
                     self._rec.entry_s.append(time.perf_counter() - t0)
                 self._planned_pack(e)
+                if not saved and self._rec.full:  # a region's input, an entry only for its replay
+                    self._rec.capture_made.add(e.ordinal)
             return e
 
     def _unpack(self, packed: Any) -> torch.Tensor:
@@ -498,14 +500,18 @@ class Pool(PlanRunner):
                 return 0
             # the step's shape is not known yet: captured if a plan of any shape may replay it
             plans = self._plans.values()
-            return 0 if any(not p.feasible or 0 in p.region_starts or 0 in p.bypass for p in plans) else None
+            return (
+                0
+                if any(not p.feasible or 0 in p.region_starts | p.captures or 0 in p.bypass for p in plans)
+                else None
+            )
         else:
             if not self._capture:
                 return None
             start, plan = s.ordinals, self._plan if self._plan_ok and not self._rec.full else None
         if plan is None or not self.planning or not plan.feasible:
             return start
-        if start in plan.region_starts or start in plan.bypass:  # (bypass: a call it runs unseen)
+        if start in plan.region_starts or start in plan.bypass or start in plan.captures:  # (bypass: unseen)
             return start
         return None
 

@@ -91,6 +91,14 @@ class Profile:
     # saved again after the region call that first saved it returned (one entry, no ordinal of its
     # own): a ResNet block's output, saved by its last ReLU and again by the next block's first conv
     resaved: set[int] = field(default_factory=set)
+    # region calls (as call_outputs) with no input made in the graph, or under saved-tensor hooks not
+    # the pool's: never run with the pool's hooks off (region._pool_hooks: nothing would tell when
+    # backward is through the call). A model's first block on its batch: planned so, it ran through
+    # the pool all the same, and the step left the plan there.
+    no_bypass: set[int] = field(default_factory=set)
+    # saves a region's capture made: its input, saved by nothing in the step before the call ended (a
+    # first block's batch where the block saves only a cast of it), made an entry for the replay
+    capture_made: set[int] = field(default_factory=set)
     # a region call (by the step's saves before it) -> (ordinal, index among the output's tensors) of
     # each output it saved itself: a call the plan does not see gives the pool these at its end
     call_outputs: dict[int, tuple[tuple[int, int], ...]] = field(default_factory=dict)
@@ -172,6 +180,8 @@ class Recorder:
         self.units: dict[int, tuple[Any, list[int], int, list[int], str, int | None, int | None]] = {}
         self.entry_s: list[float] = []  # host seconds to make each entry (Pool._pack_tensor)
         self.resaved: set[int] = set()  # Profile.resaved
+        self.no_bypass: set[int] = set()  # Profile.no_bypass
+        self.capture_made: set[int] = set()  # Profile.capture_made
         self.call_outputs: dict[int, tuple[tuple[int, int], ...]] = {}  # Profile.call_outputs
         self.call_slots: dict[int, dict[int, int]] = {}  # Profile.call_slots
         self.backward_event: int | None = None
@@ -358,6 +368,8 @@ class Recorder:
             entry_s=entry_s,
             kept_s=KEPT_SHARE * entry_s,
             resaved=set(self.resaved),
+            no_bypass=set(self.no_bypass),
+            capture_made=set(self.capture_made),
             call_outputs=dict(self.call_outputs),
             call_slots=dict(self.call_slots),
         )

@@ -133,9 +133,16 @@ class Region:
                 if e.recipe is self:
                     own.append(e)
         # A call that changed an input in place would be replayed from the changed value.
-        if any(x._version != v for x, v in self.inputs) or not own:
+        changed = any(x._version != v for x, v in self.inputs)
+        if changed or not own:
             for e in own:
                 e.recipe = None
+            if not changed and self.start in pool._plan_captures():
+                # its recording made its inputs entries here, saves of the step (a first block's
+                # batch): so does this step, or its ordinals would fall one short of the plan's
+                for x in tree_flatten(self.args)[0]:
+                    if isinstance(x, torch.Tensor):
+                        _Input(pool, x)
             return False
         self.inputs = []  # the raw inputs go; the pool keeps them as entries from here
         # Flat, with the tree's spec: a replay fills the inputs in and rebuilds the tree in one step.
@@ -612,6 +619,8 @@ class Regions:
                     torch._C._autograd._push_saved_tensors_default_hooks(lean.pack, lean.unpack)
                 self._local.__dict__.setdefault("unseen", []).append((module, hooks, end, lean))
             return
+        if hooks is None and pool._rec is not None and pool._rec.full:
+            pool._rec.no_bypass.add(start)  # (nothing would tell when backward is through it)
         kind = (type(module), *((x.shape, x.dtype) for x in _tensors((args, kwargs))))
         self._kind[id(module)] = kind
         cost = self._costs.setdefault(kind, [0.0, 0, [], 0])

@@ -930,3 +930,26 @@ def test_a_call_run_with_grad_off_given_one_tensor_twice_gives_its_gradient_once
         y = _Light(CallState(torch.device("cpu"))).attach(Tracker(), m, (h, h), {}, out, None)
         light = torch.autograd.grad(y.square().sum(), [x, *m.parameters()], create_graph=create)
         assert all(torch.equal(a, b) for a, b in zip(plain, light)), create
+
+
+def test_a_block_on_the_batch_itself_is_never_planned_to_run_with_the_pools_hooks_off(monkeypatch):
+    """The first block's input is the batch, made outside the graph: run with the pool's hooks off,
+    nothing would tell when backward is through it (region._pool_hooks), so it runs through the pool.
+    The recording marks it (Profile.no_bypass) and the plan leaves it out of Plan.bypass. Its capture
+    made the batch an entry of the step (the block saves only casts of it: Profile.capture_made), so
+    each planned step captures it too (Plan.captures) and keeps the plan's ordinals. Before, a
+    planned step that bypassed it ran it through the pool all the same, or one that kept it made no
+    such entry, and the step left the plan (test_lean_call's gelu-True, under load)."""
+    from supermem.tensor_pool import plan_run
+
+    made, make_plan = [], plan_run.make_plan
+    monkeypatch.setattr(plan_run, "make_plan", lambda p, b: made.append((p, make_plan(p, b))) or made[-1][1])
+    build = lambda: nn.Sequential(*[_Block("dropout") for _ in range(6)])  # noqa: E731
+    batch = lambda g: (torch.randn(32, 64, generator=g), None)  # noqa: E731
+    pool = Pool(budget="1GiB", policy="planned")
+    assert same(train_steps(build, batch, None, 6, True), train_steps(build, batch, pool, 6, True))  # bf16
+    profile, plan = made[0]
+    assert 0 in profile.no_bypass and 0 not in plan.bypass and plan.bypass, (profile.no_bypass, plan.bypass)
+    assert 0 in plan.captures and profile.capture_made, (plan.captures, profile.capture_made)
+    s = pool.stats()
+    assert s["plan_misses"] == 0 and s["bypassed_calls"] > 0, s
