@@ -92,6 +92,11 @@ class Plan:
     untreated_peak_bytes: int = 0  # the profiled step's curve with nothing treated, the spike included
     untreated_step_s: float = 0.0  # the profiled step's seconds without the pool's own (Recorder.pause)
 
+    def captured(self, start: int) -> bool:
+        """Whether a step running it captures the region call after `start` saves: one it replays or
+        runs unseen, or one whose capture makes a save of the step."""
+        return start in self.region_starts or start in self.bypass or start in self.captures
+
     def counts(self) -> dict[str, int]:
         out = {"offload": 0, "recompute": 0, "compress": 0}
         for t in self.treatment.values():
@@ -260,11 +265,12 @@ def simulate(
                 diff[b] += s.counted
         if u in free:
             continue
+        unit_s = _unit_s(p, ix, u, broken)
         if u in ix.device_s and ix.slack_s:
-            device_s += _least_s(p, ix, u, broken)
-            host_s += _unit_s(p, ix, u, broken)
+            device_s += min(unit_s, ix.device_s[u])
+            host_s += unit_s
         else:
-            added += _unit_s(p, ix, u, broken)
+            added += unit_s
     added += max(device_s, host_s - ix.slack_s)
     if p.kept_s:  # calls no longer run with the pool's hooks off: their kept saves cost the host
         added += p.kept_s * sum(ix.call_saves[c] for c in broken - units)

@@ -500,20 +500,14 @@ class Pool(PlanRunner):
                 return 0
             # the step's shape is not known yet: captured if a plan of any shape may replay it
             plans = self._plans.values()
-            return (
-                0
-                if any(not p.feasible or 0 in p.region_starts | p.captures or 0 in p.bypass for p in plans)
-                else None
-            )
+            return 0 if any(not p.feasible or p.captured(0) for p in plans) else None
         else:
             if not self._capture:
                 return None
             start, plan = s.ordinals, self._plan if self._plan_ok and not self._rec.full else None
         if plan is None or not self.planning or not plan.feasible:
             return start
-        if start in plan.region_starts or start in plan.bypass or start in plan.captures:  # (bypass: unseen)
-            return start
-        return None
+        return start if plan.captured(start) else None
 
     def _needed_last_step(self) -> bool:
         """Capture regions only when the pool may need them: on the first steps, and after a step in

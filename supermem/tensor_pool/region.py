@@ -137,17 +137,17 @@ class Region:
         if changed or not own:
             for e in own:
                 e.recipe = None
-            if not changed and self.start in pool._plan_captures():
-                # its recording made its inputs entries here, saves of the step (a first block's
-                # batch): so does this step, or its ordinals would fall one short of the plan's
-                for x in tree_flatten(self.args)[0]:
-                    if isinstance(x, torch.Tensor):
-                        _Input(pool, x)
-            return False
+            if changed or self.start not in pool._plan_captures():
+                return False
         self.inputs = []  # the raw inputs go; the pool keeps them as entries from here
         # Flat, with the tree's spec: a replay fills the inputs in and rebuilds the tree in one step.
         leaves, spec = tree_flatten(self.args)
-        self.args = ([_Input(pool, x) if isinstance(x, torch.Tensor) else x for x in leaves], spec)
+        args = ([_Input(pool, x) if isinstance(x, torch.Tensor) else x for x in leaves], spec)
+        if not own:
+            # (its recording made its inputs entries here, saves of the step, a first block's batch:
+            # so does this step, or its ordinals would fall one short of the plan's)
+            return False
+        self.args = args
         self.made = tuple(slots)
         self.ready = True
         return True
