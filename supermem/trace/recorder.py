@@ -49,6 +49,25 @@ def discover_allocators() -> list[tuple[int, Any]]:
     return registry.allocators()
 
 
+def _serve_cuda() -> None:
+    """A recording reads supermem's allocators. Where none serves CUDA and CUDA is not initialised yet,
+    it swaps supermem's in, as `supermem trace` does for a script; where PyTorch's own allocator already
+    serves CUDA, it says at once that the trace will hold no device memory events."""
+    import torch
+
+    if registry.installed() or not torch.cuda.is_available():
+        return
+    from ..activate import install
+
+    if not torch.cuda.is_initialized() and install():
+        return
+    print(
+        "supermem: this trace records no device memory: PyTorch's own allocator serves CUDA in this "
+        "process. Start the trace before the first CUDA tensor, or run with SUPERMEM=1 or `supermem trace`.",
+        file=sys.stderr,
+    )
+
+
 def active() -> Recorder | None:
     """The recording in progress, if any."""
     return _active
@@ -178,6 +197,7 @@ class Recorder:
         self.started_ns = time.monotonic_ns()
         self.started_unix_s = time.time()
         if self._explicit is None:
+            _serve_cuda()
             # Device allocators are made at a device's first CUDA tensor, often after this: they are
             # born with a ring this large and join the recording when the registry finds them.
             registry.set_recording_ring_events(self.capacity_events)

@@ -331,12 +331,25 @@ def _allocator_events(path: Path) -> int:
     return int(((tr.cols["action"] == ALLOC) & (tr.cols["device"] == 0)).sum())
 
 
-def test_trace_context_entered_before_the_first_cuda_tensor_records_it(tmp_path):
+@pytest.mark.parametrize("env", [{}, {"SUPERMEM": "1"}], ids=["plain", "SUPERMEM=1"])
+def test_trace_context_entered_before_the_first_cuda_tensor_records_it(tmp_path, env):
+    """Plain: the recording swaps supermem's allocator in (CUDA is not initialised yet), as `supermem
+    trace` does; it recorded nothing before, silently."""
     out = tmp_path / "ctx.smtrace"
     code = f"import supermem\nwith supermem.trace({str(out)!r}):\n" + textwrap.indent(TRACED, "    ")
-    r = run_python(code, env={"SUPERMEM": "1"})  # supermem's allocator serves CUDA: its events are recorded
+    r = run_python(code, env=env)
     assert r.rc == 0 and out.exists(), r.describe()
     assert _allocator_events(out) >= 10, r.describe()
+    assert "records no device memory" not in r.stderr, r.describe()
+
+
+def test_trace_context_entered_after_cuda_began_under_torchs_allocator_says_it_records_none(tmp_path):
+    out = tmp_path / "late.smtrace"
+    code = "import torch, supermem\ntorch.ones(1, device='cuda')\n"
+    code += f"with supermem.trace({str(out)!r}):\n" + textwrap.indent(TRACED, "    ")
+    r = run_python(code)
+    assert r.rc == 0 and "done" in r.stdout and out.exists(), r.describe()
+    assert r.stderr.count("this trace records no device memory") == 1, r.describe()
 
 
 @pytest.mark.parametrize("env", [{}, {"SUPERMEM": "1"}], ids=["plain", "SUPERMEM=1"])
