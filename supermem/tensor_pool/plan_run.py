@@ -267,6 +267,8 @@ class PlanRunner:
         if not rec.regions_on:
             return
         offload, compress = self.treatments.get("offload"), self.treatments.get("compress")
+        if offload:
+            offload.probe(self)
         profile = rec.profile(
             self._last_spike,
             offload.rate(self) if offload else 1.0,

@@ -29,7 +29,9 @@ from .entry import Entry, State
 if TYPE_CHECKING:
     from .pool import Pool
 
-GPU_LINK_BYTES_PER_S = 25e9  # pinned copies, until the copy engine measured them (H100/H200: ~55)
+GPU_LINK_BYTES_PER_S = 25e9  # pinned copies where the probe cannot run (H100/H200: ~55)
+LINK_PROBE_BYTES = 64 << 20
+_link_probed: dict[int, float] = {}  # CUDA device index -> D2H bytes per second to pinned memory
 CPU_COPY_BYTES_PER_S = 5e9  # host memcpy
 COPY_INTERFERENCE = 0.08  # a step slowed 8% with copies running beside it (DESIGN.md, one H100 run)
 
@@ -82,6 +84,32 @@ class Treatment:
         """This treatment's invariant for an entry it holds; AssertionError if off."""
 
 
+def link_rate(device: torch.device) -> float:
+    """The device's copy rate to pinned host memory (Offload.rate), probed once a process (a 64 MiB
+    copy on a side stream, ~1 ms): a plan made before the pool copied anything priced copies at
+    25 GB/s, which an H100's link more than doubles (54-55 GB/s measured)."""
+    index = torch.device(device).index or 0
+    if index not in _link_probed:
+        rate = GPU_LINK_BYTES_PER_S
+        try:
+            src = torch.empty(LINK_PROBE_BYTES, dtype=torch.uint8, device=torch.device("cuda", index))
+            dst = torch.empty(LINK_PROBE_BYTES, dtype=torch.uint8, pin_memory=True)
+            stream = torch.cuda.Stream(src.device)
+            stream.wait_stream(torch.cuda.current_stream(src.device))
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            with torch.cuda.stream(stream):
+                dst.copy_(src, non_blocking=True)  # (a first copy: the link's setup is not its rate)
+                start.record()
+                dst.copy_(src, non_blocking=True)
+                end.record()
+            end.synchronize()
+            rate = LINK_PROBE_BYTES / (start.elapsed_time(end) / 1e3)
+        except (RuntimeError, torch.OutOfMemoryError):  # no room for the probe: the default stands
+            pass
+        _link_probed[index] = rate
+    return _link_probed[index]
+
+
 class Offload(Treatment):
     """Copies the tensor's storage span to pinned host memory on the copy engine's D2H stream; brings
     it back on the H2D stream (prefetched during backward). The host copy is kept while the entry lives:
@@ -101,7 +129,15 @@ class Offload(Treatment):
         c = pool.copies.stats
         if c.d2h_seconds > 0 and c.d2h_bytes > 1 << 20:
             return c.d2h_bytes / c.d2h_seconds
-        return GPU_LINK_BYTES_PER_S if pool.cuda else CPU_COPY_BYTES_PER_S
+        if not pool.cuda:
+            return CPU_COPY_BYTES_PER_S
+        return _link_probed.get(torch.device(pool.device).index or 0, GPU_LINK_BYTES_PER_S)
+
+    def probe(self, pool: Pool) -> None:
+        """Before a plan: the link's rate, measured (link_rate) where no copy measured it yet. Never
+        from a pressure handler: the probe allocates."""
+        if pool.cuda and self.link_bytes_per_s is None:
+            link_rate(pool.device)
 
     def hideable_bytes(self, pool: Pool, bps: float) -> int:
         """Bytes the link can still carry before backward starts, judging by the last step's forward

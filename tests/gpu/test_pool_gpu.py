@@ -363,6 +363,12 @@ def test_planned_profile_counts_attentions_qkv_storage_once(monkeypatch):
     assert sum(s.counted for s in shared) <= 0.6 * sum(s.nbytes for s in shared), shared
     treatments = {pool._plan.treatment.get(s.ordinal) for s in shared}
     assert not treatments & {"offload", "compress"}, treatments
+    # the plan priced copies at a measured rate (its copies', or the probe's), not the default: 25 GB/s
+    # is half an H100's link
+    from supermem.tensor_pool.treatments import GPU_LINK_BYTES_PER_S
+
+    rate = profiles[0].link_bytes_per_s
+    assert rate != GPU_LINK_BYTES_PER_S and 1e9 < rate < 1e12, rate
 
 
 def test_planned_keeps_the_peak_at_the_budget_and_beats_lru():
