@@ -50,10 +50,10 @@ from .profile import Profile
 # about 35%: 2.52 GiB out and back per step (100 ms of copies at 54 GB/s, 17 ms of it waited for) cost
 # about 50 ms more than recomputing the same bytes would have (cost_aware, same run). Plain copies beside
 # the same step cost it far less (tools/copy_interference.py, H100: 0.5 and 1 GiB out during the forward,
-# and back during the backward, 0.03-0.06 of their seconds), so most of that was the pool's own work,
-# which host_copy_s now prices per copy; planned at 0.05 instead, GPT-24 at 75% made the same plan and
-# ResNet-152 at 50% offloaded 1.15 GiB in 6 copies, its steps no faster (one run each, 116-157 against
-# 131-161 ms): left at 0.35 until a run shows the lower price pays.
+# and back during the backward, 0.03-0.06 of their seconds): the rest is the pool's own work around its
+# copies. Planned at 0.05 instead (H100, one process, each plan's steps interleaved with native's),
+# ResNet-152 offloaded more and lost: at 75% 1.21x against 1.13x, at 50% 1.95x against 1.34x; GPT-24
+# at 75% and 60% made the same plans.
 COPY_INTERFERENCE = 0.35
 # The share of the backward's device seconds the host is free (GPU): a region's replay there is priced
 # by its kernels' seconds until the host seconds of the replays pass that slack. Its timed replay, the
