@@ -63,6 +63,12 @@ COPY_INTERFERENCE = 0.35
 # 24 at 30 ms and cost 16-21 (kernels: 19-21).
 BACKWARD_HOST_FREE = 0.5
 EXACT_TRIES = 4  # candidates simulated per decision, cheapest lower bound first (late copies: 1)
+# What each save of a call run lean (lean_call.py) costs the host, its pack and unpack hooks, as a share
+# of a kept save's through the pool (Profile.kept_s); a bypassed call's saves cost none. On an H100 a plan
+# running 24 GPT-24 blocks lean to drop their GELU outputs was priced at +2.5 ms without it and took
+# +12.2 (1.17x native at 13.67 GiB, where checkpointing the first 6 blocks took 1.08x at 13.52): ~15
+# saves a block, ~27 us each against kept_s's 53.
+LEAN_KEPT_SHARE = 0.5
 
 
 @dataclass
@@ -212,6 +218,12 @@ def _broken(ix: _Index, offloads: set[int], units: set[int]) -> set[int]:
     return broken
 
 
+def _lean_calls(ix: _Index, units: set[int], broken: set[int]) -> set[int]:
+    """The calls a plan of these units runs lean: one of their inner units chosen, the call itself
+    neither replayed nor broken."""
+    return {c for u in units if (c := ix.inner.get(u)) is not None and c not in broken}
+
+
 def _unit_s(p: Profile, ix: _Index, u: int, broken: set[int]) -> float:
     """A unit's seconds: its lean price where it is inner to a call that stays unbroken."""
     c = ix.inner.get(u)
@@ -279,6 +291,7 @@ def simulate(
     added += max(device_s, host_s - ix.slack_s)
     if p.kept_s:  # calls no longer run with the pool's hooks off: their kept saves cost the host
         added += p.kept_s * sum(ix.call_saves[c] for c in broken - units)
+        added += LEAN_KEPT_SHARE * p.kept_s * sum(ix.call_saves[c] for c in _lean_calls(ix, units, broken))
     for o in compressed:  # packed from its save to its first use (or a rebuild that reads it)
         s = by[o]
         a, b = s.save + 1, min(_need(ix, s, back), s.end)
@@ -459,6 +472,7 @@ def _best_choice(
     offloads, units, compressed = chosen
     cands = []  # (lower bound per byte, kind, key)
     broken = _broken(ix, offloads | compressed, units) | units
+    lean = _lean_calls(ix, units, broken)
     for u, ms in ix.members.items():
         if u in units or any(s.ordinal in offloads or s.ordinal in compressed for s in ms):
             continue
@@ -469,6 +483,9 @@ def _best_choice(
             cost = 0.0 if ix.region_of.get(u) in units else _least_s(p, ix, u, broken | units)
             if p.kept_s and u not in ix.call_saves:  # (a region chosen runs unseen: Plan.light)
                 cost += p.kept_s * sum(ix.call_saves[c] for c in ix.touches[u] - broken)
+            c = ix.inner.get(u)
+            if p.kept_s and c is not None and c not in broken and c not in lean:  # the call turns lean
+                cost += LEAN_KEPT_SHARE * p.kept_s * ix.call_saves[c]
             cands.append((cost / freed, "recompute", u))
     taken = {s.ordinal for u in units for s in ix.members[u]}
     queue = sorted((ix.by[o].save, sim.land_s[o], p.times_s[deadline[o]]) for o in offloads if o in deadline)

@@ -625,6 +625,32 @@ def test_treating_one_save_of_a_block_is_priced_at_the_kept_saves_its_call_no_lo
     assert priced.feasible and free.feasible
 
 
+def test_a_call_run_lean_is_priced_at_the_hooks_on_each_of_its_saves(monkeypatch):
+    """A call run lean (lean_call.py) drops an inner unit's saves itself, but each of its saves goes
+    through its pack and unpack hooks (planner.LEAN_KEPT_SHARE of Profile.kept_s each). Unpriced, a
+    plan lean-dropped every block's weight casts (on an H100, GPT-24 at 90%: 1.17x where checkpointing
+    6 blocks took 1.08x); priced, it replays more whole blocks instead and runs no call lean."""
+    from supermem.tensor_pool import planner
+
+    def plan():
+        p = gpt24_profile(block_cost_s=1.5e-3)  # 4.4 ms per GiB; a cast lean: 1.2 ms per GiB, hooks aside
+        for blk in range(24):
+            start = 9 * blk
+            p.unit_start[blk], p.unit_end[blk] = start, start + 9
+            p.call_slots[start] = {k: start + 1 + k for k in range(9)}  # the cast (9th) is inner to it
+            p.unit_lean_s[1000 + blk] = 0.03e-3
+        p.kept_s = 30e-6  # 9 saves a block: 0.135 ms of hooks to run one lean
+        return make_plan(p, int(native_peak(p) * 0.9))
+
+    monkeypatch.setattr(planner, "LEAN_KEPT_SHARE", 0.0)
+    unpriced = plan()
+    assert len(unpriced.drops) >= 12, (unpriced.drops, unpriced.light)
+    monkeypatch.undo()
+    priced = plan()
+    assert not priced.drops and len(priced.light) > len(unpriced.light), (priced.drops, priced.light)
+    assert priced.feasible and unpriced.feasible
+
+
 def test_a_rebuilds_host_seconds_leave_out_the_rebuilds_and_pressure_calls_inside_it(monkeypatch):
     """Pool._frame_end: an outer rebuild's own host seconds are its time less its inner frames'."""
     import importlib
