@@ -55,11 +55,11 @@ def _serve_cuda() -> None:
     serves CUDA, it says at once that the trace will hold no device memory events."""
     import torch
 
+    import supermem  # (its public install: the trace tool is one of its users, as `supermem trace` is)
+
     if registry.installed() or not torch.cuda.is_available():
         return
-    from ..activate import install
-
-    if not torch.cuda.is_initialized() and install():
+    if not torch.cuda.is_initialized() and supermem.install():
         return
     print(
         "supermem: this trace records no device memory: PyTorch's own allocator serves CUDA in this "
