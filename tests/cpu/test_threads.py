@@ -211,11 +211,13 @@ def test_removing_a_pressure_handler_while_another_thread_reads_stats_does_not_d
     """Dropping the last reference to a Python handler takes the GIL; it must not happen under the
     allocator lock, which a thread holding the GIL may be waiting for (stats() and limit_bytes).
     Under ThreadSanitizer each GIL hand-off costs milliseconds (20 s per 1,000 rounds on 2 cores), and
-    TSan reports a lock-order inversion itself, so its lane (SUPERMEM_TSAN=1) runs fewer rounds."""
+    TSan reports a lock-order inversion itself, so its lane (SUPERMEM_TSAN=1) runs fewer rounds. On some
+    2-core machines a round waits out CPython's switch interval twice (~10 ms: 20,000 rounds took minutes,
+    the same code at c413511 too), so the rounds stop after 10 s: a deadlock never exits at all."""
     rounds = 300 if os.environ.get("SUPERMEM_TSAN") else 20000
     run_isolated(
         """
-        import threading
+        import threading, time
         from supermem.allocator import CachingAllocator, SimulatedDevice
         alloc = CachingAllocator(SimulatedDevice(64 << 20))
         stop = False
@@ -225,8 +227,11 @@ def test_removing_a_pressure_handler_while_another_thread_reads_stats_does_not_d
                 alloc.stats()
         t = threading.Thread(target=reader)
         t.start()
+        until = time.monotonic() + 10
         for _ in range(ROUNDS):
             alloc.remove_pressure_handler(alloc.add_pressure_handler(lambda need_bytes: 0))
+            if time.monotonic() > until:
+                break
         stop = True
         t.join()
         """.replace("ROUNDS", str(rounds))
