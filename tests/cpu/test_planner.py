@@ -627,9 +627,10 @@ def test_treating_one_save_of_a_block_is_priced_at_the_kept_saves_its_call_no_lo
 
 def test_a_call_run_lean_is_priced_at_the_hooks_on_each_of_its_saves(monkeypatch):
     """A call run lean (lean_call.py) drops an inner unit's saves itself, but each of its saves goes
-    through its pack and unpack hooks (planner.LEAN_KEPT_SHARE of Profile.kept_s each). Unpriced, a
-    plan lean-dropped every block's weight casts (on an H100, GPT-24 at 90%: 1.17x where checkpointing
-    6 blocks took 1.08x); priced, it replays more whole blocks instead and runs no call lean."""
+    through its pack and unpack hooks (planner.LEAN_KEPT_SHARE of Profile.kept_s each). Unpriced, the
+    plan here lean-drops most blocks' weight casts (on an H100 the same mispricing lean-dropped GPT-24's
+    GELU outputs at 90%: 1.17x, where checkpointing 6 blocks took 1.08x); priced, it replays more whole
+    blocks instead and runs no call lean."""
     from supermem.tensor_pool import planner
 
     def plan():
