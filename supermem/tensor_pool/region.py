@@ -226,17 +226,13 @@ def _saved_buffers(module: torch.nn.Module, quiet_bn: bool) -> tuple[list, list]
     but they save other tensors (a Region's rebuild, which matches saves by order, cannot). Copying their
     buffers and putting them back cost 18 small copies a ResNet bottleneck: on an H100 45 replayed
     blocks made 822 cudaMemcpyAsync calls, ~9 ms of a host-bound step's host time. Any other buffer is
-    copied, to be put back. A plain walk: module.buffers(), with its generators and sets of the ones
-    seen, cost a replay of a tiny GPT block ~10 us more in the step."""
+    copied, to be put back."""
     quiet, saved = [], []
-    stack = [module]
-    while stack:
-        m = stack.pop()
+    for m in _submodules(module):
         if quiet_bn and type(m).forward is _BN_FORWARD and m.training and m.track_running_stats:
             quiet.append(m)
         else:
             saved += [(b, b.detach().clone(), b._version) for b in m._buffers.values() if b is not None]
-        stack.extend(c for c in m._modules.values() if c is not None)
     for m in quiet:
         m.__dict__["track_running_stats"] = False  # (a plain attribute: Module.__setattr__ not needed)
     return quiet, saved
@@ -371,16 +367,21 @@ def _flatten(tree: Any) -> tuple[list, Any]:
     return ([tree], None) if isinstance(tree, torch.Tensor) else tree_flatten(tree)
 
 
-def _params(module: torch.nn.Module) -> list[torch.Tensor]:
-    """The parameters that need grad of the module and its children, each once, by a plain walk
-    (module.parameters() and its named-member generators cost a light call ~35 us on this CPU)."""
-    out: dict[int, torch.Tensor] = {}
-    stack = [module]
+def _submodules(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """The module and its children, by a plain walk: module.parameters() / .buffers() and their
+    named-member generators cost a light call ~35 us on this CPU, a replay of a tiny GPT block ~10."""
+    out, stack = [], [module]
     while stack:
         m = stack.pop()
-        out.update((id(w), w) for w in m._parameters.values() if w is not None and w.requires_grad)
+        out.append(m)
         stack.extend(c for c in m._modules.values() if c is not None)
-    return list(out.values())
+    return out
+
+
+def _params(module: torch.nn.Module) -> list[torch.Tensor]:
+    """The parameters that need grad of the module and its children, each once."""
+    out = {id(w): w for m in _submodules(module) for w in m._parameters.values() if w is not None}
+    return [w for w in out.values() if w.requires_grad]
 
 
 class _LightFn(torch.autograd.Function):
