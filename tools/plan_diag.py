@@ -243,7 +243,7 @@ def main() -> None:
         b = captured["profile"].backward_event
         print(
             f"segments: forward {sum(rec.segs[:b]) * 1e3:.1f} ms, backward {sum(rec.segs[b:]) * 1e3:.1f}, "
-            f"tail {rec.seg * 1e3:.1f}; {rec.late} of {len(rec.segs)} outran their spin"
+            f"tail {rec.clock.seg * 1e3:.1f}; {rec.clock.late} of {len(rec.segs)} outran their spin"
         )
         p = captured["profile"]
         what = {s.save: f"pack o{s.ordinal} {s.nbytes >> 20} MiB {p.kinds.get(s.unit, '-')}" for s in p.saved}
@@ -268,7 +268,7 @@ def main() -> None:
         with open(os.environ["DUMP"], "wb") as f:
             keep = {k: captured.get(k) for k in ("profile", "plan", "used_at")}
             rec = captured.get("recorder")  # each event's segment seconds, the tail last
-            keep["segs"] = [*rec.segs, rec.seg] if rec is not None else None
+            keep["segs"] = [*rec.segs, rec.clock.seg] if rec is not None else None
             pickle.dump({**keep, "native_peak_bytes": native_peak, "model": name}, f)
     print(  # the pool prices each kind at its least sample (Pool._host_cost_s)
         "rebuild host ms by kind, least / median (samples):",

@@ -22,7 +22,7 @@ from .entry import Entry, PlanKept, State, dedup_key, storage_extent
 from .lean_call import LeanCall
 from .op_replay import OpReplay
 from .planner import Plan, make_plan
-from .profile import Profile
+from .profile import EventCounter, Profile
 from .treatments import Cast
 
 if TYPE_CHECKING:
@@ -259,6 +259,9 @@ class PlanRunner:
         if rec is None or rec.backward_event is None:
             return
         if self._plan_ok:
+            tail_s = rec.tail() if isinstance(rec, EventCounter) else None
+            if tail_s is not None:
+                self._retime_tail(tail_s)
             self._check_plan(self._plan)
             return
         if not rec.full:  # it left its plan's shape, and only counted events: the next steps record
@@ -283,6 +286,23 @@ class PlanRunner:
         self._record_full = False
         self._profiles[profile.signature] = profile
         self._plan_from(profile)
+
+    def _tail_from(self) -> int | None:
+        """The event after which a planned step times its tail: the profile's last, until one has
+        (Profile.tail_s)."""
+        profile = self._profiles.get(self._plan.signature)
+        return None if profile is None or profile.retimed else len(profile.times_s) - 1
+
+    def _retime_tail(self, tail_s: float) -> None:
+        """The profile's tail and the plan's step as a planned step timed it: a process's first step
+        (the profiled one, often) pays first-time costs there that no later step does."""
+        profile = self._profiles.get(self._plan.signature)
+        if profile is None or profile.retimed:
+            return
+        added = tail_s - profile.tail_s
+        profile.tail_s, profile.step_s, profile.retimed = tail_s, profile.step_s + added, True
+        self._plan.untreated_step_s += added
+        self._plan.predicted_step_s += added
 
     def _plan_from(self, profile: Profile) -> None:
         """The plan of `profile`'s shape, below the budget by what its plans overshot; cached."""

@@ -264,7 +264,7 @@ class Pool(PlanRunner):
         """`fn(*args)`, the pool's own work: a step being recorded takes its pace without it
         (Recorder.pause)."""
         rec = self._rec
-        if rec is None or not rec.full:
+        if rec is None or not rec.timing:
             return fn(*args)
         rec.pause()
         try:
@@ -458,7 +458,8 @@ class Pool(PlanRunner):
             if self.planning and self.budget_bytes is not None:
                 self._plan_ok = self._plan is not None
                 if self._plan_ok and not self._record_full:
-                    self._rec = EventCounter(self._plan.event_of)  # a plan runs: its events only
+                    # a plan runs: its events only (and its first step's tail timed)
+                    self._rec = EventCounter(self._plan.event_of, self._tail_from(), self.cuda)
                 else:
                     self._rec = Recorder(self.cuda, timed=not self._plan_ok)
                 self._rec.regions_on = self.regions.phase != "profiling"  # ("off": a pool without them)

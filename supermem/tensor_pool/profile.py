@@ -110,6 +110,11 @@ class Profile:
     sync_copies: bool = False  # CPU: copies block the step
     backward_event: int = 0  # the first unpack
     step_s: float = 0.0
+    # of step_s, the tail: from the last event to the next step's first save (the rest of backward, the
+    # optimizer). In a process's first step it holds first-time costs (the optimizer's state made, kernels
+    # loaded: +10 ms of GPT-24's 74 on an H100), so a plan's first step times it again (PlanRunner)
+    tail_s: float = 0.0
+    retimed: bool = False  # tail_s is a planned step's
     host_copy_s: float = 0.0  # host seconds to issue one copy: a host-bound step is longer by it
 
     @property
@@ -117,100 +122,31 @@ class Profile:
         return tuple(s.nbytes for s in self.saved)
 
 
-class EventCounter:
-    """A plan-running step's events: the plan's prefetches and waits are keyed by the recorded step's
-    event numbers, which this finds by the save and the first use of each ordinal (`event_of`), not
-    by counting: the saves inside a call the plan checkpoints are not seen. What a Recorder keeps
-    besides is for making a plan, and this step runs one (a step that leaves the plan's shape makes
-    the next steps record in full: PlanRunner._step_ended)."""
+class SegmentClock:
+    """The model's own seconds between the pool's calls (pause / resume), summed into `seg`: its kernels'
+    on a GPU when `synced`, the host's otherwise. The pool's work is in no segment: the plan replaces it.
+    On a GPU the host's seconds are not taken: the pool's work between segments slows the model's own
+    launches 1.3-2.7x (natest, H100), and both models measured there are the device's pace (GPT-24: host
+    36 ms of a 72 ms step, ResNet-152: 38 of 80)."""
 
-    full = False
-
-    def __init__(self, event_of: dict[tuple[str, int], int] | None = None) -> None:
-        self.event_of = event_of or {}
-        self.first_used: set[int] = set()
-        self.used_at: dict[int, int] = {}  # event -> the device's bytes in use then (beside Plan.curve)
-        self.backward_event: int | None = None
-        self.away = 0
-        self.regions_on = True
-
-    def packed(self, ordinal: int, nbytes: int, used: int, tensor: Any = None) -> int:
-        event = self.event_of.get(("p", ordinal), -1)
-        self.used_at[event] = used
-        return event
-
-    def left(self, ordinal: int, nbytes: int) -> None:
-        self.away += nbytes
-
-    def used(self, ordinal: int, used: int) -> int | None:
-        if ordinal in self.first_used:
-            return None
-        self.first_used.add(ordinal)
-        event = self.event_of.get(("u", ordinal), -1)
-        if self.backward_event is None:
-            self.backward_event = event
-        self.used_at[event] = used
-        return event
-
-    def died(self, ordinal: int) -> None:
-        pass
-
-    def pressed(self, demand: int) -> None:
-        pass
-
-
-class Recorder:
-    """Records one step's events as it runs; `profile()` turns them into a Profile afterwards."""
-
-    full = True
-
-    def __init__(self, cuda: bool, timed: bool):
-        self.cuda = cuda
-        self.synced = cuda and timed  # GPU: segments timed to their kernels' end (profiling steps only)
-        self.start_s = time.perf_counter()
-        self.bytes: list[int] = []
-        self.saved: dict[int, Saved] = {}  # ordinal -> record
-        # storage address -> (its storage, weakly; the first save on it; the bytes the saves on it
-        # span): Saved.counted
-        self.storages: dict[int, tuple[Any, int, int, int]] = {}
-        self.away = 0  # bytes of this step's entries off the device now
-        # id(recipe) -> (its cost in seconds, or a call that measures it; ordinals; ready event; input
-        # ordinals; kind; a region's start and end). Not the recipe itself: a region holds its inputs'
-        # entries, which must die with the step.
-        self.units: dict[int, tuple[Any, list[int], int, list[int], str, int | None, int | None]] = {}
-        self.entry_s: list[float] = []  # host seconds to make each entry (Pool._pack_tensor)
-        self.resaved: set[int] = set()  # Profile.resaved
-        self.no_bypass: set[int] = set()  # Profile.no_bypass
-        self.capture_made: set[int] = set()  # Profile.capture_made
-        self.call_outputs: dict[int, tuple[tuple[int, int], ...]] = {}  # Profile.call_outputs
-        self.call_slots: dict[int, dict[int, int]] = {}  # Profile.call_slots
-        self.backward_event: int | None = None
-        # The step's pace without the pool's: its segments, the model's own work between two of the
-        # pool's calls (pause / resume), in seconds: its kernels' on a GPU (pause), the host's on CPU.
-        # The pool's work (entries, the reactive fallback's rebuilds and waits, replays timed) is in no
-        # segment: the plan replaces it. On a GPU the host's seconds are not taken: the pool's work
-        # between segments slows the model's own launches 1.3-2.7x (natest, H100), and both models
-        # measured there are the device's pace (GPT-24: host 36 ms of a 72 ms step, ResNet-152: 38 of 80).
-        self.paused = 0  # the pool's calls open now (one may run inside another)
-        self.resumed_s = self.start_s
+    def __init__(self, synced: bool, paused: int = 0):
+        self.synced = synced
+        self.paused = paused  # the pool's calls open now (one may run inside another)
+        self.resumed_s = time.perf_counter()
         self.spin_s = SPIN_MIN_S
         self.recent_host_s: collections.deque[float] = collections.deque(maxlen=SPIN_WINDOW)
         self.seg_start: Any = None  # GPU: the event after the spin that holds back the segment's kernels
         self.late = 0  # GPU: segments whose host seconds outran their spin (timed at the host's pace)
         self.seg = 0.0  # the segment's seconds so far
-        self.segs: list[float] = []  # per event: the seconds of the segment that ended at it
-        self.regions_on = True  # regions were hooked when the step began (their inputs are entries)
-        # (last event before it, untreated bytes it asked for) per allocation that came to the pressure
-        # handler: a transient between two events (the loss's temporaries) the curve must hold too
-        self.pressure: list[tuple[int, int]] = []
 
-    @property
-    def events(self) -> int:
-        return len(self.bytes)
+    def take(self) -> float:
+        """The segment's seconds; the next one starts at 0."""
+        seconds, self.seg = self.seg, 0.0
+        return seconds
 
     def pause(self) -> None:
-        """One of the pool's calls (a hook, a module call's wrapper) begins: the model's segment ends.
-        On a GPU its device seconds are its kernels' own, run back to back (resume)."""
+        """One of the pool's calls begins: the model's segment ends. On a GPU its device seconds are its
+        kernels' own, run back to back (resume)."""
         self.paused += 1
         if self.paused > 1:
             return
@@ -241,10 +177,128 @@ class Recorder:
             self.seg_start.record()
         self.resumed_s = time.perf_counter()
 
+
+class EventCounter:
+    """A plan-running step's events: the plan's prefetches and waits are keyed by the recorded step's
+    event numbers, which this finds by the save and the first use of each ordinal (`event_of`), not
+    by counting: the saves inside a call the plan checkpoints are not seen. What a Recorder keeps
+    besides is for making a plan, and this step runs one (a step that leaves the plan's shape makes
+    the next steps record in full: PlanRunner._step_ended). With `tail_from` (the profile's last event)
+    it times the step's tail from there to the next step's first save, as a Recorder times a segment
+    (`tail()`: Profile.tail_s)."""
+
+    full = False
+
+    def __init__(
+        self, event_of: dict[tuple[str, int], int] | None = None, tail_from: int | None = None, cuda=False
+    ) -> None:
+        self.event_of = event_of or {}
+        self.tail_from = tail_from
+        self.timing = tail_from is not None  # the pool's calls pause and resume the clock (Pool._own)
+        self.cuda = cuda
+        self.clock: SegmentClock | None = None
+        self.depth = 0  # the pool's calls open now
+        self.first_used: set[int] = set()
+        self.used_at: dict[int, int] = {}  # event -> the device's bytes in use then (beside Plan.curve)
+        self.backward_event: int | None = None
+        self.away = 0
+        self.regions_on = True
+
+    def packed(self, ordinal: int, nbytes: int, used: int, tensor: Any = None) -> int:
+        event = self.event_of.get(("p", ordinal), -1)
+        self._at(event, used)
+        return event
+
+    def left(self, ordinal: int, nbytes: int) -> None:
+        self.away += nbytes
+
+    def used(self, ordinal: int, used: int) -> int | None:
+        if ordinal in self.first_used:
+            return None
+        self.first_used.add(ordinal)
+        event = self.event_of.get(("u", ordinal), -1)
+        if self.backward_event is None:
+            self.backward_event = event
+        self._at(event, used)
+        return event
+
+    def _at(self, event: int, used: int) -> None:
+        self.used_at[event] = used
+        if event == self.tail_from and self.clock is None:
+            self.clock = SegmentClock(self.cuda, self.depth)  # runs once the pool's calls return
+
+    def pause(self) -> None:
+        self.depth += 1
+        if self.clock is not None:
+            self.clock.pause()
+
+    def resume(self) -> None:
+        self.depth -= 1
+        if self.clock is not None:
+            self.clock.resume()
+
+    def tail(self) -> float | None:
+        """The tail's seconds, once the next step's first save stopped its clock (then the clock goes)."""
+        clock, self.clock = self.clock, None
+        self.timing = False
+        return clock.seg if clock is not None and clock.paused else None
+
+    def died(self, ordinal: int) -> None:
+        pass
+
+    def pressed(self, demand: int) -> None:
+        pass
+
+
+class Recorder:
+    """Records one step's events as it runs; `profile()` turns them into a Profile afterwards."""
+
+    full = True
+    timing = True
+
+    def __init__(self, cuda: bool, timed: bool):
+        self.cuda = cuda
+        self.start_s = time.perf_counter()
+        self.bytes: list[int] = []
+        self.saved: dict[int, Saved] = {}  # ordinal -> record
+        # storage address -> (its storage, weakly; the first save on it; the bytes the saves on it
+        # span): Saved.counted
+        self.storages: dict[int, tuple[Any, int, int, int]] = {}
+        self.away = 0  # bytes of this step's entries off the device now
+        # id(recipe) -> (its cost in seconds, or a call that measures it; ordinals; ready event; input
+        # ordinals; kind; a region's start and end). Not the recipe itself: a region holds its inputs'
+        # entries, which must die with the step.
+        self.units: dict[int, tuple[Any, list[int], int, list[int], str, int | None, int | None]] = {}
+        self.entry_s: list[float] = []  # host seconds to make each entry (Pool._pack_tensor)
+        self.resaved: set[int] = set()  # Profile.resaved
+        self.no_bypass: set[int] = set()  # Profile.no_bypass
+        self.capture_made: set[int] = set()  # Profile.capture_made
+        self.call_outputs: dict[int, tuple[tuple[int, int], ...]] = {}  # Profile.call_outputs
+        self.call_slots: dict[int, dict[int, int]] = {}  # Profile.call_slots
+        self.backward_event: int | None = None
+        # The step's pace without the pool's: its segments, the model's own work between two of the
+        # pool's calls (SegmentClock); on a GPU timed to their kernels' end (profiling steps only)
+        self.clock = SegmentClock(cuda and timed)
+        self.segs: list[float] = []  # per event: the seconds of the segment that ended at it
+        self.regions_on = True  # regions were hooked when the step began (their inputs are entries)
+        # (last event before it, untreated bytes it asked for) per allocation that came to the pressure
+        # handler: a transient between two events (the loss's temporaries) the curve must hold too
+        self.pressure: list[tuple[int, int]] = []
+
+    @property
+    def events(self) -> int:
+        return len(self.bytes)
+
+    def pause(self) -> None:
+        """One of the pool's calls (a hook, a module call's wrapper) begins."""
+        self.clock.pause()
+
+    def resume(self) -> None:
+        self.clock.resume()
+
     def _event(self, used: int) -> int:
         self.bytes.append(used + self.away)
-        self.segs.append(self.seg)
-        self.seg = 0.0
+        self.segs.append(self.clock.take())
         return len(self.bytes) - 1
 
     def pressed(self, demand: int) -> None:
@@ -361,7 +415,8 @@ class Recorder:
             link_bytes_per_s=link_bytes_per_s,
             sync_copies=sync_copies,
             backward_event=self.backward_event if self.backward_event is not None else n,
-            step_s=sum(self.segs) + self.seg,  # to the next step's first save
+            step_s=sum(self.segs) + self.clock.seg,
+            tail_s=self.clock.seg,
             host_copy_s=host_copy_s,
             compress_s_per_byte=compress_price[0] if compress_price else 0.0,
             compress_wait_s=compress_price[2] if compress_price else 0.0,
