@@ -3,8 +3,10 @@ one SGD-momentum step under a device cap, for native PyTorch, checkpoint per blo
 supermem (weight streaming + binomial checkpointing over the blocks + the pool); and the step time per
 layer at each one's deepest depth, against native's per layer at its own deepest depth.
 
-Every trial is a fresh process (`python -m supermem.bench.depth TRIAL_JSON`): two steps (the second is
-timed), exit status and one `@@ROW {json}` line. The search on n gallops from a starting guess and then
+Every trial is a fresh process (`python -m supermem.bench.depth TRIAL_JSON`): its steps (the last is
+timed: the second, or for supermem the fourth, once the pool's plan runs: its first step profiles
+regions, its second is recorded with a device sync at each save, its third times its tail), exit
+status and one `@@ROW {json}` line. The search on n gallops from a starting guess and then
 bisects, with a probe budget per configuration; the searches of the configurations run side by side
 (--jobs; each trial is capped, so they cannot starve each other of device memory); a deepest depth whose
 trial had company is timed again, alone. A layer is a weighted layer: 3 per bottleneck block, plus the
@@ -124,12 +126,13 @@ def trial(spec: dict) -> dict:
     b, px, classes = spec["batch"], spec["px"], spec["classes"]
     x = torch.randn(b, 3, px, px, generator=g).to(device)
     y = torch.randint(0, classes, (b,), generator=g).to(device)
-    times = []
-    for i in range(spec.get("steps", 2)):
+    times, losses = [], []
+    steps = spec.get("steps", 4 if config == "supermem" else 2)
+    for i in range(steps):
         sync()
         t0 = time.perf_counter()
         t_phase = t0
-        last = i == spec.get("steps", 2) - 1  # phases of the timed step; the first is "build" .. "place"
+        last = i == steps - 1  # phases of the timed step; the first is "build" .. "place"
         if config == "save_on_cpu":
             with torch.autograd.graph.save_on_cpu(pin_memory=cuda):
                 loss = torch.nn.functional.cross_entropy(model(x), y)
@@ -145,7 +148,10 @@ def trial(spec: dict) -> dict:
         opt.zero_grad(set_to_none=True)
         phase("optimizer" if last else "step1")
         times.append(time.perf_counter() - t0)
-    row = {"n": spec["n"], "layers": layers(spec["n"]), "step_s": times[-1], "loss": float(loss)}
+        losses.append(loss.detach())
+    losses = [float(x) for x in losses]
+    row = {"n": spec["n"], "layers": layers(spec["n"]), "step_s": times[-1], "loss": losses[-1]}
+    row["losses"] = losses
     row["phase_s"] = phase_s
     row["threads"] = torch.get_num_threads()
     if cuda:

@@ -517,10 +517,14 @@ def _print_sweep(model: str, rows: list[dict], args: argparse.Namespace) -> None
         if any(v for _, v in ran):
             line += "; " + ", ".join(f"{k} {v}" for k, v in ran if v)
         if plan:
+            # measured: the row's median step (the plan's last step alone is one sample, and the step
+            # a sweep closes its timing on)
+            step_ms = r.get("step_ms") or plan["measured_step_s"] * 1e3
+            off = plan["predicted_step_s"] * 1e3 / step_ms - 1
             line += (
                 f"; plan peak {mem(plan['predicted_peak_bytes'])} predicted /"
                 f" {mem(plan['measured_peak_bytes'])} measured, step {plan['predicted_step_s'] * 1e3:.1f}"
-                f" predicted / {plan['measured_step_s'] * 1e3:.1f} measured ms"
+                f" predicted / {step_ms:.1f} measured ms ({off:+.0%})"
             )
         print(line)
 

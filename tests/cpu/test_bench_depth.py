@@ -27,8 +27,10 @@ def test_bench_depth_quick_cpu(tmp_path):
     for config, row in by_config.items():
         assert row["n"] == 2 and row["layers"] == layers(2), f"{config}: {row}"
         assert row["step_s"] > 0 and row["layer_ms"] > 0
-    # the same seed, batch and weights: streaming and binomial checkpointing give native's loss
-    assert by_config["supermem"]["loss"] == by_config["native"]["loss"]
+    # the same seed, batch and weights: streaming and binomial checkpointing give native's losses (supermem
+    # runs more steps: its timed one runs the pool's plan)
+    native_losses = by_config["native"]["losses"]
+    assert len(native_losses) == 2 and by_config["supermem"]["losses"][:2] == native_losses
     assert by_config["supermem"]["h2d_gb"] > 0 and by_config["supermem"]["prefetch_hits"] > 0
     assert "ms/layer" in r.stdout and "supermem" in r.stdout
 
