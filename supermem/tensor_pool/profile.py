@@ -129,11 +129,11 @@ class SegmentClock:
     launches 1.3-2.7x (natest, H100), and both models measured there are the device's pace (GPT-24: host
     36 ms of a 72 ms step, ResNet-152: 38 of 80)."""
 
-    def __init__(self, synced: bool, paused: int = 0):
+    def __init__(self, synced: bool, paused: int = 0, spin_s: float = SPIN_MIN_S):
         self.synced = synced
         self.paused = paused  # the pool's calls open now (one may run inside another)
         self.resumed_s = time.perf_counter()
-        self.spin_s = SPIN_MIN_S
+        self.spin_s = spin_s
         self.recent_host_s: collections.deque[float] = collections.deque(maxlen=SPIN_WINDOW)
         self.seg_start: Any = None  # GPU: the event after the spin that holds back the segment's kernels
         self.late = 0  # GPU: segments whose host seconds outran their spin (timed at the host's pace)
@@ -225,7 +225,8 @@ class EventCounter:
     def _at(self, event: int, used: int) -> None:
         self.used_at[event] = used
         if event == self.tail_from and self.clock is None:
-            self.clock = SegmentClock(self.cuda, self.depth)  # runs once the pool's calls return
+            # runs once the pool's calls return; its spin as long as a profiled step's longest
+            self.clock = SegmentClock(self.cuda, self.depth, SPIN_MAX_S)
 
     def pause(self) -> None:
         self.depth += 1
@@ -258,7 +259,6 @@ class Recorder:
 
     def __init__(self, cuda: bool, timed: bool):
         self.cuda = cuda
-        self.start_s = time.perf_counter()
         self.bytes: list[int] = []
         self.saved: dict[int, Saved] = {}  # ordinal -> record
         # storage address -> (its storage, weakly; the first save on it; the bytes the saves on it
