@@ -476,6 +476,30 @@ def test_a_tensor_that_died_frees_nothing_after_its_death():
     assert max(resident_curve(p, plan)) <= 6 * MiB
 
 
+def test_a_greedy_stuck_behind_a_block_replay_plans_again_without_it():
+    """The greedy never takes a choice back. Here the cheap replay of a block (A and B, reading X)
+    lowers the spike at backward's start, but it brings A and B back together at A's use, where X must
+    be there too for it: 10 MiB against a 9 MiB budget, and nothing lowers that point. make_plan's
+    last resort plans again without block replays: copies alone fit."""
+    from supermem.tensor_pool import planner
+
+    x = Saved(1, 2 * MiB, save=0, use=6, end=7)
+    a = Saved(2, 4 * MiB, save=1, use=4, end=5, unit=0)
+    b = Saved(3, 4 * MiB, save=2, use=6, end=7, unit=0)
+    base = [2 * MiB, 6 * MiB, 10 * MiB, 10 * MiB, 10 * MiB, 6 * MiB, 6 * MiB, 0]
+    spike = [0, 0, 0, 4 * MiB, 0, 0, 0, 0]
+    p = Profile([x, a, b], [float(i) for i in range(8)], base, spike, backward_event=4)
+    p.unit_ready[0], p.unit_cost_s[0], p.unit_inputs[0] = 3, 1e-6, (1,)
+    p.unit_start[0], p.unit_end[0] = 1, 3  # a region: a call that saved A and B
+    p.link_bytes_per_s, p.sync_copies = 1e12, True
+    stuck, _ = planner._plan_once(p, 9 * MiB, planner._Index(p))
+    assert not stuck.feasible and stuck.treatment[2] == "recompute", stuck.treatment
+    assert max(stuck.curve) == 10 * MiB
+    plan = make_plan(p, 9 * MiB)
+    assert plan.feasible and "recompute" not in plan.treatment.values(), plan.treatment
+    assert max(resident_curve(p, plan)) <= 9 * MiB
+
+
 def test_a_plan_that_overshoots_is_made_again_lower():
     """A planned step whose measured peak rose over the budget (on a GPU: a transient the profile put
     elsewhere): the shape is planned again from its profile, below the budget by the overshoot,
