@@ -81,11 +81,9 @@ class Packed:
         return f"Packed({_describe(self.dtype, self.shape, self.device)}, nbytes={self.nbytes})"
 
     def compact(self) -> Packed:
-        """This, with the values buffer trimmed to nnz elements (after relu_pack(exact=False))."""
-        nnz = self.nnz
-        if self.values.numel() == nnz:
-            return self
-        return dataclasses.replace(self, values=self.values[:nnz].clone(), host_nnz=nnz)
+        """This, with the values buffer trimmed to nnz elements (after relu_pack(exact=False)); reads
+        nnz from the device (trimmed() takes it from an asynchronous copy instead)."""
+        return self if self.values.numel() == self.host_nnz else trimmed(self, self.nnz)
 
 
 @dataclass(frozen=True, eq=False, repr=False)
@@ -114,7 +112,8 @@ class PackedMask:
 
 def relu_pack(t: torch.Tensor, *, exact: bool = True, capacity: int | None = None) -> Packed:
     """Packs `t` (fp32/fp16/bf16, CPU or CUDA) losslessly. On CUDA, exact=True costs one host sync
-    (the values buffer gets its exact size); exact=False costs none and holds room for every element.
+    (the values buffer gets its exact size); exact=False costs none and holds room for every element
+    (on CPU too, as on CUDA: trimmed() or compact() sizes it).
 
     capacity: room for this many nonzeros (a guess: the same tensor's count last step, say), no host
     sync on either device; nonzeros past it are left out. The result is whole only if its nnz fits:
@@ -127,11 +126,13 @@ def relu_pack(t: torch.Tensor, *, exact: bool = True, capacity: int | None = Non
         bitmap, offsets, values = _pack_cuda(flat, exact, capacity)
     else:
         bitmap, offsets, values = _pack_reference(flat)
+        if capacity is None and not exact:
+            capacity = flat.numel()
         if capacity is not None:  # as the kernel leaves it: `capacity` slots, the first nonzeros in them
             room = values.new_zeros(capacity)
             room[: min(capacity, values.numel())] = values[:capacity]
             values = room
-    exact_size = capacity is None and (not flat.is_cuda or exact)
+    exact_size = capacity is None and exact
     known = values.numel() if exact_size else None  # exact sizes: values hold nnz
     return Packed(bitmap, offsets, values, t.dtype, t.shape, stride, known)
 
@@ -143,6 +144,16 @@ def fitted(packed: Packed, nnz: int) -> Packed | None:
     if nnz > packed.values.numel():
         return None
     return dataclasses.replace(packed, host_nnz=nnz)
+
+
+def trimmed(packed: Packed, nnz: int) -> Packed:
+    """`packed` with its values in a buffer of their exact size, `nnz` as read from `packed.offsets[-1]`
+    (an asynchronous copy, say): a device copy of the nonzeros, no host sync. The old buffer goes when
+    its last use is done (stream order)."""
+    if not 0 <= nnz <= packed.values.numel():
+        raise UsageError(f"trimmed: nnz {nnz} outside the pack's values (0..{packed.values.numel()})")
+    values = packed.values if packed.values.numel() == nnz else packed.values[:nnz].clone()
+    return dataclasses.replace(packed, values=values, host_nnz=nnz)
 
 
 def relu_unpack(packed: Packed) -> torch.Tensor:

@@ -4,7 +4,7 @@ variant per process. Per step: time, what left the device and how; at the end th
 deciding. GPU only (supermem's allocator, so the budget is its soft limit and pressure calls happen).
 
     python3 tools/compress_diag.py offload+recompute+compress [budget_gib] [steps]
-    python3 tools/compress_diag.py offload+recompute+compress+guess   # Compress(guess_room=True): no sync
+    python3 tools/compress_diag.py offload+recompute+compress+guess   # Compress(room="guess"): no sync
 """
 
 import sys
@@ -37,7 +37,7 @@ def main() -> None:
     x, y = preset.batch(torch.device("cuda"), torch.Generator().manual_seed(0))
     opt = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
     names = [n for n in variant if n in tm.TREATMENTS]
-    ways = [tm.Compress(guess_room=True) if n == "compress" and "guess" in variant else n for n in names]
+    ways = [tm.Compress(room="guess") if n == "compress" and "guess" in variant else n for n in names]
     pool = Pool(budget=int(budget_gib * GiB), policy="cost_aware", treatments=make_treatments(ways))
     host_s: dict[str, float] = {}
     for name in ("_choices", "_fit_budget", "_on_pressure"):  # bound methods: the allocator holds weak ones

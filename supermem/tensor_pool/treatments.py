@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from .. import events
-from ..compress import Packed, fitted, packed_nbytes, relu_pack, relu_unpack
+from ..compress import Packed, fitted, packed_nbytes, relu_pack, relu_unpack, trimmed
+from ..errors import UsageError
 from ..policies import Choice
 from .entry import Entry, State
 
@@ -268,6 +269,7 @@ ROOM_NEW_SLACK = 1 / 16  # a tensor never packed: the densest of its size so far
 # ~1.6 ms a pack slower than one that packed none (a replan included: a rough prior, not a measurement)
 EXACT_PACK_PRIOR_S = 1e-3
 EXACT_SAMPLES = 16  # the last exact packs' host seconds kept; their median prices the next
+ROOMS = ("exact", "guess", "full")  # Compress(room=...)
 
 
 class Compress(Treatment):
@@ -277,16 +279,21 @@ class Compress(Treatment):
     saved tensor qualifies when a relu/relu_/threshold made it (its grad_fn) and it is dense in memory
     (it comes back with its exact strides).
 
-    The packed size depends on the data. The first pack of each tensor size reads the nonzero count
-    back to size the values exactly: one host sync, which drains the GPU's queue. The others get room
-    for the same saved tensor's count last step (or the densest share seen at its size) plus a margin,
-    and nothing waits: the count comes back by an asynchronous copy, and the original tensor is kept
-    until it shows the values fit (`settle`: at the pool's next save or decision; at once under
-    pressure). If they did not, the entry is resident again with its kept original (a room miss), and
-    its next pack gets room for the count now known. Guessing is opt-in (Compress(guess_room=True)):
-    on an H100 the originals kept until their counts came back lifted the forward's peak (a ResNet at
-    budget 0 saved 22% of the bytes it compressed instead of the 25%+ exact packs save), and the
-    bound on what they may keep is not built yet; by default every pack is exact.
+    The packed size depends on the data; `room` says how a pack sizes its values:
+    - "exact" (the default): each pack reads its nonzero count back to size the values exactly: one
+      host sync, which drains the GPU's queue.
+    - "guess": after the first pack of each size, room for the same saved tensor's count last step (or
+      the densest share seen at its size) plus a margin, and nothing waits: the count comes back by an
+      asynchronous copy, and the original tensor is kept until it shows the values fit (`settle`: at
+      the pool's next save or decision; at once under pressure). If they did not, the entry is
+      resident again with its kept original (a room miss), and its next pack gets room for the count
+      now known. On an H100 the originals kept until their counts came back lifted the forward's peak
+      (a ResNet at budget 0 saved 22% of the bytes it compressed instead of the 25%+ exact packs save).
+    - "full": room for every element, so nothing waits and no pack misses; the original goes at once
+      (its memory is the next kernels' in stream order), and once the count is back (`settle`) the
+      values move into a buffer of their exact size (a device copy of the nonzeros). Until then the
+      pack holds a little more than the tensor did (its bitmap and offsets): a pack frees its bytes
+      when its count is back, not when it is made. Not yet measured on a GPU.
 
     ReLU's own backward reads only the mask (1 bit per element), but the same tensor is almost always
     the next layer's input too (one entry, saved twice), which needs the values: the mask-only form is
@@ -294,8 +301,10 @@ class Compress(Treatment):
 
     name = "compress"
 
-    def __init__(self, guess_room: bool = False):
-        self.guess_room = guess_room
+    def __init__(self, room: str = "exact"):
+        if room not in ROOMS:
+            raise UsageError(f"Compress: room must be one of {', '.join(ROOMS)}, got {room!r}")
+        self.room = room
         self._tensor_bytes = 0  # over all packs: what they took and what they made
         self._packed_bytes = 0
         self._timing = {"pack": _Timing(), "unpack": _Timing()}
@@ -336,7 +345,7 @@ class Compress(Treatment):
         s_per_byte = sum(x.s_per_byte_or(prior) for x in self._timing.values())
         ratio = self._packed_bytes / self._tensor_bytes if self._tensor_bytes else PACKED_RATIO_PRIOR
         wait_s = 0.0
-        if pool.cuda and not self.guess_room:
+        if pool.cuda and self.room == "exact":
             wait_s = sorted(self._exact_s)[len(self._exact_s) // 2] if self._exact_s else EXACT_PACK_PRIOR_S
         return s_per_byte, ratio, wait_s
 
@@ -357,7 +366,7 @@ class Compress(Treatment):
         """Values room for `e`'s pack: its count last step plus the margin; for a tensor not packed
         before, the densest share seen at its size plus a wider margin; None: no size seen, or not
         guessing (exact)."""
-        if not self.guess_room:
+        if self.room != "guess":
             return None
         last = self._last_nnz.get((e.ordinal, e.extent))
         if last is not None:
@@ -383,21 +392,22 @@ class Compress(Treatment):
             # Timed when it guesses the room: the steady state's pack (an exact one waits for the GPU,
             # which its host seconds price: price()).
             t0 = time.perf_counter()
-            with self._timing["pack"].timed(pool, e.nbytes if room is not None or not pool.cuda else 0):
-                packed = relu_pack(e.tensor, capacity=room)
-            if room is None and pool.cuda:
+            waits = room is None and self.room != "full" and pool.cuda
+            with self._timing["pack"].timed(pool, 0 if waits else e.nbytes):
+                packed = relu_pack(e.tensor, exact=self.room != "full", capacity=room)
+            if waits:
                 self._exact_s.append(time.perf_counter() - t0)
         except torch.OutOfMemoryError:
             return False  # no room for the payload even after pressure: another treatment frees
         finally:
             pool._in_use.remove(e)
             self._packing -= 1
-        if room is None:
+        if packed.host_nnz is not None:  # exact (or made on the host)
             if not self._packed(pool, e, packed):
                 return False
             e.payload = packed
-        else:  # the count comes back without a wait; the original stays until it shows the values fit
-            e.payload = _Unsettled(packed, e.tensor)
+        else:  # the count comes back without a wait; a guessed room keeps the original until it fits
+            e.payload = _Unsettled(packed, e.tensor if room is not None else None)
             self._unsettled.append(weakref.ref(e))
         e.state = State.AWAY
         _count(pool, compressions=1, compressed_bytes=e.nbytes)
@@ -430,7 +440,7 @@ class Compress(Treatment):
                 still.append(ref)
                 continue
             nnz = u.nnz()
-            whole = fitted(u.packed, nnz)
+            whole = fitted(u.packed, nnz) if u.original is not None else trimmed(u.packed, nnz)
             if whole is None:  # more nonzeros than the room: rare (a margin over last step's count)
                 self._last_nnz[(e.ordinal, e.extent)] = nnz
                 _count(pool, room_misses=1)
@@ -475,14 +485,16 @@ class Compress(Treatment):
     def check(self, pool: Pool, e: Entry) -> None:
         p = e.payload
         if isinstance(p, _Unsettled):
-            assert p.original is not None, f"{e}: packed into a guessed room without its original"
+            whole = p.packed.values.numel() == p.packed.numel
+            assert whole or p.original is not None, f"{e}: packed into a guessed room without its original"
             p = p.packed
         assert isinstance(p, Packed), f"{e}: away without its packed payload"
         assert (p.shape, p.stride, p.dtype) == (e.shape, e.stride, e.dtype), f"{e}: packed as another tensor"
 
 
 class _Unsettled:
-    """A pack into a guessed room: its nonzero count on its way to the host, the original kept."""
+    """A pack whose nonzero count is on its way to the host: into a guessed room, with the original
+    kept; or into room for every element (`original` None)."""
 
     __slots__ = ("packed", "original", "_count", "_event")
 

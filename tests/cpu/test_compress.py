@@ -34,6 +34,7 @@ from supermem.compress import (
     relu_mask_unpack,
     relu_pack,
     relu_unpack,
+    trimmed,
 )
 from supermem.errors import UsageError
 
@@ -153,10 +154,15 @@ def test_packed_size_tracks_density():
 
 def test_requires_grad_input_and_exact_flag_on_cpu():
     x = sparse(100, 0.5, torch.float32).requires_grad_()
-    packed = relu_pack(x, exact=False)  # CPU packs are always exact
-    assert packed.values.numel() == packed.nnz and packed.compact() is packed
-    y = relu_unpack(packed)
-    assert not y.requires_grad and bitwise_equal(y, x)
+    packed = relu_pack(x, exact=False)  # room for every element, as on CUDA
+    assert packed.values.numel() == 100 and packed.host_nnz is None and packed.nnz < 100
+    whole = packed.compact()
+    assert whole.values.numel() == whole.nnz == whole.host_nnz and whole.compact() is whole
+    for p in (packed, whole, trimmed(packed, packed.nnz)):
+        y = relu_unpack(p)
+        assert not y.requires_grad and bitwise_equal(y, x)
+    with pytest.raises(UsageError, match="outside"):
+        trimmed(whole, whole.nnz + 1)
 
 
 BAD_INPUTS = {

@@ -64,11 +64,9 @@ def compress_all(pool):
     return c
 
 
-def forced(budget=0):
+def forced(budget=0, room="guess"):
     """A pool whose only way to free device bytes is compression."""
-    return Pool(
-        budget=budget, policy="cost_aware", host_limit="64MiB", treatments=(Compress(guess_room=True),)
-    )
+    return Pool(budget=budget, policy="cost_aware", host_limit="64MiB", treatments=(Compress(room=room),))
 
 
 def packed_bytes(t):
@@ -79,10 +77,11 @@ def packed_bytes(t):
     return 4 * math.ceil(n / 32) + nnz * t.element_size() + 8 * (math.ceil(n / 2048) + 1)
 
 
+@pytest.mark.parametrize("room", ["guess", "full"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_forced_compression_trains_bitwise_like_plain_pytorch(case):
+def test_forced_compression_trains_bitwise_like_plain_pytorch(case, room):
     ref = train(case)
-    pool = forced()
+    pool = forced(room=room)
     away = []
 
     def count(pool):
@@ -224,7 +223,7 @@ def test_cost_aware_with_all_three_treatments_is_bitwise(case, budget):
         budget=budget,
         policy="cost_aware",
         host_limit="64MiB",
-        treatments=(Offload(), Recompute(), Compress(guess_room=True)),
+        treatments=(Offload(), Recompute(), Compress(room="guess")),
     )
     pool.treatments["offload"].link_bytes_per_s = 1e3  # copies priced dear: compress or recompute
     got = train(case, pool, steps=3)
@@ -239,7 +238,7 @@ def test_cost_aware_with_all_three_treatments_is_bitwise(case, budget):
 def test_a_replayed_region_frees_the_payloads_of_its_compressed_entries():
     """A region replay rebuilds every dropped entry of its call, compressed ones included: their packed
     payloads must go then (held on the device, they would be memory the pool no longer counts)."""
-    compress = Compress(guess_room=True)
+    compress = Compress(room="guess")
     for timing in compress._timing.values():  # priced as measured and cheap: the relu outputs compress
         timing.s_per_byte, timing._runs = 1e-15, 1 << 30  # first, their region's other entries drop
     pool = Pool(budget=0, policy="cost_aware", host_limit="64MiB", treatments=(Recompute(), compress))
@@ -261,7 +260,7 @@ def test_a_replayed_region_frees_the_payloads_of_its_compressed_entries():
 def test_compression_is_priced_from_measured_pack_and_unpack_times():
     """Before any use the price is an estimate; after the first uses it is the measured seconds per
     byte of pack plus unpack, so a choice's cost grows with the tensor's bytes."""
-    c = Compress(guess_room=True)
+    c = Compress(room="guess")
     pool = Pool(budget=0, policy="cost_aware", host_limit="64MiB", treatments=(c,))
     assert not c.measured()
     train("mlp", pool, steps=1)
@@ -284,7 +283,7 @@ def test_compression_is_priced_from_measured_pack_and_unpack_times():
 def test_cost_aware_offers_compression_lru_does_not():
     assert "compress" in make_policy("cost_aware").treatments
     assert "compress" not in make_policy("lru").treatments
-    pool = Pool(budget=0, policy="lru", host_limit="64MiB", treatments=(Offload(), Compress(guess_room=True)))
+    pool = Pool(budget=0, policy="lru", host_limit="64MiB", treatments=(Offload(), Compress(room="guess")))
     train("mlp", pool, steps=1)
     assert pool.stats().get("compressions", 0) == 0 and pool.stats()["offloads"] > 0
 
@@ -360,7 +359,7 @@ def test_pressure_inside_a_pack_frees_by_other_treatments(monkeypatch):
         budget=None,
         policy="cost_aware",
         host_limit="64MiB",
-        treatments=(Offload(), Compress(guess_room=True)),
+        treatments=(Offload(), Compress(room="guess")),
     )
     freed = pressure_inside_packs(monkeypatch, pool)
     ref = train("mlp", steps=1)
@@ -384,7 +383,7 @@ def test_pressure_nested_in_a_pressure_call_keeps_the_accounting(monkeypatch):
         budget=None,
         policy="cost_aware",
         host_limit="64MiB",
-        treatments=(Offload(), Compress(guess_room=True)),
+        treatments=(Offload(), Compress(room="guess")),
     )
     pool.treatments["offload"].link_bytes_per_s = 1e3  # copies priced dear: compression ranks first
     freed = pressure_inside_packs(monkeypatch, pool)
@@ -398,7 +397,7 @@ def test_fitting_the_budget_counts_a_compressed_entry_as_freeing_only_what_packi
     """One `_fit_budget` call ends under its target when compressing every ReLU output reaches it: a
     compressed entry frees its tensor's bytes less its packed payload (from the format's size), not
     the whole tensor (counting the whole tensor stops the call about halfway)."""
-    pool = Pool(budget=None, policy="cost_aware", host_limit="64MiB", treatments=(Compress(guess_room=True),))
+    pool = Pool(budget=None, policy="cost_aware", host_limit="64MiB", treatments=(Compress(room="guess"),))
     seen = {}
 
     def fit_once(p):
@@ -487,7 +486,7 @@ def test_settling_lets_the_originals_go_and_keeps_the_accounting():
     goes) and the pool's device bytes still add up (Pool.check) before and after."""
     from supermem.tensor_pool.treatments import _Unsettled
 
-    pool = Pool(budget=None, policy="cost_aware", host_limit="64MiB", treatments=(Compress(guess_room=True),))
+    pool = Pool(budget=None, policy="cost_aware", host_limit="64MiB", treatments=(Compress(room="guess"),))
     seen = []
 
     def compress_all_then_settle(p):
@@ -504,13 +503,52 @@ def test_settling_lets_the_originals_go_and_keeps_the_accounting():
     assert not seen[0][1] and not seen[1][1], seen
 
 
+@pytest.mark.parametrize("case", ["resnet", "bottleneck", "mlp"])
+def test_full_room_packs_drop_the_original_at_once_and_trim_once_their_count_is_back(case):
+    """Compress(room="full"): a pack gets room for every element, so it waits for nothing and never
+    misses; the original goes at once (the entry holds no tensor). Once the count is back (settle), the
+    values move into a buffer of their exact size and the pool's device bytes drop by the room
+    (Pool.check adds them up before and after). Training is bitwise."""
+    from supermem.tensor_pool.treatments import _Unsettled
+
+    pool = Pool(budget="1GiB", policy="cost_aware", host_limit="64MiB", treatments=(Compress(room="full"),))
+    seen = []  # per step: (unsettled packs, the pool's device bytes, the same after settle)
+
+    def settle_between(p):
+        compress_all(p)
+        packs = [e for e in live_entries(p) if isinstance(e.payload, _Unsettled)]
+        assert all(e.tensor is None and e.payload.original is None for e in packs), packs
+        assert all(e.payload.packed.values.numel() == e.payload.packed.numel for e in packs)
+        before = p._device_bytes
+        p.check()
+        p.treatments["compress"].settle(p)
+        p.check()
+        whole = [e.payload for e in packs]
+        assert all(isinstance(w, Packed) and w.values.numel() == w.host_nnz for w in whole), whole
+        seen.append((len(packs), before, p._device_bytes))
+
+    got = train(case, pool, during=settle_between)
+    assert same(train(case), got)
+    assert all(n > 0 and after < before for n, before, after in seen), seen
+    s = pool.stats()
+    assert s["compressions"] > 0 and s["decompressions"] == s["compressions"] and not s.get("room_misses")
+    assert 0 < s["compressed_payload_bytes"] < s["compressed_bytes"], s
+
+
+def test_compress_room_must_be_a_known_mode():
+    from supermem.errors import UsageError
+
+    with pytest.raises(UsageError, match="room must be one of exact, guess, full"):
+        Compress(room="guessed")
+
+
 def test_a_choice_frees_what_the_payload_will_not_take():
     """Once a saved tensor was packed, compressing it again is offered as freeing its bytes less the
     payload it will take: the bitmap, room for last step's nonzeros plus the margin, the offsets
     (counted here from the tensor itself, per place in the step)."""
     from supermem.tensor_pool import treatments
 
-    c = Compress(guess_room=True)
+    c = Compress(room="guess")
     nnz_by_ordinal, offered = {}, {}
 
     def count(p):
@@ -542,7 +580,7 @@ def test_cost_aware_keeps_choosing_compression_in_steady_state_bitwise(case):
     `supermem bench train` does), and training is bitwise plain PyTorch's. (On CPU the torch reference
     packs slower than a region replays: measured as it is, cost_aware rightly recomputes instead.)"""
     ref = train(case, steps=5)
-    compress = Compress(guess_room=True)
+    compress = Compress(room="guess")
     for timing in compress._timing.values():
         timing.s_per_byte, timing._runs = 1e-15, 1 << 30
     pool = Pool(
@@ -569,7 +607,7 @@ def test_the_pool_settles_kept_originals_before_it_measures(how):
     needs to leave."""
     from supermem.tensor_pool.treatments import _Unsettled
 
-    pool = Pool(budget=None, policy="cost_aware", host_limit="64MiB", treatments=(Compress(guess_room=True),))
+    pool = Pool(budget=None, policy="cost_aware", host_limit="64MiB", treatments=(Compress(room="guess"),))
     seen = []
 
     def leave_then_measure(p):
@@ -594,7 +632,7 @@ def test_a_kept_tensor_saved_after_the_last_pack_lets_it_settle():
     so the originals do not stay through the step's peak, which comes at the loss."""
     from supermem.tensor_pool.treatments import _Unsettled
 
-    pool = Pool(budget=None, policy="cost_aware", host_limit="64MiB", treatments=(Compress(guess_room=True),))
+    pool = Pool(budget=None, policy="cost_aware", host_limit="64MiB", treatments=(Compress(room="guess"),))
     pool.min_bytes = 1 << 12  # the last Linear's input (32 x 64 fp32, 8 KiB) is an entry; smaller ones stay
     seen = []
 
