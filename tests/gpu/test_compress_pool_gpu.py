@@ -118,6 +118,26 @@ def test_compression_lowers_the_peak_at_a_tiny_budget():
     assert peak < plain_peak and plain_peak - peak >= 0.25 * per_step, (plain_peak, peak, per_step)
 
 
+def test_full_room_compression_is_bitwise_and_lowers_the_peak():
+    """Compress(room="full"): packs with room for every element wait for no count and never miss;
+    each is trimmed to its exact size once its count is back. At budget 0 training is bitwise and the
+    last step's peak is below plain training's (a pack frees its bytes when its count is back, not
+    when it is made: how much lower is printed)."""
+    from supermem.tensor_pool import Pool
+    from supermem.tensor_pool.treatments import Compress
+
+    size = {"n": 32, "px": 128}
+    ref, plain_peak = train(**size)
+    pool = Pool(budget=0, policy="cost_aware", treatments=(Compress(room="full"),))
+    got, peak = train(pool, **size)
+    s = pool.stats()
+    print(f"\nresnet peak: plain {plain_peak / MiB:.1f} MiB, full-room packs {peak / MiB:.1f} MiB, "
+          f"{s['compressions']} packs")  # fmt: skip
+    assert same(ref, got)
+    assert s["compressions"] > 0 and not s.get("room_misses"), s
+    assert peak < plain_peak, (plain_peak, peak)
+
+
 def test_compression_under_supermem_allocator_is_bitwise_and_lower():
     """The same in a fresh process with supermem's allocator (the pool reads its byte counters)."""
     code = textwrap.dedent(
