@@ -111,6 +111,12 @@ def sweep_modes(device: str) -> list[Mode]:
         for b in SWEEP_BUDGETS:
             out.append(Mode(f"{policy} {b:.0%}", "supermem", "pool", budget=b, options=opts))
         out.append(Mode(f"{policy} ckpt peak", "supermem", "pool", 1.0, options=opts, budget_of="checkpoint"))
+    # ReLU compression offered to the plan (packs that wait for nothing: Compress(room="full")); ResNet
+    # only (GPT has no ReLU)
+    opts = {"policy": "planned", "treatments": ["offload", "recompute", "compress:full"]}
+    for label, b, of in (("50%", 0.5, "native"), ("ckpt peak", 1.0, "checkpoint")):
+        name = f"planned+compress {label}"
+        out.append(Mode(name, "supermem", "pool", b, options=opts, models=("resnet",), budget_of=of))
     return out
 
 

@@ -635,16 +635,19 @@ TREATMENTS: dict[str, type[Treatment]] = {t.name: t for t in (Offload, Recompute
 
 
 def make_treatments(spec: Iterable[str | Treatment]) -> tuple[Treatment, ...]:
-    """Treatments from names ("offload", "recompute", "compress") or objects; ValueError naming the
-    known ones for an unknown name."""
+    """Treatments from names ("offload", "recompute", "compress", "compress:full": a room mode, see
+    Compress) or objects; ValueError naming the known ones for an unknown name."""
     out = []
     for t in spec:
         if isinstance(t, Treatment):
             out.append(t)
         elif t in TREATMENTS:
             out.append(TREATMENTS[t]())
+        elif isinstance(t, str) and t.startswith("compress:") and t[len("compress:") :] in ROOMS:
+            out.append(Compress(room=t[len("compress:") :]))
         else:
-            raise ValueError(f"unknown treatment {t!r}; known: {', '.join(TREATMENTS)}")
+            known = [*TREATMENTS, *(f"compress:{r}" for r in ROOMS)]
+            raise ValueError(f"unknown treatment {t!r}; known: {', '.join(known)}")
     return tuple(out)
 
 
