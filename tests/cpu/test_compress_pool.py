@@ -535,11 +535,14 @@ def test_full_room_packs_drop_the_original_at_once_and_trim_once_their_count_is_
     assert 0 < s["compressed_payload_bytes"] < s["compressed_bytes"], s
 
 
-def test_compress_room_must_be_a_known_mode():
+def test_compress_room_must_be_a_known_mode_by_argument_or_name():
     from supermem.errors import UsageError
 
     with pytest.raises(UsageError, match="room must be one of exact, guess, full"):
         Compress(room="guessed")
+    assert [t.room for t in make_treatments(["compress", "compress:full"])] == ["exact", "full"]
+    with pytest.raises(ValueError, match="known: offload, recompute, compress, compress:exact"):
+        make_treatments(["compress:fast"])
 
 
 def test_a_choice_frees_what_the_payload_will_not_take():
