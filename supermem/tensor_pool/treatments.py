@@ -313,7 +313,8 @@ class Compress(Treatment):
         self._relu_made: weakref.WeakKeyDictionary[Entry, bool] = weakref.WeakKeyDictionary()
         self._last_nnz: dict[tuple[int, int], int] = {}  # (ordinal in its step, elements) -> nonzeros
         self._densest: dict[int, float] = {}  # elements -> the highest nonzero share packed at that size
-        self._unsettled: list[weakref.ref[Entry]] = []  # packed into a guessed room, count not read yet
+        self._unsettled: list[weakref.ref[Entry]] = []  # packed, count not read yet (room not exact)
+        self._settling = False
         # host seconds of the last exact packs on a GPU (their sync)
         self._exact_s: collections.deque[float] = collections.deque(maxlen=EXACT_SAMPLES)
 
@@ -427,9 +428,20 @@ class Compress(Treatment):
         return True
 
     def settle(self, pool: Pool, wait: bool = False) -> None:
-        """Packs whose nonzero count is back (all of them, waiting, with `wait`): the original goes if
-        the values fit; if not, the entry is resident again with its original (no sync, no new
-        allocation), and the count it learned sizes its next pack."""
+        """Packs whose nonzero count is back (all of them, waiting, with `wait`): a full room's values
+        move into a buffer of their size; a guessed room's original goes if the values fit; if not,
+        the entry is resident again with its original (no sync, no new allocation), and the count it
+        learned sizes its next pack. A trim's allocation may come to the pressure handler, which
+        settles: that nested call leaves the packs to this one."""
+        if self._settling:
+            return
+        self._settling = True
+        try:
+            self._settle(pool, wait)
+        finally:
+            self._settling = False
+
+    def _settle(self, pool: Pool, wait: bool) -> None:
         still = []
         for ref in self._unsettled:
             e = ref()

@@ -535,6 +535,34 @@ def test_full_room_packs_drop_the_original_at_once_and_trim_once_their_count_is_
     assert 0 < s["compressed_payload_bytes"] < s["compressed_bytes"], s
 
 
+def test_a_trim_whose_allocation_comes_to_the_pressure_handler_settles_nothing_twice(monkeypatch):
+    """Trimming a full-room pack allocates its exact buffer; on a GPU that allocation may come to the
+    pressure handler, which settles packs (waiting): the nested call must leave the pack being trimmed
+    (and the others) to the call in progress, or it is trimmed twice and counted twice."""
+    from supermem.tensor_pool import treatments
+
+    pool = Pool(budget="1GiB", policy="cost_aware", host_limit="64MiB", treatments=(Compress(room="full"),))
+    c = pool.treatments["compress"]
+    real = treatments.trimmed
+    nested = []
+
+    def trimmed_under_pressure(packed, nnz):
+        nested.append(1)
+        c.settle(pool, wait=True)  # what Pool._make_room does first
+        return real(packed, nnz)
+
+    monkeypatch.setattr(treatments, "trimmed", trimmed_under_pressure)
+
+    def pack_and_settle(p):
+        compress_all(p)
+        c.settle(p)
+        p.check()
+
+    got = train("resnet", pool, during=pack_and_settle)
+    assert same(train("resnet"), got) and nested
+    assert pool._device_bytes == 0
+
+
 def test_compress_room_must_be_a_known_mode_by_argument_or_name():
     from supermem.errors import UsageError
 
