@@ -293,7 +293,8 @@ class Compress(Treatment):
       (its memory is the next kernels' in stream order), and once the count is back (`settle`) the
       values move into a buffer of their exact size (a device copy of the nonzeros). Until then the
       pack holds a little more than the tensor did (its bitmap and offsets): a pack frees its bytes
-      when its count is back, not when it is made. Not yet measured on a GPU.
+      when its count is back, not when it is made. On an H100, a small ResNet at budget 0: peak 181.8
+      MiB with full rooms, 181.1 with exact packs, 192.2 plain (tests/gpu/test_compress_pool_gpu.py).
 
     ReLU's own backward reads only the mask (1 bit per element), but the same tensor is almost always
     the next layer's input too (one entry, saved twice), which needs the values: the mask-only form is
