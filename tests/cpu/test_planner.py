@@ -461,6 +461,25 @@ def test_a_slow_first_tail_is_timed_again_by_the_plans_first_step():
     assert pool._profiles[pool._plan.signature].retimed
 
 
+def test_the_tail_clock_starts_when_the_pool_call_around_its_event_returns():
+    """The tail is the model's own time: a tail event met inside nested pool calls (a rebuild's unpack
+    inside another unpack, say) starts the clock only once the outermost call returns."""
+    from supermem.tensor_pool.profile import EventCounter
+
+    rec = EventCounter({("u", 1): 5}, tail_from=5)
+    rec.pause()
+    rec.pause()  # a pool call inside a pool call
+    assert rec.used(1, 0) == 5 and rec.clock is not None
+    rec.resume()
+    time.sleep(0.1)  # still the pool's own work: not the tail's
+    rec.resume()
+    time.sleep(0.05)  # the model's
+    rec.pause()  # the next step's first save
+    tail = rec.tail()
+    assert 0.04 < tail < 0.09, tail
+    assert rec.tail() is None and not rec.timing  # read once; then the pool's calls skip it
+
+
 def test_a_tensor_that_died_frees_nothing_after_its_death():
     """A region's input is kept for replays and dies with the region, never unpacked by backward:
     offloading it cannot lower a point after its death (here the only over-budget point), so the
