@@ -391,8 +391,8 @@ class Compress(Treatment):
         self._packing += 1
         pool._in_use.append(e)
         try:
-            # Timed when it guesses the room: the steady state's pack (an exact one waits for the GPU,
-            # which its host seconds price: price()).
+            # Timed unless it waits for its count (an exact pack on a GPU: its host seconds price it,
+            # price()).
             t0 = time.perf_counter()
             waits = room is None and self.room != "full" and pool.cuda
             with self._timing["pack"].timed(pool, 0 if waits else e.nbytes):
@@ -453,7 +453,7 @@ class Compress(Treatment):
                 still.append(ref)
                 continue
             nnz = u.nnz()
-            whole = fitted(u.packed, nnz) if u.original is not None else trimmed(u.packed, nnz)
+            whole = fitted(u.packed, nnz) if u.original is not None else _trimmed(u.packed, nnz)
             if whole is None:  # more nonzeros than the room: rare (a margin over last step's count)
                 self._last_nnz[(e.ordinal, e.extent)] = nnz
                 _count(pool, room_misses=1)
@@ -503,6 +503,14 @@ class Compress(Treatment):
             p = p.packed
         assert isinstance(p, Packed), f"{e}: away without its packed payload"
         assert (p.shape, p.stride, p.dtype) == (e.shape, e.stride, e.dtype), f"{e}: packed as another tensor"
+
+
+def _trimmed(packed: Packed, nnz: int) -> Packed:
+    """A full room trimmed to its count; kept whole where the device has no room for the copy."""
+    try:
+        return trimmed(packed, nnz)
+    except torch.OutOfMemoryError:
+        return fitted(packed, nnz)
 
 
 class _Unsettled:

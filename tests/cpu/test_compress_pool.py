@@ -563,6 +563,23 @@ def test_a_trim_whose_allocation_comes_to_the_pressure_handler_settles_nothing_t
     assert pool._device_bytes == 0
 
 
+def test_a_trim_with_no_room_for_its_copy_keeps_the_full_room(monkeypatch):
+    """Out of memory for the exact buffer, a full-room pack stays whole in its room (it holds every
+    nonzero): nothing raises from settle, training stays bitwise, the accounting holds."""
+    from supermem.tensor_pool import treatments
+
+    def no_room(packed, nnz):
+        raise torch.OutOfMemoryError("no room for the trim")
+
+    monkeypatch.setattr(treatments, "trimmed", no_room)
+    pool = forced(room="full")
+    got = train("resnet", pool, during=lambda p: p.check())
+    assert same(train("resnet"), got)
+    s = pool.stats()
+    assert s["compressions"] > 0 and s["decompressions"] == s["compressions"], s
+    assert pool._device_bytes == 0
+
+
 def test_compress_room_must_be_a_known_mode_by_argument_or_name():
     from supermem.errors import UsageError
 
