@@ -2,7 +2,7 @@
 # The GPU check in one call: build supermem, run tests/gpu, run the benchmarks, print a short summary.
 #
 #   tools/gpu_check.sh                      # everything, about 9 minutes on an H100
-#   STAGES=tests tools/gpu_check.sh         # any of install,tests,alloc,train,savers,relu,soak,depth
+#   STAGES=tests tools/gpu_check.sh         # any of install,tests,alloc,train,savers,sweep,relu,soak,depth
 #   BENCH=alloc tools/gpu_check.sh          # benchmarks: alloc,train,savers (default) or none
 #   PYTEST_ARGS="-k stats" TRAIN_ARGS="--model gpt" BUDGETS=1.0,0.75,0.6,0.5 tools/gpu_check.sh
 #
@@ -97,6 +97,16 @@ if wanted savers; then
     --modes checkpoint,save_on_cpu,pool --budgets "${BUDGETS:-0.75,0.5}" \
     --json "$LOGS/bench_savers.json" ${TRAIN_ARGS:-}
   while IFS= read -r line; do SUMMARY+=("         $line"); done < <(grep -E '^savers ' "$LOGS/savers.log" 2>/dev/null)
+fi
+
+if wanted sweep; then
+  # the planner's rows beside their baselines (bench train --sweep); by default issue 11's: ResNet-152
+  # at checkpoint's peak, planned with and without full-room ReLU compression
+  # shellcheck disable=SC2086  # SWEEP_ARGS is a list of words
+  stage sweep "${T_SWEEP:-240}" "$PY" -m supermem bench train --sweep --model "${SWEEP_MODEL:-resnet}" \
+    --repeats 1 --modes "${SWEEP_MODES:-checkpoint,checkpoint reentrant,planned ckpt peak,planned+compress ckpt peak}" \
+    --json "$LOGS/bench_sweep.json" ${SWEEP_ARGS:-}
+  while IFS= read -r line; do SUMMARY+=("         $line"); done < <(grep -E '^pareto ' "$LOGS/sweep.log" 2>/dev/null)
 fi
 
 if wanted relu; then
