@@ -117,9 +117,9 @@ def native_peak(p: Profile) -> int:
 def test_gpt24_plan_stays_under_the_budget_at_every_point_within_a_second(share):
     p = gpt24_profile()
     budget = int(share * native_peak(p))
-    t0 = time.perf_counter()
+    t0 = time.process_time()  # this process's CPU seconds: a CI machine's other load does not count
     plan = make_plan(p, budget)
-    took = time.perf_counter() - t0
+    took = time.process_time() - t0
     assert took < 1.0, took
     assert plan.feasible or share == 0.5  # at 50% the recompute units and the copies that hide fall short
     curve = resident_curve(p, plan)
