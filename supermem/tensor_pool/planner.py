@@ -399,9 +399,10 @@ def make_plan(p: Profile, budget: int) -> Plan:
         # against a 3.68 budget: each block's replay brought its inputs' rebuilds back at the top);
         # without the block replays it copies 62 tensors and rebuilds 4, under the budget.
         regions = {u for u in ix.members if u in p.unit_start}
+        chosen = {s.unit for s in p.saved if plan.treatment.get(s.ordinal) == "recompute"}  # (stuck)
         for banned in (regions, set(ix.members) - regions, set(ix.members)):
-            if not banned & {s.unit for s in p.saved if plan.treatment.get(s.ordinal) == "recompute"}:
-                continue  # (it chose none of them: the same greedy again)
+            if not banned & chosen:
+                continue  # (the stuck plan chose none of them: the same greedy again)
             ix.banned = banned
             again, _ = _plan_once(p, budget, ix)
             if again.feasible and (not plan.feasible or again.added_s < plan.added_s):
