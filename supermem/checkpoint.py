@@ -38,17 +38,23 @@ def binomial(
     checkpoints: int | str = "log",
     *,
     steps: int | None = None,
+    graphs: bool = False,
 ) -> torch.Tensor:
     """Runs `blocks` in order on `x` (or the one block `blocks` `steps` times) with O(checkpoints)
     memory for the chain's activations and the fewest recomputations for that memory.
 
     checkpoints: boundaries held besides `x` (an int >= 0), or "log" for about log2(n).
+    graphs: on CUDA, blocks of one structure repeated at least 4 times run as CUDA graph replays,
+        captured at their first call (checkpoint_graphs.py: what it saves and what it demands of a
+        block); elsewhere ignored.
     """
     chain = _blocks(blocks, steps)
     n = len(chain)
     if not isinstance(x, torch.Tensor):
         raise UsageError(f"binomial: x must be a tensor, got {type(x).__name__}")
     k = _checkpoints(checkpoints, n)
+    if not isinstance(graphs, bool):
+        raise UsageError(f"binomial: graphs must be True or False, got {graphs!r}")
     modules = _modules(chain)
     params = _params(modules)
     if n == 0:
@@ -57,7 +63,12 @@ def binomial(
         for block in chain:
             x = _call(block, x)
         return x
-    return _Chain.apply(_Schedule(chain, k, params, modules), x, *params)
+    chain_graphs = None
+    if graphs:
+        from .checkpoint_graphs import graphs_for
+
+        chain_graphs = graphs_for(chain, x)
+    return _Chain.apply(_Schedule(chain, k, params, modules, chain_graphs), x, *params)
 
 
 def split(length: int, free: int) -> int:
@@ -177,8 +188,11 @@ class _Schedule:
         checkpoints: int,
         params: list[torch.Tensor],
         modules: list[list[torch.nn.Module]] | None = None,
+        graphs: Any = None,
     ):
         self.chain = chain
+        self.graphs = graphs  # a ChainGraphs, or None: every block runs eagerly
+        self.kinds: list[Any] = [None] * len(chain)  # each block's graph kind, found by the sweep
         self.modules = _modules(chain) if modules is None else modules
         self.checkpoints = checkpoints
         self.params = params
@@ -193,11 +207,29 @@ class _Schedule:
         while j - i > 1 and free > 0:  # the right-most descent of the reverse recursion
             i, free = i + split(j - i, free), free - 1
             stops.add(i)
+        graphed = self.graphs.start(self.chain) if self.graphs is not None else [False] * len(self.chain)
         for k, block in enumerate(self.chain):
             if k in stops:
                 self.held[k] = _Held(x, _State(x.device))
-            x = _call(block, x)
+            if graphed[k]:
+                # this block's kind, and the next one's (its input is this replay's output), so that
+                # _forward can prefetch the next block's weights
+                kind = self.kinds[k] or self.graphs.kind(block, x, self.start.autocast)
+                self.kinds[k] = kind
+                if kind is not None and k + 1 < len(self.chain) and graphed[k + 1]:
+                    self.kinds[k + 1] = self.graphs.kind(self.chain[k + 1], kind.out, self.start.autocast)
+            x = self._forward(k, x, counts=True)
         return x
+
+    def _forward(self, k: int, x: torch.Tensor, counts: bool) -> torch.Tensor:
+        """Block k without grad by its graph (the next block's weights prefetched); None: eagerly."""
+        kind = self.kinds[k]
+        if kind is None:
+            return _call(self.chain[k], x)
+        y = self.graphs.forward(kind, self.chain[k], x, counts)
+        if k + 1 < len(self.chain) and self.kinds[k + 1] is kind:
+            self.graphs.prefetch(kind, self.chain[k + 1])
+        return y
 
     def reverse(self, x: torch.Tensor, grad_y: torch.Tensor) -> tuple[Any, list[Any]]:
         outer = _State(x.device)
@@ -232,13 +264,18 @@ class _Schedule:
         state.restore_rng(x.device)
         with torch.no_grad():
             for k in range(i, m):
-                saved = self._buffers(k)
-                x = self._rerun(k, x, state)
-                _restore(saved)
+                if self.kinds[k] is not None:
+                    x = self._forward(k, x, counts=False)  # a replay leaves the block's buffers alone
+                else:
+                    saved = self._buffers(k)
+                    x = self._rerun(k, x, state)
+                    _restore(saved)
                 self.advances += 1
         return x, _State(x.device, state.autocast)
 
     def _backward_block(self, k: int, x: torch.Tensor, state: _State, grad: Any) -> Any:
+        if self.kinds[k] is not None:
+            return self._backward_replay(k, x, grad)
         block = self.chain[k]
         if isinstance(block, torch.nn.Module):  # once per block and backward: the rebuilds trust the list
             now = list(block.modules())
@@ -259,8 +296,21 @@ class _Schedule:
         wrt = ([inp] if inp.requires_grad else []) + own
         got = torch.autograd.grad(y, wrt, grad, allow_unused=True) if y.requires_grad and wrt else ()
         _restore(saved)  # after the grad: the block's backward may read what its forward saved
-        for p, g in zip(own, got[len(wrt) - len(own) :]):
-            if g is None:  # unused, or streamed (supermem.stream sends those gradients to the host itself)
+        # (None: unused, or streamed: supermem.stream sends those gradients to the host itself)
+        self._add_grads(k, zip(own, got[len(wrt) - len(own) :]))
+        return got[0] if inp.requires_grad and got else None
+
+    def _backward_replay(self, k: int, x: torch.Tensor, grad: Any) -> Any:
+        kind = self.kinds[k]
+        gx, grads = self.graphs.backward(kind, self.chain[k], x, grad)
+        self._add_grads(k, grads)
+        if k > 0 and self.kinds[k - 1] is kind:
+            self.graphs.prefetch(kind, self.chain[k - 1])
+        return gx if k > 0 or x.requires_grad else None
+
+    def _add_grads(self, k: int, grads: Any) -> None:
+        for p, g in grads:
+            if g is None:
                 continue
             slot = self.index.get(id(p))
             if slot is None:
@@ -270,7 +320,6 @@ class _Schedule:
                 )
             prev = self.grads[slot]
             self.grads[slot] = g if prev is None else prev + g
-        return got[0] if inp.requires_grad and got else None
 
     def _buffers(self, k: int) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]] | None:
         """Block k's buffers and copies of their values, to undo what a rebuild changes (BatchNorm's

@@ -727,6 +727,19 @@ class Streamer:
         self.close()
 
 
+def streamed_unit(module: torch.nn.Module) -> tuple[Streamer, _Unit] | None:
+    """The streamer and unit that fetch exactly `module`'s parameters, all of them its own (a unit of
+    its own, sharing none with another unit), or None. supermem.checkpoint's graphs copy such a unit's
+    host block into their own device buffer instead of calling the module."""
+    for streamer in list(_live):
+        unit = streamer._unit_of.get(module)
+        if unit is not None and unit.module is module and not unit.deps and unit.flat is not None:
+            own = {id(slot.param) for slot in unit.params}
+            if all(id(p) in own for p in module.parameters()):
+                return streamer, unit
+    return None
+
+
 def _install_optimizer_hook() -> None:
     """Every optimizer step first syncs the streamers (their gradients must have landed) and runs the
     device steps; after it, the gradients those hid come back."""

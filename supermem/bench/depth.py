@@ -1,7 +1,8 @@
 """`supermem bench depth`: the deepest bottleneck ResNet [3, 8, n, 3] (batch 16, 224px, fp32) that trains
 one SGD-momentum step under a device cap, for native PyTorch, checkpoint per block, save_on_cpu, and
-supermem (weight streaming + binomial checkpointing over the blocks + the pool); and the step time per
-layer at each one's deepest depth, against native's per layer at its own deepest depth.
+supermem (weight streaming + binomial checkpointing over the blocks, whose repeats replay CUDA graphs, +
+the pool); and the step time per layer at each one's deepest depth, against native's per layer at its
+own deepest depth.
 
 Every trial is a fresh process (`python -m supermem.bench.depth TRIAL_JSON`): its steps (the last is
 timed: the second, or for supermem the fourth, once the pool's plan runs: its first step profiles
@@ -112,6 +113,7 @@ def trial(spec: dict) -> dict:
         how = spec.get("optimizer_step", "host")
         streamer = supermem.stream(model, device, unit_bytes=spec["unit_bytes"], optimizer_step=how)
         model.mode = ("binomial", spec["checkpoints"])
+        model.graphs = spec.get("graphs", True)
         budget = max(cap - (2 << 30), 1 << 30) if cap else 1 << 30
         pool = supermem.pool(budget=budget if cuda else None, device=device)
     else:
@@ -177,12 +179,13 @@ def _model(spec: dict) -> Any:
         supermem.checkpoint.binomial (one forward call per step, so the streamer sees steps start)."""
 
         mode: tuple[str, int] = ("plain", 0)
+        graphs = False  # binomial's CUDA graphs for its repeated blocks
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             x = self.stem(x)
             how, k = self.mode
             if how == "binomial":
-                x = binomial(self.blocks, x, checkpoints=k)
+                x = binomial(self.blocks, x, checkpoints=k, graphs=self.graphs)
             else:
                 for b in self.blocks:
                     x = checkpoint(b, x, use_reentrant=False) if how == "checkpoint" else b(x)

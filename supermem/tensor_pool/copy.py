@@ -101,6 +101,26 @@ class CopyEngine:
         self._issued(t0)
         return out, end
 
+    def into_device(self, src: torch.Tensor, dst: torch.Tensor, after: Any = None) -> Any:
+        """Starts copying the host tensor `src` into the device tensor `dst` once `after` (an event:
+        the last use of what `dst` held) has passed; returns the copy's end event (None on CPU)."""
+        if not self.cuda:
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            self._host_timed("h2d", src.nbytes, t0)
+            return None
+        t0 = time.perf_counter()
+        start, end = _timing_event(), _timing_event()
+        if after is not None:
+            self.h2d.wait_event(after)
+        with torch.cuda.stream(self.h2d):
+            start.record(self.h2d)
+            dst.copy_(src, non_blocking=True)
+            end.record(self.h2d)
+        self.stats.pending.append(("h2d", src.nbytes, start, end))
+        self._issued(t0)
+        return end
+
     def _issued(self, t0: float) -> None:
         self._issue_s.append(time.perf_counter() - t0)
 

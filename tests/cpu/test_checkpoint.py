@@ -85,6 +85,17 @@ def test_gradients_buffers_and_rng_bitwise_equal(n, checkpoints):
     assert_same_step(n, checkpoints)
 
 
+def test_graphs_off_cuda_run_eagerly():
+    """graphs=True is a CUDA feature; on the CPU the chain runs as without it (bitwise, RNG included)."""
+    x0 = torch.randn(8, 16)
+    plain = step(make(9), x0.clone().requires_grad_(), lambda m, x: m(x))
+    ours = step(make(9), x0.clone().requires_grad_(), lambda m, x: binomial(m, x, 2, graphs=True))
+    for a, b in zip(
+        [plain[0], plain[1], *plain[2], *plain[3], plain[4]], [ours[0], ours[1], *ours[2], *ours[3], ours[4]]
+    ):
+        assert torch.equal(a, b)
+
+
 def test_one_block_applied_n_times():
     torch.manual_seed(0)
     cell = nn.Sequential(nn.Linear(8, 8), nn.Tanh())
@@ -215,6 +226,7 @@ def test_double_backward_is_refused():
         (lambda m, x: binomial(m[0], x, 1, steps=-2), "steps must be"),
         (lambda m, x: binomial([lambda t: (t, t)] * 3, x, 1), "returned tuple"),
         (lambda m, x: binomial(m, [x], 1), "x must be a tensor"),
+        (lambda m, x: binomial(m, x, 1, graphs="yes"), "graphs must be True or False"),
     ],
 )
 def test_bad_input_gives_clear_errors(call, message):

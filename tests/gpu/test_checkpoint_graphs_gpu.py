@@ -1,0 +1,136 @@
+"""supermem.checkpoint.binomial(graphs=True) on CUDA: training whose repeated blocks replay CUDA graphs
+equals plain training bitwise (losses, gradients, parameters, BatchNorm's running stats, over steps
+whose weights change), with the model on the device and under supermem.stream; a block that draws
+random numbers is refused with a warning and runs eagerly, still bitwise; and replays happen."""
+
+import pytest
+import torch
+import torch.nn as nn
+
+import supermem
+from supermem import checkpoint_graphs
+from supermem.checkpoint import binomial
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.fixture(autouse=True)
+def deterministic():
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
+
+
+class Bottleneck(nn.Module):
+    def __init__(self, c_in, c, dropout=0.0):
+        super().__init__()
+        self.body = nn.Sequential(
+            nn.Conv2d(c_in, c, 1, bias=False),
+            nn.BatchNorm2d(c),
+            nn.ReLU(inplace=True),
+            nn.Conv2d(c, c, 3, padding=1, bias=False),
+            nn.BatchNorm2d(c),
+            nn.ReLU(inplace=True),
+            nn.Conv2d(c, c_in, 1, bias=False),
+            nn.BatchNorm2d(c_in),
+        )
+        self.drop = nn.Dropout(dropout) if dropout else nn.Identity()
+
+    def forward(self, x):
+        return torch.relu(self.drop(self.body(x)) + x)
+
+
+class Net(nn.Module):
+    """A stem, a chain of 2 + n blocks (two of other shapes first, then n alike) and a head."""
+
+    def __init__(self, n=9, graphs=False, dropout=0.0):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 32, 3, padding=1)
+        blocks = [Bottleneck(32, 8), Bottleneck(32, 16)] + [Bottleneck(32, 8, dropout) for _ in range(n)]
+        self.blocks = nn.ModuleList(blocks)
+        self.head = nn.Linear(32, 10)
+        self.graphs = graphs
+
+    def forward(self, x):
+        x = binomial(self.blocks, self.stem(x), checkpoints=3, graphs=self.graphs)
+        return self.head(x.mean((2, 3)))
+
+
+def train(model, x, y, steps, host_step=False):
+    """Losses, gradients after each step, then the parameters and buffers. host_step: the optimizer
+    steps on host copies (what a streamed model's does), so streamed and unstreamed runs compare."""
+    params = list(model.parameters())
+    stepped = [p.detach().cpu().requires_grad_() for p in params] if host_step else params
+    opt = torch.optim.SGD(stepped, lr=0.05, momentum=0.9)
+    out = []
+    torch.manual_seed(3)
+    for _ in range(steps):
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        streamer = getattr(model, "_supermem_streamer", None)
+        if streamer is not None:
+            streamer.sync()
+        if host_step and stepped is not params:
+            for h, p in zip(stepped, params):
+                h.grad = p.grad.cpu()
+        out.append(loss.detach().cpu())
+        out += [p.grad.detach().cpu().clone() for p in stepped]
+        opt.step()
+        opt.zero_grad()
+        if host_step and stepped is not params:
+            with torch.no_grad():
+                for h, p in zip(stepped, params):
+                    p.copy_(h)
+                    p.grad = None
+    return out + [p.detach().cpu() for p in params] + [b.cpu() for b in model.buffers()]
+
+
+def data():
+    torch.manual_seed(0)
+    return torch.randn(4, 3, 12, 12, device="cuda"), torch.randint(0, 10, (4,), device="cuda")
+
+
+def replays(model):
+    g = checkpoint_graphs._graphs.get(model.blocks[0])
+    return g.replays if g is not None else 0
+
+
+def assert_equal(a, b):
+    assert len(a) == len(b)
+    for i, (u, v) in enumerate(zip(a, b)):
+        assert torch.equal(u, v), f"tensor {i}: max difference {(u.double() - v.double()).abs().max()}"
+
+
+def test_graphed_training_bitwise_on_device():
+    x, y = data()
+    torch.manual_seed(1)
+    plain = train(Net().cuda(), x, y, 3)
+    torch.manual_seed(1)
+    model = Net(graphs=True).cuda()
+    ours = train(model, x, y, 3)
+    # 9 blocks alike, 3 steps: each forward (sweep and rebuilds) and each backward replays
+    assert replays(model) >= 3 * 2 * 9
+    assert_equal(plain, ours)
+
+
+def test_graphed_training_bitwise_streamed():
+    x, y = data()
+    torch.manual_seed(1)
+    plain = train(Net().cuda(), x, y, 3, host_step=True)
+    torch.manual_seed(1)
+    model = Net(graphs=True)
+    with supermem.stream(model, "cuda", unit_bytes=16 << 10):  # a unit a block
+        ours = train(model, x, y, 3)
+        assert replays(model) >= 3 * 2 * 9
+    assert_equal(plain, ours)
+
+
+def test_random_blocks_run_eagerly_and_say_so():
+    x, y = data()
+    torch.manual_seed(1)
+    plain = train(Net(dropout=0.2).cuda(), x, y, 2)
+    torch.manual_seed(1)
+    model = Net(graphs=True, dropout=0.2).cuda()
+    with pytest.warns(UserWarning, match="draw random numbers"):
+        ours = train(model, x, y, 2)
+    assert replays(model) == 0
+    assert_equal(plain, ours)
