@@ -681,7 +681,11 @@ class Pool(PlanRunner):
         """The allocator is about to fail, or an allocation would take the device over the budget (its
         soft limit): entries leave, cheapest first by the policy, priced as urgent (a copy hides
         nothing now, offloads wait for theirs, so recompute wins where it is cheap), until the device
-        really has `need_bytes` more free (an entry something else still references frees nothing)."""
+        really has `need_bytes` more free (an entry something else still references frees nothing).
+        Nothing leaves while a CUDA graph is being captured: a copy or a rebuild there would break the
+        capture (binomial's graphs capture inside a pooled step); the capture's pool goes over."""
+        if self.cuda and torch.cuda.is_current_stream_capturing():
+            return 0
         with self._lock:  # the frames belong to the thread holding it (a rebuild's, maybe)
             t0 = time.perf_counter()
             self._frames.append(0.0)  # not a rebuild's own time, when one's allocation called it

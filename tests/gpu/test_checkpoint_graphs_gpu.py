@@ -124,6 +124,27 @@ def test_graphed_training_bitwise_streamed():
     assert_equal(plain, ours)
 
 
+def test_graphed_training_bitwise_in_a_pool():
+    """The held boundaries go through a pool that offloads everything it can (budget 1 MiB); the
+    captures happen inside the pooled step."""
+    x, y = data()
+    torch.manual_seed(1)
+    plain = train(Net().cuda(), x, y, 3)
+    torch.manual_seed(1)
+    model = Net(graphs=True).cuda()
+    pool = supermem.pool(budget=1 << 20, device="cuda", min_bytes=0)
+
+    def pooled(t):
+        with pool:
+            return Net.forward(model, t)
+
+    model.forward = pooled
+    ours = train(model, x, y, 3)
+    assert replays(model) >= 3 * 2 * 9
+    assert pool.stats()["packed"] > 0
+    assert_equal(plain, ours)
+
+
 def test_random_blocks_run_eagerly_and_say_so():
     x, y = data()
     torch.manual_seed(1)
