@@ -28,12 +28,17 @@ void bind_kernels(pybind11::module_& m) {
   m.def("relu_pack_workspace_bytes", &relu_pack_workspace_bytes, pybind11::arg("n"));
   m.def("relu_pack_tile_elems", &relu_pack_tile_elems, pybind11::arg("elem_bytes"),
         "Elements of one tile of the one-pass pack (one CTA, one look-back status word)");
+  m.def("relu_pack_tiles", &relu_pack_tiles, pybind11::arg("n"), pybind11::arg("elem_bytes"),
+        "Tiles (workspace tickets) of one pack");
+  m.attr("relu_pack_max_epoch") = relu_pack_max_epoch;
   m.def(
       "relu_pack",
       [](uint64_t src, int64_t n, int elem_bytes, uint64_t bitmap, uint64_t offsets, uint64_t values,
-         int64_t values_capacity, uint64_t workspace, size_t workspace_bytes, uint64_t stream) {
+         int64_t values_capacity, uint64_t workspace, size_t workspace_bytes, uint64_t ticket_base, uint32_t epoch,
+         uint64_t stream) {
         relu_pack(ptr<const void>(src), n, elem_bytes, ptr<uint32_t>(bitmap), ptr<int64_t>(offsets),
-                  ptr<void>(values), values_capacity, ptr<void>(workspace), workspace_bytes, stream_of(stream));
+                  ptr<void>(values), values_capacity, ptr<void>(workspace), workspace_bytes, ticket_base, epoch,
+                  stream_of(stream));
       },
       "One pass: bitmap, offsets and (values != 0) the first values_capacity nonzeros; see relu_pack.h");
   m.def(

@@ -162,15 +162,22 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// Tile status words of the single-pass pack, one per tile (PackTiling): the flag in the
-// top two bits, the value below. 0 (kNotReady, what the host's memset leaves) until the tile
-// publishes its own count (kAggregate), then the nonzeros up to and including it (kPrefix). A word
-// holds everything a reader needs and is written by one 64-bit store, so a reader sees either
-// nothing or a whole (flag, value): no other data travels with it, so no fence is needed.
-constexpr uint64_t kNotReady = 0;
+// Tile status words of the single-pass pack, one per tile (PackTiling): the flag in the top two
+// bits, the call's epoch below it, the value in the low 40. A word is this call's once it carries
+// this call's epoch and a flag: the tile's own count (kAggregate), then the nonzeros up to and
+// including it (kPrefix). Anything else (0 from a memset, or an earlier call's word on a workspace
+// kept across calls) is not ready. A word holds everything a reader needs and is written by one
+// 64-bit store, so a reader sees either nothing or a whole (flag, epoch, value): no other data
+// travels with it, so no fence is needed.
 constexpr uint64_t kAggregate = 1ull << 62;
 constexpr uint64_t kPrefix = 2ull << 62;
-constexpr uint64_t kValueMask = (1ull << 62) - 1;
+constexpr int kEpochShift = 40;
+constexpr uint64_t kValueMask = (1ull << kEpochShift) - 1;
+static_assert(relu_pack_max_epoch < (1u << (62 - kEpochShift)), "the epoch fits between value and flag");
+
+__device__ __forceinline__ bool ready(uint64_t word, uint64_t tag) {
+  return (word >> 62) != 0 && ((word >> kEpochShift) & uint64_t(relu_pack_max_epoch)) == tag;
+}
 
 __device__ __forceinline__ void publish(uint64_t* status, uint64_t word) {
   *reinterpret_cast<volatile unsigned long long*>(status) = word;
@@ -197,18 +204,19 @@ __device__ __forceinline__ void stage_nonzeros(W* stage, int pos, uint32_t m, ui
 // prefix (a window with none moves back 32 tiles). Tickets make this safe: every tile before this
 // one took its ticket earlier, so its CTA is running or done, and it publishes its aggregate
 // before it waits on anything.
-__device__ int64_t look_back(const uint64_t* status, int64_t tile, int lane) {
+__device__ int64_t look_back(const uint64_t* status, int64_t tile, int lane, uint64_t tag) {
   int64_t exclusive = 0;
   for (int64_t window = tile - 1;; window -= 32) {
     const int64_t t = window - lane;
     uint64_t word;
     for (;;) {
       // Before tile 0 there is nothing: a prefix of 0.
-      word = t >= 0 ? *reinterpret_cast<const volatile unsigned long long*>(status + t) : kPrefix;
-      if (!__any_sync(kFullMask, word == kNotReady)) break;
+      word = t >= 0 ? *reinterpret_cast<const volatile unsigned long long*>(status + t)
+                    : kPrefix | (tag << kEpochShift);
+      if (!__any_sync(kFullMask, !ready(word, tag))) break;
       __nanosleep(64);
     }
-    const unsigned prefixes = __ballot_sync(kFullMask, word >= kPrefix);
+    const unsigned prefixes = __ballot_sync(kFullMask, (word >> 62) == 2);
     const int last = prefixes ? __ffs(prefixes) - 1 : 31;  // the nearest prefix ends the sum
     exclusive += warp_sum<int64_t>(lane <= last ? int64_t(word & kValueMask) : 0);
     if (prefixes) return exclusive;
@@ -236,11 +244,13 @@ int64_t num_tiles(int64_t nblocks, int elem_bytes) {
 }
 
 // Single-pass pack: bitmap, offsets and (values != nullptr) the nonzeros, reading src once.
-// `workspace` is zeroed by the host: word 0 is the ticket counter, words 1.. the tile statuses.
+// `workspace`: word 0 is the ticket counter (`ticket_base` tickets were taken before this call),
+// words 1.. the tile statuses (tagged with `epoch`, see ready()).
 template <typename W, bool kAligned>
 __global__ void __launch_bounds__(kThreads, 2)
     pack_kernel(const W* __restrict__ src, int64_t n, uint32_t* __restrict__ bitmap, int64_t* __restrict__ offsets,
-                W* __restrict__ values, int64_t capacity, uint64_t* workspace, int64_t nblocks) {
+                W* __restrict__ values, int64_t capacity, uint64_t* workspace, int64_t nblocks, uint64_t ticket_base,
+                uint32_t epoch) {
   using L = Layout<W>;
   using T = PackTiling<W>;
   __shared__ int64_t tile_shared;
@@ -251,9 +261,11 @@ __global__ void __launch_bounds__(kThreads, 2)
   const int lane = threadIdx.x % 32;
   const int warp = threadIdx.x / 32;
   // The tile comes from a ticket, not blockIdx: a CTA never waits on one that has not started.
-  if (threadIdx.x == 0) tile_shared = atomicAdd(reinterpret_cast<unsigned long long*>(workspace), 1ull);
+  if (threadIdx.x == 0)
+    tile_shared = atomicAdd(reinterpret_cast<unsigned long long*>(workspace), 1ull) - ticket_base;
   __syncthreads();
   const int64_t tile = tile_shared;
+  const uint64_t tag = epoch, tagged = tag << kEpochShift;
   uint64_t* status = workspace + 1;
   const int64_t ntiles = (nblocks + T::kBlocksPerTile - 1) / T::kBlocksPerTile;
   const int64_t tile_block = tile * T::kBlocksPerTile;
@@ -286,9 +298,9 @@ __global__ void __launch_bounds__(kThreads, 2)
     const int c = lane < kWarpsPerCta ? warp_count[lane] : 0;
     const int incl = warp_inclusive_sum(c, lane);
     const int64_t aggregate = __shfl_sync(kFullMask, incl, 31);
-    if (lane == 0) publish(status + tile, (tile == 0 ? kPrefix : kAggregate) | uint64_t(aggregate));
-    const int64_t exclusive = tile == 0 ? 0 : look_back(status, tile, lane);
-    if (lane == 0 && tile > 0) publish(status + tile, kPrefix | uint64_t(exclusive + aggregate));
+    if (lane == 0) publish(status + tile, (tile == 0 ? kPrefix : kAggregate) | tagged | uint64_t(aggregate));
+    const int64_t exclusive = tile == 0 ? 0 : look_back(status, tile, lane, tag);
+    if (lane == 0 && tile > 0) publish(status + tile, kPrefix | tagged | uint64_t(exclusive + aggregate));
     if (lane < kWarpsPerCta) {
       const int64_t offset = exclusive + (incl - c);
       warp_offset[lane] = offset;
@@ -453,15 +465,17 @@ void launch_mask(const void* src, int64_t n, uint32_t limit, uint32_t* bitmap, c
 
 template <typename W>
 void launch_pack(const void* src, int64_t n, uint32_t* bitmap, int64_t* offsets, void* values, int64_t capacity,
-                 uint64_t* workspace, cudaStream_t stream) {
+                 uint64_t* workspace, uint64_t ticket_base, uint32_t epoch, cudaStream_t stream) {
   const int64_t nblocks = num_blocks(n);
   const unsigned grid = grid_for(num_tiles(nblocks, sizeof(W)) * kWarpsPerCta);  // one CTA a tile
   const auto* s = static_cast<const W*>(src);
   auto* v = static_cast<W*>(values);
   if (aligned16(src))
-    pack_kernel<W, true><<<grid, kThreads, 0, stream>>>(s, n, bitmap, offsets, v, capacity, workspace, nblocks);
+    pack_kernel<W, true><<<grid, kThreads, 0, stream>>>(s, n, bitmap, offsets, v, capacity, workspace, nblocks,
+                                                        ticket_base, epoch);
   else
-    pack_kernel<W, false><<<grid, kThreads, 0, stream>>>(s, n, bitmap, offsets, v, capacity, workspace, nblocks);
+    pack_kernel<W, false><<<grid, kThreads, 0, stream>>>(s, n, bitmap, offsets, v, capacity, workspace, nblocks,
+                                                         ticket_base, epoch);
   check(cudaGetLastError(), "relu pack kernel launch");
 }
 
@@ -488,8 +502,14 @@ size_t relu_pack_workspace_bytes(int64_t n) {
   return sizeof(uint64_t) * (1 + num_tiles(num_blocks(n), 4));  // fp32 tiles are the smallest
 }
 
+int64_t relu_pack_tiles(int64_t n, int elem_bytes) {
+  check_args(n, elem_bytes);
+  return num_tiles(num_blocks(n), elem_bytes);
+}
+
 void relu_pack(const void* src, int64_t n, int elem_bytes, uint32_t* bitmap, int64_t* offsets, void* values,
-               int64_t values_capacity, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+               int64_t values_capacity, void* workspace, size_t workspace_bytes, uint64_t ticket_base,
+               uint32_t epoch, cudaStream_t stream) {
   check_args(n, elem_bytes);
   if (n == 0) return;
   check_ptr(src, "src"), check_ptr(bitmap, "bitmap"), check_ptr(offsets, "offsets");
@@ -503,13 +523,18 @@ void relu_pack(const void* src, int64_t n, int elem_bytes, uint32_t* bitmap, int
                      std::to_string(needed));
   if (reinterpret_cast<uintptr_t>(workspace) % sizeof(uint64_t) != 0)
     throw UsageError("supermem: relu_pack workspace must be 8-byte aligned");
-  // The ticket counter and every tile status start at 0 (not ready).
-  check(cudaMemsetAsync(workspace, 0, used, stream), "cudaMemsetAsync (relu pack workspace)");
+  if (epoch > relu_pack_max_epoch)
+    throw UsageError("supermem: relu_pack epoch must be <= " + std::to_string(relu_pack_max_epoch) + ", got " +
+                     std::to_string(epoch));
+  if (epoch == 0) {  // a fresh workspace: the ticket counter and every tile status start at 0 (not ready)
+    check(cudaMemsetAsync(workspace, 0, used, stream), "cudaMemsetAsync (relu pack workspace)");
+    ticket_base = 0;
+  }
   auto* words = static_cast<uint64_t*>(workspace);
   if (elem_bytes == 4)
-    launch_pack<uint32_t>(src, n, bitmap, offsets, values, values_capacity, words, stream);
+    launch_pack<uint32_t>(src, n, bitmap, offsets, values, values_capacity, words, ticket_base, epoch, stream);
   else
-    launch_pack<uint16_t>(src, n, bitmap, offsets, values, values_capacity, words, stream);
+    launch_pack<uint16_t>(src, n, bitmap, offsets, values, values_capacity, words, ticket_base, epoch, stream);
 }
 
 void relu_unpack(const uint32_t* bitmap, const int64_t* offsets, const void* values, int64_t n, int elem_bytes,

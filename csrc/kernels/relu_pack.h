@@ -30,8 +30,14 @@ constexpr int64_t kBlockElems = 2048;
 constexpr int64_t relu_pack_tile_elems(int elem_bytes) { return 8 * kBlockElems * (4 / elem_bytes); }
 
 // Device scratch (bytes) that relu_pack needs for n elements of any size: a ticket counter and one
-// status word per tile (relu_pack zeroes what it uses on the stream, so it may be reused).
+// status word per tile.
 size_t relu_pack_workspace_bytes(int64_t n);
+
+// Tiles (tickets taken, status words used) of one relu_pack of n elements of elem_bytes.
+int64_t relu_pack_tiles(int64_t n, int elem_bytes);
+
+// The largest epoch relu_pack takes (22 bits of each status word).
+constexpr uint32_t relu_pack_max_epoch = (1u << 22) - 1;
 
 // One pass over src: the bitmap, the offsets and, when values is not null, the nonzeros at
 // values[offsets[b] + rank within block b], those at index values_capacity and beyond left out:
@@ -39,8 +45,13 @@ size_t relu_pack_workspace_bytes(int64_t n);
 // offsets[nblocks] (nnz) whether every value fit, without a host sync now. With values null it
 // writes only bitmap and offsets (to size values exactly, then call again with it). `workspace`
 // holds relu_pack_workspace_bytes(n) bytes, 8-byte aligned.
+// epoch 0: the workspace is zeroed first (one memset on the stream). epoch 1..relu_pack_max_epoch:
+// a workspace kept across calls on one stream, no memset: zeroed when made, `ticket_base` tickets
+// (the tiles of the calls since) taken from it before this call, and `epoch` unlike every call's
+// since it was zeroed (the caller zeroes it again before reusing an epoch).
 void relu_pack(const void* src, int64_t n, int elem_bytes, uint32_t* bitmap, int64_t* offsets, void* values,
-               int64_t values_capacity, void* workspace, size_t workspace_bytes, cudaStream_t stream);
+               int64_t values_capacity, void* workspace, size_t workspace_bytes, uint64_t ticket_base,
+               uint32_t epoch, cudaStream_t stream);
 
 // The inverse: dst (n elements) gets values where the bitmap is set and 0 elsewhere.
 void relu_unpack(const uint32_t* bitmap, const int64_t* offsets, const void* values, int64_t n,

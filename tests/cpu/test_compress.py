@@ -230,11 +230,17 @@ def test_pack_workspace_and_its_checks():
     fake = 1 << 20  # never dereferenced: the checks throw first
     args = (fake, n, 4, fake, fake, fake, n)  # ... values and their capacity
     with pytest.raises(UsageError, match="workspace of 31 bytes, needs 32"):
-        _C.relu_pack(*args, fake, 31, 0)
+        _C.relu_pack(*args, fake, 31, 0, 0, 0)
     with pytest.raises(UsageError, match="8-byte aligned"):
-        _C.relu_pack(*args, fake + 4, 32, 0)
+        _C.relu_pack(*args, fake + 4, 32, 0, 0, 0)
     with pytest.raises(UsageError, match="null pointer"):
-        _C.relu_pack(*args, 0, 32, 0)
+        _C.relu_pack(*args, 0, 32, 0, 0, 0)
+    with pytest.raises(UsageError, match="epoch must be <= 4194303"):
+        _C.relu_pack(*args, fake, 32, 0, _C.relu_pack_max_epoch + 1, 0)
+    assert [_C.relu_pack_tiles(n, size) for size in (4, 2)] == [
+        3,
+        2,
+    ]  # a 16-bit tile holds twice the elements
 
 
 def test_bench_relu_quick_cpu(tmp_path):

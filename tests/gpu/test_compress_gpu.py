@@ -126,7 +126,7 @@ def test_writes_stay_in_their_buffers_and_unaligned_outputs_work(dtype, n):
     ptr = lambda buf: inside(buf).data_ptr()  # noqa: E731
     for values_ptr in (0, ptr(values)):  # bitmap and offsets only (exact mode's first call), then all three
         _C.relu_pack(x.data_ptr(), n, size, ptr(bitmap), ptr(offsets), values_ptr, ref.nnz, ptr(workspace),
-                     inside(workspace).numel(), stream)  # fmt: skip
+                     inside(workspace).numel(), 0, 0, stream)  # fmt: skip
         assert all(guards_intact(b) for b in (bitmap, offsets, values, workspace))
         assert torch.equal(inside(bitmap).cpu(), ref.bitmap)
         assert torch.equal(inside(offsets).cpu().view(torch.int64), ref.offsets)
@@ -138,14 +138,14 @@ def test_writes_stay_in_their_buffers_and_unaligned_outputs_work(dtype, n):
     short = ref.nnz // 2
     few, offsets2 = guarded(size * short), guarded(8 * (nblocks + 1))
     _C.relu_pack(x.data_ptr(), n, size, ptr(bitmap), ptr(offsets2), ptr(few), short, ptr(workspace),
-                 inside(workspace).numel(), stream)  # fmt: skip
+                 inside(workspace).numel(), 0, 0, stream)  # fmt: skip
     assert guards_intact(few) and guards_intact(offsets2)
     assert torch.equal(inside(offsets2).cpu().view(torch.int64), ref.offsets)
     assert torch.equal(inside(few).cpu(), ref.values.view(torch.uint8)[: size * short])
     # Values one element off 16-byte alignment: element stores only, the same bytes.
     odd = guarded(size * (ref.nnz + 1))
     _C.relu_pack(x.data_ptr(), n, size, ptr(bitmap), ptr(offsets2), inside(odd)[size:].data_ptr(), ref.nnz,
-                 ptr(workspace), inside(workspace).numel(), stream)  # fmt: skip
+                 ptr(workspace), inside(workspace).numel(), 0, 0, stream)  # fmt: skip
     assert guards_intact(odd) and torch.equal(inside(odd)[size:].cpu(), ref.values.view(torch.uint8))
 
     dense = guarded(size * (n + 1))  # the output starts one element past a 16-byte boundary
@@ -266,13 +266,21 @@ def test_look_back_over_many_windows(dtype, pattern):
 
 
 def test_repeated_packs_reuse_the_workspace_cleanly():
-    """Back-to-back packs on one stream (the caching allocator hands the same workspace back): the
-    ticket counter and tile statuses must start from zero each time."""
+    """Back-to-back packs on one stream share its kept workspace (no memset between them): large
+    and small, fp32 and bf16, so a pack meets the status words of earlier, larger packs past its own
+    tiles and of packs with other tile sizes; and once epochs run out the workspace starts over."""
+    from supermem import compress
+
     tile = tile_elems(torch.float32)
-    xs = [tiled(100 * tile + 5, torch.float32, PATTERNS["ramp"], seed=s).cuda() for s in range(3)]
-    packs = [relu_pack(x, exact=False) for x in xs for _ in range(4)]
+    sizes = [100 * tile + 5, 3 * tile, 100 * tile + 5, 7, 41 * tile + 1]
+    xs = [tiled(n, dt, PATTERNS["ramp"], seed=s).cuda() for s, n in enumerate(sizes) for dt in DTYPES]
+    packs = [relu_pack(x, exact=False) for x in xs for _ in range(2)]
+    key = (torch.cuda.current_device(), torch.cuda.current_stream().cuda_stream)
+    compress._workspaces[key].epoch = _C.relu_pack_max_epoch  # the next pack zeroes it and starts over
+    packs += [relu_pack(x, exact=False) for x in xs[:4]]
+    assert compress._workspaces[key].epoch == 4
     for i, packed in enumerate(packs):
-        x = xs[i // 4]
+        x = xs[i // 2] if i < 2 * len(xs) else xs[i - 2 * len(xs)]
         assert torch.equal(packed.offsets.cpu(), relu_pack(x.cpu()).offsets)
         assert bitwise_equal(relu_unpack(packed), x)
 
