@@ -5,7 +5,7 @@ forward pass (cuDNN's host side, ~65 us a convolution and ~45 a BatchNorm, plus 
 against ~0.1 ms of kernels, and binomial runs each block 2-3 times a step. So the blocks that share
 one structure are captured once, a no-grad forward and a forward + backward, and replayed.
 
-How: the blocks of one structure (modules, parameters and buffers: `_signature`) that a chain holds
+How: the blocks of one structure (modules, parameters and buffers: `_Block.sig`) that a chain holds
 at least MIN_BLOCKS times, called on one input layout, form a kind. A kind has SLOTS slots, each a
 copy of the kind's first block on the device (its parameters views of one flat device buffer, laid
 out as supermem.stream lays out a unit's host block), a static input and the two graphs captured
@@ -20,9 +20,10 @@ they go to the host as the streamer sends any other.
 
 Limits: a graphed block must not draw random numbers (a replay would draw new ones: a kind whose
 warm-up moves the RNG is refused and runs eagerly, said once), must not sync with the host or branch
-on tensor values, and its forward hooks do not run in replays; its structure must stay what it was at
-its first graphed call. Replays run the kernels eager runs chose; where cuDNN or cuBLAS choose
-others under capture, results may differ from eager ones in the last bits (tests/gpu checks).
+on tensor values, and its forward hooks do not run in replays; its structure, parameters and buffers
+(the objects) must stay those of its first graphed call. Replays run the kernels eager runs chose;
+where cuDNN or cuBLAS choose others under capture, results may differ from eager ones in the last
+bits (tests/gpu checks ResNet bottlenecks: bitwise on an H100).
 """
 
 from __future__ import annotations

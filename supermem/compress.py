@@ -397,7 +397,7 @@ _workspaces_lock = threading.Lock()
 
 def _launch_pack(
     _C, flat: torch.Tensor, bitmap: torch.Tensor, offsets: torch.Tensor, values_ptr: int, room: int
-):
+) -> None:
     """One kernel pack on the current stream, with the stream's kept workspace (a fresh, zeroed one
     under CUDA graph capture: a replay would repeat the captured epoch and ticket base)."""
     n, elem_bytes, device = flat.numel(), flat.element_size(), flat.device
