@@ -193,6 +193,8 @@ class ChainGraphs:
             return kind
         try:
             kind = self._capture(block, info, x)
+        except torch.OutOfMemoryError:
+            raise  # the slots' memory did not fit: an OOM like any other, not a block that cannot be graphed
         except Exception as e:
             raise UsageError(
                 f"binomial(graphs=True): a {type(block).__name__} block cannot be captured in a CUDA graph "

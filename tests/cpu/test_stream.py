@@ -556,3 +556,21 @@ def test_two_backwards_per_overlapped_step_is_an_error():
     model(x).sum().backward()
     with pytest.raises(RuntimeError, match="already has one"):
         model(x).sum().backward()
+
+
+def test_streamed_unit_names_a_module_fetched_alone_with_all_its_parameters():
+    """What binomial's graphs ask before copying a block's host block themselves: a module that is a
+    unit of its own (not one inside a larger unit, not one sharing a parameter with another unit)."""
+    from supermem.streaming import streamed_unit
+
+    torch.manual_seed(0)
+    blocks = nn.ModuleList([nn.Sequential(nn.Linear(8, 8), nn.ReLU()) for _ in range(3)])
+    blocks[2][0].weight = blocks[1][0].weight  # block 2 shares a weight with block 1
+    model = nn.Sequential(nn.Linear(4, 8), *blocks)
+    unit_bytes = 8 * 8 * 4 + 8 * 4  # one block's parameters: each block a unit, the model not
+    with supermem.stream(model, "cpu", unit_bytes=unit_bytes) as s:
+        found = streamed_unit(blocks[0])
+        assert found is not None and found[0] is s and found[1].module is blocks[0]
+        assert streamed_unit(blocks[0][0]) is None  # inside block 0's unit
+        assert streamed_unit(blocks[2]) is None  # its weight belongs to block 1's unit
+    assert streamed_unit(blocks[0]) is None  # streaming stopped
