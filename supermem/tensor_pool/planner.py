@@ -44,7 +44,7 @@ import bisect
 import time
 from dataclasses import dataclass, field
 
-from .profile import Profile
+from .profile import Profile, Saved
 
 # What a copy running beside compute costs the step, as a share of the copy's own seconds. DESIGN.md's
 # first H100 run measured 8%; bench train on an H100 (GPT-24 at 75% of native's peak, planned) measured
@@ -300,7 +300,7 @@ def simulate(
         if a < b:
             diff[a] -= s.nbytes - s.packed_bytes
             diff[b] += s.nbytes - s.packed_bytes
-        added += p.compress_s_per_byte * s.nbytes + p.compress_wait_s
+        added += _pack_s(p, s)
     land: dict[int, int] = {}
     land_s: dict[int, float] = {}
     free_s, late = 0.0, False
@@ -523,7 +523,7 @@ def _best_choice(
     for s in open_:  # packs on the device: from its save on, no link
         freed = s.nbytes - s.packed_bytes
         if s.packed_bytes and freed > 0:
-            cost = p.compress_s_per_byte * s.nbytes + p.compress_wait_s + _lost(p, ix, s.ordinal, broken)
+            cost = _pack_s(p, s) + _lost(p, ix, s.ordinal, broken)
             cands.append((cost / freed, "compress", s.ordinal))
     for s in open_:
         if not s.offloadable or s.nbytes == 0:
@@ -559,6 +559,12 @@ def _best_choice(
         if score < best_score:
             best, best_score = (kind, key, trial), score
     return best
+
+
+def _pack_s(p: Profile, s: Saved) -> float:
+    """What packing `s` (and unpacking it) adds to the step: its kernels or its host seconds, whichever
+    is longer (as a copy's, simulate), and the wait for its count."""
+    return max(p.compress_s_per_byte * s.nbytes, p.compress_host_s) + p.compress_wait_s
 
 
 def _lost(p: Profile, ix: _Index, ordinal: int, broken: set[int]) -> float:

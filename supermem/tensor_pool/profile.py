@@ -106,6 +106,7 @@ class Profile:
     call_slots: dict[int, dict[int, int]] = field(default_factory=dict)
     compress_s_per_byte: float = 0.0  # a pack and its unpack (Compress.price)
     compress_wait_s: float = 0.0  # what a pack waits for its count (Compress.price: an exact one on a GPU)
+    compress_host_s: float = 0.0  # host seconds of a pack, its unpack and trim (Compress.price, on a GPU)
     link_bytes_per_s: float = 25e9
     sync_copies: bool = False  # CPU: copies block the step
     backward_event: int = 0  # the first unpack
@@ -389,7 +390,7 @@ class Recorder:
         sync_copies: bool,
         host_s: Any = None,
         host_copy_s: float = 0.0,
-        compress_price: tuple[float, float, float] | None = None,
+        compress_price: tuple[float, float, float, float] | None = None,
     ) -> Profile:
         """`host_s(kind)`: host seconds of one rebuild of that kind of recipe; a unit costs the larger of
         its device and host seconds (where the host is the slower side, the host's are the step's),
@@ -420,6 +421,7 @@ class Recorder:
             host_copy_s=host_copy_s,
             compress_s_per_byte=compress_price[0] if compress_price else 0.0,
             compress_wait_s=compress_price[2] if compress_price else 0.0,
+            compress_host_s=compress_price[3] if compress_price else 0.0,
             entry_s=entry_s,
             kept_s=KEPT_SHARE * entry_s,
             resaved=set(self.resaved),

@@ -318,6 +318,9 @@ class Compress(Treatment):
         self._settling = False
         # host seconds of the last exact packs on a GPU (their sync)
         self._exact_s: collections.deque[float] = collections.deque(maxlen=EXACT_SAMPLES)
+        # host seconds of the last packs (not waiting), unpacks and trims on a GPU: what a packed
+        # tensor costs the host there (relu_pack's allocations and launch, the pool's bookkeeping)
+        self._host_s = {k: collections.deque(maxlen=EXACT_SAMPLES) for k in ("pack", "unpack", "trim")}
 
     def applies(self, e: Entry) -> bool:
         if e.recipe is not None and not e.recipe.ready:
@@ -340,22 +343,27 @@ class Compress(Treatment):
     def measured(self) -> bool:
         return all(x.s_per_byte is not None for x in self._timing.values())
 
-    def price(self, pool: Pool) -> tuple[float, float, float]:
+    def price(self, pool: Pool) -> tuple[float, float, float, float]:
         """(seconds per byte to pack and unpack, packed bytes per tensor byte, host seconds a pack
-        waits for its count): measured so far, or the priors. The wait is an exact pack's on a GPU."""
+        waits for its count, host seconds of a pack, its unpack and its trim): measured so far, or the
+        priors. The wait is an exact pack's on a GPU; the host seconds are a GPU's (the median of the
+        last ones of each), where a host-bound step pays them whatever the kernels take (ResNet-152 at
+        checkpoint's peak on an H100: a plan packing 56 tensors a step predicted 127.6 ms, took 208.8
+        while pricing kernels alone). On CPU the seconds per byte are the host's already: 0."""
         prior = PRIOR_PASSES / 2 / pool._device_bytes_per_s()
         s_per_byte = sum(x.s_per_byte_or(prior) for x in self._timing.values())
         ratio = self._packed_bytes / self._tensor_bytes if self._tensor_bytes else PACKED_RATIO_PRIOR
         wait_s = 0.0
         if pool.cuda and self.room == "exact":
             wait_s = sorted(self._exact_s)[len(self._exact_s) // 2] if self._exact_s else EXACT_PACK_PRIOR_S
-        return s_per_byte, ratio, wait_s
+        host_s = sum(sorted(d)[len(d) // 2] for d in self._host_s.values() if d) if pool.cuda else 0.0
+        return s_per_byte, ratio, wait_s, host_s
 
     def choices(self, pool: Pool, resident: Iterable[Entry]) -> list[Choice]:
         _count(pool)
         if self._packing:
             return []
-        s_per_byte, ratio, _ = self.price(pool)  # (the reactive policies do not weigh the wait yet)
+        s_per_byte, ratio, *_ = self.price(pool)  # (the reactive policies weigh neither wait nor host)
         out = []
         for e in resident:
             if self.applies(e):
@@ -397,8 +405,7 @@ class Compress(Treatment):
             waits = room is None and self.room != "full" and pool.cuda
             with self._timing["pack"].timed(pool, 0 if waits else e.nbytes):
                 packed = relu_pack(e.tensor, exact=self.room != "full", capacity=room)
-            if waits:
-                self._exact_s.append(time.perf_counter() - t0)
+            (self._exact_s if waits else self._host_s["pack"]).append(time.perf_counter() - t0)
         except torch.OutOfMemoryError:
             return False  # no room for the payload even after pressure: another treatment frees
         finally:
@@ -452,6 +459,7 @@ class Compress(Treatment):
             if not u.done(wait):
                 still.append(ref)
                 continue
+            t0 = time.perf_counter()
             nnz = u.nnz()
             whole = fitted(u.packed, nnz) if u.original is not None else _trimmed(u.packed, nnz)
             if whole is None:  # more nonzeros than the room: rare (a margin over last step's count)
@@ -460,6 +468,7 @@ class Compress(Treatment):
                 pool._arrived(e, u.original, None)
                 self.arrived(pool, e)
                 continue
+            self._host_s["trim"].append(time.perf_counter() - t0)
             before = self.device_bytes(e)
             self._packed(pool, e, whole)  # dense this step: it stays packed (lossless), never again
             e.payload = whole
@@ -472,12 +481,14 @@ class Compress(Treatment):
             if e.state is State.RESIDENT:
                 return  # the room was short: it is back already, as its kept original
         p = e.payload
+        t0 = time.perf_counter()
         with self._timing["unpack"].timed(pool, e.nbytes):
             t = relu_unpack(p)
         if t.is_cuda:  # read on this stream; packed on the saving op's (the same one, but for odd models)
             stream = torch.cuda.current_stream(t.device)
             for x in (p.bitmap, p.offsets, p.values):
                 x.record_stream(stream)
+            self._host_s["unpack"].append(time.perf_counter() - t0)
         _count(pool, decompressions=1)
         pool._arrived(e, t, None)
         self.arrived(pool, e)

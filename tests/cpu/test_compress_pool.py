@@ -717,10 +717,10 @@ def test_the_planned_policy_compresses_relu_outputs_by_their_measured_cost(case,
     assert s["compressions"] > 0, s
 
 
-def test_the_plan_prices_what_a_pack_waits_for_its_count(monkeypatch):
+def test_the_plan_prices_what_a_pack_waits_for_its_count_and_its_host_seconds(monkeypatch):
     """An exact pack on a GPU reads its nonzero count back (a host sync); the plan prices that wait
-    (Profile.compress_wait_s, from Compress.price) per packed tensor: where it is long, the plan
-    rebuilds instead of packing."""
+    (Profile.compress_wait_s, from Compress.price) per packed tensor, and the host seconds of packing
+    (Profile.compress_host_s): where they are long, the plan rebuilds instead of packing."""
     import copy
 
     from supermem.tensor_pool import plan_run, planner
@@ -735,5 +735,12 @@ def test_the_plan_prices_what_a_pack_waits_for_its_count(monkeypatch):
     p.compress_wait_s = 0.0
     assert planner.make_plan(p, budget).counts()["compress"] > 0
     p.compress_wait_s = 1.0
+    plan = planner.make_plan(p, budget)
+    assert plan.counts()["compress"] == 0 and plan.counts()["recompute"] > 0 and plan.feasible
+    # The host seconds of a pack, its unpack and its trim (a GPU's: on CPU the price per byte is the
+    # host's already, and they read 0) weigh the same way: a host-bound step pays them.
+    assert probe.treatments["compress"].price(probe)[3] == 0.0
+    p.compress_wait_s = 0.0
+    p.compress_host_s = 1.0
     plan = planner.make_plan(p, budget)
     assert plan.counts()["compress"] == 0 and plan.counts()["recompute"] > 0 and plan.feasible
