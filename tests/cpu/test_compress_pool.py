@@ -16,6 +16,7 @@ from supermem.compress import Packed
 from supermem.policies import make_policy
 from supermem.tensor_pool import Pool
 from supermem.tensor_pool.entry import State
+from supermem.tensor_pool.profile import Profile
 from supermem.tensor_pool.treatments import Compress, Offload, Recompute, make_treatments
 
 
@@ -744,3 +745,30 @@ def test_the_plan_prices_what_a_pack_waits_for_its_count_and_its_host_seconds(mo
     p.compress_host_s = 1.0
     plan = planner.make_plan(p, budget)
     assert plan.counts()["compress"] == 0 and plan.counts()["recompute"] > 0 and plan.feasible
+
+
+@pytest.mark.parametrize(
+    ("packing", "plain", "chosen"),
+    [
+        ((True, 0.039), (True, 0.027), "plain"),  # ResNet-152 on an H100: the packing plan adds more
+        ((True, 0.020), (True, 0.027), "packing"),
+        ((True, 0.020), (False, 0.010), "packing"),  # the plan without packs does not fit
+        ((False, 0.020), (True, 0.090), "plain"),
+    ],
+)
+def test_a_plan_that_packs_competes_with_the_plan_without_packs(monkeypatch, packing, plain, chosen):
+    """make_plan: where the greedy compresses, the greedy's plan without compression (the index's
+    `packs` off) replaces it when that one fits and adds less. The greedy weighs a pack by what it
+    frees now, not by the light call it breaks."""
+    from supermem.tensor_pool import planner
+
+    def greedy(p, budget, ix):
+        feasible, added_s = packing if ix.packs else plain
+        plan = planner.Plan((1, 2), budget, feasible=feasible, added_s=added_s)
+        if ix.packs:
+            plan.treatment[1] = "compress"
+        return plan
+
+    monkeypatch.setattr(planner, "_greedy", greedy)
+    plan = planner.make_plan(Profile([], [], [], []), 10)
+    assert plan.counts()["compress"] == (1 if chosen == "packing" else 0)
