@@ -36,10 +36,10 @@ from typing import Any
 import torch
 
 from .errors import UsageError
+from .streaming import ALIGN, streamed_unit
 
 MIN_BLOCKS = 4  # a structure is graphed only when a chain repeats it this often: captures cost ~0.1 s
 SLOTS = 2  # one replays while the next block's weights land in the other
-ALIGN = 512  # bytes between parameters in a flat buffer (supermem.stream's layout)
 WARMUPS = 2  # eager runs before a capture (cuDNN and cuBLAS set themselves up; PyTorch's docs do 3)
 
 _HOOK_DICTS = (
@@ -78,8 +78,6 @@ class _Block:
         self.params = [p for _, p in block.named_parameters()]
         self.buffers = [b for _, b in block.named_buffers()]
         self.unit = self.streamer = self.slots = None
-        from .streaming import streamed_unit
-
         found = streamed_unit(block)
         if found is not None:
             self.streamer, self.unit = found
@@ -176,10 +174,8 @@ class ChainGraphs:
         info = self.blocks.get(id(block))
         if info is not None and info.ref() is block:
             return info
-        params = list(block.parameters())
-        on_device = all(p.device == self.device for p in params)
         info = _Block(block)
-        if not on_device and info.unit is None:
+        if info.unit is None and any(p.device != self.device for p in info.params):
             return None  # parameters elsewhere, not streamed as one unit: eager
         self.blocks[id(block)] = info
         return info

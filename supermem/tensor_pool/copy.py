@@ -91,25 +91,22 @@ class CopyEngine:
             self._host_timed("h2d", src.nbytes, t0)
             return out, None
         t0 = time.perf_counter()
-        start, end = _timing_event(), _timing_event()
         with torch.cuda.stream(self.h2d):  # allocated on the copy stream: no hazard with compute's blocks
             out = torch.empty(src.shape, dtype=src.dtype, device=self.device)
-            start.record(self.h2d)
-            out.copy_(src, non_blocking=True)
-            end.record(self.h2d)
-        self.stats.pending.append(("h2d", src.nbytes, start, end))
-        self._issued(t0)
-        return out, end
+        return out, self._h2d(src, out, None, t0)
 
     def into_device(self, src: torch.Tensor, dst: torch.Tensor, after: Any = None) -> Any:
         """Starts copying the host tensor `src` into the device tensor `dst` once `after` (an event:
         the last use of what `dst` held) has passed; returns the copy's end event (None on CPU)."""
+        t0 = time.perf_counter()
         if not self.cuda:
-            t0 = time.perf_counter()
             dst.copy_(src)
             self._host_timed("h2d", src.nbytes, t0)
             return None
-        t0 = time.perf_counter()
+        return self._h2d(src, dst, after, t0)
+
+    def _h2d(self, src: torch.Tensor, dst: torch.Tensor, after: Any, t0: float) -> Any:
+        """One host-to-device copy on the copy stream, timed by events; its issue began at `t0`."""
         start, end = _timing_event(), _timing_event()
         if after is not None:
             self.h2d.wait_event(after)
