@@ -126,6 +126,7 @@ class _Slot:
         "ready",
         "done",
         "last",
+        "unused",
     )
 
 
@@ -147,8 +148,10 @@ class _Kind:
 class ChainGraphs:
     """The graphs of one chain (kept across steps: see graphs_for)."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, slots: int = SLOTS, forward: bool = True):
         self.device = device
+        self.slots = slots  # per kind
+        self.forward_graphs = forward  # whether a kind also captures its no-grad forward
         self.kinds: dict[tuple, _Kind] = {}
         self.refused: set[tuple] = set()
         self.blocks: dict[int, _Block] = {}
@@ -180,12 +183,13 @@ class ChainGraphs:
         self.blocks[id(block)] = info
         return info
 
-    def kind(self, block: torch.nn.Module, x: torch.Tensor, autocast: list) -> _Kind | None:
-        """The kind block `block` replays with on input `x`, captured on first sight (None: eager)."""
+    def kind(self, block: torch.nn.Module, x: torch.Tensor, autocast: Any, make: bool = True) -> _Kind | None:
+        """The kind block `block` replays with on input `x`, captured on first sight unless not `make`
+        (None: eager)."""
         info = self.blocks[id(block)]
         key = (info.sig, block.training, x.shape, x.stride(), x.dtype, tuple(autocast))
         kind = self.kinds.get(key)
-        if kind is not None or key in self.refused:
+        if kind is not None or key in self.refused or not make:
             return kind
         try:
             kind = self._capture(block, info, x)
@@ -208,22 +212,24 @@ class ChainGraphs:
         kind = _Kind()
         kind.wrt = [i for i, p in enumerate(info.params) if p.requires_grad]
         cpu_rng, cuda_rng = torch.get_rng_state(), torch.cuda.get_rng_state(self.device)
-        for _ in range(SLOTS):
-            slot = self._slot(block, info, x, kind)
-            drew = not torch.equal(torch.cuda.get_rng_state(self.device), cuda_rng) or not torch.equal(
-                torch.get_rng_state(), cpu_rng
-            )
+        try:
+            for _ in range(self.slots):
+                slot = self._slot(block, info, x, kind)
+                drew = not torch.equal(torch.cuda.get_rng_state(self.device), cuda_rng) or not torch.equal(
+                    torch.get_rng_state(), cpu_rng
+                )
+                if drew:
+                    warnings.warn(
+                        f"supermem: CUDA graphs leave {type(block).__name__} blocks eager: they draw random "
+                        "numbers, which a CUDA graph would draw anew at each replay",
+                        stacklevel=4,
+                    )
+                    return None
+                self._record(slot, info, kind.wrt)
+                kind.slots.append(slot)
+        finally:  # (also where a warm-up or a capture failed: the step's draws stay plain training's)
             torch.set_rng_state(cpu_rng)
             torch.cuda.set_rng_state(cuda_rng, self.device)
-            if drew:
-                warnings.warn(
-                    f"supermem: binomial(graphs=True) runs {type(block).__name__} blocks eagerly: they draw "
-                    "random numbers, which a CUDA graph would draw anew at each replay",
-                    stacklevel=4,
-                )
-                return None
-            self._record(slot, info, kind.wrt)
-            kind.slots.append(slot)
         return kind
 
     def _slot(self, block: torch.nn.Module, info: _Block, x: torch.Tensor, kind: _Kind) -> _Slot:
@@ -274,12 +280,15 @@ class ChainGraphs:
         s.gflat = torch.zeros_like(s.flat)
         grads = _views(s.gflat, info)
         with torch.autograd.graph.saved_tensors_hooks(_identity, _identity):
-            s.forward = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(s.forward, pool=self.pool), torch.no_grad():
-                s.out = s.module(s.x)
+            s.forward = s.out = None
+            if self.forward_graphs:
+                s.forward = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(s.forward, pool=self.pool), torch.no_grad():
+                    s.out = s.module(s.x)
             s.backward = torch.cuda.CUDAGraph()
             with torch.cuda.graph(s.backward, pool=self.pool):
                 got = self._forward_backward(s, wrt)
+                s.unused = {i for i, g in zip(wrt, got[1:]) if g is None}
                 with torch.no_grad():
                     s.gx = got[0] if got[0] is not None else torch.zeros_like(s.x)
                     for i, g in zip(wrt, got[1:]):
@@ -294,8 +303,9 @@ class ChainGraphs:
             n = info.nbytes
             s.ready = info.streamer.copies.into_device(info.unit.flat.tensor[:n], s.flat[:n], after=s.done)
         else:
-            with torch.no_grad():
-                torch._foreach_copy_(s.params, info.params)
+            if s.params:  # (a block without parameters: a foreach copy of nothing is an error)
+                with torch.no_grad():
+                    torch._foreach_copy_(s.params, info.params)
             s.ready = None
         s.holding, s.epoch = info, self.epoch
 

@@ -63,6 +63,8 @@ class Pool(PlanRunner):
     host_limit: pinned host bytes the pool may use (int, size string or percentage of host RAM).
     min_bytes: smaller saved tensors stay where they are (default 1 MiB on GPU, 0 on CPU).
     treatments: the ways out (default: Offload and Recompute); the policy chooses among them.
+    graphs: on CUDA, the backward of calls a plan runs light replays CUDA graphs where a structure
+        repeats (light_graphs.py); False runs them eagerly.
     """
 
     def __init__(
@@ -74,6 +76,7 @@ class Pool(PlanRunner):
         device: torch.device | str | None = None,
         min_bytes: int | None = None,
         treatments: tuple[Treatment, ...] | None = None,
+        graphs: bool = True,
     ):
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
@@ -92,6 +95,10 @@ class Pool(PlanRunner):
         if policy is None:  # a plan needs a budget to plan under
             policy = "planned" if budget is not None else "cost_aware"
         self.policy = _checked("policy", make_policy, policy)
+        if not isinstance(graphs, bool):
+            raise ConfigError(f"bad pool option graphs={graphs!r}: give True or False")
+        self.graphs = graphs
+        self._light_graphs: Any = None  # LightGraphs, made at the first light call on CUDA
         self.planning = self.policy.name == "planned"
         self._plans: dict[tuple[int, ...], Plan] = {}  # by shape signature (bytes per saved tensor)
         self._plan: Plan | None = None  # the plan this step runs (or the last one made)
@@ -166,6 +173,7 @@ class Pool(PlanRunner):
                 "lean_calls",
                 "lean_drops",
                 "replays",
+                "graph_replays",
             ),
             0,
         )

@@ -32,6 +32,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .call_state import CallState
 from .entry import Entry, State, _set_version
+from .light_graphs import LightGraphs, light_graphs_of
 
 # the saved-tensor hooks on top of this thread's stack (Plan.bypass takes the pool's off around a call)
 _top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
@@ -307,10 +308,11 @@ class _Light:
     """A call run with grad off (Regions._light): what calling it again in backward needs. No tensor:
     its tensor inputs are saved by its node (_LightFn), its outputs are the step's."""
 
-    __slots__ = ("state", "tracker", "module", "spec", "leaves", "places", "out_places", "alive")
+    __slots__ = ("state", "tracker", "module", "spec", "leaves", "places", "out_places", "alive", "graphs")
 
     def __init__(self, state: CallState):
         self.state = state  # RNG, autocast, attention backends at the call
+        self.graphs: LightGraphs | None = None  # replays its backward where it can (light_graphs.py)
 
     def attach(
         self, tracker: Regions, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any, pool: Any
@@ -333,6 +335,10 @@ class _Light:
         inputs = [leaves[k] for k in self.places]
         params = _params(module)
         outputs = [outs[k] for k in self.out_places]
+        if pool is not None and self.spec is None and len(inputs) == 1 and len(outputs) == 1:
+            self.graphs = light_graphs_of(pool)
+            if self.graphs is not None:
+                self.graphs.note(self, inputs[0])
         if pool is not None:
             pool._passthrough = True  # the node saves the call's inputs itself: not the step's saves
         try:
@@ -402,6 +408,14 @@ class _LightFn(torch.autograd.Function):
         # Grad on: a backward with create_graph, whose gradients a second backward goes through; the
         # call then runs on its inputs themselves, so the gradients' graph reaches back past them.
         create = torch.is_grad_enabled()
+        light = ctx.light
+        if light.graphs is not None and not create and grads[0] is not None:
+            (x,) = ctx.saved_tensors
+            got = light.graphs.backward(light, x, grads[0], ctx.params)
+            if got is not None:
+                if light.alive is not None:
+                    light.alive.through(None)
+                return (None, None, None, None, got[0] if x.requires_grad else None, *got[1:])
         inputs = [x if create else x.detach().requires_grad_(x.requires_grad) for x in ctx.saved_tensors]
         outputs = ctx.light.again(inputs)
         pairs = [(o, g) for o, g in zip(outputs, grads) if g is not None and o.requires_grad]

@@ -155,3 +155,82 @@ def test_random_blocks_run_eagerly_and_say_so():
         ours = train(model, x, y, 2)
     assert replays(model) == 0
     assert_equal(plain, ours)
+
+
+class Chain(nn.Module):
+    """Net's blocks called one by one, for the pool (its regions: the blocks)."""
+
+    def __init__(self, n=9, dropout=0.0):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 32, 3, padding=1)
+        blocks = [Bottleneck(32, 8), Bottleneck(32, 16)] + [Bottleneck(32, 8, dropout) for _ in range(n)]
+        self.blocks = nn.ModuleList(blocks)
+        self.head = nn.Linear(32, 10)
+
+    def forward(self, x):
+        x = self.stem(x)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x.mean((2, 3)))
+
+
+def pooled_training(dropout=0.0, graphs=True, steps=4):
+    """Plain training, then the same under planned pools that recompute at shares of the peak (which
+    blocks a plan runs light depends on the profiled step's timings: op replays of BatchNorm + ReLU
+    may come first): bitwise each time; the light calls and graph replays of them all."""
+    from supermem.tensor_pool import Pool
+    from supermem.tensor_pool.treatments import Recompute
+
+    torch.manual_seed(0)
+    x, y = torch.randn(16, 3, 64, 64, device="cuda"), torch.randint(0, 10, (16,), device="cuda")
+    torch.manual_seed(1)
+    plain = train(Chain(dropout=dropout).cuda(), x, y, steps)
+    full = Pool(budget="1GiB", policy="planned", min_bytes=0)
+    train_pooled(Chain(dropout=dropout).cuda(), full, x, y, 3)
+    light = replayed = 0
+    seen = []
+    for share in (0.7, 0.6, 0.5, 0.4):
+        budget = int(full.stats()["plan"]["measured_peak_bytes"] * share)
+        torch.manual_seed(1)
+        model = Chain(dropout=dropout).cuda()
+        pool = Pool(budget=budget, policy="planned", min_bytes=0, treatments=(Recompute(),), graphs=graphs)
+        assert_equal(plain, train_pooled(model, pool, x, y, steps))
+        s = pool.stats()
+        light, replayed = light + s["light_calls"], replayed + s["graph_replays"]
+        plan = s["plan"]
+        seen.append((share, s["light_calls"], s["graph_replays"], plan["feasible"], plan["recompute"]))
+    return light, replayed, seen
+
+
+def train_pooled(model, pool, x, y, steps):
+    def forward(t):
+        with pool:
+            return Chain.forward(model, t)
+
+    model.forward = forward
+    return train(model, x, y, steps)
+
+
+@pytest.fixture
+def uncapped(monkeypatch):
+    """Graphs whatever structure repeats: this net's tensors are large against its budgets."""
+    from supermem.tensor_pool import light_graphs
+
+    monkeypatch.setattr(light_graphs, "MAX_SHARE", 1.0)
+
+
+def test_a_pools_light_calls_replay_their_backward_bitwise(uncapped):
+    """The plan runs blocks light (grad off, rebuilt in backward); the 9 alike replay a CUDA graph
+    for the rebuild and its backward. Training stays bitwise plain training's."""
+    light, replayed, seen = pooled_training()
+    assert light >= 4 and replayed > 0, seen
+    light, replayed, seen = pooled_training(graphs=False)
+    assert light >= 4 and replayed == 0, seen
+
+
+def test_a_pools_random_light_calls_stay_eager(uncapped):
+    """The 9 alike blocks' Dropouts run light and are refused (they draw random numbers); their
+    bodies, regions of their own, may replay graphs. Training stays bitwise."""
+    with pytest.warns(UserWarning, match="draw random numbers"):
+        light, _, seen = pooled_training(dropout=0.2)
+    assert light >= 4, seen
