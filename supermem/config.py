@@ -142,6 +142,14 @@ OPTIONS: tuple[Option, ...] = (
         "by both).",
     ),
     Option(
+        "graphs",
+        _bool,
+        True,
+        "true | false",
+        "On CUDA, the backward of block calls a plan runs light (rebuilt in backward) replays a CUDA graph "
+        "where at least 4 calls of one structure run light; `false` keeps them eager.",
+    ),
+    Option(
         "stream",
         _choice("off", "weights"),
         "off",

@@ -537,7 +537,7 @@ def _print_sweep(model: str, rows: list[dict], args: argparse.Namespace) -> None
 
 # How a pool row's timed steps ran: blocks the pool did not see (under checkpoint, bypassed, lean), or
 # its own op replays
-RAN_COUNTERS = ("light_calls", "bypassed_calls", "lean_calls", "lean_drops", "replays")
+RAN_COUNTERS = ("light_calls", "graph_replays", "bypassed_calls", "lean_calls", "lean_drops", "replays")
 
 
 def _peak_gib(r: dict) -> float | None:

@@ -69,7 +69,7 @@ def env_pool(cfg: Any) -> Pool:
     """The pool SUPERMEM_CONF asks for (pool:lru,budget:...), made at its first use: supermem.activate
     sends every saved tensor here, and the Pool is built at the first one, when CUDA may be touched."""
     if "pool" not in _global:
-        p = _global["pool"] = pool(cfg.budget, cfg.pool, cfg.host_limit)
+        p = _global["pool"] = pool(cfg.budget, cfg.pool, cfg.host_limit, graphs=cfg.graphs)
         p.always_active = True  # its hooks serve every thread's backward
         p._start()
     return _global["pool"]

@@ -112,6 +112,7 @@ BAD_VALUES = {
     "budget": "1.5",
     "host_limit": "150%",
     "control": "sometimes",
+    "graphs": "often",
 }
 
 
@@ -162,6 +163,16 @@ def test_env_and_options_override():
     with pytest.raises(ConfigError, match="'debug'"):
         cfg.set(debug="9")
     assert cfg.debug == 1
+
+
+@pytest.mark.parametrize("text, graphs", [("", True), (",graphs:false", False), (",graphs:1", True)])
+def test_the_env_pool_takes_graphs(monkeypatch, text, graphs):
+    from supermem import tensor_pool
+
+    monkeypatch.setattr(tensor_pool, "_global", {})
+    monkeypatch.setattr(tensor_pool, "_pools", {})
+    cfg = config.from_env({"SUPERMEM_CONF": f"pool:planned,budget:64MiB{text}"})
+    assert tensor_pool.env_pool(cfg).graphs is graphs
 
 
 def test_options_context_restores_and_rejects_bad_values(monkeypatch):
