@@ -183,13 +183,12 @@ class ChainGraphs:
         self.blocks[id(block)] = info
         return info
 
-    def kind(self, block: torch.nn.Module, x: torch.Tensor, autocast: Any, make: bool = True) -> _Kind | None:
-        """The kind block `block` replays with on input `x`, captured on first sight unless not `make`
-        (None: eager)."""
+    def kind(self, block: torch.nn.Module, x: torch.Tensor, autocast: Any) -> _Kind | None:
+        """The kind block `block` replays with on input `x`, captured on first sight (None: eager)."""
         info = self.blocks[id(block)]
         key = (info.sig, block.training, x.shape, x.stride(), x.dtype, tuple(autocast))
         kind = self.kinds.get(key)
-        if kind is not None or key in self.refused or not make:
+        if kind is not None or key in self.refused:
             return kind
         try:
             kind = self._capture(block, info, x)

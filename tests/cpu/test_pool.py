@@ -244,6 +244,8 @@ def test_pool_factory_reuses_and_rejects_bad_options():
         Pool(policy="fifo")
     with pytest.raises(ConfigError, match="host_limit"):
         Pool(host_limit="12 apples")
+    with pytest.raises(ConfigError, match="graphs"):
+        Pool(graphs="yes")
 
 
 def test_host_full_keeps_tensors_resident():
