@@ -57,8 +57,8 @@ class LightGraphs:
 
     def backward(self, light: _Light, x: torch.Tensor, grad: torch.Tensor, params: tuple) -> list | None:
         """The gradients of the call's input and of `params` by a replay, or None (eager)."""
-        info = self.graphs.blocks.get(id(light.module))
-        if info is None or info.ref() is not light.module or not x.is_cuda:
+        info = self.graphs._block(light.module)
+        if info is None or not x.is_cuda:
             return None
         if any(on for _, on, _ in light.state.autocast) or info.sig not in self._chosen():
             return None

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import statistics
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -400,7 +401,7 @@ class Recorder:
         0.05 ms replay. A non-region unit's price in a lean call (unit_lean_s) counts LEAN_SHARE of
         both host costs. `host_copy_s`: host seconds to issue one copy."""
         n = self.events
-        entry_s = sorted(self.entry_s)[len(self.entry_s) // 2] if self.entry_s else 0.0
+        entry_s = statistics.median_high(self.entry_s) if self.entry_s else 0.0
         times = list(itertools.accumulate(self.segs))
         saved = sorted(self.saved.values(), key=lambda s: s.save)
         for s in saved:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import statistics
 import time
 import weakref
 from collections.abc import Iterable
@@ -355,8 +356,8 @@ class Compress(Treatment):
         ratio = self._packed_bytes / self._tensor_bytes if self._tensor_bytes else PACKED_RATIO_PRIOR
         wait_s = 0.0
         if pool.cuda and self.room == "exact":
-            wait_s = sorted(self._exact_s)[len(self._exact_s) // 2] if self._exact_s else EXACT_PACK_PRIOR_S
-        host_s = sum(sorted(d)[len(d) // 2] for d in self._host_s.values() if d) if pool.cuda else 0.0
+            wait_s = statistics.median_high(self._exact_s) if self._exact_s else EXACT_PACK_PRIOR_S
+        host_s = sum(statistics.median_high(d) for d in self._host_s.values() if d) if pool.cuda else 0.0
         return s_per_byte, ratio, wait_s, host_s
 
     def choices(self, pool: Pool, resident: Iterable[Entry]) -> list[Choice]:
