@@ -19,8 +19,26 @@ import torch
 _SDPA = tuple(
     n for n in ("flash", "mem_efficient", "math", "cudnn") if hasattr(torch.backends.cuda, f"enable_{n}_sdp")
 )
-_SDPA_GET = tuple(getattr(torch.backends.cuda, f"{n}_sdp_enabled") for n in _SDPA)
+# (torch._C's getters where they exist: torch.backends.cuda's wrap them in a Python call each)
+_SDPA_GET = tuple(
+    getattr(torch._C, f"_get_{n}_sdp_enabled", None) or getattr(torch.backends.cuda, f"{n}_sdp_enabled")
+    for n in _SDPA
+)
 _SDPA_SET = tuple(getattr(torch.backends.cuda, f"enable_{n}_sdp") for n in _SDPA)
+
+
+_CPU_RNG = torch.default_generator
+_CUDA_RNG: dict[int, torch.Generator] = {}  # device index -> its default generator
+
+
+def _cuda_generator(device: torch.device) -> torch.Generator:
+    """The device's default CUDA generator (what torch.cuda.get_rng_state reads, without its wrapper)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    gen = _CUDA_RNG.get(index)
+    if gen is None:
+        torch.cuda.init()
+        gen = _CUDA_RNG[index] = torch.cuda.default_generators[index]
+    return gen
 
 
 def sdpa_backends() -> tuple[bool, ...]:
@@ -51,16 +69,20 @@ class CallState:
     __slots__ = ("device", "rng_cpu", "rng_cuda", "autocast", "cache_enabled", "sdpa")
 
     def __init__(self, device: torch.device):
-        cuda = device.type == "cuda"
+        # (a light call takes one in its forward, where a planned step is host-bound: torch.get_rng_state,
+        # torch.cuda.get_rng_state and a generator over the device types cost it ~35 us on an H100's host)
         self.device = device
-        self.rng_cpu = torch.get_rng_state()
-        self.rng_cuda = torch.cuda.get_rng_state(device) if cuda else None
-        self.autocast = tuple(
-            (dt, torch.is_autocast_enabled(dt), torch.get_autocast_dtype(dt))
-            for dt in (("cpu", "cuda") if cuda else ("cpu",))
-        )
+        self.rng_cpu = _CPU_RNG.get_state()
+        cpu = (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"))
+        if device.type == "cuda":
+            self.rng_cuda = _cuda_generator(device).get_state()
+            on = (torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"))
+            self.autocast = (("cpu", *cpu), ("cuda", *on))
+            self.sdpa = sdpa_backends()  # `with sdpa_kernel(...)` is global state
+        else:
+            self.rng_cuda = self.sdpa = None
+            self.autocast = (("cpu", *cpu),)
         self.cache_enabled = torch.is_autocast_cache_enabled()
-        self.sdpa = sdpa_backends() if cuda else None  # `with sdpa_kernel(...)` is global state
 
     def replay(self) -> _Replay:
         return _Replay(self)
@@ -76,16 +98,16 @@ class _Replay:
 
     def __enter__(self) -> _Replay:
         c = self.call
-        self.rng_cpu = torch.get_rng_state()
-        self.rng_cuda = torch.cuda.get_rng_state(c.device) if c.rng_cuda is not None else None
+        self.rng_cpu = _CPU_RNG.get_state()
+        self.rng_cuda = _cuda_generator(c.device).get_state() if c.rng_cuda is not None else None
         self.grad = torch.is_grad_enabled()
         self.cache_enabled = torch.is_autocast_cache_enabled()
         self.autocast: list[Any] = []  # entered: torch.autocast, or (device type, enabled, dtype) before
         self.sdpa: list[tuple[Any, bool]] = []  # switched: (setter, value before)
         try:
-            torch.set_rng_state(c.rng_cpu)
+            _CPU_RNG.set_state(c.rng_cpu)
             if c.rng_cuda is not None:
-                torch.cuda.set_rng_state(c.rng_cuda, c.device)
+                _cuda_generator(c.device).set_state(c.rng_cuda)
             self._enter_autocast(c)
             self.sdpa = switch_sdpa(c.sdpa)
             torch._C._set_grad_enabled(True)
@@ -124,6 +146,6 @@ class _Replay:
             torch.set_autocast_enabled(dt, enabled)
             torch.set_autocast_dtype(dt, dtype)
         torch.set_autocast_cache_enabled(self.cache_enabled)
-        torch.set_rng_state(self.rng_cpu)
+        _CPU_RNG.set_state(self.rng_cpu)
         if self.rng_cuda is not None:
-            torch.cuda.set_rng_state(self.rng_cuda, self.call.device)
+            _cuda_generator(self.call.device).set_state(self.rng_cuda)
