@@ -39,10 +39,10 @@ class LightGraphs:
         self.graphs = ChainGraphs(pool.device, slots=1, forward=False)
         budget = pool.budget_bytes
         self.cap = MAX_SHARE * (budget if budget is not None else pool._device_total)
-        self.seen: dict[tuple, set[int]] = {}  # structure -> ids of the modules run light
-        self.static: dict[tuple, int] = {}  # structure -> a slot's static bytes
-        self.chosen: set[tuple] | None = None  # the structures graphed (None: to choose again)
-        self.failed: set[tuple] = set()
+        self.seen: dict[int, set[int]] = {}  # structure (_Block.sig) -> ids of the modules run light
+        self.static: dict[int, int] = {}  # structure -> a slot's static bytes
+        self.chosen: set[int] | None = None  # the structures graphed (None: to choose again)
+        self.failed: set[int] = set()
         self.noted: set[int] = set()  # ids of the modules note() has counted
 
     def note(self, light: _Light, x: torch.Tensor) -> None:
@@ -89,7 +89,7 @@ class LightGraphs:
         got = {id(p): g for p, g in pairs if id(p) not in unused}
         return [gx, *(got.get(id(p)) for p in params)]
 
-    def _chosen(self) -> set[tuple]:
+    def _chosen(self) -> set[int]:
         """The structures run light at least MIN_BLOCKS times, most calls per static byte first, while
         their static bytes fit the cap."""
         if self.chosen is None:
