@@ -162,3 +162,26 @@ def test_step_phases_prints_each_rows_phases_beside_native_and_checkpointing():
         fwd, bwd = float(host[1]), float(host[3])
         assert fwd > 0 and bwd > 0, line
     assert "x native" in run.stdout
+
+
+def test_hook_costs_times_the_pools_pieces_inside_planned_steps():
+    """tools/hook_costs.py: native's and the planned pool's steps, then each wrapped piece of the pool's
+    host work that ran, with its calls a step and positive times; a piece nested in another (the light
+    call's node in its post-hook) takes no more a call than its caller."""
+    tools = os.path.join(os.path.dirname(__file__), "..", "..", "tools")
+    run = subprocess.run(
+        [sys.executable, os.path.join(tools, "hook_costs.py"), "resnet-quick", "0.3"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    lines = run.stdout.splitlines()
+    assert {line.split()[0] for line in lines if " step " in line} == {"native", "planned"}, run.stdout
+    start = next(i for i, line in enumerate(lines) if line.startswith("piece "))
+    rows = {line.split()[0]: [float(v) for v in line.split()[1:]] for line in lines[start + 1 :]}
+    assert {"Regions._pre_call", "Regions._post_call", "Pool._pack"} <= set(rows), run.stdout
+    for calls, median_us, mean_us, ms in rows.values():
+        assert calls > 0 and median_us > 0 and mean_us > 0 and ms > 0, run.stdout
+    if "_Light.attach" in rows:
+        assert rows["_light_apply"][2] <= rows["_Light.attach"][2], run.stdout
