@@ -23,6 +23,7 @@ from .lean_call import LeanCall
 from .op_replay import OpReplay
 from .planner import Plan, make_plan
 from .profile import EventCounter, Profile
+from .step import NO_EARLY_CALL
 from .treatments import Cast
 
 if TYPE_CHECKING:
@@ -262,7 +263,10 @@ class PlanRunner:
             tail_s = rec.tail() if isinstance(rec, EventCounter) else None
             if tail_s is not None:
                 self._retime_tail(tail_s)
-            self._check_plan(self._plan)
+            if s.early_plan is NO_EARLY_CALL or s.early_plan is self._plan:
+                # (a step whose first call another plan decided, before this one was made at the
+                # step's opening, ran its plan but for that call: not this plan's peak)
+                self._check_plan(self._plan)
             return
         if not rec.full:  # it left its plan's shape, and only counted events: the next steps record
             self._record_full = True

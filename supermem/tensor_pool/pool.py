@@ -40,7 +40,7 @@ from .plan_run import PlanRunner
 from .planner import Plan
 from .profile import EventCounter, Recorder
 from .region import Regions
-from .step import Step
+from .step import NO_EARLY_CALL, Step
 from .treatments import Cast, Offload, Recompute, Treatment, autocast_copy_of
 
 PREFETCH_SCAN = 64  # entries looked at, going back from the one just used, for prefetch
@@ -109,6 +109,7 @@ class Pool(PlanRunner):
         self._plan_pending: list[weakref.ref[Entry]] = []  # planned for recompute, their call still running
         self._last_spike = 0  # the last step's true peak above the most the pool saw
         self._last_peak_bytes = 0  # the last step's measured peak
+        self._early_plan: Any = NO_EARLY_CALL  # the plan a call before the next step's opening ran under
         # the device's highest bytes up to the last exit from this pool's contexts, since the last step's
         # end; how many are entered now (_watch)
         self._inside_peak = 0
@@ -463,6 +464,7 @@ class Pool(PlanRunner):
             self._left = False
             self._steps += 1
             s = self._step = Step(self._steps, self.cuda)
+            s.early_plan, self._early_plan = self._early_plan, NO_EARLY_CALL
             if self.planning and self.budget_bytes is not None:
                 self._plan_ok = self._plan is not None
                 if self._plan_ok and not self._record_full:
@@ -503,6 +505,7 @@ class Pool(PlanRunner):
         each on a CPU for nothing, on the host that bounds a planned step."""
         s = self._step
         if self._between_steps():
+            self._early_plan = self._plan  # what decides this call (the step opens later: Step.early_plan)
             if not self._needed_last_step():
                 return None
             if self._record_full or self._plan is None or not self.planning:

@@ -12,10 +12,13 @@ import time
 
 import torch
 
+NO_EARLY_CALL = object()  # Step.early_plan of a step that opened at a save
+
 
 class Step:
     __slots__ = (
         "index",
+        "early_plan",
         "started_s",
         "backward_s",
         "events",
@@ -38,6 +41,10 @@ class Step:
         self.offloaded = 0  # bytes sent to host in this step's forward
         # outputs of calls the pool did not see, for their next save (PlanRunner._unseen_outputs)
         self.held: list = []
+        # the plan that decided the step's first call, where a region call came before the step opened
+        # (a call at the very start of the forward: the step opens inside it, and may plan the shape
+        # again there); NO_EARLY_CALL where a save opened it
+        self.early_plan: object = NO_EARLY_CALL
 
     @property
     def forward_s(self) -> float | None:

@@ -14,11 +14,13 @@ import time
 
 import pytest
 import torch
+import torch.nn as nn
 from small_models import hide_entry_unpacks
 
 from supermem.tensor_pool import Pool
 from supermem.tensor_pool.planner import make_plan
 from supermem.tensor_pool.profile import Profile, Saved
+from supermem.tensor_pool.step import NO_EARLY_CALL
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -529,6 +531,70 @@ def test_a_greedy_stuck_behind_a_block_replay_plans_again_without_it():
     assert max(resident_curve(p, plan)) <= 9 * MiB
 
 
+def _judged(pool, s):
+    """Whether the step's peak judges the plan: its first call ran under the plan (Step.early_plan)."""
+    return s.early_plan is NO_EARLY_CALL or s.early_plan is pool._plan
+
+
+class _WideFirst(nn.Module):
+    """Six residual MLP blocks, the first 16x wide: its saves are most of the step's."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.Sequential(*[_Res(64, 16 if i == 0 else 4) for i in range(6)])
+
+    def forward(self, x):
+        return self.blocks(x)
+
+
+class _Res(nn.Module):
+    def __init__(self, d, h):
+        super().__init__()
+        self.f = nn.Sequential(nn.Linear(d, h * d), nn.GELU(), nn.Linear(h * d, d))
+
+    def forward(self, x):
+        return x + self.f(x)
+
+
+def test_a_step_whose_first_call_an_older_plan_decided_does_not_judge_the_new_plan():
+    """The first block starts the step: its call is decided before the step opens, and the step's
+    opening (at its first save, inside that call) is where the last step's end may plan the shape
+    again. So the first step of a new plan runs its first call as the old plan said (the wide first
+    block kept where the new plan rebuilds it): its peak is not the new plan's, and does not plan the
+    shape again (without this, a transient there lowered the plan's aim a second time)."""
+    from supermem.tensor_pool.treatments import Recompute
+
+    g = torch.Generator().manual_seed(3)
+    batches = [torch.randn(32, 64, generator=g) for _ in range(8)]
+
+    def train(pool):
+        torch.manual_seed(0)
+        model = _WideFirst()
+        for x in batches:
+            with pool:
+                model(x).square().mean().backward()
+
+    probe = Pool(budget="1GiB", policy="planned", treatments=(Recompute(),))
+    train(probe)
+    budget = int(probe.stats()["plan"]["untreated_peak_bytes"] * 0.85)
+    pool = Pool(budget=budget, policy="planned", treatments=(Recompute(),))
+    real, seen = pool._step_ended, []
+
+    def step_ended(s):
+        if pool._plan_ok:
+            seen.append((_judged(pool, s), len(pool._plan.light)))
+            if len(seen) <= 3:  # every early planned step over the budget: judged ones plan again
+                pool._step_peak += budget // 5
+        real(s)
+
+    pool._step_ended = step_ended
+    train(pool)
+    judged = [j for j, _ in seen]
+    assert judged[:3] == [False, True, False] and all(judged[3:]), seen  # the initial plan's, the new one's
+    assert seen[2][1] > 0, seen  # the new plan runs calls light (the first among them: not that step)
+    assert pool.stats()["replans"] == 1, (pool.stats(), seen)
+
+
 def test_a_plan_that_overshoots_is_made_again_lower():
     """A planned step whose measured peak rose over the budget (on a GPU: a transient the profile put
     elsewhere): the shape is planned again from its profile, below the budget by the overshoot,
@@ -542,7 +608,7 @@ def test_a_plan_that_overshoots_is_made_again_lower():
     spiked = []
 
     def step_ended(s):
-        if pool._plan_ok and not spiked:  # the first planned step: an unseen spike
+        if pool._plan_ok and _judged(pool, s) and not spiked:  # the first planned step judged: a spike
             spiked.append(s)
             pool._step_peak += spike
         real(s)
