@@ -263,9 +263,10 @@ class PlanRunner:
             tail_s = rec.tail() if isinstance(rec, EventCounter) else None
             if tail_s is not None:
                 self._retime_tail(tail_s)
-            if s.early_plan is NO_EARLY_CALL or s.early_plan is self._plan:
-                # (a step whose first call another plan decided, before this one was made at the
-                # step's opening, ran its plan but for that call: not this plan's peak)
+            if s.early_plan in (NO_EARLY_CALL, None) or s.early_plan is self._plan:
+                # (a step whose first call an older plan decided, before this one was made at the
+                # step's opening, ran this plan but for that call: not this plan's peak. The first
+                # planned step's first call, captured as the recording steps' were, runs near its plan)
                 self._check_plan(self._plan)
             return
         if not rec.full:  # it left its plan's shape, and only counted events: the next steps record
