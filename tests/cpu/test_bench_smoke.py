@@ -23,6 +23,17 @@ def _bench(tmp_path, *args):
     return r.stdout, json.loads(out.read_text())
 
 
+TOOLS = os.path.join(os.path.dirname(__file__), "..", "..", "tools")
+
+
+def _tool(name, *args, env=None):
+    """tools/<name> run with this Python; it must exit 0. Its stdout."""
+    cmd = [sys.executable, os.path.join(TOOLS, name), *args]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return r.stdout
+
+
 def test_bench_train_quick_cpu(tmp_path):
     stdout, result = _bench(tmp_path, "train", "--model", "all")
     assert set(result["models"]) == {"gpt", "resnet"}
@@ -103,10 +114,7 @@ def test_the_tools_trainer_steps_inside_the_saver_and_trains_the_same():
 def test_rebuild_overhead_tool_sees_every_recipe_kind():
     """tools/rebuild_overhead.py: every recipe kind rebuilds in the tiny GPT's recompute-only pool, each
     has a self and a bare time, and the rebuilds' self times (nested ones counted once) fit in the step."""
-    tool = os.path.join(os.path.dirname(__file__), "..", "..", "tools", "rebuild_overhead.py")
-    r = subprocess.run([sys.executable, tool, "--steps", "2"], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stdout + r.stderr
-    lines = r.stdout.splitlines()
+    lines = _tool("rebuild_overhead.py", "--steps", "2").splitlines()
     pool_ms = float(lines[0].split("pool ")[-1].split(" ms")[0])
     rows = {line.split()[0]: [float(v) for v in line.split()[1:]] for line in lines[2:5]}
     assert set(rows) == {"region", "op", "cast"}
@@ -118,26 +126,10 @@ def test_rebuild_overhead_tool_sees_every_recipe_kind():
 def test_a_profile_plan_diag_keeps_is_planned_again_offline_the_same(tmp_path):
     """tools/plan_diag.py DUMP= keeps the profile the pool planned from; tools/replan.py, planning from it
     at the same budget, makes the plan the pool made (the planner is deterministic)."""
-    tools = os.path.join(os.path.dirname(__file__), "..", "..", "tools")
     dump = str(tmp_path / "gpt.pkl")
-    env = {**os.environ, "DUMP": dump}
-    diag = subprocess.run(
-        [sys.executable, os.path.join(tools, "plan_diag.py"), "gpt-quick", "0.3", "3"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-    )
-    assert diag.returncode == 0, diag.stdout + diag.stderr
-    made = next(line for line in diag.stdout.splitlines() if line.startswith("plan: "))
-    again = subprocess.run(
-        [sys.executable, os.path.join(tools, "replan.py"), dump, "0.3"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert again.returncode == 0, again.stdout + again.stderr
-    line = again.stdout.splitlines()[1]
+    diag = _tool("plan_diag.py", "gpt-quick", "0.3", "3", env={**os.environ, "DUMP": dump})
+    made = next(line for line in diag.splitlines() if line.startswith("plan: "))
+    line = _tool("replan.py", dump, "0.3").splitlines()[1]
     assert line.split(": ", 1)[1].split(", units")[0] == made.split(": ", 1)[1].split(", offload ")[0], (
         made,
         line,
@@ -147,41 +139,27 @@ def test_a_profile_plan_diag_keeps_is_planned_again_offline_the_same(tmp_path):
 def test_step_phases_prints_each_rows_phases_beside_native_and_checkpointing():
     """tools/step_phases.py: native, the planned pool at a budget, checkpointing the first blocks and
     native again, each with its host time per phase (on a GPU also the GPU's), in one process."""
-    tools = os.path.join(os.path.dirname(__file__), "..", "..", "tools")
-    run = subprocess.run(
-        [sys.executable, os.path.join(tools, "step_phases.py"), "gpt-quick", "0.6"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert run.returncode == 0, run.stdout + run.stderr
-    rows = {line[:16].strip(): line for line in run.stdout.splitlines() if " wall " in line}
-    assert set(rows) == {"native", "planned 0.6", "ckpt first 1", "native again"}, run.stdout
+    out = _tool("step_phases.py", "gpt-quick", "0.6")
+    rows = {line[:16].strip(): line for line in out.splitlines() if " wall " in line}
+    assert set(rows) == {"native", "planned 0.6", "ckpt first 1", "native again"}, out
     for line in rows.values():
         host = line.split("| host ")[1].split()  # fwd F bwd B opt O
         fwd, bwd = float(host[1]), float(host[3])
         assert fwd > 0 and bwd > 0, line
-    assert "x native" in run.stdout
+    assert "x native" in out
 
 
 def test_hook_costs_times_the_pools_pieces_inside_planned_steps():
     """tools/hook_costs.py: native's and the planned pool's steps, then each wrapped piece of the pool's
     host work that ran, with its calls a step and positive times; a piece nested in another (the light
     call's node in its post-hook) takes no more a call than its caller."""
-    tools = os.path.join(os.path.dirname(__file__), "..", "..", "tools")
-    run = subprocess.run(
-        [sys.executable, os.path.join(tools, "hook_costs.py"), "resnet-quick", "0.3"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert run.returncode == 0, run.stdout + run.stderr
-    lines = run.stdout.splitlines()
-    assert {line.split()[0] for line in lines if " step " in line} == {"native", "planned"}, run.stdout
+    out = _tool("hook_costs.py", "resnet-quick", "0.3")
+    lines = out.splitlines()
+    assert {line.split()[0] for line in lines if " step " in line} == {"native", "planned"}, out
     start = next(i for i, line in enumerate(lines) if line.startswith("piece "))
     rows = {line.split()[0]: [float(v) for v in line.split()[1:]] for line in lines[start + 1 :]}
-    assert {"Regions._pre_call", "Regions._post_call", "Pool._pack"} <= set(rows), run.stdout
+    assert {"Regions._pre_call", "Regions._post_call", "Pool._pack"} <= set(rows), out
     for calls, median_us, mean_us, ms in rows.values():
-        assert calls > 0 and median_us > 0 and mean_us > 0 and ms > 0, run.stdout
+        assert calls > 0 and median_us > 0 and mean_us > 0 and ms > 0, out
     if "_Light.attach" in rows:
-        assert rows["_light_apply"][2] <= rows["_Light.attach"][2], run.stdout
+        assert rows["_light_apply"][2] <= rows["_Light.attach"][2], out
