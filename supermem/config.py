@@ -147,7 +147,7 @@ OPTIONS: tuple[Option, ...] = (
         True,
         "true | false",
         "On CUDA, the backward of block calls a plan runs light (rebuilt in backward) replays a CUDA graph "
-        "where at least 4 calls of one structure run light; `false` keeps them eager.",
+        "where at least 16 modules of one structure run light; `false` keeps them eager.",
     ),
     Option(
         "stream",
