@@ -33,7 +33,7 @@ MAX_SHARE = 0.05  # of the budget (of the device without one): the graphed struc
 # step (at 75% of its peak) gained nothing (1.21x and 1.25x native against 1.22x eager), and the
 # graphs' static tensors (162 or 312 MB), which the plan does not hold, took the step over its budget:
 # the shape was planned again 0.15 and 0.30 GiB lower. With 22 and 35 (50%, checkpoint's peak) the
-# graphs gained 0.11-0.36x.
+# graphs gained 0.08-0.36x.
 MIN_CALLS = 16
 
 
