@@ -263,7 +263,7 @@ class PlanRunner:
             tail_s = rec.tail() if isinstance(rec, EventCounter) else None
             if tail_s is not None:
                 self._retime_tail(tail_s)
-            if s.early_plan in (NO_EARLY_CALL, None) or s.early_plan is self._plan:
+            if s.early_plan is NO_EARLY_CALL or s.early_plan is None or s.early_plan is self._plan:
                 # (a step whose first call an older plan decided, before this one was made at the
                 # step's opening, ran this plan but for that call: not this plan's peak. The first
                 # planned step's first call, captured as the recording steps' were, runs near its plan)

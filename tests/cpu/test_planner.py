@@ -533,7 +533,7 @@ def test_a_greedy_stuck_behind_a_block_replay_plans_again_without_it():
 
 def _judged(pool, s):
     """Whether the step's peak judges the plan: its first call ran under no older plan (Step.early_plan)."""
-    return s.early_plan in (NO_EARLY_CALL, None) or s.early_plan is pool._plan
+    return s.early_plan is NO_EARLY_CALL or s.early_plan is None or s.early_plan is pool._plan
 
 
 class _WideFirst(nn.Module):
