@@ -49,13 +49,9 @@ class LightGraphs:
         self.static: dict[int, int] = {}  # structure -> a slot's static bytes
         self.chosen: set[int] | None = None  # the structures graphed (None: to choose again)
         self.failed: set[int] = set()
-        self.noted: set[int] = set()  # ids of the modules note() has counted
 
     def note(self, light: _Light, x: torch.Tensor) -> None:
         """A light call ran (forward): its structure counts toward being graphed."""
-        if id(light.module) in self.noted:
-            return  # (seen: hashing its structure again cost a light call ~15 us of a host-bound forward)
-        self.noted.add(id(light.module))
         info = self.graphs._block(light.module)
         if info is None or info.unit is not None:
             return

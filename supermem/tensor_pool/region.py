@@ -417,7 +417,7 @@ class _LightFn(torch.autograd.Function):
                     light.alive.through(None)
                 return (None, None, None, None, got[0] if x.requires_grad else None, *got[1:])
         inputs = [x if create else x.detach().requires_grad_(x.requires_grad) for x in ctx.saved_tensors]
-        outputs = ctx.light.again(inputs)
+        outputs = light.again(inputs)
         pairs = [(o, g) for o, g in zip(outputs, grads) if g is not None and o.requires_grad]
         # each tensor once (under create_graph an input passed twice, or a parameter passed as an
         # input, is one tensor: autograd.grad would give it its whole gradient at each place)
@@ -427,8 +427,8 @@ class _LightFn(torch.autograd.Function):
         if pairs and wrt:
             outs, gs = [o for o, _ in pairs], [g for _, g in pairs]
             got.update(zip(slots, torch.autograd.grad(outs, wrt, gs, allow_unused=True, create_graph=create)))
-        if ctx.light.alive is not None:
-            ctx.light.alive.through(None)  # backward is through the call (a second one is the pool's no more)
+        if light.alive is not None:
+            light.alive.through(None)  # backward is through the call (a second one is the pool's no more)
         return (None, None, None, None, *(got.pop(id(x), None) for x in (*inputs, *ctx.params)))
 
 
