@@ -21,7 +21,8 @@ import time
 import torch
 
 import supermem
-from supermem.bench.models import Trainer
+from supermem.bench.models import PRESETS, Trainer
+from supermem.errors import ConfigError
 from supermem.tensor_pool import Pool
 
 STEPS = 10
@@ -78,6 +79,9 @@ def phases(tr: Trainer, ctx) -> list[float]:
 
 def main() -> None:
     global on
+    if len(sys.argv) != 3 or sys.argv[1] not in PRESETS:
+        names = ", ".join(PRESETS)
+        sys.exit(f"usage: hook_costs.py PRESET BUDGET (PRESET one of {names}; BUDGET a size or a share)")
     preset, budget = sys.argv[1], sys.argv[2]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     supermem.install()
@@ -113,4 +117,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except ConfigError as e:  # a bad budget: its message, no traceback
+        sys.exit(str(e))
