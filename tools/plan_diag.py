@@ -3,6 +3,8 @@ recompute, by kind, with their measured cost per byte), the plan (what it treats
 seconds it expects each to add) and the steps that ran it. GPU or CPU.
 
     python3 tools/plan_diag.py gpt 0.75 [steps]
+    python3 tools/plan_diag.py resnet 4.48GiB          # a budget in bytes, not a share of native's peak
+    TREATMENTS=offload,recompute,compress:full python3 tools/plan_diag.py resnet 4.48GiB
     DUMP=gpt.pkl python3 tools/plan_diag.py gpt 0.75   # also keeps the profile: tools/replan.py plans
                                                       # from it again, offline, at other budgets
 """
@@ -21,6 +23,7 @@ import torch
 import supermem
 from supermem.bench.models import PRESETS, Trainer
 from supermem.tensor_pool import plan_run, profile
+from supermem.units import parse_bytes
 
 GiB = 2**30
 captured: dict = {}
@@ -166,7 +169,7 @@ def report() -> None:
 
 
 def main() -> None:
-    name, fraction = sys.argv[1], float(sys.argv[2])
+    name, budget_arg = sys.argv[1], sys.argv[2]
     steps = int(sys.argv[3]) if len(sys.argv) > 3 else 6
     cuda = torch.cuda.is_available()
     if cuda:
@@ -186,7 +189,10 @@ def main() -> None:
         probe = supermem.pool(budget=None)
         step(probe)
         native_peak = probe.stats()["peak_resident_bytes"]
-    budget = int(native_peak * fraction)
+    if budget_arg.replace(".", "", 1).isdigit():  # a share of native's peak
+        budget = int(native_peak * float(budget_arg))
+    else:
+        budget = parse_bytes(budget_arg)
     print(f"{PRESETS[name].label}: native {native_s * 1e3:.1f} ms, peak {native_peak / GiB:.2f} GiB", end="")
     print(f"; budget {budget / GiB:.2f}")
     if os.environ.get("PROFILE"):
@@ -201,7 +207,9 @@ def main() -> None:
         for _ in range(3):
             step()
         hook_report(3)
-    pool = supermem.pool(budget=budget, policy="planned")
+    treatments = os.environ.get("TREATMENTS")
+    options = {"treatments": treatments.split(",")} if treatments else {}
+    pool = supermem.pool(budget=budget, policy="planned", **options)
     counters = []  # each plan-running step's event counter: the bytes in use at its events
     step_ended = pool._step_ended
 
