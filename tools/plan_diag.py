@@ -217,6 +217,9 @@ def main() -> None:
         if pool._rec is not None and not pool._rec.full:
             counters.append((pool._rec, pool._plan))
         step_ended(s)
+        if counters and counters[-1][0] is not None:  # each planned step against its plan, as it ends
+            over_curve(*counters[-1], pool._last_peak_bytes)
+            counters[-1] = (None, counters[-1][1], counters[-1][0])
 
     pool._step_ended = keep_counter
     before = allocator_counts(cuda)
@@ -261,17 +264,9 @@ def main() -> None:
             "slowest segments (ms, event, what ends it):",
             [(round(rec.segs[i] * 1e3, 2), i, what.get(i)) for i in slow],
         )
-    if counters:  # where the last planned step's bytes rose above the plan's curve
-        rec, plan = counters[-1]
-        if os.environ.get("DUMP"):
-            captured["used_at"], captured["plan"] = rec.used_at, plan
-        over = sorted(((u - plan.curve[e], e, u) for e, u in rec.used_at.items() if 0 <= e < len(plan.curve)))
-        print(
-            "planned step above the plan's curve, most (GiB over, event, in use):",
-            [(round(d / GiB, 2), e, round(u / GiB, 2)) for d, e, u in over[-5:]],
-            "least:",
-            [(round(d / GiB, 2), e) for d, e, _ in over[:3]],
-        )
+    if counters and os.environ.get("DUMP"):  # the last planned step's bytes at each event
+        _, plan, rec = counters[-1]
+        captured["used_at"], captured["plan"] = rec.used_at, plan
     if os.environ.get("DUMP") and "profile" in captured:
         with open(os.environ["DUMP"], "wb") as f:
             keep = {k: captured.get(k) for k in ("profile", "plan", "used_at")}
@@ -287,6 +282,19 @@ def main() -> None:
     )
     if os.environ.get("PROFILE"):
         profiled(lambda: step(pool), cuda)
+
+
+def over_curve(rec, plan, peak: int) -> None:
+    """Where a planned step's bytes rose above its plan's curve, beside the step's measured peak and
+    the plan's predicted one: a step over its budget plans the shape again, lower."""
+    over = sorted(((u - plan.curve[e], e, u) for e, u in rec.used_at.items() if 0 <= e < len(plan.curve)))
+    print(
+        f"  planned step: measured peak {peak / GiB:.2f} GiB, "
+        f"predicted {plan.predicted_peak_bytes / GiB:.2f}, aim {plan.budget_bytes / GiB:.2f}, "
+        f"most in use at an event "
+        f"{max(rec.used_at.values(), default=0) / GiB:.2f}; above the curve, most (GiB over, event, in use):",
+        [(round(d / GiB, 2), e, round(u / GiB, 2)) for d, e, u in over[-4:]],
+    )
 
 
 def profiled(run, cuda: bool, host: bool = True) -> None:
