@@ -114,7 +114,7 @@ def sweep_modes(device: str) -> list[Mode]:
     # ReLU compression offered to the plan (packs that wait for nothing: Compress(room="full")); ResNet
     # only (GPT has no ReLU)
     opts = {"policy": "planned", "treatments": ["offload", "recompute", "compress:full"]}
-    for label, b, of in (("50%", 0.5, "native"), ("ckpt peak", 1.0, "checkpoint")):
+    for label, b, of in (("75%", 0.75, "native"), ("50%", 0.5, "native"), ("ckpt peak", 1.0, "checkpoint")):
         name = f"planned+compress {label}"
         out.append(Mode(name, "supermem", "pool", b, options=opts, models=("resnet",), budget_of=of))
     return out
