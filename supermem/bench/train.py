@@ -210,18 +210,21 @@ def measure(spec: dict) -> dict:
     sync()
     if cuda:
         torch.cuda.reset_peak_memory_stats()
+    warmup_peaks = []  # each warm-up step's peak: a planned pool's recorded steps may rise higher
     for _ in range(spec["warmup"] - 1):
         step()
+        if cuda:
+            sync()
+            warmup_peaks.append(torch.cuda.max_memory_allocated())
+            torch.cuda.reset_peak_memory_stats()
+    warmup_plans = {}  # how often the pool planned (and planned again, lower) before the timed steps
     for ctx in entered:  # count the timed steps only
         if hasattr(ctx, "synchronize"):
             ctx.synchronize()
+        if hasattr(ctx, "stats"):
+            warmup_plans = {k: ctx.stats().get(k, 0) for k in ("plans", "replans")}
         if hasattr(ctx, "reset_stats"):
             ctx.reset_stats()
-    warmup_peak = None
-    if cuda:  # the peak of the timed steps; a planned pool's recorded steps may rise higher: kept apart
-        sync()
-        warmup_peak = torch.cuda.max_memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
     times_ms = []
     for _ in range(spec["steps"]):
         times_ms.append(_timed(step, cuda))
@@ -233,7 +236,9 @@ def measure(spec: dict) -> dict:
     if cuda:
         alloc, reserved = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
         row.update(peak_alloc_bytes=alloc, peak_reserved_bytes=reserved, frag=reserved / alloc)
-        row["warmup_peak_alloc_bytes"] = warmup_peak
+        row["warmup_peak_alloc_bytes"] = max(warmup_peaks, default=None)
+        row["warmup_step_peak_bytes"] = warmup_peaks
+    row["warmup_plans"] = warmup_plans
     row["pool"] = _saver_stats(entered, spec["steps"])
     if saved is not None:
         row["peak_alloc_bytes"] = saved.peak_bytes
@@ -517,6 +522,10 @@ def _print_sweep(model: str, rows: list[dict], args: argparse.Namespace) -> None
             line += f", dominated by {names}" if dom else ", no eager baseline dominates it"
         pool = r.get("pool") or {}
         plan = pool.get("plan")
+        warm = r.get("warmup_plans") or {}
+        if warm.get("replans"):  # a planned step rose over the budget: the shape was planned again, lower
+            peaks = " ".join(f"{b / size:.2f}" for b in r.get("warmup_step_peak_bytes") or [])
+            line += f"; warm-up: {warm['plans']} plan(s), {warm['replans']} replan(s), step peaks {peaks}"
         if pool.get("plans"):  # a step recorded and planned again inside the timed ones
             line += f"; {pool['plans']} plan(s) made in the timed steps"
         ran = [(k, pool.get(k)) for k in RAN_COUNTERS]
