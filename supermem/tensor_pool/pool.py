@@ -23,6 +23,7 @@ import collections
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import psutil
@@ -471,7 +472,7 @@ class Pool(PlanRunner):
                     # a plan runs: its events only (and its first step's tail timed)
                     self._rec = EventCounter(self._plan.event_of, self._tail_from(), self.cuda)
                 else:
-                    self._rec = Recorder(self.cuda, timed=not self._plan_ok)
+                    self._rec = Recorder(self.cuda, timed=not self._plan_ok, watermark=self._marks())
                 self._rec.regions_on = self.regions.phase != "profiling"  # ("off": a pool without them)
                 self._by_ordinal = {}
                 self._plan_pending = []
@@ -851,6 +852,21 @@ class Pool(PlanRunner):
                 self._last_spike = max(0, peak - self._seen_peak)
                 self._margin = min(self.budget_bytes, self._last_spike)
         self._seen_peak = 0
+
+    def _marks(self) -> Callable[[], tuple[int, int]] | None:
+        """With supermem's allocator and a budget: a call that returns the device's bytes allocated now
+        and the most since the last call (kept in the step's peak too), for a recorded step's
+        transients (Recorder.watermark)."""
+        alloc = self._supermem_allocator() if self.budget_bytes is not None else None
+        if alloc is None:
+            return None
+
+        def marks() -> tuple[int, int]:
+            high = alloc.take_watermark()
+            self._inside_peak = max(self._inside_peak, high)
+            return alloc.allocated_bytes, high
+
+        return marks
 
     def _supermem_allocator(self) -> Any:
         """supermem's allocator of this device, or None; kept once found (asked at every save)."""

@@ -9,6 +9,10 @@ cannot see (the loss's temporaries, workspaces) is the step's true peak (the all
 above the most the pool saw; it is put at backward's start, where the loss's spike falls. An
 allocation that came to the pressure handler (over the budget: the allocator asked the pool for room)
 is a transient too, at the event before it, of the bytes it would have taken the untreated step to.
+With supermem's allocator the model's own rise between two events is a transient too, at the first of
+them: its segments' watermarks above the bytes the event left, the pool's work between them left out
+(a pressure call that freed more than it was asked for hid the rest of the loss's spike from both
+measures above: GPT-24 at 90% on an H100 planned 0.6 GiB short and overshot its budget).
 The link rate comes from the copy engine.
 
 A recompute choice is a unit, whatever rebuilds it (a module call replayed, an autocast weight copy
@@ -27,6 +31,7 @@ import itertools
 import statistics
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -259,9 +264,16 @@ class Recorder:
     full = True
     timing = True
 
-    def __init__(self, cuda: bool, timed: bool):
+    def __init__(self, cuda: bool, timed: bool, watermark: Callable[[], tuple[int, int]] | None = None):
         self.cuda = cuda
         self.bytes: list[int] = []
+        # The model's own rise between two events (Recorder.rises), from `watermark()`: the device's
+        # bytes allocated now and the most since the last call (supermem's allocator; None: not kept)
+        self.watermark = watermark
+        self.seg_used: int | None = None  # the bytes allocated when the model's segment began
+        self.rise = 0  # the model's own net bytes since the last event (its segments', not the pool's)
+        self.peak_rise = 0  # the most the model's own bytes rose above the last event's, so far
+        self.rises: list[int] = []  # per event: the most they rose in the interval that ended at it
         self.saved: dict[int, Saved] = {}  # ordinal -> record
         # storage address -> (its storage, weakly; the first save on it; the bytes the saves on it
         # span): Saved.counted
@@ -292,15 +304,23 @@ class Recorder:
         return len(self.bytes)
 
     def pause(self) -> None:
-        """One of the pool's calls (a hook, a module call's wrapper) begins."""
+        """One of the pool's calls (a hook, a module call's wrapper) begins: the model's segment ends."""
+        if self.watermark is not None and not self.clock.paused and self.seg_used is not None:
+            used, high = self.watermark()
+            self.peak_rise = max(self.peak_rise, self.rise + high - self.seg_used)
+            self.rise += used - self.seg_used
         self.clock.pause()
 
     def resume(self) -> None:
         self.clock.resume()
+        if self.watermark is not None and not self.clock.paused:  # the pool's own bytes are not the model's
+            self.seg_used = self.watermark()[0]
 
     def _event(self, used: int) -> int:
         self.bytes.append(used + self.away)
         self.segs.append(self.clock.take())
+        self.rises.append(self.peak_rise)
+        self.rise = self.peak_rise = 0
         return len(self.bytes) - 1
 
     def pressed(self, demand: int) -> None:
@@ -435,6 +455,8 @@ class Recorder:
             p.transient_bytes[p.backward_event] = spike_bytes
         for i, demand in self.pressure:
             p.transient_bytes[i] = max(p.transient_bytes[i], demand - p.base_bytes[i])
+        for i in range(1, len(self.rises)):  # what the model allocated above an event before the next
+            p.transient_bytes[i - 1] = max(p.transient_bytes[i - 1], self.rises[i])
         for k, (cost, ordinals, ready, inputs, kind, start, end) in enumerate(self.units.values()):
             if callable(cost):
                 cost = cost()
