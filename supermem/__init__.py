@@ -19,6 +19,7 @@ _LAZY = {  # public name -> module that defines it
     "installed": "registry",
     "device_allocator": "registry",
     "options": "config",
+    "linear_cross_entropy": "losses",
     "pool": "tensor_pool",
     "stream": "streaming",
     "Pool": "tensor_pool",

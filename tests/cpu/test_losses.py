@@ -1,0 +1,129 @@
+"""supermem.linear_cross_entropy: the last linear layer and its cross-entropy a chunk of rows at a time,
+against the unchunked expression it replaces."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import supermem
+from supermem.losses import linear_cross_entropy
+
+VOCAB, D = 50, 16
+
+
+def inputs(dtype=torch.float64, bias=True, shape=(4, 7), seed=0):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(*shape, D, dtype=dtype, generator=g)
+    w = torch.randn(VOCAB, D, dtype=dtype, generator=g)
+    b = torch.randn(VOCAB, dtype=dtype, generator=g) if bias else None
+    t = torch.randint(0, VOCAB, shape, generator=g)
+    t.view(-1)[:3] = -100  # ignored rows
+    return h, w, b, t
+
+
+def run(fn, h, w, b, t, **kw):
+    """fn's loss and the gradients of its leaves (fresh copies of h, w, b)."""
+    leaves = [x.detach().clone().requires_grad_() if x is not None else None for x in (h, w, b)]
+    loss = fn(*leaves, t, **kw)
+    loss.backward()
+    return loss.detach(), [x.grad if x is not None else None for x in leaves]
+
+
+def unchunked(h, w, b, t, reduction="mean"):
+    logits = F.linear(h, w, b).reshape(-1, VOCAB)
+    return F.cross_entropy(
+        logits.to(torch.promote_types(logits.dtype, torch.float32)), t.reshape(-1), reduction=reduction
+    )
+
+
+def chunked(h, w, b, t, **kw):
+    return linear_cross_entropy(h, w, t, bias=b, **kw)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("chunk_rows", [1, 5, 28, 100])  # one row, uneven, all rows, more than all
+@pytest.mark.parametrize("bias", [True, False])
+def test_it_equals_the_unchunked_loss_and_gradients(reduction, chunk_rows, bias):
+    h, w, b, t = inputs(bias=bias)
+    loss, grads = run(chunked, h, w, b, t, reduction=reduction, chunk_rows=chunk_rows)
+    ref_loss, ref_grads = run(unchunked, h, w, b, t, reduction=reduction)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-12, atol=1e-12)
+    for g, r in zip(grads, ref_grads):
+        if r is None:
+            assert g is None
+        else:
+            torch.testing.assert_close(g, r, rtol=1e-12, atol=1e-12)
+
+
+def test_under_bf16_autocast_it_is_the_unchunked_loss_within_bf16_rounding():
+    """The logits in autocast's dtype, the loss in fp32, the logit gradient cast back before its
+    matmuls, as the unchunked expression does; the sums run in another order (the loss's over
+    chunks, the weight gradient's over the chunks' bf16 products)."""
+    h, w, _, t = inputs(dtype=torch.float32, bias=False, shape=(2, 64))
+    w = w * 0.1
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss, (gh, gw, _) = run(chunked, h, w, None, t, chunk_rows=16)
+        ref_loss, (rh, rw, _) = run(unchunked, h, w, None, t)
+    assert loss.dtype == ref_loss.dtype == torch.float32
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=0)
+    assert gh.dtype == gw.dtype == torch.float32
+    for g, r in ((gh, rh), (gw, rw)):
+        assert ((g - r).norm() / r.norm()).item() < 1e-2  # bf16 keeps 8 bits: 0.4% a value
+
+
+def test_every_row_ignored_gives_nan_and_zero_gradients_as_cross_entropy_does():
+    h, w, b, t = inputs(dtype=torch.float32)
+    t.fill_(-100)
+    loss, grads = run(chunked, h, w, b, t, chunk_rows=5)
+    ref_loss, ref_grads = run(unchunked, h, w, b, t)
+    assert loss.isnan() and ref_loss.isnan()
+    for g, r in zip(grads, ref_grads):
+        assert torch.equal(g, r)
+
+
+def test_a_frozen_weight_gets_no_gradient_and_no_grad_mode_makes_none():
+    h, w, _, t = inputs(bias=False)
+    hh = h.clone().requires_grad_()
+    loss = linear_cross_entropy(hh, w, t, chunk_rows=5)
+    loss.backward()
+    assert w.grad is None and hh.grad is not None
+    with torch.no_grad():
+        quiet = linear_cross_entropy(h, w, t, chunk_rows=5)
+    assert quiet.grad_fn is None
+    torch.testing.assert_close(quiet, unchunked(h, w, None, t), rtol=1e-12, atol=1e-12)
+
+
+def test_backward_keeps_the_gradients_not_the_logits():
+    """What the loss holds for backward: the hidden's and the weight's gradients (bytes counted by
+    saved-tensor hooks), where the unchunked loss keeps log_softmax's output, rows x vocabulary."""
+    rows, vocab = 256, 4096
+    h = torch.randn(rows, D, requires_grad=True)
+    w = torch.randn(vocab, D, requires_grad=True)
+    t = torch.randint(0, vocab, (rows,))
+
+    def saved_bytes(fn):
+        held = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda x: held.append(x.nbytes) or x, lambda x: x):
+            fn()
+        return sum(held)
+
+    ours = saved_bytes(lambda: linear_cross_entropy(h, w, t, chunk_rows=32))
+    theirs = saved_bytes(lambda: F.cross_entropy(F.linear(h, w), t))
+    assert ours == h.nbytes + w.nbytes
+    assert theirs >= rows * vocab * 4
+
+
+def test_bad_input_says_what_is_wrong():
+    h, w, b, t = inputs()
+    with pytest.raises(ValueError, match="reduction='none'"):
+        linear_cross_entropy(h, w, t, reduction="none")
+    with pytest.raises(ValueError, match="target"):
+        linear_cross_entropy(h, w, t[:, :3])
+    with pytest.raises(ValueError, match="do not make logits"):
+        linear_cross_entropy(h, w.t(), t)
+    with pytest.raises(ValueError, match="chunk_rows=0"):
+        linear_cross_entropy(h, w, t, chunk_rows=0)
+
+
+def test_it_is_public():
+    assert supermem.linear_cross_entropy is linear_cross_entropy
