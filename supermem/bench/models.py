@@ -64,9 +64,12 @@ class GPT(nn.Module):
         self.checkpoint_blocks: bool | int = False
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.head(self.hidden(idx))
+
+    def hidden(self, idx: torch.Tensor) -> torch.Tensor:
+        """What the head reads (supermem.linear_cross_entropy takes it with the head's weight)."""
         x = self.emb(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
-        x = _blocks(self, x)
-        return self.head(self.ln(x))
+        return self.ln(_blocks(self, x))
 
 
 class Bottleneck(nn.Module):

@@ -65,13 +65,18 @@ def test_bench_train_sweep_quick_cpu(tmp_path):
     baselines = ["native", "checkpoint", "checkpoint reentrant"] + [f"checkpoint first {p}" for p in parts]
     budgets = ["90%", "75%", "60%", "50%", "ckpt peak"]
     pool_rows = [f"{policy} {b}" for policy in ("cost_aware", "planned") for b in budgets]
-    assert set(by_name) == set(baselines + ["compile budget 0.5"] + pool_rows)  # CPU: no save_on_cpu
+    extra = ["compile budget 0.5", "chunked loss"]  # CPU: no save_on_cpu
+    assert set(by_name) == set(baselines + extra + pool_rows)
     for name, row in by_name.items():
         assert "error" not in row, f"{name}: {row['error']}"
         assert row["peak_alloc_bytes"] > 0 and math.isfinite(row["loss"])
     native, ckpt = by_name["native"], by_name["checkpoint"]
     # torch.compile runs the same model (other kernels: close, not bitwise)
     assert math.isclose(native["loss"], by_name["compile budget 0.5"]["loss"], rel_tol=1e-3)
+    # the chunked loss is the same loss (sums in another order), and backward keeps no logits
+    chunked = by_name["chunked loss"]
+    assert math.isclose(native["loss"], chunked["loss"], rel_tol=1e-4)
+    assert chunked["peak_alloc_bytes"] < native["peak_alloc_bytes"]
     # CPU peaks are bytes saved for backward: checkpointing more blocks keeps fewer
     assert (
         ckpt["peak_alloc_bytes"]
