@@ -8,9 +8,10 @@ bf16 autocast) holds its bf16 logits, their fp32 copy, log_softmax's saved outpu
 backward makes of them at once: 3.81 GiB above everything else on an H100, a quarter of its 15.17 GiB
 peak, where no pool or checkpoint can help (the tensors are made and used within the loss). Here each
 chunk's logits are made, turned into that chunk's loss and logit gradient at once (softmax less the
-one-hot target, scaled as the reduction says), and multiplied back into the hidden rows' and the
-weight's gradients; what backward keeps is those gradients (the hidden's size and the weight's), and a
-chunk's temporaries are CHUNK_BYTES of fp32 logits.
+one-hot target), and multiplied back into the hidden rows' and the weight's gradients; what backward
+keeps is those gradients, in fp32 (the hidden's and the weight's shapes), scaled there as the reduction
+and backward's own gradient say. A chunk's temporaries are about three times CHUNK_BYTES of fp32
+logits (its logits in two dtypes, their gradient) and one weight-sized matmul product.
 
 Numerics follow the unchunked expression: the logits in autocast's dtype when autocast is on (the
 matmuls run under it), the loss and softmax in fp32, the logit gradient cast back to the logits' dtype
@@ -56,8 +57,9 @@ def linear_cross_entropy(
     if chunk_rows < 1:
         raise ValueError(f"linear_cross_entropy: chunk_rows={chunk_rows} should be >= 1")
     rows = hidden.reshape(-1, hidden.shape[-1])
+    grad_on = torch.is_grad_enabled()
     return _LinearCrossEntropy.apply(
-        rows, weight, bias, target.reshape(-1), ignore_index, reduction, chunk_rows
+        rows, weight, bias, target.reshape(-1), ignore_index, reduction, chunk_rows, grad_on
     )
 
 
@@ -72,46 +74,53 @@ def _matmul_dtype(rows: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, rows, weight, bias, target, ignore_index, reduction, chunk_rows):
-        want_rows, want_weight, want_bias = ctx.needs_input_grad[:3]
+    def forward(ctx, rows, weight, bias, target, ignore_index, reduction, chunk_rows, grad_on):
+        # (needs_input_grad says requires_grad, not grad mode: under no_grad, the loss only)
+        want_rows, want_weight, want_bias = want = [grad_on and n for n in ctx.needs_input_grad[:3]]
         low = _matmul_dtype(rows, weight)
         wide = torch.promote_types(weight.dtype, torch.float32)  # the loss's and sums' dtype: fp32 at least
         w = weight.to(low)  # cast once, not per chunk (autocast would, per F.linear)
         b = bias.to(low) if bias is not None else None
         valid = target != ignore_index
-        scale = 1.0 / valid.sum().to(wide) if reduction == "mean" else 1.0  # (a tensor: no host sync)
+        ones = torch.ones((), device=rows.device, dtype=wide)
+        scale = ones / valid.sum() if reduction == "mean" else ones  # (a tensor: no host sync)
         total = torch.zeros((), device=rows.device, dtype=wide)
-        grad_rows = torch.empty_like(rows) if want_rows else None
+        # The gradients of the rows' summed loss, kept in `wide`: backward scales them by `scale` and
+        # its own gradient there, so fp16 under a loss scale (GradScaler's 65536) neither underflows
+        # (a softmax / rows in fp16) nor overflows (65536 in fp16).
+        grad_rows = torch.zeros(rows.shape, device=rows.device, dtype=wide) if want_rows else None
         grad_weight = torch.zeros_like(weight, dtype=wide) if want_weight else None
         grad_bias = torch.zeros_like(bias, dtype=wide) if want_bias else None
         with torch.autocast(rows.device.type, enabled=False):
             for start in range(0, rows.shape[0], chunk_rows):
                 part = slice(start, start + chunk_rows)
-                h, t, keep = rows[part].to(low), target[part].clamp(min=0).unsqueeze(1), valid[part]
+                keep = valid[part]
+                h, t = rows[part].to(low), torch.where(keep, target[part], 0).unsqueeze(1)
                 z = F.linear(h, w, b).to(wide)
                 lse = torch.logsumexp(z, dim=-1)
                 total += torch.where(keep, lse - z.gather(1, t).squeeze(1), 0.0).sum()
-                if not (want_rows or want_weight or want_bias):
-                    continue
-                grad = torch.exp(z.sub_(lse.unsqueeze(1)))  # softmax, in z's storage
-                grad.scatter_add_(1, t, torch.full_like(z[:, :1], -1.0))  # less the one-hot target
-                grad = grad.mul_(torch.where(keep, scale, 0.0).unsqueeze(1)).to(low)  # (all ignored: 0)
-                if want_rows:
-                    grad_rows[part] = grad @ w
-                if want_weight:
-                    grad_weight += grad.t() @ h
-                if want_bias:
-                    grad_bias += grad.to(wide).sum(0)
-        ctx.save_for_backward(grad_rows, grad_weight, grad_bias)
-        ctx.dtypes = (weight.dtype, bias.dtype if bias is not None else None)
+                if any(want):
+                    grad = torch.exp(z.sub_(lse.unsqueeze(1)))  # softmax, in z's storage
+                    grad.scatter_add_(1, t, torch.full_like(z[:, :1], -1.0))  # less the one-hot target
+                    grad = grad.mul_(keep.unsqueeze(1)).to(low)
+                    if want_rows:
+                        grad_rows[part] = grad @ w
+                    if want_weight:
+                        grad_weight += grad.t() @ h
+                    if want_bias:
+                        grad_bias += grad.sum(0, dtype=wide)
+                    del grad
+                del z  # (before the next chunk's logits are made)
+        ctx.save_for_backward(
+            grad_rows, grad_weight, grad_bias, scale.nan_to_num(posinf=0.0)
+        )  # (none kept: 0)
+        ctx.dtypes = (rows.dtype, weight.dtype, bias.dtype if bias is not None else None)
         return total * scale
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_loss):
-        grad_rows, grad_weight, grad_bias = ctx.saved_tensors
-        weight_dtype, bias_dtype = ctx.dtypes
-        out_rows = grad_rows * grad_loss.to(grad_rows.dtype) if grad_rows is not None else None
-        out_weight = (grad_weight * grad_loss).to(weight_dtype) if grad_weight is not None else None
-        out_bias = (grad_bias * grad_loss).to(bias_dtype) if grad_bias is not None else None
-        return out_rows, out_weight, out_bias, None, None, None, None
+        *grads, scale = ctx.saved_tensors
+        by = scale * grad_loss.to(scale.dtype)
+        out = [(g * by).to(dtype) if g is not None else None for g, dtype in zip(grads, ctx.dtypes)]
+        return (*out, None, None, None, None, None)

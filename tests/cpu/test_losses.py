@@ -29,11 +29,10 @@ def run(fn, h, w, b, t, **kw):
     return loss.detach(), [x.grad if x is not None else None for x in leaves]
 
 
-def unchunked(h, w, b, t, reduction="mean"):
+def unchunked(h, w, b, t, reduction="mean", ignore_index=-100):
     logits = F.linear(h, w, b).reshape(-1, VOCAB)
-    return F.cross_entropy(
-        logits.to(torch.promote_types(logits.dtype, torch.float32)), t.reshape(-1), reduction=reduction
-    )
+    wide = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    return F.cross_entropy(wide, t.reshape(-1), reduction=reduction, ignore_index=ignore_index)
 
 
 def chunked(h, w, b, t, **kw):
@@ -109,8 +108,51 @@ def test_backward_keeps_the_gradients_not_the_logits():
 
     ours = saved_bytes(lambda: linear_cross_entropy(h, w, t, chunk_rows=32))
     theirs = saved_bytes(lambda: F.cross_entropy(F.linear(h, w), t))
-    assert ours == h.nbytes + w.nbytes
+    assert ours == h.nbytes + w.nbytes + 4  # and the reduction's fp32 scale
     assert theirs >= rows * vocab * 4
+
+
+def test_fp16_under_a_loss_scale_keeps_its_gradients():
+    """GradScaler multiplies the loss by 65536: the gradients must be scaled in fp32, not made small in
+    fp16 first (a softmax / rows underflows there) nor multiplied by 65536 in fp16 (inf)."""
+    rows, vocab = 2048, 2000
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(rows, D, generator=g)
+    w = torch.randn(vocab, D, generator=g) * 0.3
+    t = torch.randint(0, vocab, (rows,), generator=g)
+    ref = [x.double().requires_grad_() for x in (h, w)]
+    F.cross_entropy(F.linear(*ref), t).backward()
+    ours = [x.half().requires_grad_() for x in (h, w)]
+    (linear_cross_entropy(*ours, t, chunk_rows=256) * 65536).backward()
+    for o, r in zip(ours, ref):
+        got = o.grad.double() / 65536
+        assert got.isfinite().all()
+        assert ((got - r.grad).norm() / r.grad.norm()).item() < 1e-2
+
+
+def test_no_grad_computes_the_loss_only(monkeypatch):
+    """Evaluation under no_grad with parameters that require grad: no gradient work (torch.exp makes
+    the softmax of the logit gradient; the loss itself needs only logsumexp)."""
+    h, w, _, t = inputs(bias=False)
+    h.requires_grad_(), w.requires_grad_()
+    exp, calls = torch.exp, []
+    monkeypatch.setattr(torch, "exp", lambda *a, **k: calls.append(1) or exp(*a, **k))
+    with torch.no_grad():
+        linear_cross_entropy(h, w, t, chunk_rows=5)
+    assert calls == []
+    linear_cross_entropy(h, w, t, chunk_rows=5)
+    assert calls  # (with grad on, it does)
+
+
+def test_an_ignore_index_past_the_vocabulary_is_ignored():
+    """A pad id equal to the vocabulary's size: no class, so never gathered (a device assert on CUDA)."""
+    h, w, b, t = inputs()
+    t.view(-1)[:3] = VOCAB
+    loss, grads = run(chunked, h, w, b, t, ignore_index=VOCAB, chunk_rows=5)
+    ref_loss, ref_grads = run(unchunked, h, w, b, t, ignore_index=VOCAB)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-12, atol=1e-12)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r, rtol=1e-12, atol=1e-12)
 
 
 def test_bad_input_says_what_is_wrong():
