@@ -119,6 +119,11 @@ def sweep_modes(device: str) -> list[Mode]:
     for label, b, of in (("75%", 0.75, "native"), ("50%", 0.5, "native"), ("ckpt peak", 1.0, "checkpoint")):
         name = f"planned+compress {label}"
         out.append(Mode(name, "supermem", "pool", b, options=opts, models=("resnet",), budget_of=of))
+    # The plan over a step without the loss's spike (GPT only), at the same budgets as the rows above
+    opts = {"policy": "planned", "loss": "chunked"}
+    for label, b, of in (("75%", 0.75, "native"), ("ckpt peak", 1.0, "checkpoint")):
+        name = f"planned+chunked loss {label}"
+        out.append(Mode(name, "supermem", "pool", b, options=opts, models=("gpt",), budget_of=of))
     return out
 
 
