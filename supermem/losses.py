@@ -111,9 +111,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
                         grad_bias += grad.sum(0, dtype=wide)
                     del grad
                 del z  # (before the next chunk's logits are made)
-        ctx.save_for_backward(
-            grad_rows, grad_weight, grad_bias, scale.nan_to_num(posinf=0.0)
-        )  # (none kept: 0)
+        grad_scale = scale.nan_to_num(posinf=0.0)  # every row ignored: a nan loss, zero gradients
+        ctx.save_for_backward(grad_rows, grad_weight, grad_bias, grad_scale)
         ctx.dtypes = (rows.dtype, weight.dtype, bias.dtype if bias is not None else None)
         return total * scale
 
