@@ -192,7 +192,10 @@ def main() -> None:
     if budget_arg.replace(".", "", 1).isdigit():  # a share of native's peak
         budget = int(native_peak * float(budget_arg))
     else:
-        budget = parse_bytes(budget_arg)
+        try:
+            budget = parse_bytes(budget_arg)
+        except ValueError as e:  # a mistyped budget: its reason, no traceback
+            sys.exit(f"plan_diag.py: budget {e}")
     print(f"{PRESETS[name].label}: native {native_s * 1e3:.1f} ms, peak {native_peak / GiB:.2f} GiB", end="")
     print(f"; budget {budget / GiB:.2f}")
     if os.environ.get("PROFILE"):
@@ -210,16 +213,15 @@ def main() -> None:
     treatments = os.environ.get("TREATMENTS")
     options = {"treatments": treatments.split(",")} if treatments else {}
     pool = supermem.pool(budget=budget, policy="planned", **options)
-    counters = []  # each plan-running step's event counter: the bytes in use at its events
+    last: list = []  # the last plan-running step's event counter (the bytes in use at its events), plan
     step_ended = pool._step_ended
 
     def keep_counter(s):
-        if pool._rec is not None and not pool._rec.full:
-            counters.append((pool._rec, pool._plan))
+        rec, plan = pool._rec, pool._plan
         step_ended(s)
-        if counters and counters[-1][0] is not None:  # each planned step against its plan, as it ends
-            over_curve(*counters[-1], pool._last_peak_bytes)
-            counters[-1] = (None, counters[-1][1], counters[-1][0])
+        if rec is not None and not rec.full:  # each planned step against its plan, as it ends
+            over_curve(rec, plan, pool._last_peak_bytes)
+            last[:] = [rec, plan]
 
     pool._step_ended = keep_counter
     before = allocator_counts(cuda)
@@ -264,9 +266,8 @@ def main() -> None:
             "slowest segments (ms, event, what ends it):",
             [(round(rec.segs[i] * 1e3, 2), i, what.get(i)) for i in slow],
         )
-    if counters and os.environ.get("DUMP"):  # the last planned step's bytes at each event
-        _, plan, rec = counters[-1]
-        captured["used_at"], captured["plan"] = rec.used_at, plan
+    if last and os.environ.get("DUMP"):  # the last planned step's bytes at each event
+        captured["used_at"], captured["plan"] = last[0].used_at, last[1]
     if os.environ.get("DUMP") and "profile" in captured:
         with open(os.environ["DUMP"], "wb") as f:
             keep = {k: captured.get(k) for k in ("profile", "plan", "used_at")}
