@@ -503,8 +503,11 @@ def choose_regions(roots: list[_Call]) -> set[torch.nn.Module]:
         else:
             chosen.add(c.module)
 
+    # A lone top call is the model: always split. Top calls of a step that calls its parts itself
+    # (GPT.hidden's blocks, one by one, under supermem.linear_cross_entropy) are split by share alone,
+    # as they would be inside a model's call.
     for r in roots:
-        visit(r, True)
+        visit(r, len(roots) == 1)
     return chosen
 
 

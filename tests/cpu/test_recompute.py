@@ -2,6 +2,7 @@
 bitwise plain PyTorch's on MLPs, a small GPT with dropout (RNG replay), a small ResNet (BatchNorm,
 in-place ReLU), shared weights and autocast; regions really are dropped and replayed; misuse raises."""
 
+import functools
 import gc
 import sys
 
@@ -953,3 +954,21 @@ def test_a_block_on_the_batch_itself_is_never_planned_to_run_with_the_pools_hook
     assert 0 in plan.captures and profile.capture_made, (plan.captures, profile.capture_made)
     s = pool.stats()
     assert s["plan_misses"] == 0 and s["bypassed_calls"] > 0, s
+
+
+def test_blocks_called_one_by_one_by_the_step_are_the_regions_not_their_layers():
+    """A step that calls its blocks itself, with no module call around them (GPT.hidden's loop under
+    supermem.linear_cross_entropy): each block is a top call and a region, as inside a model's forward.
+    Split into its layers, a GPT-24 step ran 96 regions that the plan could not run hook-free."""
+    torch.manual_seed(0)
+    blocks = nn.ModuleList(
+        nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64), nn.Tanh()) for _ in range(6)
+    )
+    whole = nn.Sequential(*blocks)
+    x = torch.randn(32, 64)
+    for run in (lambda: whole(x), lambda: functools.reduce(lambda h, b: b(h), blocks, x)):
+        pool = Pool(budget=0, policy="cost_aware", host_limit="64MiB")
+        for _ in range(2):
+            with pool:
+                run().sum().backward()
+        assert sorted(map(id, pool.regions.modules)) == sorted(map(id, blocks))
