@@ -8,8 +8,9 @@
 // predecessors' status words for the nonzeros before it, publishes its own inclusive prefix,
 // writes its blocks' offsets and copies its nonzeros from the registers, staged through shared
 // memory so the global writes are contiguous. Unpack is one pass too: each warp loads its block's
-// 64 bitmap words once, ranks each lane's elements with a warp prefix sum of popcounts, loads its
-// values and writes 16-byte vectors. All indices are int64: tensors past 2^31 elements work.
+// 64 bitmap words once, scans their popcounts once (so every lane finds its first value of a step
+// with two shuffles, not a scan a step), loads its values and writes 16-byte vectors. All indices
+// are int64: tensors past 2^31 elements work.
 #include <climits>
 #include <string>
 
@@ -361,10 +362,14 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t w0 = first / 32;
   const uint32_t lo = (w0 + lane < nwords) ? bitmap[w0 + lane] : 0u;
   const uint32_t hi = (w0 + 32 + lane < nwords) ? bitmap[w0 + 32 + lane] : 0u;
-  // Values before this step: the block's, plus the set bits of its words before s_begin.
-  const int words_before = s_begin * L::kVec;
-  const int before = (lane < words_before ? __popc(lo) : 0) + (lane + 32 < words_before ? __popc(hi) : 0);
-  int64_t in = offsets[block] + warp_sum(before);
+  // The values before each word in the block, by one scan of the words' counts (both registers'
+  // in the 16-bit halves of one sum: a block has <= 2048): word k's in lane k % 32 of lo_before /
+  // hi_before. A lane's first value in a step is then two shuffles away, not a scan away.
+  const int64_t base = offsets[block];
+  const int c_lo = __popc(lo), c_hi = __popc(hi);
+  const int incl = warp_inclusive_sum(c_lo | (c_hi << 16), lane);
+  const int lo_before = (incl & 0xffff) - c_lo;
+  const int hi_before = (__shfl_sync(kFullMask, incl, 31) & 0xffff) + (incl >> 16) - c_hi;
   for (int s0 = s_begin; s0 < s_begin + warp_steps; s0 += kUnroll) {
     Vec<W> v[kUnroll];
 #pragma unroll
@@ -372,11 +377,12 @@ __global__ void __launch_bounds__(kThreads)
       // Step s covers block words s*kVec .. s*kVec+kVec-1: never straddling a register (32 % kVec == 0).
       const int s = s0 + u;
       const int k = s * L::kVec + lane / L::kLanesPerWord;
-      const uint32_t word = __shfl_sync(kFullMask, s * L::kVec < 32 ? lo : hi, k % 32);
-      const uint32_t m = (word >> ((lane % L::kLanesPerWord) * L::kVec)) & ((1u << L::kVec) - 1u);
-      const int c = __popc(m);
-      const int incl = warp_inclusive_sum(c, lane);
-      const W* mine = values + in + (incl - c);  // this lane's first value
+      const bool low = s * L::kVec < 32;
+      const uint32_t word = __shfl_sync(kFullMask, low ? lo : hi, k % 32);
+      const int word_before = __shfl_sync(kFullMask, low ? lo_before : hi_before, k % 32);
+      const int bit = (lane % L::kLanesPerWord) * L::kVec;
+      const uint32_t m = (word >> bit) & ((1u << L::kVec) - 1u);
+      const W* mine = values + base + word_before + __popc(word & ((1u << bit) - 1u));  // the lane's first
       int r = 0;
 #pragma unroll
       for (int j = 0; j < L::kVec; ++j) {
@@ -384,7 +390,6 @@ __global__ void __launch_bounds__(kThreads)
         v[u].w[j] = set ? mine[r] : W(0);
         r += set;
       }
-      in += __shfl_sync(kFullMask, incl, 31);
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u)
