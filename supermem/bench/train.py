@@ -121,7 +121,8 @@ def sweep_modes(device: str) -> list[Mode]:
         out.append(Mode(name, "supermem", "pool", b, options=opts, models=("resnet",), budget_of=of))
     # The plan over a step without the loss's spike (GPT only), at the same budgets as the rows above
     opts = {"policy": "planned", "loss": "chunked"}
-    for label, b, of in (("75%", 0.75, "native"), ("ckpt peak", 1.0, "checkpoint")):
+    budgets = [(f"{b:.0%}", b, "native") for b in SWEEP_BUDGETS] + [("ckpt peak", 1.0, "checkpoint")]
+    for label, b, of in budgets:
         name = f"planned+chunked loss {label}"
         out.append(Mode(name, "supermem", "pool", b, options=opts, models=("gpt",), budget_of=of))
     return out

@@ -65,7 +65,7 @@ def test_bench_train_sweep_quick_cpu(tmp_path):
     baselines = ["native", "checkpoint", "checkpoint reentrant"] + [f"checkpoint first {p}" for p in parts]
     budgets = ["90%", "75%", "60%", "50%", "ckpt peak"]
     pool_rows = [f"{policy} {b}" for policy in ("cost_aware", "planned") for b in budgets]
-    pool_rows += ["planned+chunked loss 75%", "planned+chunked loss ckpt peak"]
+    pool_rows += [f"planned+chunked loss {b}" for b in budgets]
     extra = ["compile budget 0.5", "chunked loss"]  # CPU: no save_on_cpu
     assert set(by_name) == set(baselines + extra + pool_rows)
     for name, row in by_name.items():
