@@ -21,8 +21,8 @@ Numerics follow the unchunked expression: the logits in autocast's dtype when au
 matmuls run under it), the loss and softmax in fp32, the logit gradient cast back to the logits' dtype
 before its two matmuls (whose products, on CUDA, go into the fp32 gradients unrounded). What differs
 is the order of sums: the loss and the weight's gradient add the chunks' parts (close, not bitwise).
-Reductions "mean" and "sum" (the gradients are made in forward for
-a scalar loss; "none" would need each row's own scale in backward). Not twice differentiable.
+Reductions "mean" and "sum" (the gradients are made in forward for a scalar loss; "none" would need
+each row's own scale in backward). Not twice differentiable.
 """
 
 from __future__ import annotations
