@@ -9,8 +9,8 @@
 // writes its blocks' offsets and copies its nonzeros from the registers, staged through shared
 // memory so the global writes are contiguous. Unpack is one pass too: each warp loads its block's
 // 64 bitmap words once, scans their popcounts once (so every lane finds its first value of a step
-// with two shuffles, not a scan a step), loads its values and writes 16-byte vectors. All indices
-// are int64: tensors past 2^31 elements work.
+// with two shuffles, not a scan a step), loads the values of a few steps into shared memory as
+// 16-byte vectors, and writes 16-byte vectors. All indices are int64: tensors past 2^31 elements work.
 #include <climits>
 #include <string>
 
@@ -342,15 +342,19 @@ __global__ void __launch_bounds__(kThreads, 2)
 // Unpack: dst gets the values where the bitmap is set and 0 elsewhere. A warp takes `warp_steps`
 // steps of a block (all kSteps, or kUnroll when the tensor is too small to fill the GPU with one
 // warp per block). Everything a lane needs to find its values is in registers (the bitmap words)
-// or one load (the block's offset), so the value loads of kUnroll steps are all in flight before
-// the first store.
-template <typename W, bool kAligned>
+// or one load (the block's offset). kStaged (values 16-byte aligned): the warp loads the run of
+// values of kUnroll steps into shared memory as 16-byte vectors, and each lane takes its values
+// from there, not by one 2- or 4-byte global load each (per byte, twice as many for 16-bit types).
+template <typename W, bool kAligned, bool kStaged>
 __global__ void __launch_bounds__(kThreads)
     unpack_kernel(const uint32_t* __restrict__ bitmap, const int64_t* __restrict__ offsets,
                   const W* __restrict__ values, int64_t n, W* __restrict__ dst, int64_t nwarps, int warp_steps) {
   using L = Layout<W>;
+  constexpr int V = L::kVec;
+  __shared__ __align__(16) W stage[kStaged ? kWarpsPerCta : 1][kStaged ? kUnroll * L::kChunk + V : 1];
   const int lane = threadIdx.x % 32;
-  const int64_t gwarp = int64_t(blockIdx.x) * kWarpsPerCta + threadIdx.x / 32;
+  const int warp = threadIdx.x / 32;
+  const int64_t gwarp = int64_t(blockIdx.x) * kWarpsPerCta + warp;
   if (gwarp >= nwarps) return;
   const int parts = L::kSteps / warp_steps;
   const int64_t block = gwarp / parts;
@@ -370,27 +374,56 @@ __global__ void __launch_bounds__(kThreads)
   const int incl = warp_inclusive_sum(c_lo | (c_hi << 16), lane);
   const int lo_before = (incl & 0xffff) - c_lo;
   const int hi_before = (__shfl_sync(kFullMask, incl, 31) & 0xffff) + (incl >> 16) - c_hi;
+  const int block_count = warp_sum(c_lo + c_hi);
+  // Values in the block before its word k (0 .. 64), the same k in every lane.
+  auto before_word = [&](int k) {
+    return k == 64 ? block_count : __shfl_sync(kFullMask, k < 32 ? lo_before : hi_before, k % 32);
+  };
+  W* mine = stage[kStaged ? warp : 0];
   for (int s0 = s_begin; s0 < s_begin + warp_steps; s0 += kUnroll) {
+    int64_t run = base;  // kStaged: the value at mine[0]
+    if (kStaged) {
+      // The values of steps s0 .. s0+kUnroll-1, from the 16-byte boundary at or before the first.
+      const int64_t begin = base + before_word(s0 * V), end = base + before_word((s0 + kUnroll) * V);
+      run = begin - begin % V;
+      const int nvec = int((end - run + V - 1) / V);
+      for (int k = lane; k < nvec; k += 32) {
+        const int64_t i = run + int64_t(k) * V;
+        uint4 x;
+        if (i + V <= end) {
+          x = *reinterpret_cast<const uint4*>(values + i);
+        } else {  // the last vector: nothing read past the run (nor so past the buffer)
+          Vec<W> part;
+#pragma unroll
+          for (int j = 0; j < V; ++j) part.w[j] = i + j < end ? values[i + j] : W(0);
+          x = to_uint4(part);
+        }
+        *reinterpret_cast<uint4*>(mine + k * V) = x;
+      }
+      __syncwarp();
+    }
     Vec<W> v[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       // Step s covers block words s*kVec .. s*kVec+kVec-1: never straddling a register (32 % kVec == 0).
       const int s = s0 + u;
-      const int k = s * L::kVec + lane / L::kLanesPerWord;
-      const bool low = s * L::kVec < 32;
+      const int k = s * V + lane / L::kLanesPerWord;
+      const bool low = s * V < 32;
       const uint32_t word = __shfl_sync(kFullMask, low ? lo : hi, k % 32);
       const int word_before = __shfl_sync(kFullMask, low ? lo_before : hi_before, k % 32);
-      const int bit = (lane % L::kLanesPerWord) * L::kVec;
-      const uint32_t m = (word >> bit) & ((1u << L::kVec) - 1u);
-      const W* mine = values + base + word_before + __popc(word & ((1u << bit) - 1u));  // the lane's first
+      const int bit = (lane % L::kLanesPerWord) * V;
+      const uint32_t m = (word >> bit) & ((1u << V) - 1u);
+      const int at = word_before + __popc(word & ((1u << bit) - 1u));  // the lane's first, in the block
+      const W* src = kStaged ? mine + int(base + at - run) : values + base + at;
       int r = 0;
 #pragma unroll
-      for (int j = 0; j < L::kVec; ++j) {
+      for (int j = 0; j < V; ++j) {
         const bool set = (m >> j) & 1u;
-        v[u].w[j] = set ? mine[r] : W(0);
+        v[u].w[j] = set ? src[r] : W(0);
         r += set;
       }
     }
+    if (kStaged) __syncwarp();  // the stage is rewritten next round
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u)
       store_vec<W, kAligned>(dst, first + (s0 + u) * L::kChunk + lane * L::kVec, n, v[u]);
@@ -493,10 +526,13 @@ void launch_unpack(const uint32_t* bitmap, const int64_t* offsets, const void* v
   const int64_t nwarps = nblocks * (L::kSteps / warp_steps);
   const auto* v = static_cast<const W*>(values);
   auto* d = static_cast<W*>(dst);
-  if (aligned16(dst))
-    unpack_kernel<W, true><<<grid_for(nwarps), kThreads, 0, stream>>>(bitmap, offsets, v, n, d, nwarps, warp_steps);
+  const unsigned grid = grid_for(nwarps);
+  if (aligned16(dst) && aligned16(values))
+    unpack_kernel<W, true, true><<<grid, kThreads, 0, stream>>>(bitmap, offsets, v, n, d, nwarps, warp_steps);
+  else if (aligned16(dst))
+    unpack_kernel<W, true, false><<<grid, kThreads, 0, stream>>>(bitmap, offsets, v, n, d, nwarps, warp_steps);
   else
-    unpack_kernel<W, false><<<grid_for(nwarps), kThreads, 0, stream>>>(bitmap, offsets, v, n, d, nwarps, warp_steps);
+    unpack_kernel<W, false, false><<<grid, kThreads, 0, stream>>>(bitmap, offsets, v, n, d, nwarps, warp_steps);
   check(cudaGetLastError(), "relu unpack kernel launch");
 }
 
