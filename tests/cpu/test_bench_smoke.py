@@ -166,6 +166,8 @@ def test_hook_costs_times_the_pools_pieces_inside_planned_steps():
     rows = {line.split()[0]: [float(v) for v in line.split()[1:]] for line in lines[start + 1 :]}
     assert {"Regions._pre_call", "Regions._post_call", "Pool._pack"} <= set(rows), out
     for calls, median_us, mean_us, ms in rows.values():
-        assert calls > 0 and median_us > 0 and mean_us > 0 and ms > 0, out
+        assert calls > 0 and median_us > 0 and mean_us > 0, out
+        # ms a step is calls x mean (a piece of 2 calls of 2 us prints 0.00): equal within their rounding
+        assert abs(ms - calls * mean_us / 1e3) <= 0.005 + (0.05 * mean_us + 0.05 * calls) / 1e3, out
     if "_Light.attach" in rows:
         assert rows["_light_apply"][2] <= rows["_Light.attach"][2], out
