@@ -31,6 +31,8 @@ import torch
 import torch.nn.functional as F
 
 CHUNK_BYTES = 1 << 28  # fp32 logits of one chunk: 256 MiB (1334 rows of a 50304-word vocabulary)
+# mm and addmm into an out of another dtype (torch >= 2.8); without it the product is added in a pass
+_MIXED_MM = hasattr(torch.ops.aten.mm, "dtype_out") and hasattr(torch.ops.aten.addmm, "dtype_out")
 
 
 def linear_cross_entropy(
@@ -72,7 +74,7 @@ def _mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, add: bool) -> 
     """out = a @ b, or out += a @ b, in out's dtype. On CUDA, fp16/bf16 products go straight into an
     fp32 out (cuBLAS accumulates in fp32: torch's out_dtype), with no low-precision product to round,
     keep and add in another pass (for GPT-24's weight gradient: 2.6 of a 16.0 ms loss on an H200)."""
-    if out.is_cuda and a.dtype != out.dtype and out.dtype == torch.float32:
+    if _MIXED_MM and out.is_cuda and a.dtype != out.dtype and out.dtype == torch.float32:
         if add:
             torch.addmm(out, a, b, out_dtype=out.dtype, out=out)
         else:
