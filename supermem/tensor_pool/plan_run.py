@@ -12,12 +12,14 @@ these methods use (the plan, the cache, the recorder, the counters) is the Pool'
 from __future__ import annotations
 
 import time
+import warnings
 import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils._pytree import tree_map
 
+from ..units import format_bytes
 from .entry import Entry, PlanKept, State, dedup_key, storage_extent
 from .lean_call import LeanCall
 from .op_replay import OpReplay
@@ -313,6 +315,9 @@ class PlanRunner:
         """The plan of `profile`'s shape, below the budget by what its plans overshot; cached."""
         sig = profile.signature
         self._plan = make_plan(profile, max(0, self.budget_bytes - self._plan_aim.get(sig, 0)))
+        if not self._plan.feasible and sig not in self._said_infeasible:
+            self._said_infeasible.add(sig)
+            warnings.warn(infeasible_message(self._plan, profile, self.budget_bytes), stacklevel=2)
         self._plans[sig] = self._plan
         if len(self._plans) > MAX_PLANS:  # shapes that keep changing: the oldest plan goes
             oldest = next(iter(self._plans))
@@ -356,6 +361,25 @@ class PlanRunner:
             "untreated_step_s": p.untreated_step_s,
             "plans_cached": len(self._plans),
         }
+
+
+def infeasible_message(plan: Plan, profile: Profile, budget: int) -> str:
+    """What a user is told once a shape's budget is below every plan: the lowest one reaches, and how
+    much of it at that point is the step's own temporaries, which no treatment of saved tensors frees."""
+    peak = max(range(len(plan.curve)), key=plan.curve.__getitem__, default=None)
+    temporaries = profile.transient_bytes[peak] if peak is not None else 0
+    why = ""
+    if temporaries > 0:
+        why = (
+            f" At that point {format_bytes(temporaries)} are the step's own temporaries, which no treatment"
+            " of saved tensors frees (in a language model most often its loss: supermem.linear_cross_entropy"
+            " takes it a chunk of rows at a time)."
+        )
+    return (
+        f"supermem pool: no plan keeps this step under its budget of {format_bytes(budget)}: the lowest"
+        f" one reaches is {format_bytes(plan.predicted_peak_bytes)}. Below that the pool's fallback moves"
+        f" what it can as the step runs, slowly.{why}"
+    )
 
 
 def _recipe_inputs(recipe: Any) -> list[Entry]:

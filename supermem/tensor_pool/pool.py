@@ -118,6 +118,7 @@ class Pool(PlanRunner):
         self._outside = False  # the last exit came after its step: the watermark from then is not its
         self._plan_aim: dict[tuple[int, ...], int] = {}  # by signature: plan this far below the budget
         self._replans: dict[tuple[int, ...], int] = {}  # by signature: plans that overshot
+        self._said_infeasible: set[tuple[int, ...]] = set()  # signatures whose budget no plan met (said once)
         self._profiles: dict[tuple[int, ...], Any] = {}  # by signature: the profile its plans come from
         self._last_step_s = 0.0  # the last step's measured duration (host clock)
         self._step_peak = 0

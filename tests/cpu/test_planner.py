@@ -1373,3 +1373,42 @@ def test_blocks_replayed_in_backward_cost_their_kernels_until_the_host_slack_is_
     p.sync_copies = True  # CPU: no slack, whatever the share
     monkeypatch.setattr(planner, "BACKWARD_HOST_FREE", 0.5)
     assert simulate(p, set(), all_, 0).added_s == pytest.approx(24 * 2e-3 + 0)
+
+
+def test_a_budget_no_plan_meets_is_said_once_with_the_lowest_a_plan_reaches_and_its_temporaries():
+    """GPT-24's profile under 3 GiB (its fixed bytes alone are 3.09): no plan is feasible. The message
+    gives the budget, the lowest the plan reaches, and the step's own temporaries at that point (the
+    loss's spike at backward's start), which no treatment of saved tensors frees."""
+    from supermem.tensor_pool.plan_run import infeasible_message
+    from supermem.units import format_bytes
+
+    p = gpt24_profile()
+    plan = make_plan(p, 3 * GiB)
+    assert not plan.feasible
+    peak = max(range(len(plan.curve)), key=plan.curve.__getitem__)
+    assert peak == p.backward_event and p.transient_bytes[peak] == int(3.07 * GiB)
+    text = infeasible_message(plan, p, 3 * GiB)
+    assert "no plan keeps this step under its budget of 3.00 GiB" in text
+    assert f"the lowest one reaches is {format_bytes(plan.predicted_peak_bytes)}" in text
+    assert f"{format_bytes(int(3.07 * GiB))} are the step's own temporaries" in text
+    assert "supermem.linear_cross_entropy" in text
+
+
+def test_a_live_pool_says_once_that_no_plan_meets_its_budget_and_nothing_at_one_that_fits():
+    import warnings
+
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(32, 64, generator=g)
+    for budget, said in (("1KiB", 1), ("1GiB", 0)):
+        pool = Pool(budget=budget, policy="planned", host_limit="64MiB")
+        torch.manual_seed(0)
+        model = MLP()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(6):
+                with pool:
+                    model(x).square().mean().backward()
+        ours = [w for w in caught if "no plan keeps this step under its budget" in str(w.message)]
+        assert len(ours) == said, [str(w.message) for w in caught]
+        if said:
+            assert "budget of 1.00 KiB" in str(ours[0].message) and not pool.stats()["plan"]["feasible"]
