@@ -584,7 +584,7 @@ def test_a_step_whose_first_call_an_older_plan_decided_does_not_judge_the_new_pl
 
     def step_ended(s):
         if pool._plan_ok:
-            seen.append((_judged(pool, s), len(pool._plan.light)))
+            seen.append((_judged(pool, s), pool._plan.counts()["recompute"]))
             if len(seen) <= 2:  # the first two planned steps over the budget
                 pool._step_peak += budget // 5
         real(s)
@@ -593,7 +593,9 @@ def test_a_step_whose_first_call_an_older_plan_decided_does_not_judge_the_new_pl
     train(pool)
     judged = [j for j, _ in seen]
     assert judged[:2] == [True, False] and all(judged[2:]), seen  # the first plan's first step, the new one's
-    assert seen[1][1] > 0, seen  # the new plan runs calls light (the first among them: not in that step)
+    # the new plan rebuilds more than the first (the wide first block by a light call, or op replays,
+    # whichever this CPU timed cheaper), so its first step's first call, run as the old plan said, is not its
+    assert seen[1][1] > seen[0][1], seen
     assert pool.stats()["replans"] == 1, (pool.stats(), seen)
 
 
