@@ -372,9 +372,10 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t base = offsets[block];
   const int c_lo = __popc(lo), c_hi = __popc(hi);
   const int incl = warp_inclusive_sum(c_lo | (c_hi << 16), lane);
+  const int total = __shfl_sync(kFullMask, incl, 31);  // both halves' sums over the block
   const int lo_before = (incl & 0xffff) - c_lo;
-  const int hi_before = (__shfl_sync(kFullMask, incl, 31) & 0xffff) + (incl >> 16) - c_hi;
-  const int block_count = warp_sum(c_lo + c_hi);
+  const int hi_before = (total & 0xffff) + (incl >> 16) - c_hi;
+  const int block_count = (total & 0xffff) + (total >> 16);
   // Values in the block before its word k (0 .. 64), the same k in every lane.
   auto before_word = [&](int k) {
     return k == 64 ? block_count : __shfl_sync(kFullMask, k < 32 ? lo_before : hi_before, k % 32);
