@@ -153,6 +153,17 @@ PRESETS: dict[str, Preset] = {
     "resnet-quick": Preset(
         "resnet14_w8_b2_32px", lambda: ResNet((1, 1, 1, 1), width=8, classes=10), _images(2, 32, 10), False
     ),
+    # the full models' depth at toy width: a CPU step is all host, so the pool's own host cost per
+    # call and per save shows against native's (tools/hook_costs.py, tools/pool_step.py on a CPU)
+    "gpt-host": Preset(
+        "gpt24_d32_b1_t16",
+        lambda: GPT(layers=24, d=32, heads=2, vocab=256, ctx=16),
+        _tokens(1, 16, 256),
+        False,
+    ),
+    "resnet-host": Preset(
+        "resnet152_w4_b2_32px", lambda: ResNet((3, 8, 36, 3), width=4, classes=10), _images(2, 32, 10), False
+    ),
     # golden tests: small, but every kind of layer of the full models (dropout exercises the RNG)
     "gpt-golden": Preset(
         "gpt4_d256_b8_t128_bf16",
