@@ -62,6 +62,7 @@ def main() -> None:
         probe = Pool(budget=None)
         step(probe)
         budget = int(probe.stats()["peak_resident_bytes"] * fraction)
+        del probe  # (its region hooks would run in every later step)
     if policy == "hooks":
         pool = torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
     else:

@@ -17,6 +17,7 @@ import torch
 
 import supermem
 from supermem.bench.models import PRESETS, Trainer
+from supermem.tensor_pool import Pool
 
 STEPS = 8  # timed steps a row; the fastest is printed, with the median
 
@@ -75,18 +76,20 @@ def main() -> None:
         tr.step()
         peak = torch.cuda.max_memory_allocated()
     else:
-        probe = supermem.pool(budget=None, min_bytes=0)
+        probe = Pool(budget=None, min_bytes=0)  # (not supermem.pool's: that one is kept for its options)
         tr.step(probe)
         peak = probe.stats()["peak_resident_bytes"]
+        del probe  # (its region hooks would run in every later step)
     print(f"{PRESETS[name].label} on {tr.device}: native peak {peak / 2**20:.1f} MiB (ms below)")
     native = row("native", tr)
     for f in fractions:
-        pool = supermem.pool(budget=int(peak * f), policy="planned")
+        pool = Pool(budget=int(peak * f), policy="planned")  # (gone after its row, with its hooks)
         for _ in range(4):  # find the regions, record a step, plan, run the plan once
             tr.step(pool)
         pool.reset_stats()
         ms = row(f"planned {f:g}", tr, pool)
         print(f"{'':16s} {ms / native:.2f}x native")
+        del pool
     blocks = len(tr.model.blocks) if hasattr(tr.model, "blocks") else 0
     for n in sorted({blocks // 4, blocks // 2} - {0}):
         tr.model.checkpoint_blocks = n
