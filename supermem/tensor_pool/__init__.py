@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from .pool import Pool
+from .treatments import treatment_names
 
 __all__ = ["Pool", "env_pool", "global_pool", "pool"]
 
@@ -22,37 +23,11 @@ def pool(
     `with supermem.pool(budget="8GiB"):` can wrap every training step. `treatments` may name them:
     ("offload", "recompute", "compress")."""
     if kwargs.get("treatments") is not None:
-        kwargs["treatments"] = _treatment_names(kwargs["treatments"])  # hashable: the same pool each call
+        kwargs["treatments"] = treatment_names(kwargs["treatments"])  # hashable: the same pool each call
     key = (budget, policy, host_limit, _default_device(kwargs), tuple(sorted(kwargs.items())))
     if key not in _pools:
-        if kwargs.get("treatments") is not None:
-            kwargs["treatments"] = _checked_treatments(kwargs["treatments"])
         _pools[key] = Pool(budget, policy, host_limit, **kwargs)
     return _pools[key]
-
-
-def _treatment_names(spec: Any) -> tuple:
-    """("offload", "compress") from that, a list, or "offload,compress"."""
-    from ..errors import ConfigError
-
-    if isinstance(spec, str):
-        return tuple(name.strip() for name in spec.split(",") if name.strip())
-    try:
-        return tuple(spec)
-    except TypeError:
-        raise ConfigError(
-            f"bad pool option treatments={spec!r}: give names, e.g. ('offload', 'recompute', 'compress')"
-        ) from None
-
-
-def _checked_treatments(spec: tuple) -> tuple:
-    from ..errors import ConfigError
-    from .treatments import make_treatments
-
-    try:
-        return make_treatments(spec)
-    except ValueError as e:
-        raise ConfigError(f"bad pool option treatments={spec!r}: {e}") from None
 
 
 def _default_device(kwargs: dict) -> int | None:

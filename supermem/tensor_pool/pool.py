@@ -42,7 +42,7 @@ from .planner import Plan
 from .profile import EventCounter, Recorder
 from .region import Regions
 from .step import NO_EARLY_CALL, Step
-from .treatments import Cast, Offload, Recompute, Treatment, autocast_copy_of
+from .treatments import Cast, Offload, Recompute, Treatment, autocast_copy_of, checked_treatments
 
 PREFETCH_SCAN = 64  # entries looked at, going back from the one just used, for prefetch
 CANDIDATES = 32  # least recently used entries priced per decision (the stalest score best anyway)
@@ -63,7 +63,8 @@ class Pool(PlanRunner):
         every one of 60-90% of native's peak: README), else cost_aware.
     host_limit: pinned host bytes the pool may use (int, size string or percentage of host RAM).
     min_bytes: smaller saved tensors stay where they are (default 1 MiB on GPU, 0 on CPU).
-    treatments: the ways out (default: Offload and Recompute); the policy chooses among them.
+    treatments: the ways out, objects or names ("offload", "recompute", "compress", "compress:full";
+        or one string, "offload,compress"), default offload and recompute; the policy chooses among them.
     graphs: on CUDA, the backward of calls a plan runs light replays CUDA graphs where a structure
         repeats (light_graphs.py); False runs them eagerly.
     """
@@ -76,7 +77,7 @@ class Pool(PlanRunner):
         *,
         device: torch.device | str | None = None,
         min_bytes: int | None = None,
-        treatments: tuple[Treatment, ...] | None = None,
+        treatments: tuple[Treatment | str, ...] | str | None = None,
         graphs: bool = True,
     ):
         if device is None:
@@ -122,7 +123,8 @@ class Pool(PlanRunner):
         self._profiles: dict[tuple[int, ...], Any] = {}  # by signature: the profile its plans come from
         self._last_step_s = 0.0  # the last step's measured duration (host clock)
         self._step_peak = 0
-        self.treatments = {t.name: t for t in (treatments or (Offload(), Recompute()))}
+        chosen = checked_treatments(treatments) if treatments is not None else ()
+        self.treatments = {t.name: t for t in chosen or (Offload(), Recompute())}
         self._settlers = [t for t in self.treatments.values() if type(t).settle is not Treatment.settle]
         host_bytes = _size(
             "host_limit", "50%" if host_limit is None else host_limit, psutil.virtual_memory().total

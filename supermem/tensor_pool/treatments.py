@@ -18,13 +18,13 @@ import statistics
 import time
 import weakref
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .. import events
 from ..compress import Packed, fitted, packed_nbytes, relu_pack, relu_unpack, trimmed
-from ..errors import UsageError
+from ..errors import ConfigError, UsageError
 from ..policies import Choice
 from .entry import Entry, State
 
@@ -665,6 +665,27 @@ class Cast:
 
 
 TREATMENTS: dict[str, type[Treatment]] = {t.name: t for t in (Offload, Recompute, Compress)}
+
+
+def treatment_names(spec: Any) -> tuple:
+    """("offload", "compress") from that, a list, or "offload,compress" (objects pass through)."""
+    if isinstance(spec, str):
+        return tuple(name.strip() for name in spec.split(",") if name.strip())
+    try:
+        return tuple(spec)
+    except TypeError:
+        raise ConfigError(
+            f"bad pool option treatments={spec!r}: give names, e.g. ('offload', 'recompute', 'compress')"
+        ) from None
+
+
+def checked_treatments(spec: Any) -> tuple[Treatment, ...]:
+    """The treatments `spec` names (as treatment_names takes them) or holds; ConfigError for a bad one."""
+    names = treatment_names(spec)
+    try:
+        return make_treatments(names)
+    except ValueError as e:
+        raise ConfigError(f"bad pool option treatments={names!r}: {e}") from None
 
 
 def make_treatments(spec: Iterable[str | Treatment]) -> tuple[Treatment, ...]:

@@ -334,6 +334,24 @@ def test_treatment_names_as_one_string_and_bad_values():
         supermem.pool(budget=0, treatments=3)
 
 
+def test_pool_class_takes_treatment_names_too():
+    """supermem.Pool (not only supermem.pool) takes the names the README gives: they once reached it
+    as strings and failed with "'str' object has no attribute 'name'"."""
+    from supermem.errors import ConfigError
+
+    pool = Pool(budget=0, policy="cost_aware", treatments=["offload", "recompute", "compress:full"])
+    assert set(pool.treatments) == {"offload", "recompute", "compress"}
+    assert pool.treatments["compress"].room == "full"
+    assert set(Pool(budget=0, treatments="recompute, compress").treatments) == {"recompute", "compress"}
+    mixed = Pool(budget=0, treatments=(Offload(), "compress")).treatments
+    assert isinstance(mixed["offload"], Offload) and isinstance(mixed["compress"], Compress)
+    with pytest.raises(ConfigError, match=r"unknown treatment 'zip'.*known: offload, recompute, compress"):
+        Pool(budget=0, treatments=["offload", "zip"])
+    with pytest.raises(ConfigError, match="treatments=3: give names"):
+        Pool(budget=0, treatments=3)
+    assert set(Pool(budget=0, treatments=()).treatments) == {"offload", "recompute"}  # (none given: default)
+
+
 def pressure_inside_packs(monkeypatch, pool, times=1):
     """Makes the first `times` packs call the pool's pressure handler, as an allocation of the payload
     would on a GPU whose memory is full; returns the list of what those calls freed."""
