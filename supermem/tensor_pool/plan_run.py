@@ -53,7 +53,7 @@ class PlanRunner:
             self._plan_recipe(e.recipe, [e], cost, offloadable=not isinstance(e.recipe, Cast))
         compress = self.treatments.get("compress")
         if rec.full and compress is not None and compress.compressible(e):
-            rec.compressible(e.ordinal, int(compress.price(self)[1] * e.nbytes))
+            rec.compressible(e.ordinal, compress.packed_bytes_of(e))
         if not self._plan_ok:
             return
         if not self._plan_matches(e):
