@@ -211,6 +211,13 @@ def packed_nbytes(numel: int, nnz: int, itemsize: int) -> int:
     return _bitmap_bytes(numel) + nnz * itemsize + 8 * (_num_blocks(numel) + 1)
 
 
+def packed_nbytes_of(t: torch.Tensor) -> int:
+    """Bytes an exact relu_pack(t) would hold, without packing: its nonzero words counted (-0.0 and
+    NaN are kept, as the pack keeps them). On CUDA, one count kernel and a host sync."""
+    bits = _check_tensor(t, "packed_nbytes_of").view(_FORMATS[t.dtype][0])
+    return packed_nbytes(t.numel(), int(torch.count_nonzero(bits)), t.element_size())
+
+
 # ---- layout ------------------------------------------------------------------------------------------
 
 

@@ -344,15 +344,6 @@ class Compress(Treatment):
     def measured(self) -> bool:
         return all(x.s_per_byte is not None for x in self._timing.values())
 
-    def packed_bytes_of(self, e: Entry) -> int:
-        """What an exact pack of resident `e` would hold, from its nonzero words counted now: a
-        planned pool's recorded step prices each ReLU output by its own density. The share packed so
-        far, one number for all, undercounts the denser ones (a ReLU after a residual add): on this
-        repository's CPU a ResNet-152's (at width 4) first plan with packs rose 7.6% over its budget
-        and was made again lower."""
-        bits = e.tensor.view(torch.int32 if e.dtype.itemsize == 4 else torch.int16)
-        return packed_nbytes(e.extent, int(torch.count_nonzero(bits)), e.dtype.itemsize)
-
     def price(self, pool: Pool) -> tuple[float, float, float, float]:
         """(seconds per byte to pack and unpack, packed bytes per tensor byte, host seconds a pack
         waits for its count, host seconds of a pack, its unpack and its trim): measured so far, or the

@@ -752,15 +752,12 @@ class DenseThenSparse(nn.Module):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_a_packs_price_is_the_exact_packs_size(dtype):
-    """Compress.packed_bytes_of counts what the pack keeps (every nonzero word: -0.0 and NaN too)."""
-    from types import SimpleNamespace
-
-    from supermem.compress import relu_pack
+    """packed_nbytes_of counts what the pack keeps (every nonzero word: -0.0 and NaN too)."""
+    from supermem.compress import packed_nbytes_of, relu_pack
 
     t = torch.relu(torch.randn(3, 1000, generator=torch.Generator().manual_seed(0))).to(dtype)
     t.view(-1)[:4] = torch.tensor([-0.0, float("nan"), float("inf"), 0.0], dtype=dtype)
-    entry = SimpleNamespace(tensor=t, dtype=t.dtype, extent=t.numel())
-    assert Compress().packed_bytes_of(entry) == relu_pack(t).nbytes
+    assert packed_nbytes_of(t) == relu_pack(t).nbytes
 
 
 def test_the_recorded_step_prices_each_relu_output_by_its_own_density(monkeypatch):
