@@ -365,7 +365,8 @@ class Pool(PlanRunner):
                     and self._rec.full
                     and not self._saved_in_open_region(same)
                 ):
-                    self._rec.resaved.add(same.ordinal)
+                    at = getattr(self.regions.top(), "start", None)
+                    self._rec.resaved.setdefault(same.ordinal, set()).add(at)
                 return same
             if self._plan_ok and step.ordinals + 1 in self._plan.lean:
                 kept = self._plan_kept(t, key, step)

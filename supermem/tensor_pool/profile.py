@@ -95,8 +95,9 @@ class Profile:
     entry_s: float = 0.0  # host seconds to make one entry, in each non-region unit's cost per member
     kept_s: float = 0.0  # host seconds of a save the plan keeps through the pool (planner: Plan.bypass)
     # saved again after the region call that first saved it returned (one entry, no ordinal of its
-    # own): a ResNet block's output, saved by its last ReLU and again by the next block's first conv
-    resaved: set[int] = field(default_factory=set)
+    # own): a ResNet block's output, saved by its last ReLU and again by the next block's first conv.
+    # Ordinal -> where each later save was: the region call open then (its start), or None
+    resaved: dict[int, set[int | None]] = field(default_factory=dict)
     # region calls (as call_outputs) with no input made in the graph, or under saved-tensor hooks not
     # the pool's: never run with the pool's hooks off (region._pool_hooks: nothing would tell when
     # backward is through the call). A model's first block on its batch: planned so, it ran through
@@ -284,7 +285,7 @@ class Recorder:
         # entries, which must die with the step.
         self.units: dict[int, tuple[Any, list[int], int, list[int], str, int | None, int | None]] = {}
         self.entry_s: list[float] = []  # host seconds to make each entry (Pool._pack_tensor)
-        self.resaved: set[int] = set()  # Profile.resaved
+        self.resaved: dict[int, set[int | None]] = {}  # Profile.resaved
         self.no_bypass: set[int] = set()  # Profile.no_bypass
         self.capture_made: set[int] = set()  # Profile.capture_made
         self.call_outputs: dict[int, tuple[tuple[int, int], ...]] = {}  # Profile.call_outputs
@@ -445,7 +446,7 @@ class Recorder:
             compress_host_s=compress_price[3] if compress_price else 0.0,
             entry_s=entry_s,
             kept_s=KEPT_SHARE * entry_s,
-            resaved=set(self.resaved),
+            resaved={o: set(at) for o, at in self.resaved.items()},
             no_bypass=set(self.no_bypass),
             capture_made=set(self.capture_made),
             call_outputs=dict(self.call_outputs),
