@@ -103,6 +103,7 @@ def render(snap: dict[str, Any]) -> str:
                 f"  step {plan['predicted_step_s'] * 1e3:.1f} ms planned"
                 f" / {plan['measured_step_s'] * 1e3:.1f} ms measured"
                 + ("" if plan["feasible"] else "  (over budget: infeasible)")
+                + ("  (moves nothing: resting)" if plan.get("resting") else "")
             )
         link = pool.get("link", {})
         if link:

@@ -109,6 +109,12 @@ class Plan:
         runs unseen, or one whose capture makes a save of the step."""
         return start in self.region_starts or start in self.bypass or start in self.captures
 
+    @property
+    def idle(self) -> bool:
+        """It moves nothing: every save kept, no call replayed, nothing waited for (PlanRunner._rests)."""
+        moves = self.treatment or self.light or self.drops or self.wait_at or self.prefetch_at
+        return self.feasible and not moves
+
     def counts(self) -> dict[str, int]:
         out = {"offload": 0, "recompute": 0, "compress": 0}
         for t in self.treatment.values():

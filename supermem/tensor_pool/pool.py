@@ -37,7 +37,7 @@ from .copy import CopyEngine
 from .entry import Entry, Kept, PlanKept, State, alive_anyway, check_version, dedup_key, movable
 from .host import shared_host_pool
 from .op_replay import OpReplays
-from .plan_run import PlanRunner
+from .plan_run import PlanRunner, Resting
 from .planner import Plan
 from .profile import EventCounter, Recorder
 from .region import Regions
@@ -121,6 +121,9 @@ class Pool(PlanRunner):
         self._replans: dict[tuple[int, ...], int] = {}  # by signature: plans that overshot
         self._said_infeasible: set[tuple[int, ...]] = set()  # signatures whose budget no plan met (said once)
         self._profiles: dict[tuple[int, ...], Any] = {}  # by signature: the profile its plans come from
+        # A plan that moves nothing: the steps entered through the pool run without its hooks (_rests)
+        self._resting = False
+        self._rest_never = False  # woken once: it rests no more
         self._last_step_s = 0.0  # the last step's measured duration (host clock)
         self._step_peak = 0
         chosen = checked_treatments(treatments) if treatments is not None else ()
@@ -179,6 +182,8 @@ class Pool(PlanRunner):
                 "lean_drops",
                 "replays",
                 "graph_replays",
+                "rest_steps",
+                "rest_wakes",
             ),
             0,
         )
@@ -205,9 +210,13 @@ class Pool(PlanRunner):
         """Re-entrant, and per thread: saved-tensor hooks are thread-local, so each thread keeps its
         own stack of entered contexts."""
         self._start()
-        hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-        hooks.__enter__()
-        self._local.__dict__.setdefault("stack", []).append(hooks)
+        stack = self._local.__dict__.setdefault("stack", [])
+        if self._rests(outermost=not stack):
+            stack.append(Resting())
+        else:
+            hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+            hooks.__enter__()
+            stack.append(hooks)
         self._watch(+1)
         return self
 
@@ -702,6 +711,8 @@ class Pool(PlanRunner):
         capture (binomial's graphs capture inside a pooled step); the capture's pool goes over."""
         if self.cuda and torch.cuda.is_current_stream_capturing():
             return 0
+        if self._resting:
+            self._wake()  # (it holds nothing: the step goes over, its next one is the pool's)
         with self._lock:  # the frames belong to the thread holding it (a rebuild's, maybe)
             t0 = time.perf_counter()
             self._frames.append(0.0)  # not a rebuild's own time, when one's allocation called it

@@ -297,6 +297,12 @@ def _pool_hooks(pool: Pool, args: tuple) -> tuple | None:
     return top
 
 
+def _kind(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple:
+    """A call's kind: its module's type, its tensor arguments' shapes and dtypes (GPT-24's 24 block
+    calls are one kind)."""
+    return (type(module), *((x.shape, x.dtype) for x in _tensors((args, kwargs))))
+
+
 def _identity(t: Any) -> Any:
     return t
 
@@ -643,8 +649,13 @@ class Regions:
 
     def _pre(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         pool = self._pool()
-        if pool is not None:
-            pool._own(self._pre_call, module, args, kwargs, pool)
+        if pool is None:
+            return
+        if pool._resting:  # (PlanRunner._rests) a call in a step of another shape than the plan's wakes it
+            if self._capturing(pool) and _kind(module, args, kwargs) != self._kind.get(id(module)):
+                pool._wake()
+            return
+        pool._own(self._pre_call, module, args, kwargs, pool)
 
     def _pre_call(self, module: torch.nn.Module, args: tuple, kwargs: dict, pool: Pool) -> None:
         if not self._capturing(pool) or getattr(self._local, "unseen", None):
@@ -669,8 +680,7 @@ class Regions:
             return
         if hooks is None and pool._rec is not None and pool._rec.full:
             pool._rec.no_bypass.add(start)  # (nothing would tell when backward is through it)
-        kind = (type(module), *((x.shape, x.dtype) for x in _tensors((args, kwargs))))
-        self._kind[id(module)] = kind
+        kind = self._kind[id(module)] = _kind(module, args, kwargs)
         cost = self._costs.setdefault(kind, [0.0, 0, [], 0])
         timed = cost[3] < COST_SAMPLES
         cost[3] += timed
@@ -691,6 +701,8 @@ class Regions:
     def _post(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         """The call's output, or what replaces it (a call run with grad off: its outputs with a node)."""
         pool = self._pool()
+        if pool is not None and pool._resting:
+            return None
         if pool is None:
             return self._post_call(module, args, kwargs, output)  # (the hooks a call popped go back still)
         return pool._own(self._post_call, module, args, kwargs, output)

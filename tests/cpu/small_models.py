@@ -85,3 +85,10 @@ def hide_entry_unpacks(pool, monkeypatch):
         return out
 
     monkeypatch.setattr(pool, "_used", unnoticed)
+
+
+def restless(pool):
+    """The pool runs its plan in every step, never resting (PlanRunner._rests): a plan that keeps
+    everything would step aside after its first step, and what it runs then is under test."""
+    pool._rest_never = True
+    return pool

@@ -291,7 +291,8 @@ def test_a_plan_that_keeps_everything_runs_each_step_as_one_step():
     batches = [torch.randn(32, 64, generator=g) for _ in range(5)]
     pool = Pool(budget="1GiB", policy="planned")
     plans, _ = _train(pool, batches)
-    assert pool.stats()["plans"] == 1 and pool._steps == len(batches), (pool.stats()["plans"], pool._steps)
+    stats = pool.stats()  # (the plan moves nothing: once it ran whole, the pool rests: _rests)
+    assert stats["plans"] == 1 and stats["steps"] + stats["rest_steps"] == len(batches), stats
     assert plans[-1]["keep"] == len(pool._plan.signature) > 0
 
 
@@ -307,6 +308,103 @@ def test_a_bypassed_blocks_output_goes_to_the_pool_only_where_the_pool_sees_it_s
     assert len(plan.bypass) == 4 and not plan.light, (plan.bypass, plan.light)
     assert plan.outputs == {}, plan.outputs
     assert stats["bypassed_calls"] > 0 and stats["plan_misses"] == 0, stats
+
+
+def _resnet_train(pool, sizes, between=None):
+    """SGD steps of a fresh small ResNet, one per batch size in `sizes`, under `pool` (None: identity
+    hooks), `between(k, model)` after step k: the losses, then the gradients and state at the end; and per
+    step, the saved-tensor hooks on top when its head (no region) is called."""
+    torch.manual_seed(0)
+    model = ResNet(c=8, blocks=4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    top = torch._C._autograd._top_saved_tensors_default_hooks
+    out: list = []
+    seen: dict = {}
+
+    def look(head, _):
+        if head.training:
+            seen.setdefault(len(out), top(False))
+
+    model.fc.register_forward_pre_hook(look)
+    g = torch.Generator().manual_seed(1)
+    for k, n in enumerate(sizes):
+        x, y = torch.randn(n, 3, 16, 16, generator=g), torch.randint(0, 10, (n,), generator=g)
+        opt.zero_grad()
+        with pool if pool is not None else torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+        out.append(loss.detach())
+        opt.step()
+        if between is not None:
+            between(k, model)
+    return out + [p.grad for p in model.parameters()] + list(model.state_dict().values()), seen
+
+
+def test_a_plan_that_moves_nothing_lets_the_steps_run_without_the_pools_hooks():
+    """Once a step ran a plan that keeps everything, whole and within the budget, the next steps entered
+    through the pool push no saved-tensor hooks and the region hooks do nothing: the step is native's
+    (a bypassed call cost the host ~100 us). A budget the plan must treat something for never rests."""
+    pool = Pool(budget="1GiB", policy="planned", min_bytes=0)
+    snaps: list = []
+
+    def between(k, model):
+        snaps.append(pool.stats())
+        model.eval()  # (BatchNorm's statistics as they were)
+        model(torch.randn(3, 3, 16, 16))  # another shape outside the pool: no wake
+        with pool, torch.no_grad():
+            model(torch.randn(5, 3, 16, 16))  # nor with grad off (nothing saved)
+        model.train()
+
+    got, seen = _resnet_train(pool, [8] * 7, between)
+    assert same(got, _resnet_train(None, [8] * 7)[0])
+    assert pool._plan.idle and snaps[-1]["rest_wakes"] == 0 and snaps[-1]["plan"]["resting"]
+    from supermem import top
+
+    text = top.render(
+        {"pid": 1, "argv": ["x"], "time_unix_s": 0, "providers": {"pool": {"plans": [snaps[-1]["plan"]]}}}
+    )
+    assert "(moves nothing: resting)" in text, text
+    assert seen[1] is not None and seen[2] is not None and seen[5] is None and seen[6] is None, seen
+    assert snaps[-1]["rest_steps"] > snaps[-2]["rest_steps"] > 0, snaps[-1]
+    assert snaps[-1]["bypassed_calls"] == snaps[-2]["bypassed_calls"] > 0  # (the region hooks did nothing)
+
+    probe = Pool(budget=None, min_bytes=0)
+    _resnet_train(probe, [8])
+    tight = Pool(budget=int(0.5 * probe.stats()["peak_resident_bytes"]), policy="planned", min_bytes=0)
+    del probe
+    assert same(_resnet_train(tight, [8] * 6)[0], _resnet_train(None, [8] * 6)[0])
+    assert not tight._plan.idle and tight.stats()["rest_steps"] == 0, tight.stats()
+
+
+def test_a_call_of_another_shape_wakes_the_resting_pool_for_the_rest_of_its_step():
+    """A resting pool checks each region call's shapes against its plan's: the first block of a larger
+    batch wakes it, the pool's hooks go on before the block runs (the head's saves are the pool's),
+    and the new shape is recorded and planned. It rests no more (shapes that change would
+    wake it again and again); training stays bitwise."""
+    pool = Pool(budget="1GiB", policy="planned", min_bytes=0)
+    sizes = [8] * 5 + [12] * 4
+    got, seen = _resnet_train(pool, sizes)
+    assert same(got, _resnet_train(None, sizes)[0])
+    stats = pool.stats()
+    assert stats["rest_wakes"] == 1 and stats["plans"] == 2 and not pool._resting, stats
+    assert seen[4] is None and seen[5] is not None and seen[5][0] == pool._pack, seen
+    assert all(seen[k] is not None for k in range(5, 9)), seen
+
+
+def test_the_allocators_pressure_wakes_a_resting_pool():
+    """Pressure (the allocator at the budget, its soft limit) while the pool rests: it holds nothing to
+    free, so that step goes over; the next one is the pool's again."""
+    pool = Pool(budget="1GiB", policy="planned", min_bytes=0)
+    snaps: list = []
+
+    def between(k, model):
+        snaps.append((pool._resting, pool.stats()["bypassed_calls"]))
+        if k == 4:
+            assert pool._on_pressure(1 << 20) == 0
+
+    _, seen = _resnet_train(pool, [8] * 7, between)
+    assert snaps[4][0] and not snaps[5][0] and pool.stats()["rest_wakes"] == 1, snaps
+    assert snaps[6][1] > snaps[4][1] and seen[4] is None and seen[5] is not None, (snaps, seen)
 
 
 class TanhBlock(torch.nn.Module):

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from small_models import ResNet, hide_entry_unpacks, same, train_steps
+from small_models import ResNet, hide_entry_unpacks, restless, same, train_steps
 
 from supermem.bench.models import GPT
 from supermem.errors import ConfigError
@@ -669,11 +669,12 @@ def test_a_block_whose_output_is_saved_again_after_it_runs_unseen_and_the_plan_h
     assert s["plan"]["measured_peak_bytes"] <= budget, s
 
 
-@pytest.mark.parametrize("how", ["light_calls", "bypassed_calls", "lean_drops"])
+@pytest.mark.parametrize("how", ["light_calls", "bypassed_calls", "lean_drops", "rest_steps"])
 def test_calls_the_pool_does_not_see_survive_retain_graph_a_forward_alone_and_an_exception(how):
     """Blocks run under checkpoint (Plan.light, at half the budget), with the pool's hooks off
-    (Plan.bypass, everything kept) or with hooks of their own that drop GELU's output (Plan.drops, at
-    three quarters) in the orders a user may take: two grads of one forward
+    (Plan.bypass, everything kept), with hooks of their own that drop GELU's output (Plan.drops, at
+    three quarters), or whole steps without the pool (resting: everything kept) in the orders a user
+    may take: two grads of one forward
     (retain_graph), a forward with no backward (the step ends when its tensors die), a block that
     raises mid-forward (no hook is left pushed, the pool's hooks are back), then training again."""
     from supermem.tensor_pool.treatments import Recompute
@@ -686,8 +687,8 @@ def test_calls_the_pool_does_not_see_survive_retain_graph_a_forward_alone_and_an
     for _ in range(3):
         with full:
             loss().backward()
-    if how == "bypassed_calls":
-        pool = full
+    if how in ("bypassed_calls", "rest_steps"):
+        pool = restless(full) if how == "bypassed_calls" else full
     else:
         share = 0.5 if how == "light_calls" else 0.75
         budget = int(full.stats()["plan"]["measured_peak_bytes"] * share)
@@ -730,7 +731,7 @@ def test_a_plan_that_keeps_a_block_whole_runs_it_with_the_pools_hooks_off():
     changed in place. The user's own hooks inside the pool's keep their saves (no bypass there)."""
     build = lambda: nn.Sequential(*[_Block("dropout") for _ in range(6)])  # noqa: E731
     batch = lambda g: (torch.randn(32, 64, generator=g), None)  # noqa: E731
-    pool = Pool(budget="1GiB", policy="planned")
+    pool = restless(Pool(budget="1GiB", policy="planned"))
     ref = train_steps(build, batch, None, 6)
     assert same(ref, train_steps(build, batch, pool, 6))
     s = pool.stats()
@@ -738,7 +739,7 @@ def test_a_plan_that_keeps_a_block_whole_runs_it_with_the_pools_hooks_off():
     torch.manual_seed(0)
     model = build()
     x = torch.randn(32, 64)
-    pool = Pool(budget="1GiB", policy="planned")
+    pool = restless(Pool(budget="1GiB", policy="planned"))
     packs = []
     pack = pool._pack
     pool._pack = lambda t: packs.append(1) or pack(t)  # what the pool's hook sees
