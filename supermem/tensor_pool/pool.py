@@ -210,6 +210,7 @@ class Pool(PlanRunner):
         """Re-entrant, and per thread: saved-tensor hooks are thread-local, so each thread keeps its
         own stack of entered contexts."""
         self._start()
+        self._watch(+1)  # (first: the watermark since the last exit is not the step's, nor _rests')
         stack = self._local.__dict__.setdefault("stack", [])
         if self._rests(outermost=not stack):
             stack.append(Resting())
@@ -217,7 +218,6 @@ class Pool(PlanRunner):
             hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
             hooks.__enter__()
             stack.append(hooks)
-        self._watch(+1)
         return self
 
     def __exit__(self, *exc: Any) -> None:
