@@ -701,8 +701,8 @@ class Regions:
     def _post(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         """The call's output, or what replaces it (a call run with grad off: its outputs with a node)."""
         pool = self._pool()
-        if pool is not None and pool._resting:
-            return None
+        if pool is not None and pool._resting and not getattr(self._local, "unseen", None) and not self.top():
+            return None  # (resting, nothing to undo: a call begun before another thread's rest still is)
         if pool is None:
             return self._post_call(module, args, kwargs, output)  # (the hooks a call popped go back still)
         return pool._own(self._post_call, module, args, kwargs, output)

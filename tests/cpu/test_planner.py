@@ -391,6 +391,34 @@ def test_a_call_of_another_shape_wakes_the_resting_pool_for_the_rest_of_its_step
     assert all(seen[k] is not None for k in range(5, 9)), seen
 
 
+def test_a_call_begun_before_the_pool_rested_is_undone_at_its_end():
+    """Another thread's entry may start the rest while this thread is inside a block the plan runs
+    with the pool's hooks off: the block's end still puts them back."""
+    pool = Pool(budget="1GiB", policy="planned", min_bytes=0)
+    torch.manual_seed(0)
+    model = ResNet(c=8, blocks=4)
+    x = torch.randn(8, 3, 16, 16)
+    top = torch._C._autograd._top_saved_tensors_default_hooks
+    for _ in range(2):  # found the regions, recorded and planned: the next step runs the plan
+        with pool:
+            model(x).sum().backward()
+    seen = []
+
+    def rest_now(*_):
+        pool._resting = seen.append(top(False)) or True  # (as another thread's _rests would)
+
+    def after(*_):
+        seen.append(top(False))
+
+    model.blocks[1].c1.register_forward_pre_hook(rest_now)
+    model.fc.register_forward_pre_hook(after)
+    with pool:
+        model(x).sum().backward()
+    pool._resting = False
+    assert pool.stats()["bypassed_calls"] > 0 and seen[0] is None and seen[-1] is not None, seen
+    assert seen[-1][0] == pool._pack
+
+
 def test_the_allocators_pressure_wakes_a_resting_pool():
     """Pressure (the allocator at the budget, its soft limit) while the pool rests: it holds nothing to
     free, so that step goes over; the next one is the pool's again."""
