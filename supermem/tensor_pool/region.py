@@ -702,7 +702,7 @@ class Regions:
         """The call's output, or what replaces it (a call run with grad off: its outputs with a node)."""
         pool = self._pool()
         if pool is not None and pool._resting and not getattr(self._local, "unseen", None) and not self.top():
-            return None  # (resting, nothing to undo: a call begun before another thread's rest still is)
+            return None  # (resting: nothing to undo, unless the call began before the rest did)
         if pool is None:
             return self._post_call(module, args, kwargs, output)  # (the hooks a call popped go back still)
         return pool._own(self._post_call, module, args, kwargs, output)

@@ -6,6 +6,7 @@ which dynamo guards on: one extra compile when they go, then none); the pool's r
 or crash a compile."""
 
 import functools
+import gc
 import json
 import os
 import subprocess
@@ -21,6 +22,16 @@ from supermem.tensor_pool import Pool
 
 dynamo = pytest.importorskip("torch._dynamo")
 from torch._dynamo.testing import CompileCounterWithBackend  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _dead_pools_collected():
+    """Pools of earlier tests that died in reference cycles keep their global module hooks (a pool's
+    first step profiles with them) until the garbage collector runs. Run during a dynamo trace, it
+    removes a hook the trace is guarding on: InternalTorchDynamoError, KeyError in
+    _global_forward_hooks (this file after the pool suites, in one process)."""
+    gc.collect()
+
 
 STEPS = 4
 HINT = "activation_memory_budget"
