@@ -53,8 +53,9 @@ class Resting:
         """The pool's hooks on from here, unless other hooks were pushed since the entry (they would be
         popped first, with the pool's above them): then from the next step."""
         if self.hooks is None and _top_hooks is not None and _top_hooks(False) == self.top:
-            self.hooks = torch.autograd.graph.saved_tensors_hooks(pool._pack, pool._unpack)
-            self.hooks.__enter__()
+            hooks = torch.autograd.graph.saved_tensors_hooks(pool._pack, pool._unpack)
+            hooks.__enter__()  # (it may raise: under disable_saved_tensors_hooks)
+            self.hooks = hooks
 
     def __exit__(self, *exc: Any) -> None:
         if self.hooks is not None:
@@ -67,30 +68,72 @@ class PlanRunner:
     def _rests(self, outermost: bool) -> bool:
         """At the entry of the pool's context: whether the step runs without the pool's hooks, as if
         the pool were not there. So it does once a step ran a plan that moves nothing (Plan.idle) whole
-        and within the budget, while the pool has seen one shape only; a region call of another shape
-        (Regions._pre) or the allocator's pressure wakes it for good. Running such a plan still cost
-        the host ~100 us a region call (on an H200 GPT-24 at 90% of its peak: 1.07x native)."""
+        and within the budget, while the pool has seen one shape only. Without hooks it sees no save,
+        so it watches what would change them: each region call must be the recorded step's call of
+        that place in the step (module, argument shapes, dtypes and requires_grad: Regions._pre), and
+        the model's parameters must need grad as they did; else, or at the allocator's pressure, it
+        wakes for good. Running such a plan still cost the host ~100 us a region call (on an H200
+        GPT-24 at 90% of its peak: 1.07x native)."""
         if self._resting:
-            self._counters["rest_steps"] += outermost
+            if outermost:
+                if self._grad_flags() != self._rest_grads:
+                    self._wake()  # (a frozen layer thawed: saves the plan never saw)
+                    return False
+                self._rest_k = 0
+                self._counters["rest_steps"] += 1
             return True
         plan = self._plan
         if not outermost or self._rest_never or not self.planning or self.always_active or plan is None:
             return False
-        if not plan.idle or not self._plan_ok or self._rec is None or self._rec.full or len(self._plans) != 1:
+        calls = self._calls.get(plan.signature)
+        if not plan.idle or not calls or not self._plan_ok or self._rec is None or self._rec.full:
             return False
         with self._lock:
             s = self._step
-            if s is None or s.ordinals != len(plan.signature) or not self._between_steps():
+            if (
+                len(self._plans) != 1
+                or s is None
+                or s.ordinals != len(plan.signature)
+                or not self._between_steps()
+            ):
                 return False
             self._current_step()  # the step ends here: measured, judged against the budget
             if self._plan is not plan or not self._plan_ok or self._last_peak_bytes > self.budget_bytes:
                 return False
             self._resting = True  # (this step counts in "steps", the next ones in "rest_steps")
+            self._rest_calls, self._rest_k = calls, 0
+            self._rest_params = [
+                weakref.ref(w) for r in self.regions.roots if (m := r()) for w in m.parameters()
+            ]
+            self._rest_grads = self._grad_flags()
         return True
+
+    def _grad_flags(self) -> tuple[bool, ...]:
+        return tuple(w is not None and w.requires_grad for w in (r() for r in self._rest_params))
+
+    def _note_call(self, call: tuple) -> None:
+        """A region call captured: (id(module), kind), in the recorded step's sequence that a resting
+        pool checks (Recorder.calls). Before the step's first save its recorder is not made yet: it
+        takes those at its making (Regions.early_calls)."""
+        if not self.planning:
+            return
+        if self._between_steps():
+            self.regions.early_calls.append(call)
+        elif self._rec is not None and self._rec.full:
+            self._rec.calls.append(call)
+
+    def _rest_call(self, call: tuple) -> None:
+        """A region call with grad on, inside the resting pool: the step's k-th must be the recorded
+        step's k-th, or its saves are not the plan's (a shape, the number of calls, a part of the
+        model that now needs grad): it wakes."""
+        k, self._rest_k = self._rest_k, self._rest_k + 1
+        if k >= len(self._rest_calls) or self._rest_calls[k] != call:
+            self._wake()
 
     def _wake(self) -> None:
         """The pool rests no more; this thread's context, if it rests, has its hooks on from here."""
         self._resting, self._rest_never = False, True
+        self._rest_params = []
         self._counters["rest_wakes"] += 1
         stack = getattr(self._local, "stack", None)
         if stack and isinstance(stack[-1], Resting):
@@ -353,6 +396,7 @@ class PlanRunner:
                 s.offloadable = False
         self._record_full = False
         self._profiles[profile.signature] = profile
+        self._calls[profile.signature] = tuple(rec.calls)  # (what a resting pool checks: _rests)
         self._plan_from(profile)
 
     def _tail_from(self) -> int | None:
@@ -384,6 +428,7 @@ class PlanRunner:
             oldest = next(iter(self._plans))
             del self._plans[oldest]
             self._profiles.pop(oldest, None)
+            self._calls.pop(oldest, None)
         self._counters["plans"] += 1
 
     def _check_plan(self, plan: Plan) -> None:

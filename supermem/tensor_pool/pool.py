@@ -124,6 +124,11 @@ class Pool(PlanRunner):
         # A plan that moves nothing: the steps entered through the pool run without its hooks (_rests)
         self._resting = False
         self._rest_never = False  # woken once: it rests no more
+        self._calls: dict[tuple[int, ...], tuple] = {}  # by signature: the recorded step's region calls
+        self._rest_calls: tuple = ()  # the plan's, while resting; the step's calls so far:
+        self._rest_k = 0
+        self._rest_params: list[weakref.ref] = []  # the model's parameters, and whether each needs grad
+        self._rest_grads: tuple[bool, ...] = ()
         self._last_step_s = 0.0  # the last step's measured duration (host clock)
         self._step_peak = 0
         chosen = checked_treatments(treatments) if treatments is not None else ()
@@ -221,7 +226,10 @@ class Pool(PlanRunner):
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self._local.stack.pop().__exit__(*exc)
+        stack = self._local.stack
+        stack.pop().__exit__(*exc)
+        if stack and isinstance(stack[-1], Resting) and not self._resting:  # woken inside: the hooks
+            stack[-1].wake(self)  # stay on in the context around
         self._watch(-1)
 
     def _watch(self, entered: int) -> None:
@@ -486,6 +494,8 @@ class Pool(PlanRunner):
                     self._rec = EventCounter(self._plan.event_of, self._tail_from(), self.cuda)
                 else:
                     self._rec = Recorder(self.cuda, timed=not self._plan_ok, watermark=self._marks())
+                    self._rec.calls = self.regions.early_calls  # (made before the step's first save)
+                self.regions.early_calls = []
                 self._rec.regions_on = self.regions.phase != "profiling"  # ("off": a pool without them)
                 self._by_ordinal = {}
                 self._plan_pending = []

@@ -286,6 +286,7 @@ class Recorder:
         self.units: dict[int, tuple[Any, list[int], int, list[int], str, int | None, int | None]] = {}
         self.entry_s: list[float] = []  # host seconds to make each entry (Pool._pack_tensor)
         self.resaved: dict[int, set[int | None]] = {}  # Profile.resaved
+        self.calls: list[tuple[int, tuple]] = []  # (id(module), kind) of each region call, in order
         self.no_bypass: set[int] = set()  # Profile.no_bypass
         self.capture_made: set[int] = set()  # Profile.capture_made
         self.call_outputs: dict[int, tuple[tuple[int, int], ...]] = {}  # Profile.call_outputs

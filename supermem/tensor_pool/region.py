@@ -298,9 +298,9 @@ def _pool_hooks(pool: Pool, args: tuple) -> tuple | None:
 
 
 def _kind(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple:
-    """A call's kind: its module's type, its tensor arguments' shapes and dtypes (GPT-24's 24 block
-    calls are one kind)."""
-    return (type(module), *((x.shape, x.dtype) for x in _tensors((args, kwargs))))
+    """A call's kind: its module's type, its tensor arguments' shapes, dtypes and whether they need
+    grad (GPT-24's 24 block calls are one kind)."""
+    return (type(module), *((x.shape, x.dtype, x.requires_grad) for x in _tensors((args, kwargs))))
 
 
 def _identity(t: Any) -> Any:
@@ -533,6 +533,9 @@ class Regions:
         self._kind: dict[int, tuple] = {}  # id(module) -> the kind of its last captured call
         self._own_hooks: dict[int, tuple[int, int]] = {}  # id(module) -> its pre and post hook's ids
         self.modules: list[torch.nn.Module] = []
+        self.roots: list[weakref.ref[torch.nn.Module]] = []
+        # calls captured before the step's first save, the step's recorder not made yet (Recorder.calls)
+        self.early_calls: list[tuple[int, tuple]] = []
 
     # -- phases
 
@@ -555,6 +558,7 @@ class Regions:
         self._global = []
         self.phase = "on"
         self.modules = sorted(choose_regions(self._roots), key=id)
+        self.roots = [weakref.ref(c.module) for c in self._roots]  # the step's top calls: the model
         self._roots = []
         self._local.stack = []
         pre, post = _weak(self._pre), _weak(self._post)
@@ -651,9 +655,9 @@ class Regions:
         pool = self._pool()
         if pool is None:
             return
-        if pool._resting:  # (PlanRunner._rests) a call in a step of another shape than the plan's wakes it
-            if self._capturing(pool) and _kind(module, args, kwargs) != self._kind.get(id(module)):
-                pool._wake()
+        if pool._resting:  # (PlanRunner._rests) a call unlike the recorded step's wakes it
+            if self._capturing(pool):
+                pool._rest_call((id(module), _kind(module, args, kwargs)))
             return
         pool._own(self._pre_call, module, args, kwargs, pool)
 
@@ -681,6 +685,7 @@ class Regions:
         if hooks is None and pool._rec is not None and pool._rec.full:
             pool._rec.no_bypass.add(start)  # (nothing would tell when backward is through it)
         kind = self._kind[id(module)] = _kind(module, args, kwargs)
+        pool._note_call((id(module), kind))
         cost = self._costs.setdefault(kind, [0.0, 0, [], 0])
         timed = cost[3] < COST_SAMPLES
         cost[3] += timed

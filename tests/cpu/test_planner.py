@@ -419,6 +419,130 @@ def test_a_call_begun_before_the_pool_rested_is_undone_at_its_end():
     assert seen[-1][0] == pool._pack
 
 
+def _steps(model, pool, batches, before=None):
+    """SGD steps of `model` on (x, y) `batches` under `pool` (None: identity hooks), `before(k, model)`
+    ahead of step k: the losses, then the gradients and state."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    out = []
+    for k, (x, y) in enumerate(batches):
+        if before is not None:
+            before(k, model)
+        opt.zero_grad()
+        with pool if pool is not None else torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+        out.append(loss.detach())
+        opt.step()
+    return out + [p.grad for p in model.parameters()] + list(model.state_dict().values())
+
+
+def _batches(n, sizes):
+    g = torch.Generator().manual_seed(1)
+    return [
+        (torch.randn(b, 3, 16, 16, generator=g), torch.randint(0, 10, (b,), generator=g)) for b in sizes[:n]
+    ]
+
+
+@pytest.mark.parametrize("frozen", ["first", "last"])
+def test_parts_of_the_model_that_start_needing_grad_wake_the_resting_pool(frozen):
+    """Layers frozen, then thawed (fine-tuning): the steps save more (the thawed layers' inputs), with
+    every shape as it was. The pool wakes: at the first block whose input now needs grad, or (the last
+    blocks thawed: their inputs needed grad already) at the next step's entry."""
+
+    def thaw(k, model):
+        layers = [model.stem, *model.blocks[:2]] if frozen == "first" else list(model.blocks[2:])
+        for p in nn.ModuleList(layers).parameters():
+            p.requires_grad_(k >= 5)
+
+    runs = []
+    for pool in (Pool(budget="1GiB", policy="planned", min_bytes=0), None):
+        torch.manual_seed(0)
+        runs.append(_steps(ResNet(c=8, blocks=4), pool, _batches(8, [8] * 8), thaw))
+        if pool is not None:
+            stats = pool.stats()
+    assert same(*runs)
+    assert stats["rest_wakes"] == 1 and stats["rest_steps"] >= 1, stats
+
+
+class _Cell(nn.Module):
+    def __init__(self, d=64):
+        super().__init__()
+        self.a, self.b = nn.Linear(d, d), nn.Linear(d, d)
+
+    def forward(self, h):
+        return h + self.b(torch.tanh(self.a(h)))
+
+
+class _Loop(nn.Module):
+    """One cell called `self.t` times a step (an RNN's time steps), then a head."""
+
+    def __init__(self):
+        super().__init__()
+        self.cell, self.head, self.t = _Cell(), nn.Linear(64, 10), 4
+
+    def forward(self, x):
+        h = x.flatten(1)[:, :64]
+        for _ in range(self.t):
+            h = self.cell(h)
+        return self.head(h)
+
+
+def test_more_calls_of_a_region_than_the_plan_saw_wake_the_resting_pool():
+    """Each call has the shapes the plan saw, but there are more of them (longer sequences): the first
+    call past the recorded step's wakes the pool, whose hooks are on for the rest of that step."""
+
+    def longer(k, model):
+        model.t = 4 if k < 5 else 8
+
+    runs = []
+    for pool in (Pool(budget="1GiB", policy="planned", min_bytes=0), None):
+        torch.manual_seed(0)
+        runs.append(_steps(_Loop(), pool, _batches(8, [8] * 8), longer))
+        if pool is not None:
+            stats = pool.stats()
+    assert same(*runs)
+    assert stats["rest_wakes"] == 1 and stats["rest_steps"] >= 1, stats
+
+
+def test_a_region_called_with_two_shapes_a_step_rests():
+    """Two views a step through one block, each of its own shape: the recorded step's calls, in order."""
+
+    class TwoViews(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = ResNet(c=8, blocks=4)
+
+        def forward(self, x):
+            return self.net(x) + self.net(x[:, :, :8, :8]).mean()
+
+    pool = Pool(budget="1GiB", policy="planned", min_bytes=0)
+    torch.manual_seed(0)
+    got = _steps(TwoViews(), pool, _batches(7, [8] * 7))
+    torch.manual_seed(0)
+    assert same(got, _steps(TwoViews(), None, _batches(7, [8] * 7)))
+    stats = pool.stats()
+    assert stats["rest_steps"] >= 2 and stats["rest_wakes"] == 0, stats
+
+
+def test_a_wake_in_a_nested_context_keeps_the_hooks_on_in_the_one_around_it():
+    pool = Pool(budget="1GiB", policy="planned", min_bytes=0)
+    torch.manual_seed(0)
+    model = ResNet(c=8, blocks=4)
+    x = torch.randn(8, 3, 16, 16)
+    for _ in range(4):
+        with pool:
+            model(x).sum().backward()
+    assert pool._resting
+    top = torch._C._autograd._top_saved_tensors_default_hooks
+    with pool:
+        with pool:
+            h = model.stem(x)
+            model.blocks(torch.cat([h, h]))  # another shape: wakes it
+            assert top(False)[0] == pool._pack
+        assert top(False)[0] == pool._pack  # the outer context's rest of the step is the pool's too
+    assert top(False) is None and pool.stats()["rest_wakes"] == 1
+
+
 def test_the_allocators_pressure_wakes_a_resting_pool():
     """Pressure (the allocator at the budget, its soft limit) while the pool rests: it holds nothing to
     free, so that step goes over; the next one is the pool's again."""
