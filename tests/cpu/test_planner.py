@@ -310,34 +310,45 @@ def test_a_bypassed_blocks_output_goes_to_the_pool_only_where_the_pool_sees_it_s
     assert stats["bypassed_calls"] > 0 and stats["plan_misses"] == 0, stats
 
 
-def _resnet_train(pool, sizes, between=None):
-    """SGD steps of a fresh small ResNet, one per batch size in `sizes`, under `pool` (None: identity
-    hooks), `between(k, model)` after step k: the losses, then the gradients and state at the end; and per
-    step, the saved-tensor hooks on top when its head (no region) is called."""
-    torch.manual_seed(0)
-    model = ResNet(c=8, blocks=4)
+def _steps(model, pool, batches, before=None, after=None):
+    """SGD steps of `model` on (x, y) `batches` under `pool` (None: identity hooks), `before(k, model)`
+    ahead of step k and `after(k, model)` after it: the losses, then the gradients and state."""
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    top = torch._C._autograd._top_saved_tensors_default_hooks
-    out: list = []
-    seen: dict = {}
-
-    def look(head, _):
-        if head.training:
-            seen.setdefault(len(out), top(False))
-
-    model.fc.register_forward_pre_hook(look)
-    g = torch.Generator().manual_seed(1)
-    for k, n in enumerate(sizes):
-        x, y = torch.randn(n, 3, 16, 16, generator=g), torch.randint(0, 10, (n,), generator=g)
+    out = []
+    for k, (x, y) in enumerate(batches):
+        if before is not None:
+            before(k, model)
         opt.zero_grad()
         with pool if pool is not None else torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
             loss = torch.nn.functional.cross_entropy(model(x), y)
             loss.backward()
         out.append(loss.detach())
         opt.step()
-        if between is not None:
-            between(k, model)
-    return out + [p.grad for p in model.parameters()] + list(model.state_dict().values()), seen
+        if after is not None:
+            after(k, model)
+    return out + [p.grad for p in model.parameters()] + list(model.state_dict().values())
+
+
+def _batches(sizes):
+    """A batch of 16 px images and labels per size, the same in every call."""
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(b, 3, 16, 16, generator=g), torch.randint(0, 10, (b,), generator=g)) for b in sizes]
+
+
+def _resnet_train(pool, sizes, between=None):
+    """_steps of a fresh small ResNet, one per batch size in `sizes`, `between` after each; and per
+    step, the saved-tensor hooks on top when its head (no region) is called."""
+    torch.manual_seed(0)
+    model = ResNet(c=8, blocks=4)
+    top = torch._C._autograd._top_saved_tensors_default_hooks
+    step, seen = [0], {}
+
+    def look(head, _):
+        if head.training:
+            seen.setdefault(step[0], top(False))
+
+    model.fc.register_forward_pre_hook(look)
+    return _steps(model, pool, _batches(sizes), lambda k, _: step.__setitem__(0, k), between), seen
 
 
 def test_a_plan_that_moves_nothing_lets_the_steps_run_without_the_pools_hooks():
@@ -419,30 +430,6 @@ def test_a_call_begun_before_the_pool_rested_is_undone_at_its_end():
     assert seen[-1][0] == pool._pack
 
 
-def _steps(model, pool, batches, before=None):
-    """SGD steps of `model` on (x, y) `batches` under `pool` (None: identity hooks), `before(k, model)`
-    ahead of step k: the losses, then the gradients and state."""
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    out = []
-    for k, (x, y) in enumerate(batches):
-        if before is not None:
-            before(k, model)
-        opt.zero_grad()
-        with pool if pool is not None else torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
-            loss = torch.nn.functional.cross_entropy(model(x), y)
-            loss.backward()
-        out.append(loss.detach())
-        opt.step()
-    return out + [p.grad for p in model.parameters()] + list(model.state_dict().values())
-
-
-def _batches(n, sizes):
-    g = torch.Generator().manual_seed(1)
-    return [
-        (torch.randn(b, 3, 16, 16, generator=g), torch.randint(0, 10, (b,), generator=g)) for b in sizes[:n]
-    ]
-
-
 @pytest.mark.parametrize("frozen", ["first", "last"])
 def test_parts_of_the_model_that_start_needing_grad_wake_the_resting_pool(frozen):
     """Layers frozen, then thawed (fine-tuning): the steps save more (the thawed layers' inputs), with
@@ -457,7 +444,7 @@ def test_parts_of_the_model_that_start_needing_grad_wake_the_resting_pool(frozen
     runs = []
     for pool in (Pool(budget="1GiB", policy="planned", min_bytes=0), None):
         torch.manual_seed(0)
-        runs.append(_steps(ResNet(c=8, blocks=4), pool, _batches(8, [8] * 8), thaw))
+        runs.append(_steps(ResNet(c=8, blocks=4), pool, _batches([8] * 8), thaw))
         if pool is not None:
             stats = pool.stats()
     assert same(*runs)
@@ -497,7 +484,7 @@ def test_more_calls_of_a_region_than_the_plan_saw_wake_the_resting_pool():
     runs = []
     for pool in (Pool(budget="1GiB", policy="planned", min_bytes=0), None):
         torch.manual_seed(0)
-        runs.append(_steps(_Loop(), pool, _batches(8, [8] * 8), longer))
+        runs.append(_steps(_Loop(), pool, _batches([8] * 8), longer))
         if pool is not None:
             stats = pool.stats()
     assert same(*runs)
@@ -517,9 +504,9 @@ def test_a_region_called_with_two_shapes_a_step_rests():
 
     pool = Pool(budget="1GiB", policy="planned", min_bytes=0)
     torch.manual_seed(0)
-    got = _steps(TwoViews(), pool, _batches(7, [8] * 7))
+    got = _steps(TwoViews(), pool, _batches([8] * 7))
     torch.manual_seed(0)
-    assert same(got, _steps(TwoViews(), None, _batches(7, [8] * 7)))
+    assert same(got, _steps(TwoViews(), None, _batches([8] * 7)))
     stats = pool.stats()
     assert stats["rest_steps"] >= 2 and stats["rest_wakes"] == 0, stats
 
