@@ -125,8 +125,8 @@ class Pool(PlanRunner):
         self._resting = False
         self._rest_never = False  # woken once: it rests no more
         self._calls: dict[tuple[int, ...], tuple] = {}  # by signature: the recorded step's region calls
-        self._rest_calls: tuple = ()  # the plan's, while resting; the step's calls so far:
-        self._rest_k = 0
+        self._rest_calls: tuple = ()  # the resting plan's recorded calls
+        self._rest_k = 0  # the resting step's region calls so far
         self._rest_params: list[weakref.ref] = []  # the model's parameters, and whether each needs grad
         self._rest_grads: tuple[bool, ...] = ()
         self._last_step_s = 0.0  # the last step's measured duration (host clock)
