@@ -184,13 +184,6 @@ __device__ __forceinline__ void publish(uint64_t* status, uint64_t word) {
   *reinterpret_cast<volatile unsigned long long*>(status) = word;
 }
 
-// Step s's kVec mask bits out of a lane's mask words.
-template <typename W, int kWords>
-__device__ __forceinline__ uint32_t step_mask(const uint32_t (&masks)[kWords], int s) {
-  constexpr int V = Layout<W>::kVec;
-  return (masks[s * V / 32] >> (s * V % 32)) & ((1u << V) - 1u);
-}
-
 // A lane's nonzeros of one step (mask m over the vector raw) to stage[pos], stage[pos + 1], ...
 template <typename W>
 __device__ __forceinline__ void stage_nonzeros(W* stage, int pos, uint32_t m, uint4 raw) {
@@ -224,18 +217,17 @@ __device__ int64_t look_back(const uint64_t* status, int64_t tile, int lane, uin
   }
 }
 
-// How the pack splits a tile: every warp holds 16 vectors a lane (64 registers), whatever the
-// element size, so a 16-bit warp takes two blocks. Measured on an H100 (bench relu), per-tile costs
-// (the look-back) dominated with 32 KiB bf16 tiles: 0.73x copy at 1 GiB, against 0.77x with 64 KiB.
+// How the pack splits a tile: every warp takes 16 steps (8 KiB), whatever the element size, so a
+// 16-bit warp takes two blocks. Measured on an H100 (bench relu), per-tile costs (the look-back)
+// dominated with 32 KiB bf16 tiles: 0.73x copy at 1 GiB, against 0.77x with 64 KiB.
 template <typename W>
 struct PackTiling {
   static constexpr int kBlocksPerWarp = 4 / sizeof(W);
   static constexpr int kStepsPerBlock = Layout<W>::kSteps;
-  static constexpr int kSteps = kStepsPerBlock * kBlocksPerWarp;  // steps a warp holds: 16
+  static constexpr int kSteps = kStepsPerBlock * kBlocksPerWarp;  // steps a warp takes: 16
   static constexpr int kBlocksPerTile = kWarpsPerCta * kBlocksPerWarp;
-  static constexpr int kStageSteps = 4;  // steps whose nonzeros go out in one run (even: scans in pairs)
-  static constexpr int kMaskWords = kSteps * Layout<W>::kVec / 32;
-  static_assert(kSteps % kStageSteps == 0 && kStageSteps % 2 == 0, "steps are staged in pairs");
+  static constexpr int kGroupSteps = 4;  // steps whose copies land together (one cp.async group)
+  static_assert(kSteps % kGroupSteps == 0 && kGroupSteps % 2 == 0, "groups of step pairs");
   static_assert(kBlocksPerTile * kBlockElems == relu_pack_tile_elems(sizeof(W)), "relu_pack.h says so");
 };
 
@@ -244,21 +236,57 @@ int64_t num_tiles(int64_t nblocks, int elem_bytes) {
   return (nblocks + per - 1) / per;
 }
 
+// Copies 16 bytes from global to shared memory without a register (sm_80+); the issuing thread's
+// wait_copies<N>() waits until at most N of its commit groups are in flight.
+__device__ __forceinline__ void copy_async16(uint4* dst, const void* src) {
+#if __CUDA_ARCH__ >= 800
+  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d), "l"(src) : "memory");
+#else
+  *dst = *static_cast<const uint4*>(src);
+#endif
+}
+
+__device__ __forceinline__ void commit_copies() {
+#if __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+#endif
+}
+
+template <int N>
+__device__ __forceinline__ void wait_copies() {
+#if __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+#endif
+}
+
+// Bytes of a pack CTA's tile in shared memory: each warp's kSteps x 32 16-byte vectors.
+template <typename W>
+constexpr size_t pack_shared_bytes() {
+  return size_t(kWarpsPerCta) * PackTiling<W>::kSteps * 32 * 16;
+}
+
 // Single-pass pack: bitmap, offsets and (values != nullptr) the nonzeros, reading src once.
 // `workspace`: word 0 is the ticket counter (`ticket_base` tickets were taken before this call),
 // words 1.. the tile statuses (tagged with `epoch`, see ready()).
+// The tile goes to shared memory by asynchronous copies (no registers held while they fly), and
+// each warp compacts its nonzeros there in place, step by step: a step's nonzeros go before the
+// step's own place, which its lanes have read. So a warp holds no tile in registers while it waits
+// for its offset (the look-back), and 3 CTAs fit an SM, not 2 (with the tile in registers, the
+// values pass cost twice the time of its writes: bench relu on an H200).
 template <typename W, bool kAligned>
-__global__ void __launch_bounds__(kThreads, 2)
+__global__ void __launch_bounds__(kThreads, 3)
     pack_kernel(const W* __restrict__ src, int64_t n, uint32_t* __restrict__ bitmap, int64_t* __restrict__ offsets,
                 W* __restrict__ values, int64_t capacity, uint64_t* workspace, int64_t nblocks, uint64_t ticket_base,
                 uint32_t epoch) {
   using L = Layout<W>;
   using T = PackTiling<W>;
+  constexpr int kGroups = T::kSteps / T::kGroupSteps;
+  extern __shared__ __align__(16) uint4 tile_shared_vectors[];
   __shared__ int64_t tile_shared;
   __shared__ int warp_count[kWarpsPerCta];
   __shared__ int first_block_count[kWarpsPerCta];  // of the warp's first block (two-block warps)
   __shared__ int64_t warp_offset[kWarpsPerCta];
-  __shared__ W stage[kWarpsPerCta][T::kStageSteps * L::kChunk];
   const int lane = threadIdx.x % 32;
   const int warp = threadIdx.x / 32;
   // The tile comes from a ticket, not blockIdx: a CTA never waits on one that has not started.
@@ -272,27 +300,53 @@ __global__ void __launch_bounds__(kThreads, 2)
   const int64_t tile_block = tile * T::kBlocksPerTile;
   const int64_t first = (tile_block + warp * T::kBlocksPerWarp) * kBlockElems;  // past n: all loads read 0
   const int64_t nwords = (n + 31) / 32;
+  uint4* vectors = tile_shared_vectors + warp * T::kSteps * 32;  // the warp's: step s, lane l at s * 32 + l
+  W* run = reinterpret_cast<W*>(vectors);                        // its nonzeros, compacted in place
 
-  // The warp's elements in registers, kept until its offset is known; their masks too (step s at
-  // bit s * kVec of the words), for the values pass.
-  uint4 raw[T::kSteps];
-#pragma unroll
-  for (int s = 0; s < T::kSteps; ++s) raw[s] = load_raw<W, kAligned>(src, first + s * L::kChunk + lane * L::kVec, n);
-  uint32_t masks[T::kMaskWords] = {};
-  int count = 0, first_count = 0;
 #pragma unroll
   for (int s = 0; s < T::kSteps; ++s) {
-    const uint32_t m = mask_of(from_uint4<W>(raw[s]), kNonzero);
-    masks[s * L::kVec / 32] |= m << (s * L::kVec % 32);
-    count += __popc(m);
-    if (s == T::kStepsPerBlock - 1) first_count = count;
-    const uint32_t word = bitmap_word<W>(m, lane);
-    const int64_t w = (first + s * L::kChunk) / 32 + lane / L::kLanesPerWord;
-    if (lane % L::kLanesPerWord == 0 && w < nwords) bitmap[w] = word;
+    const int64_t i = first + s * L::kChunk + lane * L::kVec;
+    if (kAligned && i + L::kVec <= n)
+      copy_async16(&vectors[s * 32 + lane], src + i);
+    else
+      vectors[s * 32 + lane] = load_raw<W, kAligned>(src, i, n);
+    if (s % T::kGroupSteps == T::kGroupSteps - 1) commit_copies();
   }
-  count = warp_sum(count);
-  if (T::kBlocksPerWarp > 1) first_count = warp_sum(first_count);
-  if (lane == 0) warp_count[warp] = count, first_block_count[warp] = first_count;
+
+  // Step by step: the bitmap word, the count, the nonzeros to run[total ..]. A pair of steps shares
+  // a scan: their counts (<= 256 a warp) in 16-bit halves.
+  int total = 0, first_count = 0;
+#pragma unroll
+  for (int g = 0; g < kGroups; ++g) {
+    if (g == 0) wait_copies<kGroups - 1>();
+    if (g == 1) wait_copies<kGroups - 2>();
+    if (g == 2) wait_copies<kGroups - 3>();
+    if (g == 3) wait_copies<0>();
+    static_assert(kGroups == 4, "one wait a group");
+#pragma unroll
+    for (int s = g * T::kGroupSteps; s < (g + 1) * T::kGroupSteps; s += 2) {
+      const uint4 raw0 = vectors[s * 32 + lane], raw1 = vectors[(s + 1) * 32 + lane];
+      const uint32_t m0 = mask_of(from_uint4<W>(raw0), kNonzero), m1 = mask_of(from_uint4<W>(raw1), kNonzero);
+#pragma unroll
+      for (int k = 0; k < 2; ++k) {
+        const uint32_t word = bitmap_word<W>(k ? m1 : m0, lane);
+        const int64_t w = (first + (s + k) * L::kChunk) / 32 + lane / L::kLanesPerWord;
+        if (lane % L::kLanesPerWord == 0 && w < nwords) bitmap[w] = word;
+      }
+      const int c0 = __popc(m0), c1 = __popc(m1);
+      const int incl = warp_inclusive_sum(c0 | (c1 << 16), lane);
+      const int both = __shfl_sync(kFullMask, incl, 31);
+      const int total0 = total + (both & 0xffff);
+      __syncwarp();  // every lane has read both steps before any writes over them
+      if (values != nullptr) {
+        stage_nonzeros<W>(run, total + (incl & 0xffff) - c0, m0, raw0);
+        stage_nonzeros<W>(run, total0 + (incl >> 16) - c1, m1, raw1);
+      }
+      total = total0 + (both >> 16);
+      if (s + 1 == T::kStepsPerBlock - 1) first_count = total;
+    }
+  }
+  if (lane == 0) warp_count[warp] = total, first_block_count[warp] = first_count;
   __syncthreads();
 
   if (warp == 0) {
@@ -313,30 +367,11 @@ __global__ void __launch_bounds__(kThreads, 2)
   }
   __syncthreads();
   if (values == nullptr) return;
-
-  // kStageSteps steps' nonzeros, ranked by warp prefix sums, go to the stage in order, then out in
-  // one contiguous run. Two steps share a scan: their counts (<= 256 a warp) in 16-bit halves.
-  W* mine = stage[warp];
-  int64_t out = warp_offset[warp];
-#pragma unroll
-  for (int s0 = 0; s0 < T::kSteps; s0 += T::kStageSteps) {
-    int total = 0;
-#pragma unroll
-    for (int s = s0; s < s0 + T::kStageSteps; s += 2) {
-      const uint32_t m0 = step_mask<W>(masks, s), m1 = step_mask<W>(masks, s + 1);
-      const int c0 = __popc(m0), c1 = __popc(m1);
-      const int incl = warp_inclusive_sum(c0 | (c1 << 16), lane);
-      const int both = __shfl_sync(kFullMask, incl, 31);
-      const int total0 = total + (both & 0xffff);
-      stage_nonzeros<W>(mine, total + (incl & 0xffff) - c0, m0, raw[s]);
-      stage_nonzeros<W>(mine, total0 + (incl >> 16) - c1, m1, raw[s + 1]);
-      total = total0 + (both >> 16);
-    }
-    __syncwarp();
-    for (int k = lane; k < total && out + k < capacity; k += 32) values[out + k] = mine[k];
-    __syncwarp();  // the stage is rewritten next round
-    out += total;
-  }
+  const int64_t out = warp_offset[warp];
+  const int64_t room = capacity - out;  // values past the capacity are left out (< 0: all of them)
+  const int end = room < total ? int(room) : total;
+#pragma unroll 4
+  for (int k = lane; k < end; k += 32) values[out + k] = run[k];
 }
 
 // Unpack: dst gets the values where the bitmap is set and 0 elsewhere. A warp takes `warp_steps`
@@ -502,20 +537,29 @@ void launch_mask(const void* src, int64_t n, uint32_t limit, uint32_t* bitmap, c
   check(cudaGetLastError(), "relu mask kernel launch");
 }
 
+template <typename W, bool kAligned>
+void launch_pack_as(const W* src, int64_t n, uint32_t* bitmap, int64_t* offsets, W* values, int64_t capacity,
+                    uint64_t* workspace, uint64_t ticket_base, uint32_t epoch, cudaStream_t stream) {
+  constexpr size_t shared_bytes = pack_shared_bytes<W>();  // past the 48 KiB a kernel gets unasked
+  static_assert(shared_bytes <= 96 * 1024, "fits every GPU from sm_80 on");
+  check(cudaFuncSetAttribute(pack_kernel<W, kAligned>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(shared_bytes)),
+        "cudaFuncSetAttribute (relu pack shared memory)");
+  const int64_t nblocks = num_blocks(n);
+  const unsigned grid = grid_for(num_tiles(nblocks, sizeof(W)) * kWarpsPerCta);  // one CTA a tile
+  pack_kernel<W, kAligned><<<grid, kThreads, shared_bytes, stream>>>(src, n, bitmap, offsets, values, capacity,
+                                                                     workspace, nblocks, ticket_base, epoch);
+  check(cudaGetLastError(), "relu pack kernel launch");
+}
+
 template <typename W>
 void launch_pack(const void* src, int64_t n, uint32_t* bitmap, int64_t* offsets, void* values, int64_t capacity,
                  uint64_t* workspace, uint64_t ticket_base, uint32_t epoch, cudaStream_t stream) {
-  const int64_t nblocks = num_blocks(n);
-  const unsigned grid = grid_for(num_tiles(nblocks, sizeof(W)) * kWarpsPerCta);  // one CTA a tile
   const auto* s = static_cast<const W*>(src);
   auto* v = static_cast<W*>(values);
   if (aligned16(src))
-    pack_kernel<W, true><<<grid, kThreads, 0, stream>>>(s, n, bitmap, offsets, v, capacity, workspace, nblocks,
-                                                        ticket_base, epoch);
+    launch_pack_as<W, true>(s, n, bitmap, offsets, v, capacity, workspace, ticket_base, epoch, stream);
   else
-    pack_kernel<W, false><<<grid, kThreads, 0, stream>>>(s, n, bitmap, offsets, v, capacity, workspace, nblocks,
-                                                         ticket_base, epoch);
-  check(cudaGetLastError(), "relu pack kernel launch");
+    launch_pack_as<W, false>(s, n, bitmap, offsets, v, capacity, workspace, ticket_base, epoch, stream);
 }
 
 template <typename W>
