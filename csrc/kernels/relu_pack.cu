@@ -260,10 +260,53 @@ __device__ __forceinline__ void wait_copies() {
 #endif
 }
 
-// Bytes of a pack CTA's tile in shared memory: each warp's kSteps x 32 16-byte vectors.
+// Bytes of a pack CTA's tile in shared memory: each warp's kSteps x 32 16-byte vectors, and one
+// more that write_run may read past the last warp's.
 template <typename W>
 constexpr size_t pack_shared_bytes() {
-  return size_t(kWarpsPerCta) * PackTiling<W>::kSteps * 32 * 16;
+  return (size_t(kWarpsPerCta) * PackTiling<W>::kSteps * 32 + 1) * 16;
+}
+
+// Bytes [16 - sh, 32 - sh) of a followed by b (0 < sh < 16, the same in every lane).
+template <int Q>
+__device__ __forceinline__ uint4 shifted_at(const uint32_t (&c)[8], int r) {
+  return make_uint4(__funnelshift_r(c[Q], c[Q + 1], 8 * r), __funnelshift_r(c[Q + 1], c[Q + 2], 8 * r),
+                    __funnelshift_r(c[Q + 2], c[Q + 3], 8 * r), __funnelshift_r(c[Q + 3], c[Q + 4], 8 * r));
+}
+
+__device__ __forceinline__ uint4 shifted(uint4 a, uint4 b, int sh) {
+  const uint32_t c[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+  const int o = 16 - sh, r = o % 4;
+  switch (o / 4) {
+    case 0: return shifted_at<0>(c, r);
+    case 1: return shifted_at<1>(c, r);
+    case 2: return shifted_at<2>(c, r);
+    default: return shifted_at<3>(c, r);
+  }
+}
+
+// A warp's run of `end` values (run, in shared memory: 16-byte vectors) to values[out ..]. The run
+// starts anywhere in a 16-byte vector of values (pad elements in), so each whole vector of values
+// is two of the run's, shifted; the partial first and last ones go element by element (the rest of
+// their vector belongs to the runs beside this one).
+template <typename W>
+__device__ __forceinline__ void write_run(W* values, int64_t out, const uint4* run, int end, int lane) {
+  constexpr int V = Layout<W>::kVec;
+  const int pad = int(reinterpret_cast<uintptr_t>(values + out) % 16 / sizeof(W));
+  W* dst = values + out - pad;  // 16-byte aligned: element d of dst is run element d - pad
+  const W* elems = reinterpret_cast<const W*>(run);
+  const int nvec = (pad + end + V - 1) / V;
+  for (int q = lane; q < nvec; q += 32) {
+    const int d = q * V;
+    if (d >= pad && d + V <= pad + end) {
+      const uint4 v = pad == 0 ? run[q] : shifted(run[q - 1], run[q], pad * int(sizeof(W)));
+      *reinterpret_cast<uint4*>(dst + d) = v;
+    } else {
+#pragma unroll
+      for (int j = 0; j < V; ++j)
+        if (d + j >= pad && d + j < pad + end) dst[d + j] = elems[d + j - pad];
+    }
+  }
 }
 
 // Single-pass pack: bitmap, offsets and (values != nullptr) the nonzeros, reading src once.
@@ -369,9 +412,7 @@ __global__ void __launch_bounds__(kThreads, 3)
   if (values == nullptr) return;
   const int64_t out = warp_offset[warp];
   const int64_t room = capacity - out;  // values past the capacity are left out (< 0: all of them)
-  const int end = room < total ? int(room) : total;
-#pragma unroll 4
-  for (int k = lane; k < end; k += 32) values[out + k] = run[k];
+  if (room > 0) write_run<W>(values, out, vectors, room < total ? int(room) : total, lane);
 }
 
 // Unpack: dst gets the values where the bitmap is set and 0 elsewhere. A warp takes `warp_steps`
