@@ -1,16 +1,17 @@
 // ReLU bitmap compression kernels (format and contracts: relu_pack.h).
 //
 // Pack is one pass (a single-pass scan, Merrill & Garland's decoupled look-back, as CUB's
-// DeviceSelect): each CTA takes a tile of 64 KiB of input (kWarpsPerCta warps, each holding 16
-// 16-byte vectors a lane: one 2048-element block of fp32, two of a 16-bit type) in the order of an
-// atomic ticket. Its warps load their elements into registers, write the bitmap words (built with
-// shuffles) and count their nonzeros. The CTA publishes its tile's count, looks back over its
-// predecessors' status words for the nonzeros before it, publishes its own inclusive prefix,
-// writes its blocks' offsets and copies its nonzeros from the registers, staged through shared
-// memory so the global writes are contiguous. Unpack is one pass too: each warp loads its block's
-// 64 bitmap words once, scans their popcounts once (so every lane finds its first value of a step
-// with two shuffles, not a scan a step), loads the values of a few steps into shared memory as
-// 16-byte vectors, and writes 16-byte vectors. All indices are int64: tensors past 2^31 elements work.
+// DeviceSelect): each CTA takes a tile of 64 KiB of input (kWarpsPerCta warps, each taking 16 steps
+// of one 16-byte vector a lane: one 2048-element block of fp32, two of a 16-bit type) in the order
+// of an atomic ticket. The tile goes to shared memory by asynchronous copies; step by step, each
+// warp writes the bitmap words (built with shuffles), counts the nonzeros and compacts them in
+// place. The CTA publishes its tile's count, looks back over its predecessors' status words for the
+// nonzeros before it, publishes its own inclusive prefix, writes its blocks' offsets, and each warp
+// writes its run of nonzeros from shared memory as 16-byte vectors. Unpack is one pass too: each
+// warp loads its block's 64 bitmap words once, scans their popcounts once (so every lane finds its
+// first value of a step with two shuffles, not a scan a step), loads the values of a few steps into
+// shared memory as 16-byte vectors, and writes 16-byte vectors. All indices are int64: tensors past
+// 2^31 elements work.
 #include <climits>
 #include <string>
 
@@ -359,13 +360,13 @@ __global__ void __launch_bounds__(kThreads, 3)
   // Step by step: the bitmap word, the count, the nonzeros to run[total ..]. A pair of steps shares
   // a scan: their counts (<= 256 a warp) in 16-bit halves.
   int total = 0, first_count = 0;
+  static_assert(kGroups == 4, "one wait a group below");
 #pragma unroll
   for (int g = 0; g < kGroups; ++g) {
-    if (g == 0) wait_copies<kGroups - 1>();
-    if (g == 1) wait_copies<kGroups - 2>();
-    if (g == 2) wait_copies<kGroups - 3>();
+    if (g == 0) wait_copies<3>();  // group g has landed (this lane's copies: it reads only its own)
+    if (g == 1) wait_copies<2>();
+    if (g == 2) wait_copies<1>();
     if (g == 3) wait_copies<0>();
-    static_assert(kGroups == 4, "one wait a group");
 #pragma unroll
     for (int s = g * T::kGroupSteps; s < (g + 1) * T::kGroupSteps; s += 2) {
       const uint4 raw0 = vectors[s * 32 + lane], raw1 = vectors[(s + 1) * 32 + lane];
