@@ -58,6 +58,7 @@ class Entry:
         "ordinal",
         "recipe",
         "readers",
+        "made_by",
     )
 
     def __init__(self, pool: Pool, seq: int, tensor: torch.Tensor, key: tuple, step: Step):
@@ -68,7 +69,7 @@ class Entry:
         self.extent = storage_extent(tensor)
         self.dtype = tensor.dtype
         self.nbytes = self.extent * tensor.element_size()
-        self.tensor: torch.Tensor | None = tensor
+        self.tensor: torch.Tensor | None = _graphless(tensor)
         self.treatment: Treatment | None = None  # what holds it while not resident
         self.payload: Any = None  # the treatment's (a host block, compressed bytes, ...)
         self.event: torch.cuda.Event | None = None  # end of the copy in flight (either direction)
@@ -83,6 +84,8 @@ class Entry:
         self.ordinal = step.ordinals  # its place in that step
         self.recipe: Any = None  # how to rebuild it on the device (region, cast, op replay), if any
         self.readers: list | None = None  # weakrefs to entries whose op replay reads this one
+        fn = tensor.grad_fn
+        self.made_by = "" if fn is None else type(fn).__name__  # the op that made it (its node's name)
 
     def device_span(self) -> torch.Tensor:
         """The device tensor's storage span, flat: what a copy moves."""
@@ -107,6 +110,15 @@ class Entry:
         return f"Entry(seq={self.seq}, {self.state.value}{how}, {self.nbytes} bytes)"
 
 
+def _graphless(t: torch.Tensor) -> torch.Tensor:
+    """`t` without its autograd graph (same storage, same version counter), what a saved tensor is kept
+    as. Kept with its grad_fn, a tensor its own op saved (tanh's, relu's output) held that op's node,
+    which held the saved tensor: a cycle through autograd's C++ that the garbage collector cannot see,
+    so a forward whose backward never ran kept its saved tensors, and the pool, for good. Autograd
+    gives the unpacked tensor its place in the graph again."""
+    return t if t.grad_fn is None else t.detach()
+
+
 def storage_extent(t: torch.Tensor) -> int:
     """Elements from the tensor's first to its last element in storage. The pool moves this span,
     not the elements one by one: the tensor comes back with its exact strides (elementwise kernels
@@ -126,7 +138,7 @@ class Kept:
     __slots__ = ("tensor", "version")
 
     def __init__(self, tensor: torch.Tensor):
-        self.tensor = tensor
+        self.tensor = _graphless(tensor)
         self.version = tensor._version
 
     def unpack(self) -> torch.Tensor:

@@ -335,7 +335,7 @@ class Compress(Treatment):
             return False
         made = self._relu_made.get(e)
         if made is None:  # fixed for the entry's life: asked once (a decision prices dozens of entries)
-            made = self._relu_made[e] = _relu_output(t)
+            made = self._relu_made[e] = _relu_output(t, e.made_by)
         if not made or e in self._incompressible:
             return False
         # No kernels; or a CUDA graph is being captured, and a pack may sync.
@@ -619,10 +619,10 @@ def _dense(t: torch.Tensor) -> bool:
     return t.permute(sorted(range(t.dim()), key=t.stride, reverse=True)).is_contiguous()
 
 
-def _relu_output(t: torch.Tensor) -> bool:
-    """A relu/relu_/threshold made it (its grad_fn), in a packable dtype and dense in memory."""
-    fn = t.grad_fn
-    return t.dtype in _PACKABLE and _dense(t) and fn is not None and type(fn).__name__ in RELU_MADE
+def _relu_output(t: torch.Tensor, made_by: str) -> bool:
+    """A relu/relu_/threshold made it (`made_by`: its grad_fn's name when saved), in a packable dtype
+    and dense in memory."""
+    return made_by in RELU_MADE and t.dtype in _PACKABLE and _dense(t)
 
 
 @functools.cache

@@ -1,10 +1,13 @@
 """The pool's safety net on CPU: in-place changes to saved tensors raise as in plain PyTorch (at any
 budget), entering a pool is re-entrant and per-thread, tensors the pool cannot move pass through."""
 
+import gc
 import threading
+import weakref
 
 import pytest
 import torch
+import torch.nn as nn
 from pool_policies import policy  # noqa: F401  (autouse: every test under every live policy)
 
 from supermem.errors import ConfigError
@@ -24,6 +27,46 @@ def plain_error(fn, x):
     with pytest.raises(RuntimeError) as info:
         fn(x).backward()
     return str(info.value)
+
+
+def _global_module_hooks():
+    m = torch.nn.modules.module
+    return len(m._global_forward_pre_hooks) + len(m._global_forward_hooks)
+
+
+@pytest.mark.parametrize("budget", BUDGETS)
+@pytest.mark.parametrize("when", ["dropped", "raised", "dropped after training"])
+def test_a_forward_whose_backward_never_comes_leaves_nothing_behind(budget, when):
+    """A forward under the pool whose backward never runs (an evaluation with grad on, an exception
+    before backward): once its output is dropped, its saved tensors, the pool and the pool's global
+    module hooks go too. They all stayed while the pool kept saved tensors with their grad_fn: an
+    output its own op saves (tanh's, relu's) holds that op's node, which holds the saved tensor, a
+    cycle through autograd's C++ that the garbage collector cannot see."""
+    gc.collect()
+    hooks = _global_module_hooks()
+    model = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64))
+    outputs = []
+    model[1].register_forward_hook(lambda m, i, o: outputs.append(weakref.ref(o)))
+    x = torch.randn(32, 64, requires_grad=True)
+    pool = Pool(budget=budget, min_bytes=0)
+    if when.startswith("dropped"):
+        for _ in range(3 if when == "dropped after training" else 0):  # a plan running, where policies plan
+            with pool:
+                model(x).sum().backward()
+        outputs.clear()
+        with pool:
+            y = model(x)
+        del y
+    else:
+        with pytest.raises(ValueError), pool:
+            model(x)
+            raise ValueError("before backward")
+    freed = weakref.ref(pool)
+    del pool
+    gc.collect()
+    assert outputs and outputs[0]() is None, "tanh's output, saved for backward, outlived the forward"
+    assert freed() is None, "the pool outlived the forward it saved for"
+    assert _global_module_hooks() == hooks
 
 
 @pytest.mark.parametrize("budget", BUDGETS)
