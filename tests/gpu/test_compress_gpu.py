@@ -142,7 +142,7 @@ def test_writes_stay_in_their_buffers_and_unaligned_outputs_work(dtype, n):
     assert guards_intact(few) and guards_intact(offsets2)
     assert torch.equal(inside(offsets2).cpu().view(torch.int64), ref.offsets)
     assert torch.equal(inside(few).cpu(), ref.values.view(torch.uint8)[: size * short])
-    # Values one element off 16-byte alignment: element stores only, the same bytes.
+    # Values one element off 16-byte alignment (each run goes out as shifted 16-byte stores): the same bytes.
     odd = guarded(size * (ref.nnz + 1))
     _C.relu_pack(x.data_ptr(), n, size, ptr(bitmap), ptr(offsets2), inside(odd)[size:].data_ptr(), ref.nnz,
                  ptr(workspace), inside(workspace).numel(), 0, 0, stream)  # fmt: skip
