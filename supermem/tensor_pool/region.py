@@ -544,8 +544,8 @@ class Regions:
             return
         pre, post = _weak(self._profile_pre), _weak(self._profile_post)
         self._global = [
-            torch.nn.modules.module.register_module_forward_pre_hook(pre),
-            torch.nn.modules.module.register_module_forward_hook(post, always_call=True),
+            _hooked(pre, torch.nn.modules.module.register_module_forward_pre_hook(pre)),
+            _hooked(post, torch.nn.modules.module.register_module_forward_hook(post, always_call=True)),
         ]
         self.phase = "profiling"
 
@@ -561,21 +561,27 @@ class Regions:
         self.roots = [weakref.ref(c.module) for c in self._roots]  # the step's top calls: the model
         self._roots = []
         self._local.stack = []
-        pre, post = _weak(self._pre), _weak(self._post)
         for m in self.modules:
             # First in, last out: the call's own hooks run inside the region, so a replay, which calls
             # the module again, runs them on the very arguments they saw (a hook ahead of the region's
             # would change its arguments twice).
+            pre, post = _weak(self._pre), _weak(self._post)
             hooks = (
-                m.register_forward_pre_hook(pre, with_kwargs=True, prepend=True),
-                m.register_forward_hook(post, with_kwargs=True, always_call=True),
+                _hooked(pre, m.register_forward_pre_hook(pre, with_kwargs=True, prepend=True)),
+                _hooked(post, m.register_forward_hook(post, with_kwargs=True, always_call=True)),
             )
             self._handles += hooks
             self._own_hooks[id(m)] = (hooks[0].id, hooks[1].id)
 
     def close(self) -> None:
-        for h in self._global + self._handles:
-            h.remove()
+        """Takes the hooks off, by id from torch's dicts: a handle reaches its dict through a weak
+        reference, which the garbage collector clears when the handle dies in a cycle with this
+        tracker (a pool in a reference cycle), and its remove() then left the hook on for good. Not
+        while dynamo traces (a collection can run then), whose guards read these dicts: the hooks,
+        finding their tracker gone, take themselves off at their next call outside a trace (_weak)."""
+        if not _tracing():
+            for h in self._global + self._handles:
+                _unhook(h.id, self.modules)
         self._global, self._handles = [], []
         self._own_hooks = {}
 
@@ -816,12 +822,42 @@ def _read_timer(timer: Any) -> float | None:
 
 
 def _weak(method: Any) -> Any:
+    """A module hook calling `method` through a weak reference; once its object is gone, it takes
+    itself off (registered as `hook_id`) from torch's global dicts and its module's."""
     ref = weakref.WeakMethod(method)
 
     def call(*args: Any) -> Any:
         if torch.compiler.is_compiling():
             return None  # traced by dynamo: nothing in the graph (recompute cannot reach inside one)
         m = ref()
-        return m(*args) if m is not None else None
+        if m is not None:
+            return m(*args)
+        if call.hook_id is not None and not _tracing():
+            _unhook(call.hook_id, [args[0]])
+        return None
 
+    call.hook_id = None
     return call
+
+
+def _hooked(call: Any, handle: Any) -> Any:
+    """`handle`, the one registering `call` (a _weak) gave: `call` learns its id."""
+    call.hook_id = handle.id
+    return handle
+
+
+def _tracing() -> bool:
+    """Dynamo is tracing (what a garbage collection run inside a compile sees)."""
+    return torch.compiler.is_compiling() or torch._guards.TracingContext.try_get() is not None
+
+
+def _unhook(hook_id: int, modules: list[torch.nn.Module]) -> None:
+    """Hook `hook_id` out of torch's global forward hook dicts and those of `modules` (ids are unique
+    over all of torch's hook handles)."""
+    dicts = [_nn._global_forward_pre_hooks, _nn._global_forward_hooks]
+    dicts.append(_nn._global_forward_hooks_always_called)
+    for m in modules:
+        dicts += [m._forward_pre_hooks, m._forward_pre_hooks_with_kwargs, m._forward_hooks]
+        dicts += [m._forward_hooks_with_kwargs, m._forward_hooks_always_called]
+    for d in dicts:
+        d.pop(hook_id, None)

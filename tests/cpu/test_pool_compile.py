@@ -27,9 +27,11 @@ from torch._dynamo.testing import CompileCounterWithBackend  # noqa: E402
 @pytest.fixture(autouse=True)
 def _dead_pools_collected():
     """Pools of earlier tests that died in reference cycles keep their global module hooks (a pool's
-    first step profiles with them) until the garbage collector runs. Run during a dynamo trace, it
-    removes a hook the trace is guarding on: InternalTorchDynamoError, KeyError in
-    _global_forward_hooks (this file after the pool suites, in one process)."""
+    first step profiles with them) until the garbage collector runs, and dynamo guards on those
+    hooks: hooks going mid-test would add a compile to the counts here. (A collection during a trace
+    once removed a hook the trace was reading: InternalTorchDynamoError, KeyError in
+    _global_forward_hooks. Now a pool collected then leaves them to take themselves off later:
+    Regions.close.)"""
     gc.collect()
 
 
