@@ -74,38 +74,14 @@ def _module_hooks(model):
 
 
 @pytest.mark.parametrize("steps", [0, 3])  # dies profiling its first step (global hooks), or with regions
-def test_a_pool_that_dies_in_a_reference_cycle_takes_its_module_hooks_along(steps):
+@pytest.mark.parametrize("traced", [False, True])  # collected while dynamo traces
+def test_a_pool_that_dies_in_a_reference_cycle_takes_its_module_hooks_along(monkeypatch, steps, traced):
     """The garbage collector clears the weak reference each of torch's hook handles keeps to its
     dict when the handle dies in a cycle, so removing the pool's hooks through their handles did
     nothing: a pool collected in a cycle (a model holding the pool that holds its modules) left its
-    global hooks on every module call in the process, or its region hooks on the model."""
-    gc.collect()
-    hooks = _global_module_hooks()
-    model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(4)])
-    x = torch.randn(32, 64, requires_grad=True)
-    pool = Pool(budget="64KiB", min_bytes=0)
-    for _ in range(steps):
-        with pool:
-            model(x).sum().backward()
-    with pool:
-        y = model(x)
-    del y
-    blocks = list(model)
-    model.pool = pool  # the cycle: model -> pool -> its regions -> the model's modules
-    freed = weakref.ref(pool)
-    del pool, model
-    gc.collect()
-    assert freed() is None
-    assert _global_module_hooks() == hooks
-    again = nn.Sequential(*blocks)
-    assert _module_hooks(again) == 0
-    again(x).sum().backward()  # and its blocks train as ever
-
-
-@pytest.mark.parametrize("steps", [0, 3])
-def test_hooks_a_pool_collected_during_a_trace_left_take_themselves_off(monkeypatch, steps):
-    """A collection can run while dynamo traces, whose guards read torch's hook dicts: a pool
-    collected then leaves its hooks on, and each takes itself off at its next call outside a trace."""
+    global hooks on every module call in the process, or its region hooks on the model. A collection
+    can also run while dynamo traces, whose guards read those dicts: a pool collected then leaves its
+    hooks on, and each takes itself off at its next call outside a trace."""
     from supermem.tensor_pool import region
 
     gc.collect()
@@ -119,15 +95,16 @@ def test_hooks_a_pool_collected_during_a_trace_left_take_themselves_off(monkeypa
     with pool:
         model(x)
     blocks = list(model)
-    model.pool = pool
+    model.pool = pool  # the cycle: model -> pool -> its regions -> the model's modules
     freed = weakref.ref(pool)
     del pool, model
-    monkeypatch.setattr(region, "_tracing", lambda: True)
+    if traced:
+        monkeypatch.setattr(region, "_tracing", lambda: True)
     gc.collect()
     monkeypatch.undo()
     assert freed() is None
     again = nn.Sequential(*blocks)
-    again(x).sum().backward()
+    again(x).sum().backward()  # its blocks train as ever (and a left hook's next call is here)
     assert _global_module_hooks() == hooks
     assert _module_hooks(again) == 0
 
