@@ -85,7 +85,7 @@ class PlanRunner:
         plan = self._plan
         if not outermost or self._rest_never or not self.planning or self.always_active or plan is None:
             return False
-        calls = self._calls.get(plan.signature)
+        calls = getattr(self._profiles.get(plan.signature), "calls", None)
         if not plan.idle or not calls or not self._plan_ok or self._rec is None or self._rec.full:
             return False
         with self._lock:
@@ -396,7 +396,6 @@ class PlanRunner:
                 s.offloadable = False
         self._record_full = False
         self._profiles[profile.signature] = profile
-        self._calls[profile.signature] = tuple(rec.calls)  # (what a resting pool checks: _rests)
         self._plan_from(profile)
 
     def _tail_from(self) -> int | None:
@@ -428,7 +427,6 @@ class PlanRunner:
             oldest = next(iter(self._plans))
             del self._plans[oldest]
             self._profiles.pop(oldest, None)
-            self._calls.pop(oldest, None)
         self._counters["plans"] += 1
 
     def _check_plan(self, plan: Plan) -> None:

@@ -124,7 +124,6 @@ class Pool(PlanRunner):
         # A plan that moves nothing: the steps entered through the pool run without its hooks (_rests)
         self._resting = False
         self._rest_never = False  # woken once: it rests no more
-        self._calls: dict[tuple[int, ...], tuple] = {}  # by signature: the recorded step's region calls
         self._rest_calls: tuple = ()  # the resting plan's recorded calls
         self._rest_k = 0  # the resting step's region calls so far
         self._rest_params: list[weakref.ref] = []  # the model's parameters, and whether each needs grad

@@ -111,6 +111,8 @@ class Profile:
     call_outputs: dict[int, tuple[tuple[int, int], ...]] = field(default_factory=dict)
     # a region call (as above) -> the number of a save among the call's saves -> the ordinal it saved
     call_slots: dict[int, dict[int, int]] = field(default_factory=dict)
+    # (id(module), kind) of each region call, in order (Recorder.calls): what a resting pool checks
+    calls: tuple[tuple[int, tuple], ...] = ()
     compress_s_per_byte: float = 0.0  # a pack and its unpack (Compress.price)
     compress_wait_s: float = 0.0  # what a pack waits for its count (Compress.price: an exact one on a GPU)
     compress_host_s: float = 0.0  # host seconds of a pack, its unpack and trim (Compress.price, on a GPU)
@@ -451,6 +453,7 @@ class Recorder:
             no_bypass=set(self.no_bypass),
             capture_made=set(self.capture_made),
             call_outputs=dict(self.call_outputs),
+            calls=tuple(self.calls),
             call_slots=dict(self.call_slots),
         )
         if p.backward_event < n:
