@@ -542,10 +542,9 @@ class Regions:
     def start_profiling(self) -> None:
         if self.phase != "off":
             return
-        pre, post = _weak(self._profile_pre), _weak(self._profile_post)
         self._global = [
-            _hooked(pre, torch.nn.modules.module.register_module_forward_pre_hook(pre)),
-            _hooked(post, torch.nn.modules.module.register_module_forward_hook(post, always_call=True)),
+            _hook(_nn.register_module_forward_pre_hook, self._profile_pre),
+            _hook(_nn.register_module_forward_hook, self._profile_post, always_call=True),
         ]
         self.phase = "profiling"
 
@@ -565,10 +564,9 @@ class Regions:
             # First in, last out: the call's own hooks run inside the region, so a replay, which calls
             # the module again, runs them on the very arguments they saw (a hook ahead of the region's
             # would change its arguments twice).
-            pre, post = _weak(self._pre), _weak(self._post)
             hooks = (
-                _hooked(pre, m.register_forward_pre_hook(pre, with_kwargs=True, prepend=True)),
-                _hooked(post, m.register_forward_hook(post, with_kwargs=True, always_call=True)),
+                _hook(m.register_forward_pre_hook, self._pre, with_kwargs=True, prepend=True),
+                _hook(m.register_forward_hook, self._post, with_kwargs=True, always_call=True),
             )
             self._handles += hooks
             self._own_hooks[id(m)] = (hooks[0].id, hooks[1].id)
@@ -578,10 +576,9 @@ class Regions:
         reference, which the garbage collector clears when the handle dies in a cycle with this
         tracker (a pool in a reference cycle), and its remove() then left the hook on for good. Not
         while dynamo traces (a collection can run then), whose guards read these dicts: the hooks,
-        finding their tracker gone, take themselves off at their next call outside a trace (_weak)."""
+        finding their tracker gone, take themselves off at their next call outside a trace (_hook)."""
         if not _tracing():
-            for h in self._global + self._handles:
-                _unhook(h.id, self.modules)
+            _unhook([h.id for h in self._global + self._handles], self.modules)
         self._global, self._handles = [], []
         self._own_hooks = {}
 
@@ -821,9 +818,9 @@ def _read_timer(timer: Any) -> float | None:
     return start.elapsed_time(end) / 1e3
 
 
-def _weak(method: Any) -> Any:
-    """A module hook calling `method` through a weak reference; once its object is gone, it takes
-    itself off (registered as `hook_id`) from torch's global dicts and its module's."""
+def _hook(register: Any, method: Any, **kwargs: Any) -> Any:
+    """`register(hook, **kwargs)`'s handle, for a hook calling `method` through a weak reference. Once
+    `method`'s object is gone, the hook takes itself off from torch's global dicts and its module's."""
     ref = weakref.WeakMethod(method)
 
     def call(*args: Any) -> Any:
@@ -832,17 +829,11 @@ def _weak(method: Any) -> Any:
         m = ref()
         if m is not None:
             return m(*args)
-        if call.hook_id is not None and not _tracing():
-            _unhook(call.hook_id, [args[0]])
+        if not _tracing():
+            _unhook([handle.id], [args[0]])
         return None
 
-    call.hook_id = None
-    return call
-
-
-def _hooked(call: Any, handle: Any) -> Any:
-    """`handle`, the one registering `call` (a _weak) gave: `call` learns its id."""
-    call.hook_id = handle.id
+    handle = register(call, **kwargs)
     return handle
 
 
@@ -851,8 +842,8 @@ def _tracing() -> bool:
     return torch.compiler.is_compiling() or torch._guards.TracingContext.try_get() is not None
 
 
-def _unhook(hook_id: int, modules: list[torch.nn.Module]) -> None:
-    """Hook `hook_id` out of torch's global forward hook dicts and those of `modules` (ids are unique
+def _unhook(hook_ids: list[int], modules: list[torch.nn.Module]) -> None:
+    """Hooks `hook_ids` out of torch's global forward hook dicts and those of `modules` (ids are unique
     over all of torch's hook handles)."""
     dicts = [_nn._global_forward_pre_hooks, _nn._global_forward_hooks]
     dicts.append(_nn._global_forward_hooks_always_called)
@@ -860,4 +851,5 @@ def _unhook(hook_id: int, modules: list[torch.nn.Module]) -> None:
         dicts += [m._forward_pre_hooks, m._forward_pre_hooks_with_kwargs, m._forward_hooks]
         dicts += [m._forward_hooks_with_kwargs, m._forward_hooks_always_called]
     for d in dicts:
-        d.pop(hook_id, None)
+        for i in hook_ids:
+            d.pop(i, None)
