@@ -95,7 +95,11 @@ def _blocks(blocks: Sequence[Block] | Block, steps: int | None) -> list[Block]:
         return [blocks] * steps
     if callable(blocks) and not isinstance(blocks, (torch.nn.Sequential, torch.nn.ModuleList)):
         raise UsageError("binomial: a single block needs steps=n (or pass a sequence of blocks)")
-    chain = list(blocks)
+    try:
+        chain = list(blocks)
+    except TypeError:  # None, a number: not iterable
+        what = type(blocks).__name__
+        raise UsageError(f"binomial: blocks must be a sequence of callables, got {what}") from None
     for i, b in enumerate(chain):
         if not callable(b):
             raise UsageError(f"binomial: block {i} is not callable ({type(b).__name__})")

@@ -227,6 +227,7 @@ def test_double_backward_is_refused():
         (lambda m, x: binomial([lambda t: (t, t)] * 3, x, 1), "returned tuple"),
         (lambda m, x: binomial(m, [x], 1), "x must be a tensor"),
         (lambda m, x: binomial(m, x, 1, graphs="yes"), "graphs must be True or False"),
+        (lambda m, x: binomial(None, x), "blocks must be a sequence of callables"),
     ],
 )
 def test_bad_input_gives_clear_errors(call, message):
