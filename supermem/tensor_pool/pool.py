@@ -84,6 +84,8 @@ class Pool(PlanRunner):
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
+        if self.device.type != "cpu" and not (self.cuda and torch.cuda.is_available()):
+            raise ConfigError(f"bad pool option device={device!r}: give cpu, or cuda where PyTorch has CUDA")
         if self.cuda and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         total = torch.cuda.get_device_properties(self.device).total_memory if self.cuda else None
@@ -99,6 +101,8 @@ class Pool(PlanRunner):
         self.policy = _checked("policy", make_policy, policy)
         if not isinstance(graphs, bool):
             raise ConfigError(f"bad pool option graphs={graphs!r}: give True or False")
+        if min_bytes is not None and (type(min_bytes) is not int or min_bytes < 0):
+            raise ConfigError(f"bad pool option min_bytes={min_bytes!r}: give an int >= 0 (bytes)")
         self.graphs = graphs
         self._light_graphs: Any = None  # LightGraphs, made at the first light call on CUDA
         self.planning = self.policy.name == "planned"
@@ -1046,7 +1050,9 @@ def _checked(name: str, parse: Any, value: Any) -> Any:
 
 
 def _is_fraction(value: Any) -> bool:
-    return isinstance(value, float) or (isinstance(value, str) and value.strip().endswith("%"))
+    return (isinstance(value, float) and 0 < value <= 1) or (
+        isinstance(value, str) and value.strip().endswith("%")
+    )
 
 
 def _size(name: str, value: Any, total: int | None) -> int:

@@ -246,6 +246,15 @@ def test_pool_factory_reuses_and_rejects_bad_options():
         Pool(host_limit="12 apples")
     with pytest.raises(ConfigError, match="graphs"):
         Pool(graphs="yes")
+    for budget in (float("nan"), float("inf"), 1.5):  # not a fraction: no talk of a device total
+        with pytest.raises(ConfigError, match=r"budget=.*a float size must be a fraction in \(0, 1\]"):
+            Pool(budget=budget, device="cpu")
+    for min_bytes in (-5, 1.5, True):
+        with pytest.raises(ConfigError, match="min_bytes"):
+            Pool(min_bytes=min_bytes)
+    for device in ("meta", *(() if torch.cuda.is_available() else ("cuda", "cuda:0"))):
+        with pytest.raises(ConfigError, match="device="):
+            Pool(device=device)
 
 
 def test_host_full_keeps_tensors_resident():
