@@ -16,7 +16,10 @@ and module buffers (BatchNorm running stats) are restored after each rebuild, so
 buffers are bitwise those of plain training. The boundaries held across forward and backward are packed
 by the saved-tensor hooks in force, so a supermem.pool around the step can offload them.
 Limits: every block maps one tensor to one tensor; parameters are found on nn.Module blocks (a plain
-function's closed-over tensors get no gradient: wrap it in a Module).
+function's closed-over tensors get no gradient: wrap it in a Module). A parameter or buffer changed in
+place between forward and backward raises autograd's own error, as plain autograd does for what its ops
+saved; binomial checks every one the forward did not itself change, so it also refuses a change to a
+training BatchNorm's running stats, which plain autograd lets pass (no op saved them).
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ import torch
 from .errors import UsageError
 
 Block = Callable[[torch.Tensor], torch.Tensor]
+# Per device and dtype: a block's buffers, copies of their values, and their versions then.
+_Saved = list[tuple[list[torch.Tensor], list[torch.Tensor], list[int]]]
 
 
 def binomial(
@@ -118,7 +123,11 @@ def _modules(chain: list[Block]) -> list[list[torch.nn.Module]]:
     """Each block's modules (itself and its descendants; none for a plain function), listed once per
     call: its parameters and buffers are read from them at each rebuild (Module.parameters() and
     .buffers() walk the tree again, ~50 us a block each time)."""
-    return [list(b.modules()) if isinstance(b, torch.nn.Module) else [] for b in chain]
+    listed: dict[int, list[torch.nn.Module]] = {}  # a block repeated (steps=n): one list, walked once
+    for b in chain:
+        if isinstance(b, torch.nn.Module) and id(b) not in listed:
+            listed[id(b)] = list(b.modules())
+    return [listed.get(id(b), []) for b in chain]
 
 
 def _params(modules: list[list[torch.nn.Module]]) -> list[torch.Tensor]:
@@ -129,6 +138,18 @@ def _params(modules: list[list[torch.nn.Module]]) -> list[torch.Tensor]:
             for p in m._parameters.values():
                 if p is not None and p.requires_grad:
                     seen.setdefault(id(p), p)
+    return list(seen.values())
+
+
+def _state_tensors(modules: list[list[torch.nn.Module]]) -> list[torch.Tensor]:
+    """Every parameter and buffer of the chain's modules, each once (an inference tensor has no
+    version counter to watch)."""
+    seen: dict[int, torch.Tensor] = {}
+    for ms in {id(ms): ms for ms in modules}.values():
+        for m in ms:
+            for t in (*m._parameters.values(), *m._buffers.values()):
+                if t is not None and not t.is_inference():
+                    seen.setdefault(id(t), t)
     return list(seen.values())
 
 
@@ -202,10 +223,14 @@ class _Schedule:
         self.params = params
         self.index = {id(p): i for i, p in enumerate(params)}
         self.advances = 0  # blocks rebuilt without grad during backward (tests compare it to the optimum)
+        # (tensor, version) of each parameter and buffer the rebuilds read and the forward left alone
+        self.watched: list[tuple[torch.Tensor, int]] = []
 
     def sweep(self, x: torch.Tensor) -> torch.Tensor:
         """The forward: every block once, holding the boundaries the backward's first splits need."""
         self.start = _State(x.device)
+        state = _state_tensors(self.modules)
+        before = [t._version for t in state]
         self.held: dict[int, _Held] = {}
         stops, i, j, free = set(), 0, len(self.chain), self.checkpoints
         while j - i > 1 and free > 0:  # the right-most descent of the reverse recursion
@@ -223,6 +248,10 @@ class _Schedule:
                 if kind is not None and k + 1 < len(self.chain) and graphed[k + 1]:
                     self.kinds[k + 1] = self.graphs.kind(self.chain[k + 1], kind.out, self.start.autocast)
             x = self._forward(k, x, counts=True)
+        # What the forward itself changed in place (BatchNorm's running stats in training) is the
+        # chain's own state, not an input of its gradients: another forward through the same modules
+        # before this backward changes it again, and plain autograd saved none of it.
+        self.watched = [(t, t._version) for t, v in zip(state, before) if t._version == v]
         return x
 
     def _forward(self, k: int, x: torch.Tensor, counts: bool) -> torch.Tensor:
@@ -236,6 +265,7 @@ class _Schedule:
         return y
 
     def reverse(self, x: torch.Tensor, grad_y: torch.Tensor) -> tuple[Any, list[Any]]:
+        self._check_versions()
         outer = _State(x.device)
         self.grads: list[torch.Tensor | None] = [None] * len(self.params)
         try:
@@ -243,6 +273,27 @@ class _Schedule:
         finally:
             outer.restore_rng(x.device)  # backward must not move the program's RNG streams
         return gx, self.grads
+
+    def _check_versions(self) -> None:
+        """Raises autograd's own error if a parameter or buffer the rebuilds read was changed in place
+        since the forward: plain autograd checks the tensors its ops saved, and the rebuilds would
+        otherwise differentiate the new values, silently."""
+        for t, version in self.watched:
+            if t._version != version:
+                raise RuntimeError(
+                    "one of the variables needed for gradient computation has been modified by an inplace "
+                    f"operation: [{t.type()} {list(t.shape)}] is at version {t._version}; expected version "
+                    f"{version} instead. Hint: it is {self._name(t)}, which supermem.checkpoint.binomial "
+                    "reads again in backward; the operation that changed it in place ran after the forward."
+                )
+
+    def _name(self, t: torch.Tensor) -> str:
+        for k, block in enumerate(self.chain):
+            if isinstance(block, torch.nn.Module):
+                for name, u in [*block.named_parameters(), *block.named_buffers()]:
+                    if u is t:
+                        return f"block {k}'s {name!r}"
+        return "a block's parameter or buffer"
 
     def _reverse(self, i: int, j: int, free: int, x_i: torch.Tensor, s_i: _State, grad: Any) -> Any:
         """Reverses blocks i..j-1 from boundary x_i: split at m, reverse m..j-1 (one boundary fewer
@@ -325,24 +376,27 @@ class _Schedule:
             prev = self.grads[slot]
             self.grads[slot] = g if prev is None else prev + g
 
-    def _buffers(self, k: int) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]] | None:
-        """Block k's buffers and copies of their values, to undo what a rebuild changes (BatchNorm's
-        running stats), grouped by device and dtype: one foreach copy per group (a single kernel; with
-        mixed dtypes PyTorch copies tensor by tensor), not a clone per buffer (a bottleneck block has
-        nine buffers, and a launch each cost as much as the block's own convolutions' launches)."""
-        groups: dict[tuple[torch.device, torch.dtype], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+    def _buffers(self, k: int) -> _Saved | None:
+        """Block k's buffers, copies of their values and their versions, to undo what a rebuild changes
+        (BatchNorm's running stats), grouped by device and dtype: one foreach copy per group (a single
+        kernel; with mixed dtypes PyTorch copies tensor by tensor), not a clone per buffer (a bottleneck
+        block has nine buffers, and a launch each cost as much as the block's own convolutions' launches)."""
+        groups: dict[
+            tuple[torch.device, torch.dtype], tuple[list[torch.Tensor], list[torch.Tensor], list[int]]
+        ] = {}
         seen: set[int] = set()
         for m in self.modules[k]:
             for b in m._buffers.values():
                 if b is not None and id(b) not in seen:
                     seen.add(id(b))
-                    buffers, values = groups.setdefault((b.device, b.dtype), ([], []))
+                    buffers, values, versions = groups.setdefault((b.device, b.dtype), ([], [], []))
                     buffers.append(b)
                     values.append(torch.empty_like(b))
+                    versions.append(b._version)
         if not groups:
             return None
         with torch.no_grad():
-            for buffers, values in groups.values():
+            for buffers, values, _ in groups.values():
                 torch._foreach_copy_(values, buffers)
         return list(groups.values())
 
@@ -359,11 +413,24 @@ class _Schedule:
                 c.__exit__(None, None, None)
 
 
-def _restore(saved: list[tuple[list[torch.Tensor], list[torch.Tensor]]] | None) -> None:
+def _restore(saved: _Saved | None) -> None:
+    """Copies back the values the buffers had before a rebuild, and their versions: the values are
+    those of that version again, and another chain over the same modules (two calls before one
+    backward) watches those versions. (BatchNorm moves its running stats without a version bump, so
+    every buffer is copied, not the ones whose version moved.)"""
     if saved is not None:
         with torch.no_grad():
-            for buffers, values in saved:
+            for buffers, values, versions in saved:
                 torch._foreach_copy_(buffers, values)
+                _set_versions(buffers, versions)
+
+
+def _set_versions(tensors: list[torch.Tensor], versions: list[int]) -> None:
+    try:
+        torch._C._autograd._unsafe_set_version_counter(tuple(tensors), tuple(versions))
+    except TypeError:  # older PyTorch: one tensor, one int
+        for t, v in zip(tensors, versions):
+            torch._C._autograd._unsafe_set_version_counter(t, v)
 
 
 class _Chain(torch.autograd.Function):

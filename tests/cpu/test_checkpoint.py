@@ -271,3 +271,48 @@ def test_more_checkpoints_than_the_interpreter_has_frames():
     ours = step(blocks, x0.clone().requires_grad_(), lambda m, x: binomial(m, x, checkpoints=n - 10))
     assert torch.equal(plain[0], ours[0]) and torch.equal(plain[1], ours[1])
     assert all(torch.equal(a, b) for a, b in zip(grads, ours[2]))
+
+
+def _frozen_weight(model):
+    model[1].lin.weight.requires_grad_(False)
+    return model[1].lin.weight
+
+
+@pytest.mark.parametrize(
+    "changed",
+    [
+        lambda m: m[2].lin.weight,  # a parameter
+        _frozen_weight,  # a parameter without grad: still read by the input's gradient
+        lambda m: m.eval()[3].norm.running_var,  # a buffer an eval-mode BatchNorm saves
+    ],
+    ids=["parameter", "frozen parameter", "eval buffer"],
+)
+def test_changed_in_place_between_forward_and_backward_raises_as_autograd_does(changed):
+    # The rebuilds read the blocks' parameters and buffers as they are at backward time; plain autograd
+    # refuses a backward whose saved tensors were changed since, and so must binomial (else: gradients
+    # of values the forward never saw, silently).
+    x0 = torch.randn(8, 16)
+    for run in (lambda m, x: m(x), lambda m, x: binomial(m, x, 1)):
+        model = make(5)
+        t = changed(model)
+        y = run(model, x0.clone().requires_grad_())
+        with torch.no_grad():
+            t.add_(1)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            y.sum().backward()
+
+
+@pytest.mark.parametrize("train", [True, False])
+def test_two_calls_over_one_model_before_one_backward(train):
+    # The second forward moves BatchNorm's running stats in training, and the first call's backward
+    # rebuilds (and restores) buffers the second call watches: neither is a change in place that
+    # plain autograd would refuse.
+    x0 = torch.randn(8, 16)
+
+    def twice(m, x):
+        return binomial(m, x, 1) + binomial(m, x * 2, 2)
+
+    plain = step(make(6).train(train), x0.clone().requires_grad_(), lambda m, x: m(x) + m(x * 2))
+    ours = step(make(6).train(train), x0.clone().requires_grad_(), twice)
+    for a, b in zip([plain[1], *plain[2], *plain[3]], [ours[1], *ours[2], *ours[3]]):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)  # two contributions summed: order may differ
