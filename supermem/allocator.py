@@ -251,7 +251,7 @@ class CachingAllocator:
 
     @property
     def trace_dropped(self) -> int:
-        """Events overwritten because the ring was full."""
+        """Events lost undrained: overwritten because the ring was full, or emptied by a resize."""
         return self._impl.trace_dropped
 
     def drain_trace(self) -> list[TraceEvent]:

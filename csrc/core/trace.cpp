@@ -32,6 +32,7 @@ void TraceRing::set_capacity(size_t capacity) {
   std::lock_guard<std::mutex> g(mu_);
   buf_.swap(fresh);
   capacity_ = capacity;
+  dropped_ += size_;  // the events not drained are lost with the old buffer: count them
   head_ = size_ = 0;
 }
 

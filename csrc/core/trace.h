@@ -45,7 +45,7 @@ class TraceRing {
   explicit TraceRing(size_t capacity = 0) { set_capacity(capacity); }
 
   bool enabled() const { return capacity_.load(std::memory_order_relaxed) != 0; }
-  // Empties the ring and resizes it. All or nothing: on failure the ring is as it was. Throws
+  // Empties the ring (its undrained events count as dropped) and resizes it. All or nothing: on failure the ring is as it was. Throws
   // UsageError when the ring could never fit in this host's memory (check_capacity), and
   // std::bad_alloc when it could but the memory is not there now.
   void set_capacity(size_t capacity);

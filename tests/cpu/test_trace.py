@@ -93,6 +93,17 @@ def test_capacity_can_be_changed():
     assert alloc.drain_trace() == []
 
 
+def test_a_resize_counts_the_events_it_empties_as_dropped():
+    alloc = make(trace_capacity=8)
+    for i in range(5):
+        alloc.push_trace("annotate", tag=i)
+    alloc.trace_capacity = 16
+    assert alloc.drain_trace() == [] and alloc.trace_dropped == 5
+    alloc.push_trace("annotate")
+    alloc.trace_capacity = 0
+    assert alloc.trace_dropped == 6
+
+
 def test_every_action_round_trips_and_unknown_ones_are_refused():
     alloc = make(trace_capacity=len(TRACE_ACTIONS))
     for action in TRACE_ACTIONS:
