@@ -82,6 +82,7 @@ void set_trace_capacity(TraceRing& ring, size_t capacity) {
 // A malloc size from Python. Past int64 it is still a size, just more than any device has: the
 // allocator answers with its "more than 1EB" OOM, as PyTorch does, rather than a TypeError.
 size_t request_size(py::handle n) {
+  if (PyBool_Check(n.ptr())) throw py::type_error("supermem: nbytes must be an int, got " + short_repr(n));
   auto v = py::reinterpret_steal<py::object>(PyNumber_Index(n.ptr()));
   if (!v) throw py::error_already_set();
   int overflow = 0;

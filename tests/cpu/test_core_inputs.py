@@ -200,6 +200,14 @@ def test_out_of_range_numbers_give_clear_errors(call, words):
     a.check()
 
 
+@pytest.mark.parametrize("nbytes", [True, False, 1.0])
+def test_a_malloc_size_is_an_int_not_a_bool(nbytes):
+    a = CachingAllocator(SimulatedDevice(MiB))
+    with pytest.raises(TypeError, match="nbytes|integer"):
+        a.malloc(nbytes)
+    assert a.stats()["allocated_bytes"] == 0
+
+
 # ---------------------------------------------------------------- pressure handlers (issue 8.15)
 
 
