@@ -1,27 +1,32 @@
 """`supermem demo`: the main job on an embedded default.
 
-Trains a small GPT for a few steps in one process: plainly, with per-block torch.utils.checkpoint (what
-a user does by hand), with supermem's tensor pool at 60% of the plain peak, and with the pool at
-checkpoint's own peak (the same memory); prints step time, peak memory and what the pool moved over
-the steps after the warm-up (and, where higher, what a pool's warm-up steps peaked at). On a
-GPU supermem's allocator serves the runs (installed first: it keeps the pool's budget as a soft limit),
-peak memory is torch.cuda.max_memory_allocated and the pool offloads to pinned host memory; on CPU
-there is no device to spare, so the figure is the saved-activation bytes held in memory (what a GPU
-would hold) and "offload" copies into the host pool. On CPU every run must produce the plain run's
-losses bit for bit; on a GPU, within 1% (fused attention kernels differ slightly from run to run).
+Trains a small GPT for a few steps in one process: plainly (no saved-tensor hooks at all: a
+process-wide pool's are taken off), with per-block torch.utils.checkpoint (what a user does by hand),
+with supermem's tensor pool at 60% of the plain peak, and with the pool at checkpoint's own peak (the
+same memory); prints step time, peak memory and what the pool moved and rebuilt over the steps after
+the warm-up (and, where higher, what a pool's warm-up steps peaked at). On a GPU supermem's allocator
+serves the runs (installed first: it keeps the pool's budget as a soft limit), peak memory is
+torch.cuda.max_memory_allocated and the pool offloads to pinned host memory; on CPU there is no device
+to spare, so the figure is the saved-activation bytes held in memory (what a GPU would hold, counted
+for the runs without a pool in one more, untimed step) and "offload" copies into the host pool. On CPU
+every run must produce the plain run's losses bit for bit; on a GPU, within 1% (fused attention kernels
+differ slightly from run to run).
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+from typing import Any
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from . import config
 from .cli_args import positive_int
+from .errors import UsageError
 from .policies import live_names
 from .tensor_pool import Pool
 from .units import format_bytes
@@ -76,6 +81,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def train(device: torch.device, steps: int, pool: Pool | None, ckpt: bool = False) -> dict:
+    """`steps` timed steps after WARMUP ones, under `pool`; without one, with no saved-tensor hooks at
+    all (a process-wide pool's, a caller's) besides checkpoint's own. On CPU such a run's peak is
+    counted in one more step, untimed and after the compared ones, by a pool without a budget."""
     layers, d, heads, vocab, seq, batch = SIZES[device.type]
     torch.manual_seed(0)
     model = GPT(layers, d, heads, vocab, seq).to(device)
@@ -87,11 +95,11 @@ def train(device: torch.device, steps: int, pool: Pool | None, ckpt: bool = Fals
         if device.type == "cuda"
         else torch.autocast("cpu", enabled=False)
     )
-    tracker = pool if pool is not None else Pool(budget=None, device=device)  # counts activations only
+    hooks = pool if pool is not None else _NoSavedTensorHooks()
 
-    def step() -> float:
+    def step(hooks: Any) -> float:
         opt.zero_grad(set_to_none=True)
-        with tracker, amp:
+        with hooks, amp:
             logits = model(data[:, :-1])
             loss = F.cross_entropy(logits.flatten(0, 1).float(), data[:, 1:].flatten())
         loss.backward()
@@ -99,28 +107,72 @@ def train(device: torch.device, steps: int, pool: Pool | None, ckpt: bool = Fals
         return loss.item()
 
     for _ in range(WARMUP):  # kernels, caches, host pool chunks; a planned pool's recorded steps
-        step()
+        step(hooks)
     if device.type == "cuda":
         torch.cuda.synchronize()
-    warm_peak = (
-        torch.cuda.max_memory_allocated() if device.type == "cuda" else tracker.stats()["peak_resident_bytes"]
-    )
-    if device.type == "cuda":
+        warm_peak = torch.cuda.max_memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-    tracker.reset_stats()
+    else:
+        warm_peak = pool.stats()["peak_resident_bytes"] if pool is not None else 0
+    if pool is not None:
+        pool.reset_stats()
     losses, t0 = [], time.perf_counter()
     for _ in range(steps):
-        losses.append(step())
+        losses.append(step(hooks))
     if device.type == "cuda":
         torch.cuda.synchronize()
     seconds = (time.perf_counter() - t0) / steps
-    tracker.synchronize()
-    s = tracker.stats()
-    peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else s["peak_resident_bytes"]
-    return {"ms": seconds * 1e3, "peak": peak, "warm_peak": warm_peak, "losses": losses, "pool": s}
+    if pool is not None:
+        pool.synchronize()
+    s = pool.stats() if pool is not None else None
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated()
+    elif pool is not None:
+        peak = s["peak_resident_bytes"]
+    else:
+        counter = Pool(budget=None, device=device)  # counts saved activations, moves nothing
+        step(counter)
+        peak = counter.stats()["peak_resident_bytes"]
+    return {"ms": seconds * 1e3, "peak": peak, "warm_peak": warm_peak or peak, "losses": losses, "pool": s}
+
+
+class _NoSavedTensorHooks:
+    """This thread's default saved-tensor hooks taken off (popped, every one) and put back after:
+    the plain rows run as PyTorch alone would, even under SUPERMEM_CONF=pool (process-wide hooks)."""
+
+    def __enter__(self) -> None:
+        self.taken = []
+        while (top := torch._C._autograd._top_saved_tensors_default_hooks(False)) is not None:
+            torch._C._autograd._pop_saved_tensors_default_hooks()
+            self.taken.append(top)
+
+    def __exit__(self, *exc: object) -> None:
+        for pack, unpack in reversed(self.taken):
+            torch._C._autograd._push_saved_tensors_default_hooks(pack, unpack)
+
+
+def recomputed(s: dict | None, steps: int) -> str:
+    """What a pool run rebuilt in backward, per step: block calls a plan ran light (they saved
+    nothing; backward runs each again), saves its lean calls dropped, and bytes dropped by the
+    reactive recompute treatment. "-" without a pool."""
+    if s is None:
+        return "-"
+    parts = []
+    if s["light_calls"]:
+        parts.append(f"{s['light_calls'] / steps:.3g} calls")
+    if s["lean_drops"]:
+        parts.append(f"{s['lean_drops'] / steps:.3g} saves")
+    if s["dropped_bytes"] or not parts:
+        parts.append(format_bytes(s["dropped_bytes"] / steps))
+    return " + ".join(parts)
 
 
 def main(args: argparse.Namespace) -> int:
+    if config.current().stream != "off":  # it would stream the first model: the plain row's
+        raise UsageError(
+            "the demo compares supermem with plain PyTorch in one process; run it without stream in "
+            "SUPERMEM_CONF (the process's first model, the plain run's, would be streamed)"
+        )
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     layers, d, heads, vocab, seq, batch = SIZES[device.type]
     if device.type == "cuda":
@@ -149,17 +201,15 @@ def main(args: argparse.Namespace) -> int:
     ]
 
     print(
-        f"{'run':<52}{'step':>10}{'peak memory':>14}{'offloaded':>12}{'recomputed':>12}"
+        f"{'run':<52}{'step':>10}{'peak memory':>14}{'offloaded':>12}{'recomputed':>20}"
         f"{'copy GB/s':>11}{'hidden':>8}"
     )
     for name, r in runs:
-        s = r["pool"]
-        moved, dropped = s["offloaded_bytes"] / args.steps, s["dropped_bytes"] / args.steps
-        rate = max(s["d2h_gbps"], s["h2d_gbps"])
-        print(
-            f"{name:<52}{r['ms']:>8.1f}ms{format_bytes(r['peak']):>14}{format_bytes(moved):>12}"
-            f"{format_bytes(dropped):>12}{rate:>11.1f}{100 * s['hidden_fraction']:>7.0f}%"
-        )
+        print(row(name, r, args.steps))
+    print(
+        "(a step's offloaded bytes; recomputed: block calls run light, which save nothing and run again\n"
+        " in backward, and saves dropped to be rebuilt; the first two rows run without any pool)"
+    )
     warm = [format_bytes(r["warm_peak"]) for _, r in runs[2:] if r["warm_peak"] > 1.01 * r["peak"]]
     if warm:  # the steps a planned pool records before its plan run under its reactive fallback
         print(f"(the pool runs' first {WARMUP} steps, before a plan, peaked at {' and '.join(warm)})")
@@ -177,6 +227,19 @@ def main(args: argparse.Namespace) -> int:
         verdict = f"losses match: {same} (largest relative difference {rel:.1e}; GPU kernels vary run to run)"
     print(verdict)
     return 0 if same else 1
+
+
+def row(name: str, r: dict, steps: int) -> str:
+    """One run's line of the table: its step time, peak, and what its pool moved and rebuilt a step."""
+    s = r["pool"]
+    head = f"{name:<52}{r['ms']:>8.1f}ms{format_bytes(r['peak']):>14}"
+    if s is None:
+        return f"{head}{'-':>12}{'-':>20}{'-':>11}{'-':>8}"
+    rate = max(s["d2h_gbps"], s["h2d_gbps"])
+    return (
+        f"{head}{format_bytes(s['offloaded_bytes'] / steps):>12}{recomputed(s, steps):>20}"
+        f"{rate:>11.1f}{100 * s['hidden_fraction']:>7.0f}%"
+    )
 
 
 def _install_allocator() -> None:
