@@ -172,15 +172,34 @@ def _memory_snapshot(*args: Any, **kwargs: Any) -> dict:
 
     segments, traces = [], []
     for device in _C.plugin_devices():
-        for seg in _C.plugin_allocator(device, False).snapshot():
-            blocks = [dict(b, frames=[]) for b in seg["blocks"]]
-            allocated = sum(b["size"] for b in blocks if b["state"] == "active_allocated")
-            active = sum(b["size"] for b in blocks if b["state"] != "inactive")
-            segments.append(
-                dict(seg, device=device, allocated_size=allocated, active_size=active, blocks=blocks)
-            )
+        segments += torch_segments(_C.plugin_allocator(device, False).snapshot(), device)
         traces.append([])
     return {"segments": segments, "device_traces": traces}
+
+
+def torch_segments(segments: list[dict], device: int) -> list[dict]:
+    """An allocator's snapshot() segments with every key of native's: torch/csrc/cuda/Module.cpp's
+    segmentInfoToDict, PyTorch 2.1 to 2.13 (PyTorch's own tests read `is_expandable`). Its sums as
+    c10's CUDACachingAllocator snapshot() makes them: allocated over allocated blocks; active and
+    requested over active ones (allocated, or freed with stream work pending). No stacks: `frames` is
+    empty, as native's without _record_memory_history."""
+    out = []
+    for seg in segments:
+        blocks = [dict(b, frames=[]) for b in seg["blocks"]]
+        active = [b for b in blocks if b["state"] != "inactive"]
+        out.append(
+            dict(
+                seg,
+                device=device,
+                allocated_size=sum(b["size"] for b in blocks if b["state"] == "active_allocated"),
+                active_size=sum(b["size"] for b in active),
+                requested_size=sum(b["requested_size"] for b in active),
+                is_expandable=False,  # supermem maps whole segments, never expandable ones
+                frames=[],
+                blocks=blocks,
+            )
+        )
+    return out
 
 
 def _no_checkpointing(*args: Any, **kwargs: Any) -> Any:

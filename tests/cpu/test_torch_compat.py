@@ -189,3 +189,53 @@ def test_bad_memory_fractions_are_refused(fraction):
     with pytest.raises(ValueError, match="fraction"):
         a.set_memory_fraction(fraction)
     assert a.limit_bytes == 8 * MiB
+
+
+# torch/csrc/cuda/Module.cpp, segmentInfoToDict (PyTorch 2.1 to 2.13): what each dict of
+# torch.cuda.memory_snapshot() holds. PyTorch's test_memory_stats reads segment["is_expandable"].
+NATIVE_SEGMENT_KEYS = {
+    "device",
+    "address",
+    "total_size",
+    "allocated_size",
+    "active_size",
+    "requested_size",
+    "stream",
+    "segment_type",
+    "segment_pool_id",
+    "is_expandable",
+    "frames",
+    "blocks",
+}
+NATIVE_BLOCK_KEYS = {"address", "size", "requested_size", "state", "frames"}
+
+
+def test_memory_snapshot_has_natives_keys_and_sums(monkeypatch):
+    from torch.cuda import _memory_viz
+
+    from supermem import activate
+
+    device = SimulatedDevice(GiB)
+    a = CachingAllocator(device)
+    live = [a.malloc(n) for n in (100, 3 * MiB + 5, 512, 30 * MiB)]
+    a.free(live.pop(1))  # inactive
+    device.hold_events(True)
+    a.record_stream(live[1], 7)
+    a.free(live.pop(1))  # active_pending_free: a stream's work on it is not done
+    monkeypatch.setattr(_C, "plugin_devices", lambda: [0], raising=False)
+    monkeypatch.setattr(_C, "plugin_allocator", lambda index, strict: a._impl, raising=False)
+    snap = activate._memory_snapshot()
+    segments = snap["segments"]
+    states = {b["state"] for s in segments for b in s["blocks"]}
+    assert states == {"active_allocated", "active_pending_free", "inactive"}
+    for s in segments:
+        assert set(s) == NATIVE_SEGMENT_KEYS, sorted(set(s) ^ NATIVE_SEGMENT_KEYS)
+        assert s["is_expandable"] is False and s["frames"] == [] and s["device"] == 0
+        for b in s["blocks"]:
+            assert set(b) == NATIVE_BLOCK_KEYS, sorted(set(b) ^ NATIVE_BLOCK_KEYS)
+        active = [b for b in s["blocks"] if b["state"] != "inactive"]  # c10: allocated or events pending
+        assert s["active_size"] == sum(b["size"] for b in active)
+        assert s["requested_size"] == sum(b["requested_size"] for b in active)
+        assert s["allocated_size"] == sum(b["size"] for b in s["blocks"] if b["state"] == "active_allocated")
+    _memory_viz.segsum(snap)  # PyTorch's own reader of the shape
+    device.hold_events(False)

@@ -4,7 +4,8 @@ Each test runs one script twice, in a native child and in a SUPERMEM=1 child, an
 1. set_per_process_memory_fraction(0.0): get_per_process_memory_fraction() is 0.0 and nothing new fits;
 2. the key sets of torch.cuda.memory_stats() and torch.accelerator.memory_stats(), equal to each other;
 3. the sizes in OOM messages ("Tried to allocate 800000000.00 GiB");
-4. every counter's delta over a scripted sequence of allocations, frees, empty_cache and
+4. the keys of torch.cuda.memory_snapshot()'s segments and blocks, and each one's type;
+5. every counter's delta over a scripted sequence of allocations, frees, empty_cache and
    reset_peak_memory_stats (num_sync_all_streams, num_device_alloc/free, inactive_split, peaks, ...).
 Native is the reference, so nothing expected is taken from supermem. With SUPERMEM_TEST_NATIVE=1 both
 children are native (a check of the test itself).
@@ -12,6 +13,7 @@ children are native (a check of the test itself).
 
 import os
 import textwrap
+import warnings
 
 import pytest
 from gpu_harness import NATIVE_DRY_RUN, needs_cuda, run_python
@@ -178,3 +180,23 @@ def test_oom_messages_format_sizes_as_native():
     """)
     assert native["said"][0] == "800000000.00 GiB", native  # the reference itself
     assert swapped["said"] == native["said"]
+
+
+def test_memory_snapshot_segments_and_blocks_have_natives_keys():
+    # PyTorch's own test_memory_stats reads segment["is_expandable"]; tools read the others.
+    native, swapped = run_both("""
+        keep = [empty(n) for n in (100, 3 * MiB + 5, 512, 30 * MiB)]
+        del keep[1]  # an inactive block
+        torch.cuda.synchronize()
+        segments = torch.cuda.memory_snapshot()
+        def shape(dicts):
+            return sorted({(k, type(v).__name__) for d in dicts for k, v in d.items()})
+        blocks = [b for s in segments for b in s["blocks"]]
+        emit(swapped=swapped, segments=shape(segments), blocks=shape(blocks),
+             states=sorted({b["state"] for b in blocks}), top=sorted(torch.cuda.memory._snapshot()))
+    """)
+    for what in ("segments", "blocks"):
+        assert swapped[what] == native[what], (what, native[what], swapped[what])
+    assert set(swapped["states"]) <= {"active_allocated", "active_pending_free", "inactive"}, swapped
+    if swapped["top"] != native["top"]:  # segments and device_traces are what tools read
+        warnings.warn(f"snapshot keys: native {native['top']}, supermem {swapped['top']}", stacklevel=1)
