@@ -4,6 +4,17 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <atomic>
+#include <chrono>
+#include <exception>
+#include <optional>
+#include <thread>
+#include <type_traits>
+
+#ifdef __GLIBCXX__
+#include <cxxabi.h>  // abi::__forced_unwind: a thread being ended (pthread_exit)
+#endif
+
 #include "alloc/caching.h"
 #include "kernels/bindings_kernels.h"
 #include "plugin.h"
@@ -14,6 +25,95 @@ namespace py = pybind11;
 using namespace supermem;
 
 namespace {
+
+// Exit. Once the interpreter is finalizing, a thread other than the finalizing one that asks for the
+// GIL is ended by pthread_exit (Python 3.11-3.13; 3.14 parks it). That unwinding, run through a
+// destructor or a noexcept frame (pybind11's gil_scoped_release gives the GIL back in one), is
+// std::terminate: "terminate called without an active exception", the process aborts. So supermem
+// never asks for it then where it can tell (a callback is skipped, a held callable leaked, a binding
+// that let the GIL go parks its thread for good, as 3.14 would), and takes it back outside destructors
+// (without_gil), where being ended unwinds cleanly.
+std::atomic<unsigned long> finalizing_thread{0};  // the thread that ran atexit: it finalizes
+
+bool interpreter_finalizing() {
+#if PY_VERSION_HEX >= 0x030D0000
+  return Py_IsFinalizing();
+#else
+  return _Py_IsFinalizing();
+#endif
+}
+
+// Whether this thread may wait for the GIL now without being ended for it.
+bool may_take_gil() {
+  if (!Py_IsInitialized()) return false;
+  return !interpreter_finalizing() || PyThread_get_thread_ident() == finalizing_thread.load();
+}
+
+[[noreturn]] void park() {
+  for (;;) std::this_thread::sleep_for(std::chrono::hours(1));  // the process ends around it
+}
+
+// f() with the GIL released (allocator calls may block on events, or call pressure handlers, which
+// take it). The GIL is taken back in plain code, not in a destructor as py::gil_scoped_release does:
+// a thread that waits for it there as finalization begins is ended, and ended here it unwinds cleanly
+// (pybind11 lets the unwinding through). One that comes back once finalization began parks.
+template <class F>
+auto without_gil(F&& f) -> decltype(f()) {
+  using R = decltype(f());
+  PyThreadState* state = PyEval_SaveThread();
+  std::exception_ptr error;
+  [[maybe_unused]] std::optional<std::conditional_t<std::is_void_v<R>, char, R>> result;
+  try {
+    if constexpr (std::is_void_v<R>) f();
+    else result.emplace(f());
+#ifdef __GLIBCXX__
+  } catch (abi::__forced_unwind&) {
+    throw;  // ended in a callback that asked for the GIL: unwinding, without it
+#endif
+  } catch (...) {
+    error = std::current_exception();
+  }
+  if (!may_take_gil()) park();
+  PyEval_RestoreThread(state);
+  if (error) std::rethrow_exception(error);
+  if constexpr (!std::is_void_v<R>) return std::move(*result);
+}
+
+// f() with the GIL, from a thread that may not hold it (a callback's). Not py::gil_scoped_acquire: a
+// thread ended while it waits for the GIL (in here, or in f's Python code) unwinds through that
+// destructor, which then gives back a GIL it does not hold: the finalizing thread's, whose thread
+// state is set to NULL under it ("PyThreadState_Get: ... the GIL is released", a fatal error).
+template <class F>
+auto with_gil(F&& f) -> decltype(f()) {
+  PyGILState_STATE state = PyGILState_Ensure();
+  try {
+    if constexpr (std::is_void_v<decltype(f())>) {
+      f();
+      PyGILState_Release(state);
+    } else {
+      auto r = f();
+      PyGILState_Release(state);
+      return r;
+    }
+#ifdef __GLIBCXX__
+  } catch (abi::__forced_unwind&) {
+    throw;  // ended waiting for the GIL: it holds none to give back
+#endif
+  } catch (...) {
+    PyGILState_Release(state);
+    throw;
+  }
+}
+
+// A member function as a binding that runs it without the GIL.
+template <class R, class C, class... A>
+auto nogil(R (C::*m)(A...)) {
+  return [m](C& self, A... args) -> R { return without_gil([&]() -> R { return (self.*m)(args...); }); };
+}
+template <class R, class C, class... A>
+auto nogil(R (C::*m)(A...) const) {
+  return [m](const C& self, A... args) -> R { return without_gil([&]() -> R { return (self.*m)(args...); }); };
+}
 
 struct InvariantError : std::logic_error {
   using std::logic_error::logic_error;
@@ -117,10 +217,11 @@ py::dict nested_stats(CachingAllocator& a) {
   std::vector<SegmentInfo> segs;
   size_t limit = 0;
   {
-    py::gil_scoped_release nogil;  // never wait for the allocator lock while holding the GIL
-    s = a.stats();
-    segs = a.snapshot();
-    limit = a.limit_bytes();
+    without_gil([&] {  // never wait for the allocator lock while holding the GIL
+      s = a.stats();
+      segs = a.snapshot();
+      limit = a.limit_bytes();
+    });
   }
   uint64_t cached = 0, largest = 0;
   for (auto& seg : segs)
@@ -166,12 +267,11 @@ const char* state_name(BlockState s) {
   }
 }
 
-// A Python callable kept alive by C++ and released with the GIL held (skipped at interpreter exit).
+// A Python callable kept alive by C++ and released with the GIL held (leaked at interpreter exit).
 std::shared_ptr<py::object> hold(py::function fn) {
   return std::shared_ptr<py::object>(new py::object(std::move(fn)), [](py::object* o) {
-    if (!Py_IsInitialized()) return;  // leak: Python is gone
-    py::gil_scoped_acquire g;
-    delete o;
+    if (!may_take_gil()) return;  // leak: Python is gone or going (a deleter is noexcept)
+    with_gil([o] { delete o; });
   });
 }
 
@@ -181,37 +281,39 @@ namespace supermem {
 
 PressureHandler pressure_handler_from_py(py::function fn) {
   return [f = hold(std::move(fn))](size_t need) -> size_t {
-    if (!Py_IsInitialized()) return 0;
-    py::gil_scoped_acquire g;
-    py::object r;
-    try {
-      r = (*f)(need);
-      return r.is_none() ? 0 : r.cast<size_t>();
-    } catch (py::error_already_set& e) {
-      // Ctrl-C and sys.exit() are the user's, not the handler's: they reach the caller of malloc.
-      if (e.matches(PyExc_KeyboardInterrupt) || e.matches(PyExc_SystemExit)) throw;
-      e.discard_as_unraisable("supermem pressure handler");
-    } catch (const py::cast_error&) {  // a bad return is a handler error too, not malloc's
-      std::string msg = "supermem pressure handler returned " + std::string(py::repr(r)) +
-                        "; expected the bytes it freed (an int >= 0) or None";
-      PyErr_SetString(PyExc_TypeError, msg.c_str());
-      py::error_already_set().discard_as_unraisable("supermem pressure handler");
-    }
-    return 0;
+    if (!may_take_gil()) return 0;  // at exit: frees nothing
+    return with_gil([&]() -> size_t {
+      py::object r;
+      try {
+        r = (*f)(need);
+        return r.is_none() ? 0 : r.cast<size_t>();
+      } catch (py::error_already_set& e) {
+        // Ctrl-C and sys.exit() are the user's, not the handler's: they reach the caller of malloc.
+        if (e.matches(PyExc_KeyboardInterrupt) || e.matches(PyExc_SystemExit)) throw;
+        e.discard_as_unraisable("supermem pressure handler");
+      } catch (const py::cast_error&) {  // a bad return is a handler error too, not malloc's
+        std::string msg = "supermem pressure handler returned " + std::string(py::repr(r)) +
+                          "; expected the bytes it freed (an int >= 0) or None";
+        PyErr_SetString(PyExc_TypeError, msg.c_str());
+        py::error_already_set().discard_as_unraisable("supermem pressure handler");
+      }
+      return 0;
+    });
   };
 }
 
 OomObserver oom_observer_from_py(py::function fn) {
   return [f = hold(std::move(fn))](int device, size_t requested, const std::string& message) {
-    if (!Py_IsInitialized()) return;
-    py::gil_scoped_acquire g;
-    try {
-      (*f)(device, requested, message);
-    } catch (py::error_already_set& e) {
-      // As in a pressure handler: Ctrl-C and sys.exit() reach the caller of malloc, instead of the OOM.
-      if (e.matches(PyExc_KeyboardInterrupt) || e.matches(PyExc_SystemExit)) throw;
-      e.discard_as_unraisable("supermem OOM observer");
-    }
+    if (!may_take_gil()) return;  // at exit: unobserved
+    with_gil([&] {
+      try {
+        (*f)(device, requested, message);
+      } catch (py::error_already_set& e) {
+        // As in a pressure handler: Ctrl-C and sys.exit() reach the caller of malloc, instead of the OOM.
+        if (e.matches(PyExc_KeyboardInterrupt) || e.matches(PyExc_SystemExit)) throw;
+        e.discard_as_unraisable("supermem OOM observer");
+      }
+    });
   };
 }
 
@@ -269,7 +371,6 @@ PYBIND11_MODULE(_C, m) {
   bind_kernels(m);  // relu compression kernels (csrc/kernels/)
 
   using CA = CachingAllocator;
-  auto nogil = py::call_guard<py::gil_scoped_release>();
   py::class_<CA, std::shared_ptr<CA>>(m, "CachingAllocator")
       .def(py::init([](py::handle device, py::handle limit, py::handle passthrough, py::handle debug,
                        py::handle trace_capacity, py::handle segment_bytes) {
@@ -295,85 +396,78 @@ PYBIND11_MODULE(_C, m) {
       .def("malloc", [](CA& a, py::handle n, py::handle stream) {
              size_t size = request_size(n);
              Stream s = int_arg(stream, "stream", kMaxWord);
-             py::gil_scoped_release g;
-             return reinterpret_cast<uint64_t>(a.malloc(size, s));
+             return without_gil([&] { return reinterpret_cast<uint64_t>(a.malloc(size, s)); });
            }, py::arg("nbytes"), py::arg("stream") = 0)
       .def("free", [](CA& a, py::handle addr) {
              void* p = as_ptr(int_arg(addr, "address", kMaxWord));
-             py::gil_scoped_release g;
-             a.free(p);
+             without_gil([&] { a.free(p); });
            }, py::arg("address"))
       .def("record_stream", [](CA& a, py::handle addr, py::handle stream) {
              void* p = as_ptr(int_arg(addr, "address", kMaxWord));
              Stream s = int_arg(stream, "stream", kMaxWord);
-             py::gil_scoped_release g;
-             a.record_stream(p, s);
+             without_gil([&] { a.record_stream(p, s); });
            }, py::arg("address"), py::arg("stream"))
       .def("allocation_size", [](CA& a, py::handle addr) {
              void* p = as_ptr(int_arg(addr, "address", kMaxWord));
-             py::gil_scoped_release g;
-             return a.allocation_size(p);
+             return without_gil([&] { return a.allocation_size(p); });
            }, py::arg("address"))
-      .def("empty_cache", &CA::empty_cache, nogil)
+      .def("empty_cache", nogil(&CA::empty_cache))
       .def("nested_stats", &nested_stats)
       .def_property_readonly("allocated_bytes", [](CA& a) { return a.allocated_now(); })
-      .def("set_memory_fraction", &CA::set_memory_fraction, py::arg("fraction"), nogil)
-      .def("memory_fraction", &CA::memory_fraction, nogil)
-      .def("take_watermark", &CA::take_watermark, nogil)
+      .def("set_memory_fraction", nogil(&CA::set_memory_fraction), py::arg("fraction"))
+      .def("memory_fraction", nogil(&CA::memory_fraction))
+      .def("take_watermark", nogil(&CA::take_watermark))
       .def_property("soft_limit_bytes",
                     [](CA& a) {
-                      py::gil_scoped_release g;
-                      return a.soft_limit();
+                      return without_gil([&] { return a.soft_limit(); });
                     },
                     [](CA& a, py::handle v) {
                       size_t bytes = int_arg(v, "soft_limit_bytes", kMaxSize);
-                      py::gil_scoped_release g;
-                      a.set_soft_limit(bytes);
+                      without_gil([&] { a.set_soft_limit(bytes); });
                     })
       .def("arm_soft_limit", &CA::arm_soft_limit)  // lock-free: no GIL release
       .def_property_readonly("in_soft_limit_call", &CA::in_soft_limit_call)
-      .def("reset_peak_stats", &CA::reset_peak_stats, nogil)
-      .def("reset_accumulated_stats", &CA::reset_accumulated_stats, nogil)
+      .def("reset_peak_stats", nogil(&CA::reset_peak_stats))
+      .def("reset_accumulated_stats", nogil(&CA::reset_accumulated_stats))
       .def_property("limit_bytes",
                     [](CA& a) {
-                      py::gil_scoped_release g;
-                      return a.limit_bytes();
+                      return without_gil([&] { return a.limit_bytes(); });
                     },
                     [](CA& a, py::handle v) {
                       size_t limit = int_arg(v, "limit_bytes", kMaxSize);
-                      py::gil_scoped_release g;
-                      a.set_limit_bytes(limit);
+                      without_gil([&] { a.set_limit_bytes(limit); });
                     })
       .def("check", [](CA& a) {
-             try {
-               a.check();
-             } catch (const std::logic_error& e) {
-               throw InvariantError(e.what());
-             }
-           }, nogil)
+             without_gil([&] {
+               try {
+                 a.check();
+               } catch (const std::logic_error& e) {
+                 throw InvariantError(e.what());
+               }
+             });
+           })
       .def("add_pressure_handler", [](CA& a, py::function fn) {
              PressureHandler h = pressure_handler_from_py(std::move(fn));
-             py::gil_scoped_release g;
-             return a.add_pressure_handler(std::move(h));
+             return without_gil([&] { return a.add_pressure_handler(std::move(h)); });
            }, py::arg("handler"))
       .def("add_oom_observer", [](CA& a, py::function fn) {
              OomObserver o = oom_observer_from_py(std::move(fn));
-             py::gil_scoped_release g;
-             a.add_oom_observer(std::move(o));
+             without_gil([&] { a.add_oom_observer(std::move(o)); });
            }, py::arg("observer"))
-      .def("remove_pressure_handler", &CA::remove_pressure_handler, py::arg("handler_id"), nogil)
+      .def("remove_pressure_handler", nogil(&CA::remove_pressure_handler), py::arg("handler_id"))
       .def("begin_allocate_to_pool", [](CA& a, PoolId id, std::vector<uint64_t> streams) {
-             a.begin_allocate_to_pool(id, [streams](Stream s) {
-               return std::find(streams.begin(), streams.end(), s) != streams.end();
+             without_gil([&] {
+               a.begin_allocate_to_pool(id, [streams](Stream s) {
+                 return std::find(streams.begin(), streams.end(), s) != streams.end();
+               });
              });
-           }, py::arg("pool_id"), py::arg("streams"), nogil)
-      .def("end_allocate_to_pool", &CA::end_allocate_to_pool, py::arg("pool_id"), nogil)
-      .def("release_pool", &CA::release_pool, py::arg("pool_id"), nogil)
+           }, py::arg("pool_id"), py::arg("streams"))
+      .def("end_allocate_to_pool", nogil(&CA::end_allocate_to_pool), py::arg("pool_id"))
+      .def("release_pool", nogil(&CA::release_pool), py::arg("pool_id"))
       .def("snapshot", [](CA& a) {
              std::vector<SegmentInfo> segs;
              {
-               py::gil_scoped_release g;
-               segs = a.snapshot();
+               without_gil([&] { segs = a.snapshot(); });
              }
              py::list out;
              for (auto& s : segs) {
@@ -393,8 +487,7 @@ PYBIND11_MODULE(_C, m) {
       .def("drain_trace", [](CA& a) {
              std::vector<TraceEvent> evs;
              {
-               py::gil_scoped_release g;
-               evs = a.trace().drain();
+               without_gil([&] { evs = a.trace().drain(); });
              }
              py::list out(evs.size());
              for (size_t i = 0; i < evs.size(); ++i) {
@@ -425,4 +518,7 @@ PYBIND11_MODULE(_C, m) {
         "A size as PyTorch's OOM messages write it (\"1.50 GiB\").");
   m.attr("trace_kinds") = py::cast(std::vector<std::string>(std::begin(kTraceNames), std::end(kTraceNames)));
   register_plugin(m);
+  // atexit runs on the thread that then finalizes, before finalization begins
+  py::module_::import("atexit").attr("register")(
+      py::cpp_function([]() { finalizing_thread.store(PyThread_get_thread_ident()); }));
 }

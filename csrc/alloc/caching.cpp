@@ -4,6 +4,9 @@
 #include <cstdio>
 #include <exception>
 #include <stdexcept>
+#ifdef __GLIBCXX__
+#include <cxxabi.h>  // abi::__forced_unwind
+#endif
 
 namespace supermem {
 
@@ -360,6 +363,12 @@ size_t CachingAllocator::run_pressure_handlers(Lock& lk, size_t need) {
   std::exception_ptr error;
   try {
     for (auto& [id, h] : handlers) freed += h(need);
+#ifdef __GLIBCXX__
+  } catch (abi::__forced_unwind&) {
+    // A thread being ended (a handler asked for the GIL as the interpreter finalized): let it go on
+    // unwinding. Kept, it would abort the process ("FATAL: exception not rethrown").
+    throw;
+#endif
   } catch (...) {
     error = std::current_exception();
   }
