@@ -1,6 +1,9 @@
-"""The global state a module call ran under that decides what it computes and saves: the CPU (and
-CUDA) RNG state, the autocast state per device type, the attention backends enabled (on CUDA). A
-region captures it at the call; its replay runs under it, with grad on, and puts back what it found.
+"""The state a module call ran under that decides what it computes and saves: the CPU (and CUDA) RNG
+state, the autocast state per device type, the attention backends enabled (on CUDA), and the module's
+own attributes and those of its submodules (a user who sets `eval()`, a dropout's `p`, a LayerNorm's
+`eps` or swaps a submodule between forward and backward: plain autograd's backward uses what the
+forward saved, so a replay must run the module as it was). A region captures it at the call; its
+replay runs under it, with grad on, and puts back what it found.
 
 This is what torch.random.fork_rng, torch.autocast, the attention backend switches and
 torch.enable_grad do, set directly: those contexts cost about 50 us a replay on a CPU inside a
@@ -63,15 +66,58 @@ def put_back_sdpa(switched: list[tuple[Any, bool]]) -> None:
         set_(was)
 
 
+def module_state(module: torch.nn.Module | None) -> list[tuple]:
+    """The module's and each submodule's attributes, children and parameters, as shallow copies (the
+    dicts a change of them goes through: Module.__setattr__, train(), a swapped child or parameter)."""
+    out: list[tuple] = []
+    stack = [module] if module is not None else []
+    while stack:
+        m = stack.pop()
+        d = m.__dict__
+        out.append((m, d.copy(), d["_modules"].copy(), d["_parameters"].copy()))
+        stack.extend(c for c in d["_modules"].values() if c is not None)
+    return out
+
+
+def _set_state(m: torch.nn.Module, attrs: dict, children: dict, params: dict) -> None:
+    d = m.__dict__
+    d.clear()
+    d.update(attrs)
+    for now, then in ((d["_modules"], children), (d["_parameters"], params)):
+        now.clear()
+        now.update(then)
+
+
+def put_state(state: list[tuple]) -> list[tuple]:
+    """Sets each module of `state` back where it changed since; returns what undoes it."""
+    undo = []
+    for m, attrs, children, params in state:
+        d = m.__dict__
+        try:
+            same = d == attrs and d["_modules"] == children and d["_parameters"] == params
+        except Exception:  # noqa: BLE001  (a tensor attribute replaced: compared elementwise)
+            same = False
+        if not same:
+            undo.append((m, d.copy(), d["_modules"].copy(), d["_parameters"].copy()))
+            _set_state(m, attrs, children, params)
+    return undo
+
+
+def undo_state(undo: list[tuple]) -> None:
+    for m, attrs, children, params in reversed(undo):
+        _set_state(m, attrs, children, params)
+
+
 class CallState:
     """Captured at a call; `with state.replay():` runs code under it (grad on)."""
 
-    __slots__ = ("device", "rng_cpu", "rng_cuda", "autocast", "cache_enabled", "sdpa")
+    __slots__ = ("device", "rng_cpu", "rng_cuda", "autocast", "cache_enabled", "sdpa", "modules")
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, module: torch.nn.Module | None = None):
         # (a light call takes one in its forward, where a planned step is host-bound: torch.get_rng_state,
         # torch.cuda.get_rng_state and a generator over the device types cost it ~35 us on an H100's host)
         self.device = device
+        self.modules = module_state(module)
         self.rng_cpu = _CPU_RNG.get_state()
         cpu = (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"))
         if device.type == "cuda":
@@ -91,7 +137,7 @@ class CallState:
 class _Replay:
     """Sets a CallState and grad on; puts back what it found, in reverse (also when entering fails)."""
 
-    __slots__ = ("call", "rng_cpu", "rng_cuda", "grad", "cache_enabled", "autocast", "sdpa")
+    __slots__ = ("call", "rng_cpu", "rng_cuda", "grad", "cache_enabled", "autocast", "sdpa", "undo")
 
     def __init__(self, call: CallState):
         self.call = call
@@ -104,7 +150,9 @@ class _Replay:
         self.cache_enabled = torch.is_autocast_cache_enabled()
         self.autocast: list[Any] = []  # entered: torch.autocast, or (device type, enabled, dtype) before
         self.sdpa: list[tuple[Any, bool]] = []  # switched: (setter, value before)
+        self.undo: list[tuple] = []  # modules set back as they were at the call
         try:
+            self.undo = put_state(c.modules)
             _CPU_RNG.set_state(c.rng_cpu)
             if c.rng_cuda is not None:
                 _cuda_generator(c.device).set_state(c.rng_cuda)
@@ -134,6 +182,7 @@ class _Replay:
             torch.set_autocast_cache_enabled(c.cache_enabled)
 
     def __exit__(self, *exc: Any) -> None:
+        undo_state(self.undo)
         torch._C._set_grad_enabled(self.grad)
         put_back_sdpa(self.sdpa)
         for x in reversed(self.autocast):

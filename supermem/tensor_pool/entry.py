@@ -225,3 +225,16 @@ def alive_anyway(t: torch.Tensor) -> bool:
 def dedup_key(t: torch.Tensor) -> tuple:
     """A saved tensor's identity for the pool (saved twice, one entry); data_ptr: storage + offset."""
     return (t.data_ptr(), t.shape, t.stride(), t.dtype, t._version)
+
+
+_SAME_SIZE_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same layout and the same bits (torch.equal calls -0.0 and 0.0 equal, and NaN unequal to itself)."""
+    if (a.shape, a.stride(), a.dtype, a.device) != (b.shape, b.stride(), b.dtype, b.device):
+        return False
+    if a.is_floating_point() and a.element_size() in _SAME_SIZE_INT:
+        it = _SAME_SIZE_INT[a.element_size()]
+        return torch.equal(a.view(it), b.view(it))
+    return torch.equal(a, b)

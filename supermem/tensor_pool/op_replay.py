@@ -20,8 +20,11 @@ edge (no grad, or None) is not guessed: no recipe. Random ops (dropout) are not 
 
 Proven, not assumed: the first time a site is seen (the chain, its arguments, its parameters and its
 tensors' shapes, strides and dtypes), the chain is run once beside the original and must match it
-bitwise, strides included; LayerNorm's eps, which its node does not keep, is found this way among
-EPS_CANDIDATES. A site that does not match never gets a recipe. The same run times the replay: the
+bitwise, strides included. LayerNorm's eps, which its node does not keep, is read from the module
+that owns its weight (found by the pool's first step, Regions.eps_of) and is part of the site: a
+model whose eps changed between steps is verified again at the new eps (the old one was reused
+before, and trained with it). A LayerNorm with no such owner gets no recipe.
+A site that does not match never gets a recipe. The same run times the replay: the
 cost the policy prices the drop at (the first rebuilds refine it, as a region's calls do). On a GPU
 the comparison reads one bool back (a host sync), once per site.
 
@@ -42,14 +45,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
-from .entry import Entry, State, _check
+from .entry import Entry, State, _check, bitwise_equal
 from .region import _read_timer, _start_timer, _stop_timer
 
 if TYPE_CHECKING:
     from .pool import Pool
 
 MAX_OPS = 4  # nodes in one chain (BatchNorm + BatchNorm + add + ReLU: a ResNet downsample block's output)
-EPS_CANDIDATES = (1e-5, 1e-6, 1e-12)  # LayerNorm eps tried (torch's default, then common others)
 COST_SAMPLES = 3  # runs timed per site; the fastest prices it
 MAX_SITES = 4096  # verified sites remembered per pool (shapes that keep changing: the oldest go)
 _TAG = "supermem.entries"  # node.metadata key: output number -> weakref to the entry of that tensor
@@ -85,7 +87,7 @@ OPS: dict[str, Op] = {
         3,
         lambda n: (tuple(n._saved_normalized_shape),),
         lambda a, eps, x, w, b: torch.native_layer_norm(x, a[0], w, b, eps)[0],
-        EPS_CANDIDATES,
+        ("eps",),  # read from the weight's module (_eps)
     ),
     "NativeBatchNormBackward0": _batch_norm("_saved_eps"),
     "CudnnBatchNormBackward0": _batch_norm("_saved_epsilon"),
@@ -245,10 +247,13 @@ class OpReplays:
         if pool.cuda and torch.cuda.is_current_stream_capturing():
             return None  # a CUDA graph is being captured: a verification would read a result back
         params = [x for x in leaves if not isinstance(x, Entry)]
-        key = _site_key(prog, leaves, base)
+        eps = _eps(prog, leaves, pool.regions.eps_of)
+        if eps is _UNKNOWN:
+            return None
+        key = (_site_key(prog, leaves, base), eps)
         site = self._sites.get(key)
         if site is None or not site.same_params(params):
-            site = self._verify(pool, base, prog, leaves, params)
+            site = self._verify(pool, base, prog, leaves, params, eps)
             self._sites.pop(key, None)
             self._sites[key] = site
             if len(self._sites) > MAX_SITES:
@@ -264,23 +269,29 @@ class OpReplays:
     def site_of(self, prog: list, leaves: list, base: torch.Tensor) -> _Site | None:
         """The verified site of a chain whose leaves are tensors (saved ones have a grad_fn) and
         parameters, as the pool saw it in a recorded step; None if none (LeanCall: it verifies none)."""
-        site = self._sites.get(_site_key(prog, leaves, base))
+        pool = self._pool()
+        eps = _eps(prog, leaves, pool.regions.eps_of) if pool is not None else _UNKNOWN
+        site = self._sites.get((_site_key(prog, leaves, base), eps))
         if site is None or not site.ok or not site.same_params([x for x in leaves if x.is_leaf]):
             return None
         return site
 
-    def _verify(self, pool: Pool, base: torch.Tensor, prog: list, leaves: list, params: list) -> _Site:
+    def _verify(
+        self, pool: Pool, base: torch.Tensor, prog: list, leaves: list, params: list, eps: Any
+    ) -> _Site:
         site = _Site(params)
         variants = [v for name, _, _, _ in prog for v in [OPS[name].variants] if v != (None,)]
         if len(variants) > 1:
             return site  # two ops each with unknowns: not tried
+        if variants == [("eps",)]:
+            variants = [(eps,)]
         held = [x for x in leaves if isinstance(x, Entry)]
         pool._in_use += held  # as in a rebuild
         try:
             # An input already taken off the device comes back for this once (its host copy is kept).
             inputs = [pool._unpack_input(x) if isinstance(x, Entry) else x for x in leaves]
             for v in variants[0] if variants else (None,):
-                if _bitwise_equal(_run(prog, inputs, v, pool.cuda), base):
+                if bitwise_equal(_run(prog, inputs, v, pool.cuda), base):
                     site.ok, site.variant = True, v
                     # Timed once more: a first call of a shape pays one-time costs (cuDNN builds its
                     # plan, CUDA loads the kernel): ResNet-152's BatchNorm+ReLU sites were priced at
@@ -309,6 +320,20 @@ def chain_of(t: torch.Tensor, find: Any = None) -> tuple[torch.Tensor, list, lis
     except _Unsupported:
         return None
     return base, prog, leaves
+
+
+_UNKNOWN = object()
+
+
+def _eps(prog: list, leaves: list, eps_of: Any) -> Any:
+    """The eps of the chain's LayerNorm (None without one; _UNKNOWN where its weight has no module
+    with an eps): its node does not keep it."""
+    for name, _, _, operands in prog:
+        if name == "NativeLayerNormBackward0":
+            w = leaves[operands[1]] if operands[1] < len(leaves) else None
+            eps = eps_of(w) if isinstance(w, torch.Tensor) and w.is_leaf else None
+            return _UNKNOWN if eps is None else eps
+    return None
 
 
 def _site_key(prog: list, leaves: list, base: torch.Tensor) -> tuple:
@@ -401,16 +426,3 @@ def _away_by_op(x: Entry | None) -> bool:
         and x.treatment is not None
         and x.treatment.name == "recompute"
     )
-
-
-_SAME_SIZE_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def _bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Same layout and the same bits (torch.equal calls -0.0 and 0.0 equal, and NaN unequal to itself)."""
-    if (a.shape, a.stride(), a.dtype, a.device) != (b.shape, b.stride(), b.dtype, b.device):
-        return False
-    if a.is_floating_point() and a.element_size() in _SAME_SIZE_INT:
-        it = _SAME_SIZE_INT[a.element_size()]
-        return torch.equal(a.view(it), b.view(it))
-    return torch.equal(a, b)

@@ -600,8 +600,9 @@ def light(p: Profile, plan: Plan, units: set[int], ix: _Index) -> dict[int, int]
     region.py's _LightFn): autograd saves nothing in the call, the pool makes no entry (on a host-bound
     step entries cost more than the replay; tiny GPT-24 on this CPU, the pool at 50% +22 ms,
     checkpointing half its blocks +8.6 ms), and the step's ordinals skip the call's.
-    A call qualifies when it can go unseen (_unseen) and the plan offloads or compresses none of its
-    saves and no chosen rebuild outside the call reads one."""
+    A call qualifies when it can go unseen (_unseen), its graph reaches each input once
+    (Profile.no_light), and the plan offloads or compresses none of its saves and no chosen rebuild
+    outside the call reads one."""
     last: dict[int, int] = {}  # unit -> its last member's ordinal (its members are in save order)
     first: dict[int, int] = {}
     for s in p.saved:
@@ -611,7 +612,8 @@ def light(p: Profile, plan: Plan, units: set[int], ix: _Index) -> dict[int, int]
     calls = {
         start: end
         for start, end in _unseen(p, plan, units)
-        if not any(plan.treatment.get(o) in ("offload", "compress") for o in range(start + 1, end + 1))
+        if start not in p.no_light
+        and not any(plan.treatment.get(o) in ("offload", "compress") for o in range(start + 1, end + 1))
     }
     unit_at = {p.unit_start[u]: u for u in units if u in p.unit_start}
     while True:  # a reader run light itself reads its inputs from its node, not the pool

@@ -572,7 +572,7 @@ class Pool(PlanRunner):
         for c in self.policy.choose(self._choices(CANDIDATES), 1 << 62, self._tick):
             t = self.treatments[c.treatment]
             for e in c.frees:
-                if e.state is State.RESIDENT and self._leave(e, t):
+                if e.state is State.RESIDENT and e.tensor is not None and self._leave(e, t):
                     over -= e.nbytes - t.device_bytes(e)  # a compressed entry keeps its payload
             if over <= 0:
                 break
@@ -580,6 +580,13 @@ class Pool(PlanRunner):
     def _region_done(self, region: Any = None, outputs: list | None = None) -> None:
         """A region's entries just became recomputable: they may be what the budget needs (or what
         the plan said to drop). `outputs`: the call's output tensors."""
+        # Under the lock: another thread's entry may die meanwhile, and a dying entry is still reached
+        # by its weak references while its __del__ waits for the lock (found with two threads training
+        # through one pool: an entry left with its tensor gone, 'NoneType' has no attribute 'data_ptr').
+        with self._lock:
+            self._region_done_locked(region, outputs)
+
+    def _region_done_locked(self, region: Any, outputs: list | None) -> None:
         if self._rec is not None and self._rec.full and region is not None:
             self._rec.call_outputs[region.start] = self._own_outputs(region.start, outputs or [])
             self._rec.call_slots[region.start] = region.places
@@ -971,6 +978,7 @@ class Pool(PlanRunner):
                 "entries_by_state": count,
                 "away_bytes_by_treatment": away,
                 "peak_resident_bytes": self._peak_resident_bytes,
+                "largest_entry_bytes": self._largest_entry,
                 "budget_bytes": self.budget_bytes,
                 "margin_bytes": self._margin,
                 "offloaded_bytes": self._offloaded_bytes,

@@ -103,6 +103,9 @@ class Profile:
     # backward is through the call). A model's first block on its batch: planned so, it ran through
     # the pool all the same, and the step left the plan there.
     no_bypass: set[int] = field(default_factory=set)
+    # region calls (as call_outputs) whose graph reaches an input by two edges or more: never run
+    # light (region.shared_input: the input's gradient would be summed in another order)
+    no_light: set[int] = field(default_factory=set)
     # saves a region's capture made: its input, saved by nothing in the step before the call ended (a
     # first block's batch where the block saves only a cast of it), made an entry for the replay
     capture_made: set[int] = field(default_factory=set)
@@ -290,6 +293,7 @@ class Recorder:
         self.resaved: dict[int, set[int | None]] = {}  # Profile.resaved
         self.calls: list[tuple[int, tuple]] = []  # (id(module), kind) of each region call, in order
         self.no_bypass: set[int] = set()  # Profile.no_bypass
+        self.no_light: set[int] = set()  # Profile.no_light
         self.capture_made: set[int] = set()  # Profile.capture_made
         self.call_outputs: dict[int, tuple[tuple[int, int], ...]] = {}  # Profile.call_outputs
         self.call_slots: dict[int, dict[int, int]] = {}  # Profile.call_slots
@@ -451,6 +455,7 @@ class Recorder:
             kept_s=KEPT_SHARE * entry_s,
             resaved={o: set(at) for o, at in self.resaved.items()},
             no_bypass=set(self.no_bypass),
+            no_light=set(self.no_light),
             capture_made=set(self.capture_made),
             call_outputs=dict(self.call_outputs),
             calls=tuple(self.calls),
