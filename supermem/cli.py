@@ -7,6 +7,7 @@ import argparse
 import importlib
 import sys
 
+from .cli_args import check_device
 from .errors import ConfigError, UsageError
 
 # name -> (module, one-line help)
@@ -41,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     command = next((a for a in argv if not a.startswith("-")), None)
     args = build_parser(command if command in COMMANDS else None).parse_args(argv)
     try:
+        check_device(getattr(args, "device", None))  # demo's and bench's --device cuda
         return int(args._main(args) or 0)
     except (ConfigError, UsageError, FileNotFoundError) as e:  # user mistakes: a message, no traceback
         print(f"supermem {args.command}: error: {e}", file=sys.stderr)

@@ -11,11 +11,14 @@ import runpy
 import sys
 
 from . import activate, config
+from .cli_args import check_script, conf
 from .errors import UsageError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--conf", default="", help="options as in SUPERMEM_CONF, e.g. limit:12GiB,trace:100000")
+    p.add_argument(
+        "--conf", type=conf, default="", help="options as in SUPERMEM_CONF, e.g. limit:12GiB,trace:100000"
+    )
     p.add_argument(
         "-m", dest="module", action="store_true", help="run the target as a module (like python -m)"
     )
@@ -26,6 +29,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     # --conf wins over SUPERMEM_CONF key by key; children (workers, torchrun) inherit the merge
     merged = config.merge_conf(os.environ.get("SUPERMEM_CONF", ""), args.conf)
+    if not args.module:
+        check_script(args.target)
     if merged:
         os.environ["SUPERMEM_CONF"] = merged
     os.environ["SUPERMEM"] = "1"
@@ -33,8 +38,6 @@ def main(args: argparse.Namespace) -> int:
         sys.path.insert(0, os.getcwd())  # as `python -m` does
         if not _module_exists(args.target):
             raise UsageError(f"no module named {args.target!r}")
-    elif not os.path.exists(args.target):
-        raise FileNotFoundError(f"no such script: {args.target}")
     else:
         sys.path.insert(0, os.path.dirname(os.path.abspath(args.target)))
     activate.install(args.conf or None)

@@ -11,13 +11,15 @@ import time
 from typing import Any
 
 from . import control
-from .cli_args import positive_float
+from .cli_args import positive_float, positive_int
 from .errors import UsageError
 from .units import format_bytes
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("pid", nargs="?", type=int, help="process to watch (default: the most recent one)")
+    p.add_argument(
+        "pid", nargs="?", type=positive_int, help="process to watch (default: the most recent one)"
+    )
     p.add_argument("--once", action="store_true", help="print one frame and exit (for logs and scripts)")
     p.add_argument("--interval", type=positive_float, default=1.0, help="seconds between frames (default 1)")
     p.add_argument("--json", action="store_true", help="print the raw JSON snapshot and exit")

@@ -8,7 +8,7 @@ import argparse
 import json
 from pathlib import Path
 
-from ..cli_args import positive_float, positive_int
+from ..cli_args import conf, positive_float, positive_int
 from . import alloc, depth, relu, trace, train
 
 BENCHES = {
@@ -38,7 +38,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         b.add_argument(
             "--repeats", type=positive_int, default=2, help="processes per compared config (default 2)"
         )
-        b.add_argument("--conf", default=None, help="SUPERMEM_CONF-style options for the supermem rows")
+        b.add_argument(
+            "--conf", type=conf, default=None, help="SUPERMEM_CONF-style options for the supermem rows"
+        )
         b.add_argument(
             "--timeout", type=positive_float, default=300, help="seconds per process (default 300)"
         )

@@ -78,7 +78,7 @@ def launch(
 
 def run(args: argparse.Namespace) -> dict:
     nproc = args.ddp
-    if nproc < 1:
+    if nproc < 1:  # the CLI's --ddp is checked by argparse; this guards a direct call
         raise UsageError(f"--ddp takes the number of ranks (>= 1), got {nproc}")
     if args.device == "cuda":
         import torch
@@ -91,7 +91,7 @@ def run(args: argparse.Namespace) -> dict:
     steps = 4 if args.quick else max(args.steps + args.warmup, 5)
     common = [*sizes, "--steps", str(steps), "--warmup", str(2 if args.quick else args.warmup)]
     common += ["--device", args.device]
-    budgets = [float(b) for b in args.budgets.split(",") if b]
+    budgets = args.budgets
     timeout = args.timeout * 2  # a launch is N processes plus the rendezvous
     out: dict = {"bench": "train-ddp", "nproc": nproc, "device": args.device, "sizes": sizes, "rows": {}}
     print(f"supermem bench train --ddp {nproc}: GPT {' '.join(sizes)} on {args.device}", file=sys.stderr)

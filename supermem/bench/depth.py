@@ -26,7 +26,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from ..cli_args import nonnegative_int, positive_int
+from ..cli_args import check_names, comma_list, nonnegative_int, positive_int, size_bytes
 from .runner import ROW, child_env, parse_row
 from .table import render
 
@@ -41,21 +41,16 @@ def layers(n: int) -> int:
     return 3 * (3 + 8 + n + 3) + 2
 
 
-def _cap(text: str) -> int:
-    from supermem.units import parse_bytes
-
-    try:
-        value = parse_bytes(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--cap", type=_cap, default="12GiB", help="device memory cap per trial (default 12GiB)")
-    p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, of {', '.join(CONFIGS)}")
+    p.add_argument(
+        "--cap", type=size_bytes, default="12GiB", help="device memory cap per trial (default 12GiB)"
+    )
+    p.add_argument(
+        "--configs",
+        type=comma_list(str),
+        default=list(CONFIGS),
+        help=f"comma-separated, of {', '.join(CONFIGS)}",
+    )
     p.add_argument(
         "--max-layers", type=positive_int, default=None, help="stop searching at this depth (default 15,000)"
     )
@@ -367,10 +362,8 @@ def search(spec: dict, start: int, max_n: int, probes: int, timeout_s: float) ->
 
 def run(args: argparse.Namespace) -> dict:
     cuda = args.device == "cuda"
-    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
-    bad = [c for c in configs if c not in CONFIGS]
-    if bad:
-        raise SystemExit(f"supermem bench depth: unknown config {bad[0]!r}; choose from {', '.join(CONFIGS)}")
+    configs = args.configs
+    check_names("--configs", configs, CONFIGS)
     cap_bytes = args.cap if cuda else None
     if args.quick:
         base = {"batch": 2, "px": 32, "width": 8, "classes": 10, "unit_bytes": 1 << 16}  # a unit per block

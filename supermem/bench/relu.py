@@ -21,7 +21,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from ..cli_args import positive_int
+from ..cli_args import comma_list, positive_int
 from . import table
 
 MiB = 1 << 20
@@ -35,11 +35,12 @@ SLEEP_CYCLES = 20_000_000  # ~10 ms of GPU sleep: the host queues the timed call
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--iters", type=positive_int, default=20, help="timed calls per row (default 20)")
-    p.add_argument("--sizes", type=_mib_list, default=None, help="MiB, comma-separated (default: 16 .. 1024)")
-
-
-def _mib_list(text: str) -> tuple[int, ...]:
-    return tuple(positive_int(s) for s in text.split(","))
+    p.add_argument(
+        "--sizes",
+        type=comma_list(positive_int),
+        default=None,
+        help="MiB, comma-separated (default: 16 .. 1024)",
+    )
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -155,7 +156,7 @@ def _time(fn, device, iters: int) -> float:
 
 
 def _sizes(args: argparse.Namespace) -> tuple[int, ...]:
-    return args.sizes or (QUICK_SIZES_MIB if args.quick else SIZES_MIB)
+    return tuple(args.sizes or (QUICK_SIZES_MIB if args.quick else SIZES_MIB))
 
 
 def _device_name(device) -> str:

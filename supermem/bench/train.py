@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ..cli_args import nonnegative_int, positive_int
+from ..cli_args import check_names, comma_list, nonnegative_int, positive_float, positive_int
 from . import runner, table
 
 GiB = 1 << 30
@@ -347,7 +347,12 @@ def _timed(step: Callable[[], object], cuda: bool) -> float:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", choices=("gpt", "resnet", "all"), default="all")
-    p.add_argument("--modes", default="", help="rows or savers to run, e.g. supermem,pool (default: all)")
+    p.add_argument(
+        "--modes",
+        type=comma_list(str),
+        default=[],
+        help="rows or savers to run, e.g. supermem,pool (default: all)",
+    )
     p.add_argument("--steps", type=positive_int, default=10, help="timed steps per process (default 10)")
     p.add_argument(
         "--warmup",
@@ -356,7 +361,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="steps before timing, the first included (default 3)",
     )
     p.add_argument(
-        "--budgets", default="1.0,0.75,0.6,0.5", help="pool budgets, fractions of native's peak allocated"
+        "--budgets",
+        type=comma_list(positive_float),
+        default=[1.0, 0.75, 0.6, 0.5],
+        help="pool budgets, fractions of native's peak allocated (default 1.0,0.75,0.6,0.5)",
     )
     p.add_argument(
         "--sweep",
@@ -365,23 +373,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         " checkpoint's: one table sorted by peak, a Pareto line per pool row",
     )
     p.add_argument(
-        "--ddp", type=int, default=0, metavar="N", help="GPT under DDP on N ranks (see bench/ddp.py)"
+        "--ddp",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="GPT under DDP on N ranks (see bench/ddp.py)",
     )
 
 
 def run(args: argparse.Namespace) -> dict:
-    if args.ddp:
+    if args.ddp is not None:
         from . import ddp
 
         return ddp.run(args)
     if args.quick:
         args.steps, args.warmup = 3, 2
-    budgets = [float(b) for b in args.budgets.split(",") if b]
-    wanted = set(filter(None, args.modes.split(",")))
+    wanted = set(args.modes)
     sweep = getattr(args, "sweep", False)
     if sweep and not args.quick:
         args.warmup = max(args.warmup, SWEEP_WARMUP)
-    all_modes = sweep_modes(args.device) if sweep else modes(args.device, budgets)
+    all_modes = sweep_modes(args.device) if sweep else modes(args.device, args.budgets)
+    every = sweep_modes("cuda") if sweep else modes("cuda", args.budgets)  # the names --modes may give
+    check_names("--modes", args.modes, _names(every), here=_names(all_modes))
     chosen = [m for m in all_modes if _selected(m, wanted)]
     out = {"bench": "train", "device": args.device, "models": {}}
     for model in ("gpt", "resnet") if args.model == "all" else (args.model,):
@@ -390,6 +403,10 @@ def run(args: argparse.Namespace) -> dict:
         out.setdefault("env", rows[0].get("env"))
         (_print_sweep if sweep else _print_tables)(model, rows, args)
     return out
+
+
+def _names(ms: list[Mode]) -> list[str]:
+    return [name for m in ms for name in (m.name, m.saver)]
 
 
 def _selected(m: Mode, wanted: set[str]) -> bool:

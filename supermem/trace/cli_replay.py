@@ -8,6 +8,7 @@ import json
 import sys
 from pathlib import Path
 
+from ..cli_args import nonnegative_float
 from ..errors import ConfigError, UsageError
 from ..units import format_bytes, parse_bytes
 from .loader import load_for_cli as load
@@ -24,7 +25,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="activation",
         help="categories the pool may offload, comma-separated (default: activation)",
     )
-    p.add_argument("--link-gbps", type=float, default=0.0, help="host link GB/s, to estimate copy time")
+    p.add_argument(
+        "--link-gbps", type=nonnegative_float, default=0.0, help="host link GB/s, to estimate copy time"
+    )
     p.add_argument("--find-min", action="store_true", help="also search the smallest capacity that fits")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
 

@@ -22,6 +22,7 @@ import sys
 import time
 from pathlib import Path
 
+from ..cli_args import check_script
 from ..distributed import expand_path, is_template
 from ..errors import UsageError
 from .format import TraceFormatError
@@ -106,8 +107,11 @@ def main(args: argparse.Namespace) -> int:
         # One process, but {rank}/{pid} still name its file: the child fills them in.
         return _main_template(args, child_argv(args.program, _abs(args.output), args.capacity, args.stacks))
     argv = child_argv(args.program, str(Path(args.output).resolve()), args.capacity, args.stacks)
-    # Every output is checked before the program runs: a run of hours must not end in a lost trace.
+    # The program and every output are checked before it runs: a run of hours must not end in a lost
+    # trace, and a script that is not there must not leave an empty one
     script = argv[argv.index("--") + 1]
+    if script not in ("-m", "-c"):
+        check_script(script)
     inputs = [script] if os.path.isfile(script) else []
     out = check_output(args.output, inputs=inputs)
     if args.report:

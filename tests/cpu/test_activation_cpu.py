@@ -52,6 +52,16 @@ def test_supermem_run_reports_a_missing_script_without_a_traceback(tmp_path):
     assert r.returncode == 2 and "no such script" in r.stderr and "Traceback" not in r.stderr
 
 
+def test_supermem_run_of_a_directory_without_main_is_one_line_as_under_python(tmp_path):
+    r = run([sys.executable, "-m", "supermem", "run", str(tmp_path)])
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.count("\n") == 1, r.stderr
+    assert r.stderr.startswith(f"supermem run: error: can't find '__main__' module in {str(tmp_path)!r}")
+    (tmp_path / "__main__.py").write_text("print('ran', __name__)")
+    r = run([sys.executable, "-m", "supermem", "run", str(tmp_path)])
+    assert r.returncode == 0 and r.stdout.strip() == "ran __main__", r.stdout + r.stderr
+
+
 def test_importing_supermem_stays_lazy():
     code = "import sys, supermem; print(sorted(m for m in sys.modules if m.startswith('supermem')))"
     r = run([sys.executable, "-c", code])

@@ -315,7 +315,7 @@ def test_bench_train_ddp_quick_on_cpu(capsys):
     from supermem.bench import ddp
 
     args = argparse.Namespace(
-        ddp=2, quick=True, device="cpu", steps=2, warmup=1, budgets="0.5", conf=None, timeout=120
+        ddp=2, quick=True, device="cpu", steps=2, warmup=1, budgets=[0.5], conf=None, timeout=120
     )
     out = ddp.run(args)
     rows = out["rows"]

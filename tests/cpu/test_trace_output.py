@@ -173,6 +173,19 @@ def test_trace_checks_its_arguments_before_running_the_program(tmp_path, args, e
     assert "Traceback" not in r.stderr
 
 
+@pytest.mark.parametrize("program", [["missing.py"], ["python", "missing.py"], ["python", "."]])
+def test_trace_of_a_missing_script_is_one_line_and_writes_no_trace(tmp_path, program):
+    r = subprocess.run(
+        [sys.executable, "-m", "supermem", "trace", "-o", "x.smtrace", "--", *program],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert r.stderr.startswith("supermem trace: error:"), r.stderr
+    assert not (tmp_path / "x.smtrace").exists()
+
+
 def test_trace_errors_name_the_command(capsys):
     rc, err = run_cli(capsys, "trace", "--", "ls")
     assert rc == 2 and err.startswith("supermem trace: error:"), err
