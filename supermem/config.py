@@ -31,6 +31,15 @@ def _size_or_fraction(text: Any) -> int | float | str:
     return value
 
 
+def _limit(text: Any) -> int | float | str:
+    """A size or fraction of more than 0 bytes: the allocator reads a limit of 0 as none, so `limit:0`
+    would silently be no cap at all where it seems to allow nothing."""
+    value = _size_or_fraction(text)
+    if parse_bytes(value, total_bytes=1 << 40) == 0:
+        raise ValueError(f"{text!r} is 0 bytes, which no allocation fits; for no limit, leave the option out")
+    return value
+
+
 def _bool(text: Any) -> bool:
     if isinstance(text, bool):
         return text
@@ -91,9 +100,9 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option(
         "limit",
-        _size_or_fraction,
+        _limit,
         None,
-        "bytes, 12GiB, 80% or 0.8",
+        "bytes > 0, 12GiB, 80% or 0.8",
         "Hard cap on reserved GPU memory; allocations beyond it raise torch.OutOfMemoryError.",
     ),
     Option(
@@ -131,7 +140,8 @@ OPTIONS: tuple[Option, ...] = (
         _size_or_fraction,
         None,
         "bytes, 8GiB, 60% or 0.6",
-        "Device bytes the pool may keep resident; beyond it, the policy offloads to pinned host memory.",
+        "Device bytes the pool may keep resident; beyond it, the policy offloads to pinned host memory "
+        "(0: every saved tensor it can move leaves the device).",
     ),
     Option(
         "host_limit",

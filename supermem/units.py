@@ -20,6 +20,9 @@ _UNITS = {
 }
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*$", re.ASCII)
 MAX_BYTES = 2**63 - 1  # what the allocator's sizes (and PyTorch's) can hold
+# The smallest fraction of a device or host taken (0.01%: 14 MB of a 141 GB H200). Less is a slip (1e-300%,
+# 0.0000000001) that would resolve to a few bytes or none, silently; bytes say a tiny size on purpose.
+MIN_FRACTION = 1e-4
 
 
 def _checked(n: int, value: object) -> int:
@@ -40,7 +43,7 @@ def parse_bytes(value: int | str, total_bytes: int | None = None) -> int:
         return _checked(value, value)
     if isinstance(value, float):
         if total_bytes is not None and 0 < value <= 1:
-            return int(value * total_bytes)
+            return int(_fraction(value, repr(value)) * total_bytes)
         raise ValueError(f"a float size must be a fraction in (0, 1] of the device, got {value}")
     text = str(value).strip()
     if text.endswith("%"):
@@ -52,7 +55,7 @@ def parse_bytes(value: int | str, total_bytes: int | None = None) -> int:
             pct = -1.0
         if not 0 < pct <= 100:
             raise ValueError(f"{text!r}: a percentage must be in (0, 100]")
-        return int(total_bytes * pct / 100)
+        return int(total_bytes * _fraction(pct / 100, text))
     m = _SIZE.match(text)
     if not m or m.group(2).lower() not in _UNITS:
         raise ValueError(
@@ -63,6 +66,15 @@ def parse_bytes(value: int | str, total_bytes: int | None = None) -> int:
     whole, _, frac = m.group(1).partition(".")
     scaled = int(whole or "0") * 10 ** len(frac) + int(frac or "0")
     return _checked(scaled * _UNITS[m.group(2).lower()] // 10 ** len(frac), text)
+
+
+def _fraction(f: float, shown: str) -> float:
+    if f < MIN_FRACTION * (1 - 1e-9):  # "0.01%" is 0.01 / 100, which may round below
+        raise ValueError(
+            f"{shown} is nearly 0 bytes: a fraction is at least {MIN_FRACTION:g} ({MIN_FRACTION:.2%}); "
+            "give bytes for less"
+        )
+    return f
 
 
 def format_bytes(n: int | float) -> str:

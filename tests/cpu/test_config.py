@@ -255,3 +255,28 @@ def test_set_options_and_install_apply_all_or_nothing(monkeypatch):
     with pytest.raises(ConfigError, match="'limit'"):
         supermem.install(f"pool:lru,trace:100,limit:{HUGE}")
     assert config.current().as_dict() == before
+
+
+@pytest.mark.parametrize(
+    ("conf", "message"),
+    [
+        ("limit:0", "is 0 bytes"),  # the allocator reads 0 as no limit
+        ("limit:0GiB", "is 0 bytes"),
+        ("limit:0.4B", "is 0 bytes"),
+        ("limit:1e-300%", "nearly 0 bytes"),
+        ("limit:0.000001", "nearly 0 bytes"),
+        ("budget:1e-300%", "nearly 0 bytes"),
+        ("budget:0.0000000001", "nearly 0 bytes"),
+        ("host_limit:0.001%", "nearly 0 bytes"),
+    ],
+)
+def test_a_limit_or_budget_of_nearly_nothing_is_refused_not_resolved_to_0_bytes(conf, message):
+    with pytest.raises(ConfigError, match=message):
+        config.parse_conf(conf)
+
+
+def test_the_smallest_fraction_and_a_0_budget_are_taken():
+    # budget:0 is documented: every saved tensor the pool can move leaves the device
+    assert config.parse_conf("budget:0,limit:1") == {"budget": "0", "limit": "1"}
+    assert parse_bytes("0.01%", total_bytes=10**6) == parse_bytes(0.0001, total_bytes=10**6) == 100
+    assert "0:" in next(o for o in config.OPTIONS if o.name == "budget").doc
