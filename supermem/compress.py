@@ -119,7 +119,10 @@ def relu_pack(t: torch.Tensor, *, exact: bool = True, capacity: int | None = Non
     capacity: room for this many nonzeros (a guess: the same tensor's count last step, say), no host
     sync on either device; nonzeros past it are left out. The result is whole only if its nnz fits:
     `fitted(packed, nnz)` says so (and makes it unpackable) once the caller has read nnz, e.g. from an
-    asynchronous copy of `packed.offsets[-1]`; until then relu_unpack refuses it on CUDA."""
+    asynchronous copy of `packed.offsets[-1]`; until then relu_unpack refuses it on CUDA.
+
+    A `t` whose elements are not dense in memory (a slice with gaps, an expanded view) is copied
+    contiguous first: relu_unpack gives its values back as a contiguous tensor, not its strides."""
     flat, stride = _flat(_check_tensor(t, "relu_pack"))
     if capacity is not None:
         capacity = max(0, min(int(capacity), flat.numel()))
@@ -158,7 +161,9 @@ def trimmed(packed: Packed, nnz: int) -> Packed:
 
 
 def relu_unpack(packed: Packed) -> torch.Tensor:
-    """The tensor `packed` was made from, bitwise, on packed.device."""
+    """The tensor `packed` was made from, bitwise, on packed.device, with its strides where its elements
+    were dense in memory (contiguous, channels_last, a transpose); from a slice with gaps or an expanded
+    view, a new contiguous tensor of its values (an expanded view's repeats each their own element)."""
     _check_packed(packed)
     out = torch.empty_strided(packed.shape, packed.stride, dtype=packed.dtype, device=packed.device)
     flat, _ = _flat(out)
@@ -325,6 +330,8 @@ def _check_packed(packed: object) -> None:
             f"{bad}{nnz} bits set, offsets say {packed.nnz} (per block they "
             f"{'agree' if blocks_agree else 'disagree'}), {packed.values.numel()} values"
         )
+    if n % 32 and _bytes_to_bits(packed.bitmap[-4:], 32)[n % 32 :].any():  # the last word's padding
+        raise UsageError(f"{bad}bits set past element {n} (the bitmap's last word is padded with 0s)")
 
 
 def _check_part(

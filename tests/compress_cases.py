@@ -72,4 +72,12 @@ CORRUPT_CONTENTS = {
     "a bit set past the end": lambda p: _replace(
         p, bitmap=p.bitmap.clone().index_fill_(0, torch.tensor([-1]), 128)
     ),
+    # the word padding's bit counted by the offsets and given a value: every count agrees, the bitmap's
+    # elements past n do not exist
+    "a padding bit set, offsets and values counting it": lambda p: _replace(
+        p,
+        bitmap=p.bitmap.clone().index_fill_(0, torch.tensor([-1]), 128),
+        offsets=p.offsets + torch.tensor([0, 0, 0, 1]),
+        values=torch.cat([p.values, p.values[:1]]),
+    ),
 }

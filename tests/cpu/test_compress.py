@@ -123,6 +123,12 @@ def test_non_contiguous_input(name, dtype):
         check_format(packed, x.contiguous())
 
 
+def test_the_docstrings_say_which_inputs_come_back_contiguous():
+    # what test_non_contiguous_input checks, said where a caller reads it
+    for fn in (relu_pack, relu_unpack):
+        assert "expanded view" in fn.__doc__ and "contiguous" in fn.__doc__, fn.__name__
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("n", [0, 1, 15, 16, 17, 31, 33, 1000, 4097])
 def test_mask_is_greater_than_zero(dtype, n):
