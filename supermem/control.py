@@ -14,8 +14,10 @@ Providers are plain functions returning JSON-able dicts, registered by the parts
     control.register_provider("allocator", control.allocator_provider())   # allocated/reserved/limit
     control.register_provider("pool", pool.status)      # entries_by_state, host_bytes, link rates
     (the trace recorder registers "trace"; supermem.trace.oom.note_oom registers "ooms")
-Each connection is answered on a thread of its own, so a client that stalls delays nobody else.
-Providers run on those threads, so they must be thread-safe (the allocator's stats are).
+One thread serves every connection as it becomes readable or writable (a selector), and each has
+REQUEST_S for its whole exchange, so a client that stalls, or sends a byte at a time, delays nobody
+else and is dropped at its deadline; past MAX_CLIENTS open connections the oldest is dropped.
+Providers run on that thread, so they must be thread-safe (the allocator's stats are).
 A forked child owns nothing of its parent's server: it neither answers on it nor removes it at exit.
 """
 
@@ -24,6 +26,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import selectors
 import socket
 import stat
 import struct
@@ -43,7 +46,8 @@ _providers: dict[str, Provider] = {}
 _server: ControlServer | None = None
 _failed: str | None = None  # why the server could not start (said once; not retried)
 _lock = threading.Lock()
-MAX_CLIENTS = 8  # connections answered at once; more are closed at once
+MAX_CLIENTS = 64  # connections open at once; a new one past it drops the one open longest
+REQUEST_S = 2.0  # a connection's whole exchange (its request line, our answer) ends within this
 _started_unix_s = time.time()
 REQUEST = b"snapshot\n"
 _CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
@@ -210,6 +214,7 @@ class ControlServer:
         self.refused = 0
         self.served = 0
         self._sock: socket.socket | None = None
+        self._wake: tuple[socket.socket, socket.socket] | None = None  # stop() ends the select through it
         self._thread: threading.Thread | None = None
 
     def start(self) -> ControlServer:
@@ -229,54 +234,94 @@ class ControlServer:
             raise
         finally:
             os.umask(old)
-        self._sock = s
+        self._sock, self._wake = s, socket.socketpair()
         self._thread = threading.Thread(target=self._serve, name="supermem-control", daemon=True)
         self._thread.start()
         return self
 
     def _serve(self) -> None:
-        sock = self._sock
-        slots = threading.BoundedSemaphore(MAX_CLIENTS)
-        while sock is not None and self._sock is sock:
+        sock, wake = self._sock, self._wake
+        if sock is None or wake is None:
+            return
+        sock.setblocking(False)
+        with selectors.DefaultSelector() as sel, wake[0], wake[1]:
+            sel.register(sock, selectors.EVENT_READ)
+            sel.register(wake[0], selectors.EVENT_READ)
+            clients: dict[socket.socket, _Client] = {}  # oldest first
+            try:
+                while self._sock is sock:
+                    wait_s = min((c.deadline for c in clients.values()), default=None)
+                    if wait_s is not None:
+                        wait_s = max(0.0, wait_s - time.monotonic())
+                    for key, _ in sel.select(wait_s):
+                        if key.fileobj is sock:
+                            if not self._accept(sock, sel, clients):
+                                return  # closed by stop()
+                        elif key.fileobj in clients:
+                            self._step(clients[key.fileobj], sel, clients)
+                    now = time.monotonic()
+                    for c in [c for c in clients.values() if c.deadline <= now]:
+                        _drop(c, sel, clients)  # stalled past its deadline
+            finally:
+                for c in list(clients.values()):
+                    _drop(c, sel, clients)
+
+    def _accept(self, sock: socket.socket, sel: selectors.BaseSelector, clients: dict) -> bool:
+        """Takes every pending connection; False when the listening socket is closed."""
+        while True:
             try:
                 conn, _ = sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return True
             except OSError:
-                return  # closed by stop()
-            if not slots.acquire(blocking=False):
-                conn.close()  # too many stalled clients: refuse rather than queue behind them
+                return False
+            if len(clients) >= MAX_CLIENTS:
+                _drop(next(iter(clients.values())), sel, clients)
+            try:
+                conn.setblocking(False)
+                cred = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size)
+            except OSError:  # gone already
+                conn.close()
                 continue
-            threading.Thread(target=self._answer_and_close, args=(conn, slots), daemon=True).start()
+            clients[conn] = _Client(conn, _CRED.unpack(cred)[1], time.monotonic() + REQUEST_S)
+            sel.register(conn, selectors.EVENT_READ)
 
-    def _answer_and_close(self, conn: socket.socket, slots: threading.BoundedSemaphore) -> None:
+    def _step(self, c: _Client, sel: selectors.BaseSelector, clients: dict) -> None:
+        """Reads the request (even when refusing: closing on unread data resets the connection), then
+        writes the answer, as far as the socket takes them now."""
         try:
-            with conn:
-                self._answer(conn)
-        except OSError:
-            pass  # the client went away or stalled past the timeout
-        finally:
-            slots.release()
+            if c.answer is None:
+                chunk = c.conn.recv(256)
+                c.request += chunk
+                if chunk and not c.request.endswith(b"\n") and len(c.request) < 256:
+                    return
+                c.answer = self._answer(c.uid, c.request)
+                sel.modify(c.conn, selectors.EVENT_WRITE)
+            c.answer = c.answer[c.conn.send(c.answer) :]
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:  # the client went away
+            _drop(c, sel, clients)
+            return
+        if not c.answer:
+            _drop(c, sel, clients)
 
-    def _answer(self, conn: socket.socket) -> None:
-        _, uid, _ = _CRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
-        conn.settimeout(2.0)
-        req = b""  # read the request even when refusing: closing on unread data resets the connection
-        while not req.endswith(b"\n") and len(req) < 256:
-            chunk = conn.recv(256)
-            if not chunk:
-                break
-            req += chunk
+    def _answer(self, uid: int, req: bytes) -> bytes:
         if uid != self.allowed_uid:
             self.refused += 1
-            conn.sendall(json.dumps({"error": f"refused: uid {uid} is not the owner"}).encode() + b"\n")
-            return
+            return json.dumps({"error": f"refused: uid {uid} is not the owner"}).encode() + b"\n"
         if req != REQUEST:
-            conn.sendall(json.dumps({"error": f"unknown request {req[:40]!r}"}).encode() + b"\n")
-            return
-        conn.sendall(json.dumps(collect(), default=str).encode() + b"\n")
+            return json.dumps({"error": f"unknown request {req[:40]!r}"}).encode() + b"\n"
         self.served += 1
+        return json.dumps(collect(), default=str).encode() + b"\n"
 
     def stop(self) -> None:
         s, self._sock = self._sock, None
+        if self._wake is not None:
+            try:
+                self._wake[1].send(b"x")
+            except OSError:  # the serving thread has ended and closed it
+                pass
         if s is not None:
             try:
                 s.shutdown(socket.SHUT_RDWR)
@@ -287,6 +332,26 @@ class ControlServer:
             self.path.unlink()
         except (FileNotFoundError, TypeError):
             pass
+
+
+class _Client:
+    """One connection being served: its request so far, then what is left of its answer."""
+
+    __slots__ = ("conn", "uid", "deadline", "request", "answer")
+
+    def __init__(self, conn: socket.socket, uid: int, deadline: float):
+        self.conn, self.uid, self.deadline = conn, uid, deadline
+        self.request = b""
+        self.answer: bytes | None = None
+
+
+def _drop(c: _Client, sel: selectors.BaseSelector, clients: dict) -> None:
+    clients.pop(c.conn, None)
+    try:
+        sel.unregister(c.conn)
+    except (KeyError, ValueError):
+        pass
+    c.conn.close()
 
 
 def start_server(allowed_uid: int | None = None) -> ControlServer | None:
@@ -319,6 +384,8 @@ def _forget_server_in_child() -> None:
     _lock = threading.Lock()  # another thread may have held it at the fork
     if _server is not None and _server._sock is not None:
         _server._sock.close()
+        for end in _server._wake or ():
+            end.close()
     _server = None
 
 

@@ -319,6 +319,66 @@ def test_a_slow_client_does_not_block_others(tmp_path):
         srv.stop()
 
 
+def test_clients_sending_a_byte_at_a_time_neither_block_top_nor_stay(tmp_path):
+    """Ten slow clients of this user, a byte each every 1.5 s (under a per-byte timeout of 2 s): `top`
+    is answered at once all along, and each slow one is dropped once its whole exchange passes
+    REQUEST_S (before: they took all 8 slots and top's connection was reset)."""
+    srv = control.ControlServer(tmp_path / "s.sock").start()
+    slow = [socket.socket(socket.AF_UNIX) for _ in range(10)]
+    try:
+        for s in slow:
+            s.connect(str(srv.path))
+            s.settimeout(0.05)
+        t0 = time.monotonic()
+        dropped_s: dict[int, float] = {}
+        while time.monotonic() - t0 < control.REQUEST_S + 2.5:
+            for i, s in enumerate(slow):
+                if i in dropped_s:
+                    continue
+                try:
+                    s.send(b"s")
+                    if s.recv(100) == b"":
+                        dropped_s[i] = time.monotonic() - t0
+                except TimeoutError:
+                    pass
+                except OSError:  # reset: the server closed on our unread byte
+                    dropped_s[i] = time.monotonic() - t0
+            t = time.monotonic()
+            assert control.query(srv.path, timeout_s=1.0)["pid"] == os.getpid()
+            assert time.monotonic() - t < 0.5
+            time.sleep(1.5)
+        assert len(dropped_s) == len(slow)
+        assert all(control.REQUEST_S - 0.5 < s < control.REQUEST_S + 2.5 for s in dropped_s.values()), (
+            dropped_s
+        )
+    finally:
+        for s in slow:
+            s.close()
+        srv.stop()
+
+
+def test_past_max_clients_the_oldest_connection_makes_room(tmp_path, monkeypatch):
+    monkeypatch.setattr(control, "MAX_CLIENTS", 4)
+    srv = control.ControlServer(tmp_path / "m.sock").start()
+    silent = [socket.socket(socket.AF_UNIX) for _ in range(6)]
+    try:
+        for s in silent:
+            s.connect(str(srv.path))
+            time.sleep(0.05)  # accepted one by one, oldest first
+        assert control.query(srv.path, timeout_s=1.0)["pid"] == os.getpid()
+        silent[0].settimeout(1.0)
+        assert silent[0].recv(100) == b""  # dropped to make room
+        silent[-1].sendall(control.REQUEST)
+        silent[-1].settimeout(1.0)
+        assert b'"pid"' in silent[-1].recv(1 << 16)  # the newest is served
+    finally:
+        for s in silent:
+            s.close()
+        srv.stop()
+    srv._thread.join(2.0)
+    assert not srv._thread.is_alive()  # stop() ends the serving thread
+
+
 def test_a_forked_child_leaves_the_parents_server_alone(tmp_path):
     code = textwrap.dedent(
         """
