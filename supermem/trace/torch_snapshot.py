@@ -49,6 +49,12 @@ from .validate import (
 )
 
 PICKLE_PROTOCOL = 4  # MemoryViz.js accepts protocols 2-4
+# What a pickle's items take in the file at least: a trace entry or a block of its own about 25 bytes (its
+# keys memoized), a frame 2 (a reference to a frame dict PyTorch shares among stacks). A pickle may repeat
+# a reference to one dict at 2 bytes a time, so 6 MB named 3 million events (1.1 GB to replay): the
+# work is bounded by the file's size, as a .smtrace's by its sections' compression ratio.
+MIN_ITEM_BYTES = 16
+MIN_FRAME_BYTES = 2
 
 
 def to_torch_snapshot(trace: Trace, pool_events: bool = True) -> dict[str, Any]:
@@ -251,7 +257,7 @@ def parse_pickle(data: bytes, name: str = "snapshot") -> Trace:
     except Exception as e:  # truncated or corrupt pickles raise many kinds of errors
         raise TraceFormatError(f"{name}: not a readable pickle ({type(e).__name__}: {e})") from None
     try:
-        return from_torch_snapshot(obj)
+        return from_torch_snapshot(obj, file_bytes=len(data))
     except TraceFormatError as e:
         raise TraceFormatError(f"{name}: {e}") from None
     except (ValueError, TypeError, KeyError, IndexError, AttributeError, OverflowError, RecursionError) as e:
@@ -259,9 +265,10 @@ def parse_pickle(data: bytes, name: str = "snapshot") -> Trace:
         raise TraceFormatError(f"{name}: not a PyTorch memory snapshot ({type(e).__name__}: {e})") from None
 
 
-def from_torch_snapshot(snap: Any) -> Trace:
+def from_torch_snapshot(snap: Any, file_bytes: int | None = None) -> Trace:
     """A Trace from a snapshot dict (`torch.cuda.memory._snapshot()` or its pickle). Every field it
-    uses is type- and range-checked: anything else raises TraceFormatError."""
+    uses is type- and range-checked: anything else raises TraceFormatError. file_bytes: the size of the
+    pickle it came from, which bounds the entries, blocks and frames read (MIN_ITEM_BYTES)."""
     if type(snap) is list:  # segments only, as _memory_viz accepts
         snap = {"segments": snap, "device_traces": []}
     if type(snap) is not dict or "segments" not in snap:
@@ -277,18 +284,33 @@ def from_torch_snapshot(snap: Any) -> Trace:
     need(len({id(t) for t in shared}) == len(shared), "two devices share one trace list")
     segments = snap["segments"]
     need(type(segments) is list, "'segments' is not a list")
+    frame_budget = [None if file_bytes is None else file_bytes // MIN_FRAME_BYTES]
+    if file_bytes is not None:
+        blocks_n = sum(
+            len(s["blocks"]) for s in segments if type(s) is dict and type(s.get("blocks")) is list
+        )
+        items = sum(map(len, traces)) + blocks_n
+        need(
+            items <= file_bytes // MIN_ITEM_BYTES,
+            f"{items} trace entries and blocks in {file_bytes} bytes, more than one per {MIN_ITEM_BYTES} "
+            "bytes: the pickle repeats references to the same few (not a snapshot PyTorch writes)",
+        )
     trace = Trace()
     stack_ids: dict[tuple, int] = {}
     frame_ids: dict[tuple, int] = {}
     by_list: dict[int, int] = {}  # id(frames list) -> stack: PyTorch shares one list among entries
+    by_frame: dict[int, tuple[str, int, str]] = {}  # id(frame dict) -> frame: and one dict among stacks
 
     def frame(f: Any) -> tuple[str, int, str]:
-        need(type(f) is dict, "a frame is not a dict")
-        return (
-            str_field(f, "filename", "a frame", "?"),
-            int_field(f, "line", "a frame", default=0),
-            str_field(f, "name", "a frame", "?"),
-        )
+        got = by_frame.get(id(f))
+        if got is None:
+            need(type(f) is dict, "a frame is not a dict")
+            got = by_frame[id(f)] = (
+                str_field(f, "filename", "a frame", "?"),
+                int_field(f, "line", "a frame", default=0),
+                str_field(f, "name", "a frame", "?"),
+            )
+        return got
 
     def stack_of(frames: Any) -> int:
         if not frames:
@@ -297,6 +319,13 @@ def from_torch_snapshot(snap: Any) -> Trace:
         sid = by_list.get(id(frames))
         if sid is not None:
             return sid
+        if frame_budget[0] is not None:
+            frame_budget[0] -= len(frames)
+            need(
+                frame_budget[0] >= 0,
+                f"more frames than one per {MIN_FRAME_BYTES} bytes of the file: the pickle repeats "
+                "references to the same frame lists (not a snapshot PyTorch writes)",
+            )
         key = tuple(frame(f) for f in frames)
         sid = stack_ids.get(key)
         if sid is None:

@@ -58,9 +58,22 @@ def files(tmp_path_factory):
     snap = pickle.dumps(to_torch_snapshot(parse(smtrace, NAME)), protocol=4)
     (tmp / "run.pickle").write_bytes(snap)
     out = {"tmp": tmp}
-    for kind, data in (("smtrace", smtrace), ("pickle", snap)):
+    for kind, data in (("smtrace", smtrace), ("pickle", snap), ("pickle-repeated", repeated(snap))):
         out[kind] = (data, results(parse(data, NAME)))
     return out
+
+
+def repeated(snap: bytes) -> bytes:
+    """The snapshot with references repeated within its bound: its first two trace entries again after
+    the rest, and one frames list, of three references to one frame dict, in every entry and block
+    (what a flipped memo index makes, and more than PyTorch shares)."""
+    obj = pickle.loads(snap)
+    entries = obj["device_traces"][0]
+    entries += [entries[0], entries[1]] * 20
+    frames = [{"filename": "lane.py", "line": 7, "name": "step"}] * 3
+    for item in [*entries, *(b for s in obj["segments"] for b in s["blocks"])]:
+        item["frames"] = frames
+    return pickle.dumps(obj, protocol=4)
 
 
 def damaged(data: bytes, kind: str, flips: int):
@@ -77,7 +90,7 @@ def damaged(data: bytes, kind: str, flips: int):
         yield f"{kind} bit {bit}", bytes(b)
 
 
-@pytest.mark.parametrize("kind, flips", [("smtrace", 3000), ("pickle", 4000)])
+@pytest.mark.parametrize("kind, flips", [("smtrace", 3000), ("pickle", 4000), ("pickle-repeated", 2000)])
 def test_damaged_files_give_a_clear_error_or_the_same_result(files, kind, flips):
     data, want = files[kind]
     start_kb = hwm_kb()
@@ -93,12 +106,67 @@ def test_damaged_files_give_a_clear_error_or_the_same_result(files, kind, flips)
         if got == want:
             same += 1
         else:
-            assert kind == "pickle", f"{what}: a damaged .smtrace was read with a different result"
+            assert kind != "smtrace", f"{what}: a damaged .smtrace was read with a different result"
             different += 1
     print(f"{kind}: {errors} clear errors, {same} same results, {different} different results")
     assert errors > 0 and hwm_kb() - start_kb < 256 << 10
     if kind == "smtrace":
         assert different == 0
+
+
+def shared_entries_pickle(n: int) -> bytes:
+    """n trace entries that are references to two dicts: about 2 bytes an entry."""
+    frames = [{"filename": "train.py", "line": 1, "name": "step"}]
+    a = {"action": "alloc", "addr": 1 << 20, "size": 512, "stream": 0, "time_us": 1, "frames": frames}
+    f = {**a, "action": "free_completed", "time_us": 2}
+    return pickle.dumps({"segments": [], "device_traces": [[a, f] * (n // 2)]}, protocol=4)
+
+
+def shared_blocks_pickle(n: int) -> bytes:
+    block = {"address": 0, "size": 512, "requested_size": 512, "state": "active_allocated", "frames": []}
+    seg = {"address": 0, "total_size": 512 * n, "stream": 0, "blocks": [block] * n}
+    return pickle.dumps({"segments": [seg], "device_traces": []}, protocol=4)
+
+
+def shared_frames_pickle(n: int) -> bytes:
+    """Entries of their own, each with a frames list of its own of n references to one frame dict."""
+    f = {"filename": "train.py", "line": 1, "name": "step"}
+    entries = [
+        {"action": "alloc", "addr": i << 10, "size": 512, "stream": 0, "time_us": i, "frames": [f] * n}
+        for i in range(8)
+    ]
+    return pickle.dumps({"segments": [], "device_traces": [entries]}, protocol=4)
+
+
+@pytest.mark.parametrize(
+    "make, words",
+    [(shared_entries_pickle, "trace entries and blocks"), (shared_blocks_pickle, "trace entries and blocks")],
+)
+def test_a_pickle_of_repeated_references_is_refused_by_its_size(make, words, tmp_path, capsys):
+    """600,000 events in 1.2 MB: refused before any work in proportion to them (before: ~185 bytes of
+    memory to replay for each byte of the file, 1.1 GB for 6 MB)."""
+    data = make(600_000)
+    assert len(data) < 1_300_000
+    start_kb = hwm_kb()
+    with pytest.raises(TraceFormatError, match=f"{NAME}: .*{words}.*repeats references"):
+        parse(data, NAME)
+    p = tmp_path / "repeated.pickle"
+    p.write_bytes(data)
+    for argv in (
+        ["replay", str(p), "--capacity", "1GiB"],
+        ["report", str(p), "-o", str(tmp_path / "r.html")],
+    ):
+        assert cli.main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "repeats references" in err, err
+    assert hwm_kb() - start_kb < 128 << 10
+
+
+def test_frames_repeated_within_the_bound_are_read_once_each():
+    """Frames lists of references to one frame dict (PyTorch shares frame dicts among stacks): each
+    list is read (2 bytes a reference in the file), each frame dict once."""
+    trace = parse(shared_frames_pickle(100_000), NAME)
+    assert len(trace.frames) == 1 and len(trace.stacks) == 1 and len(trace) == 8
 
 
 def test_damaged_files_through_the_command_line(files, capsys):
