@@ -24,7 +24,7 @@ def _causal_lm(model_cls, config_cls, config_of):
 
     def build(size):
         t = _hf()
-        d, layers, batch, seq = (64, 3, 2, 32) if size == "tiny" else (1024, 12, 8, 1024)
+        d, layers, batch, seq = (64, 3, 2, 32) if size == "tiny" else (1024, 12, 4, 1024)
         vocab = 512 if size == "tiny" else 32768
         model = getattr(t, model_cls)(getattr(t, config_cls)(**config_of(d, layers, vocab)))
         return model, _tokens(vocab, batch, seq), lambda m, ids: m(input_ids=ids, labels=ids).loss

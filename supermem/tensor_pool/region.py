@@ -260,14 +260,14 @@ class Region:
                 raise _Stop
             return None
 
-        buffers = _saved_buffers(self.module, False)
         try:
-            with self.state.replay(), torch.autograd.graph.saved_tensors_hooks(pack, _none):
+            with (
+                _Replaying(self.state, self.module, False),
+                torch.autograd.graph.saved_tensors_hooks(pack, _none),
+            ):
                 pool.regions.call(self.module, args, kwargs)
         except _Stop:
             pass
-        finally:
-            _put_back(buffers)
         if want:
             raise RuntimeError(
                 f"supermem: replaying {type(self.module).__name__} saved fewer tensors than its first "
@@ -303,14 +303,14 @@ class Region:
             x.detach().requires_grad_(x.requires_grad) if isinstance(x, torch.Tensor) else x for x in leaves
         ]
         args, kwargs = tree_unflatten(leaves, spec)
-        buffers = _saved_buffers(self.module, not check)
         try:
-            with self.state.replay(), torch.autograd.graph.saved_tensors_hooks(pack, _none):
+            with (
+                _Replaying(self.state, self.module, not check),
+                torch.autograd.graph.saved_tensors_hooks(pack, _none),
+            ):
                 pool.regions.call(self.module, args, kwargs)
         except Exception as err:  # noqa: BLE001  (the replay is not the call: refused, not raised)
             return f"its replay raised {type(err).__name__}: {str(err)[:200]}"
-        finally:
-            _put_back(buffers)
         if check and why is None and k + 1 != len(self.slots):
             why = f"its replay saved {k + 1} tensors, the call {len(self.slots)}"
         return why
@@ -400,6 +400,33 @@ def _put_back(buffers: tuple[list, list]) -> None:
             for b, value, version in saved:
                 b.copy_(value)
                 _set_version(b, version)
+
+
+class _Replaying:
+    """A replay of `module` under `state`: the state first (the module as it was at the call), then
+    what the replay must leave as it found (_saved_buffers), put back before the state goes. (The other
+    way round, the state set BatchNorm's `track_running_stats` back on in a quiet replay, which then
+    moved the running statistics for good.)"""
+
+    __slots__ = ("replay", "module", "quiet", "buffers")
+
+    def __init__(self, state: CallState, module: torch.nn.Module, quiet_bn: bool):
+        self.replay, self.module, self.quiet = state.replay(), module, quiet_bn
+
+    def __enter__(self) -> _Replaying:
+        self.replay.__enter__()
+        try:
+            self.buffers = _saved_buffers(self.module, self.quiet)
+        except BaseException:
+            self.replay.__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            _put_back(self.buffers)
+        finally:
+            self.replay.__exit__(*exc)
 
 
 class _Alive:
@@ -525,12 +552,11 @@ class _Light:
             leaves[k] = x
         args, kwargs = (tuple(leaves), {}) if self.spec is None else tree_unflatten(leaves, self.spec)
         tracker = self.tracker()
-        buffers = _saved_buffers(self.module, True)
-        try:
-            with self.state.replay(), torch.autograd.graph.saved_tensors_hooks(_identity, _identity):
-                out = tracker.call(self.module, args, kwargs) if tracker else self.module(*args, **kwargs)
-        finally:
-            _put_back(buffers)
+        with (
+            _Replaying(self.state, self.module, True),
+            torch.autograd.graph.saved_tensors_hooks(_identity, _identity),
+        ):
+            out = tracker.call(self.module, args, kwargs) if tracker else self.module(*args, **kwargs)
         outs = _flatten(out)[0]
         return [outs[k] for k in self.out_places]
 
