@@ -77,10 +77,13 @@ def conf(text: str) -> str:
     return text
 
 
-def check_names(flag: str, given: Iterable[str], known: Iterable[str], here: Iterable[str] = ()) -> None:
+def check_names(
+    flag: str, given: Iterable[str], known: Iterable[str], here: Iterable[str] | None = None
+) -> None:
     """UsageError for a name in `given` that is not `known`, or (when `here` is given) known but not
     runnable here (e.g. a CUDA-only row on the CPU)."""
-    known, here = list(dict.fromkeys(known)), set(here) or None
+    known = list(dict.fromkeys(known))
+    here = None if here is None else set(here)
     for name in given:
         if name not in known:
             raise UsageError(f"{flag}: unknown {name!r}; known: {', '.join(known)}")
