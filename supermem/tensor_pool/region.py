@@ -324,42 +324,46 @@ class Region:
                 e.recipe = None
 
 
-def shared_input(inputs: list[torch.Tensor], outputs: list[torch.Tensor], limit: int = 10_000) -> bool:
-    """Whether the call's graph (from its outputs back to its inputs) reaches one of its inputs by two
-    edges or more. Such a call does not run light: its node hands back each input's gradient summed
-    over the call's uses, which autograd then adds to the input's other uses (r + (a + b)); plain
-    autograd adds each use as it comes ((r + a) + b): another rounding (a Llama's RMSNorm, whose input
-    the residual add reads as well, trained 1 ulp off from step 6). A walk over `limit` nodes
-    (the graph leaves the call through a tensor that is not an argument) answers True."""
-    edges: dict[tuple[int, int], int] = {}
-    stop = set()
-    for x in inputs:
-        if x.requires_grad and x.grad_fn is not None:
-            edges[(id(x.grad_fn), x.output_nr)] = 0
-            stop.add(id(x.grad_fn))
-    leaves = {id(x): 0 for x in inputs if x.requires_grad and x.grad_fn is None}
+def consumers(inputs: list[torch.Tensor], outputs: list[torch.Tensor], limit: int = 10_000) -> list | None:
+    """The call's uses of each input: per input, the (node, edge) of each edge of the call's graph (from
+    its outputs back to its inputs) that reaches it, in the call's order. None: an input given twice, or
+    a walk over `limit` nodes (the graph leaves the call through a tensor that is not an argument).
+
+    Why it matters: a light call's node hands back each input's gradient, and autograd adds it to the
+    input's other uses. Summed over the call's uses first, r + (a + b), it rounds otherwise than plain
+    autograd, which adds each use as it comes, (r + a) + b (a Llama's RMSNorm, whose input the residual
+    add reads too, trained 1 ulp off from step 6). So the node takes such an input once per use and
+    hands back each use's gradient in its own slot (_LightFn): autograd adds them in plain order."""
+    at: dict[Any, int] = {}
+    for j, x in enumerate(inputs):
+        key = (id(x.grad_fn), x.output_nr) if x.grad_fn is not None else id(x)
+        if key in at:
+            return None
+        at[key] = j
+    stop = {id(x.grad_fn) for x in inputs if x.grad_fn is not None}
+    found: list[list] = [[] for _ in inputs]
     stack = [o.grad_fn for o in outputs if o.grad_fn is not None]
-    seen: set[int] = set()
+    seen: dict[int, Any] = {}
     while stack:
         node = stack.pop()
         if id(node) in seen:
             continue
-        seen.add(id(node))
+        seen[id(node)] = node  # (held: ids stay unique through the walk)
         if len(seen) > limit:
-            return True
-        for nxt, nr in node.next_functions:
+            return None
+        for i, (nxt, nr) in enumerate(node.next_functions):
             if nxt is None:
                 continue
-            key = (id(nxt), nr)
-            if key in edges or id(getattr(nxt, "variable", None)) in leaves:
-                counts = edges if key in edges else leaves
-                k = key if key in edges else id(nxt.variable)
-                counts[k] += 1
-                if counts[k] > 1:
-                    return True
+            var = getattr(nxt, "variable", None)
+            j = at.get((id(nxt), nr), at.get(id(var)) if var is not None else None)
+            if j is not None:
+                found[j].append((node, i))
             elif id(nxt) not in stop:
                 stack.append(nxt)
-    return False
+    # the order autograd runs them in: the last made first (sequence numbers)
+    for uses in found:
+        uses.sort(key=lambda u: -u[0]._sequence_nr())
+    return found
 
 
 def _none(*_: Any) -> None:
@@ -502,10 +506,14 @@ class _Light:
         "out_places",
         "alive",
         "graphs",
+        "uses",
+        "extra",
     )
 
     def __init__(self, state: CallState):
         self.state = state  # RNG, autocast, attention backends at the call
+        self.uses: tuple | None = None  # per tensor input, its uses in the call (Regions.uses)
+        self.extra: list[int] = []  # the node's extra slots: an input once more per use past its first
         self.graphs: LightGraphs | None = None  # replays its backward where it can (light_graphs.py)
 
     def attach(
@@ -529,14 +537,23 @@ class _Light:
         inputs = [leaves[k] for k in self.places]
         params = _params(module)
         outputs = [outs[k] for k in self.out_places]
-        if pool is not None and self.spec is None and len(inputs) == 1 and len(outputs) == 1:
+        if self.uses is not None and len(self.uses) == len(inputs):
+            self.extra = [j for j, n in enumerate(self.uses) for _ in range(n - 1) if inputs[j].requires_grad]
+        if (
+            not self.extra
+            and pool is not None
+            and self.spec is None
+            and len(inputs) == 1
+            and len(outputs) == 1
+        ):
             self.graphs = light_graphs_of(pool)
             if self.graphs is not None:
                 self.graphs.note(self, inputs[0])
         if pool is not None:
             pool._passthrough = True  # the node saves the call's inputs itself: not the step's saves
         try:
-            attached = _light_apply(self, outputs, len(inputs), _ANCHOR, *inputs, *params)
+            extra = [inputs[j] for j in self.extra]
+            attached = _light_apply(self, outputs, len(inputs), _ANCHOR, *inputs, *params, *extra)
         finally:
             if pool is not None:
                 pool._passthrough = False
@@ -592,7 +609,7 @@ class _LightFn(torch.autograd.Function):
     def forward(
         ctx: Any, light: _Light, outputs: list, n: int, _anchor: torch.Tensor, *tensors: Any
     ) -> tuple:
-        ctx.light, ctx.params = light, tensors[n:]
+        ctx.light, ctx.params = light, tensors[n : len(tensors) - len(light.extra)]
         ctx.save_for_backward(*tensors[:n])
         return tuple(o.detach() for o in outputs)
 
@@ -617,12 +634,77 @@ class _LightFn(torch.autograd.Function):
         slots = {id(x): x for x in (*inputs, *ctx.params) if x.requires_grad}
         wrt = list(slots.values())
         got = dict.fromkeys(slots)
+        per_use = _PerUse(light, inputs, outputs) if light.extra and not create else None
         if pairs and wrt:
             outs, gs = [o for o, _ in pairs], [g for _, g in pairs]
-            got.update(zip(slots, torch.autograd.grad(outs, wrt, gs, allow_unused=True, create_graph=create)))
+            try:
+                got.update(
+                    zip(slots, torch.autograd.grad(outs, wrt, gs, allow_unused=True, create_graph=create))
+                )
+            finally:
+                if per_use is not None:
+                    per_use.remove()
         if light.alive is not None:
             light.alive.through(None)  # backward is through the call (a second one is the pool's no more)
-        return (None, None, None, None, *(got.pop(id(x), None) for x in (*inputs, *ctx.params)))
+        if per_use is not None and per_use.complete():
+            return (
+                None,
+                None,
+                None,
+                None,
+                *per_use.first(),
+                *(got.get(id(w)) for w in ctx.params),
+                *per_use.rest(),
+            )
+        extra = [None] * len(light.extra)
+        return (None, None, None, None, *(got.pop(id(x), None) for x in (*inputs, *ctx.params)), *extra)
+
+
+class _PerUse:
+    """Each use's gradient of a light call's inputs, caught as the replay's backward runs (the hook of
+    each node that reads an input: consumers), for _LightFn's slots, in the order autograd runs them."""
+
+    def __init__(self, light: _Light, inputs: list[torch.Tensor], outputs: list[torch.Tensor]):
+        self.light, self.handles = light, []
+        self.wanted = [x.requires_grad for x in inputs]
+        self.got: list[list] = [[] for _ in inputs]
+        uses = consumers(inputs, outputs)
+        self.expected = light.uses if uses is not None and tuple(len(u) for u in uses) == light.uses else None
+        if self.expected is None:
+            return
+        by_node: dict[int, tuple[Any, list]] = {}
+        for j, us in enumerate(uses):
+            for node, i in us:
+                by_node.setdefault(id(node), (node, []))[1].append((i, j))
+        for node, edges in by_node.values():
+            self.handles.append(node.register_hook(self._catch(edges)))
+
+    def _catch(self, edges: list[tuple[int, int]]) -> Any:
+        got = self.got
+
+        def hook(grad_inputs: tuple, _grad_outputs: tuple) -> None:
+            for i, j in sorted(edges):  # (one node's edges: autograd adds them in edge order)
+                got[j].append(grad_inputs[i])
+
+        return hook
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+    def complete(self) -> bool:
+        return self.expected is not None and all(len(g) == n for g, n in zip(self.got, self.expected))
+
+    def first(self) -> list:
+        return [g[0] if g and wanted else None for g, wanted in zip(self.got, self.wanted)]
+
+    def rest(self) -> list:
+        k = [1] * len(self.got)
+        out = []
+        for j in self.light.extra:
+            out.append(self.got[j][k[j]])
+            k[j] += 1
+        return out
 
 
 _RAW_APPLY = torch._C._FunctionBase.__dict__["apply"].__get__(None, _LightFn)
@@ -729,7 +811,8 @@ class Regions:
         # modules never replayed, with why: their calls take state, or a replay was not the call
         self.refused: weakref.WeakKeyDictionary[torch.nn.Module, str] = weakref.WeakKeyDictionary()
         self._verified: set[tuple[int, tuple]] = set()  # (id(module), kind) replayed and matched
-        # modules whose calls' graphs reach an input by two edges or more (shared_input): never light
+        # the uses of each tensor input in a module's call (consumers); where unknown, never light
+        self.uses: weakref.WeakKeyDictionary[torch.nn.Module, tuple] = weakref.WeakKeyDictionary()
         self.no_light: weakref.WeakKeyDictionary[torch.nn.Module, bool] = weakref.WeakKeyDictionary()
         # id(weight) -> the module with an `eps` that owns it, seen in the first step (op replay's
         # LayerNorm: its node does not keep its eps)
@@ -933,6 +1016,7 @@ class Regions:
         # The arguments as the call got them: a pre-hook of the user's, which runs after this one,
         # runs with grad off too, and again in the replay; the node must start from its inputs.
         light.call = (args, kwargs)
+        light.uses = self.uses.get(module)
         self._local.__dict__.setdefault("unseen", []).append((module, light, end, None))
         torch._C._set_grad_enabled(False)
 
@@ -993,8 +1077,12 @@ class Regions:
                     if why is not None:  # (its entries stay; the step records the call all the same)
                         region.unready()
                         self.refuse(module, why)
-                    elif not verified and shared_input(_tensors(call), _tensors(output)):
-                        self.no_light[module] = True
+                    elif not verified:
+                        uses = consumers(_tensors(call), _tensors(output))
+                        if uses is None:
+                            self.no_light[module] = True
+                        else:
+                            self.uses[module] = tuple(len(u) for u in uses)
             if module in self.no_light and pool._rec is not None and pool._rec.full:
                 pool._rec.no_light.add(region.start)
             pool._region_done(region, _tensors(output))

@@ -198,10 +198,24 @@ def test_batch_norm_replay_leaves_running_statistics_alone():
     assert same(stats, list(model.bn.buffers()))
 
 
-def test_an_eps_no_candidate_matches_gets_no_recipe():
-    """LayerNorm's node does not keep eps: the replay finds it by matching bitwise, or gives up."""
+def test_a_layer_norms_eps_is_its_modules_and_without_one_there_is_no_recipe():
+    """LayerNorm's node does not keep eps: the replay reads the module's (any value), and a layer
+    norm whose weight no module with an eps owns is not guessed."""
+    ref, got = grads_plain_and_replayed(lambda: Norm(eps=0.37), X16, ("NativeLayerNormBackward0",))
+    assert same(ref, got)
+
+    class Functional(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.pre, self.lin = nn.Linear(16, 16), nn.Linear(16, 16)
+            self.w, self.b = nn.Parameter(torch.ones(16)), nn.Parameter(torch.zeros(16))
+
+        def forward(self, x):
+            return self.lin(F.layer_norm(self.pre(x), (16,), self.w, self.b, 0.37))
+
     torch.manual_seed(0)
-    _, _, by_ops = saved_recipes(Norm(eps=0.37), X16)
+    model = Functional()
+    _, _, by_ops = saved_recipes(model, X16)
     assert ("NativeLayerNormBackward0",) not in by_ops
 
 

@@ -10,6 +10,9 @@ import torch.nn as nn
 
 from supermem.policies import live_names
 from supermem.tensor_pool import Pool
+from supermem.tensor_pool.treatments import Recompute
+
+_BUILD = threading.Lock()
 
 
 class Block(nn.Module):
@@ -29,8 +32,9 @@ class Block(nn.Module):
 def _train(pool, steps=6, at_step=None, between=None, seed=0):
     """Plain steps (pool None) or pooled ones; `at_step(model, k)` before step k's forward,
     `between(model)` between its forward and backward. Every loss and gradient."""
-    torch.manual_seed(seed)
-    model = nn.Sequential(*[Block() for _ in range(6)])
+    with _BUILD:  # (the global RNG: two threads building at once would draw each other's weights)
+        torch.manual_seed(seed)
+        model = nn.Sequential(*[Block() for _ in range(6)])
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     x = torch.randn(32, 64, generator=torch.Generator().manual_seed(seed + 1))
     out = []
@@ -61,30 +65,43 @@ def _budget():
     return probe.stats()["peak_resident_bytes"] // 2
 
 
-@pytest.mark.parametrize("policy", live_names())
-def test_a_forward_pre_hook_that_returns_a_new_input_keeps_every_gradient(policy):
+def _pool(policy, recompute_only=False):
+    """Half the saved bytes; recompute only, at a quarter: the planned pool runs blocks light there
+    (reentrant, with grad off: 19 light calls in 6 steps on this CPU)."""
+    if not recompute_only:
+        return Pool(budget=_budget(), policy=policy, min_bytes=0)
+    return Pool(budget=_budget() // 2, policy=policy, min_bytes=0, treatments=[Recompute()])
+
+
+WAYS = [p for policy in live_names() for p in ((policy, False), (policy, True))]
+
+
+@pytest.mark.parametrize("policy, recompute_only", WAYS)
+def test_a_forward_pre_hook_that_returns_a_new_input_keeps_every_gradient(policy, recompute_only):
     def hook(model, k):
         if k == 0:
             model[2].register_forward_pre_hook(lambda mod, args: (args[0] * 0.5,))
 
     ref = _train(None, at_step=hook)
-    assert _same(_train(Pool(budget=_budget(), policy=policy, min_bytes=0), at_step=hook), ref)
+    assert _same(_train(_pool(policy, recompute_only), at_step=hook), ref)
 
 
-@pytest.mark.parametrize("policy", live_names())
-def test_a_layernorm_eps_changed_between_steps_is_replayed_with_the_new_eps(policy):
+@pytest.mark.parametrize("policy, recompute_only", WAYS)
+def test_a_layernorm_eps_changed_between_steps_is_replayed_with_the_new_eps(policy, recompute_only):
     def eps(model, k):
         if k == 3:
             for block in model:
                 block.ln.eps = 1e-2
 
     ref = _train(None, at_step=eps)
-    assert _same(_train(Pool(budget=_budget(), policy=policy, min_bytes=0), at_step=eps), ref)
+    assert _same(_train(_pool(policy, recompute_only), at_step=eps), ref)
 
 
 @pytest.mark.parametrize("change", ["eval", "gelu", "eps", "swap"])
-@pytest.mark.parametrize("policy", live_names())
-def test_a_model_changed_between_forward_and_backward_gets_plain_pytorchs_gradients(policy, change):
+@pytest.mark.parametrize("policy, recompute_only", WAYS)
+def test_a_model_changed_between_forward_and_backward_gets_plain_pytorchs_gradients(
+    policy, recompute_only, change
+):
     """Plain autograd's backward uses what the forward saved; a replay runs the module as it was."""
 
     def between(model):
@@ -99,7 +116,7 @@ def test_a_model_changed_between_forward_and_backward_gets_plain_pytorchs_gradie
                 block.act = nn.ReLU()
 
     ref = _train(None, between=between)
-    assert _same(_train(Pool(budget=_budget(), policy=policy, min_bytes=0), between=between), ref)
+    assert _same(_train(_pool(policy, recompute_only), between=between), ref)
 
 
 @pytest.mark.parametrize("policy", live_names())
