@@ -75,8 +75,7 @@ def test_a_third_party_model_trains_bitwise_within_the_budget_under_every_policy
         print(
             f"\nCORPUS {name:18s} {policy:10s} {share:.0%}: bitwise={bitwise} "
             f"peak/budget={peak / budget:.3f} x_native={seconds / native_s:.2f} "
-            f"native_peak={native_peak / 2**30:.2f}GiB"
-            + (" floor-warned" if floor else "")
+            f"native_peak={native_peak / 2**30:.2f}GiB" + (" floor-warned" if floor else "")
         )
         if not bitwise:
             failures.append(f"{share:.0%}: training differs from plain PyTorch's")
