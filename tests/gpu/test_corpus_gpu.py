@@ -72,10 +72,13 @@ def test_a_third_party_model_trains_bitwise_within_the_budget_under_every_policy
             got, peak, seconds = _run(name, pool)
         floor = [str(w.message) for w in said if "no plan keeps this step" in str(w.message)]
         bitwise = len(got) == len(ref) and all(torch.equal(a, b) for a, b in zip(got, ref))
+        st = pool.stats()
+        how = " ".join(f"{k}={st[k]}" for k in ("light_calls", "bypassed_calls", "lean_drops", "recomputes"))
+        how += f" rest={st['rest_steps']} refused={len(pool.regions.refused)}"
         print(
             f"\nCORPUS {name:18s} {policy:10s} {share:.0%}: bitwise={bitwise} "
             f"peak/budget={peak / budget:.3f} x_native={seconds / native_s:.2f} "
-            f"native_peak={native_peak / 2**30:.2f}GiB" + (" floor-warned" if floor else "")
+            f"native_peak={native_peak / 2**30:.2f}GiB" + (" floor-warned" if floor else "") + f" [{how}]"
         )
         if not bitwise:
             failures.append(f"{share:.0%}: training differs from plain PyTorch's")
