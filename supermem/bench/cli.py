@@ -13,7 +13,7 @@ from . import alloc, depth, relu, trace, train
 
 BENCHES = {
     "alloc": (alloc, "cost of torch.empty + del per pair, native vs supermem"),
-    "train": (train, "GPT-24 / ResNet-152 training steps: allocator and memory-saver rows"),
+    "train": (train, "GPT-24 / ResNet-152 / HF Llama training steps: allocator and memory-saver rows"),
     "depth": (
         depth,
         "the deepest ResNet [3, 8, n, 3] one SGD step trains under a cap, and its time per layer",

@@ -1,9 +1,11 @@
-"""The benchmark models, defined here (no torchvision/transformers): a GPT and a bottleneck ResNet.
+"""The benchmark models: a GPT and a bottleneck ResNet defined here, and Hugging Face's Llama (transformers,
+imported only when a preset of it is built).
 
-Both can checkpoint each block (`model.checkpoint_blocks = True`) or the first N (`= N`), the
-pure-PyTorch memory savers the benchmarks compare against. `PRESETS` names the sizes the benchmarks
-and golden tests use; the full ones are the anchors of DESIGN.md (GPT-24 d1024 b8 T1024 bf16;
-ResNet-152 b64 224px fp32).
+GPT and ResNet can checkpoint each block (`model.checkpoint_blocks = True`) or the first N (`= N`), the
+pure-PyTorch memory savers the benchmarks compare against; the Llama checkpoints the way its users do,
+by `model.gradient_checkpointing_enable()`. `PRESETS` names the sizes the benchmarks and golden tests
+use; the full GPT and ResNet are the anchors of DESIGN.md (GPT-24 d1024 b8 T1024 bf16; ResNet-152 b64
+224px fp32).
 """
 
 from __future__ import annotations
@@ -115,20 +117,64 @@ class ResNet(nn.Module):
         return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
 
 
+def hf_llama(
+    hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int, vocab: int, ctx: int
+) -> Callable[[], nn.Module]:
+    """A builder of transformers' LlamaForCausalLM from a config (random weights, fp32, in train mode;
+    use_cache left at its default, as users keep it)."""
+
+    def build() -> nn.Module:
+        from transformers import LlamaConfig, LlamaForCausalLM  # optional: only the Llama presets need it
+
+        config = LlamaConfig(
+            hidden_size=hidden,
+            intermediate_size=intermediate,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            vocab_size=vocab,
+            max_position_embeddings=ctx,
+        )
+        return LlamaForCausalLM(config)
+
+    return build
+
+
+def logits_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return loss_fn(model(x), y)
+
+
+def hf_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """A Hugging Face causal LM's own loss: it shifts the labels (y is x) and upcasts the logits."""
+    return model(x, labels=y).loss
+
+
 @dataclass(frozen=True)
 class Preset:
-    """A model at one size with its batch: `build()` makes the module, `batch(device, generator)` (x, y)."""
+    """A model at one size with its batch: `build()` makes the module, `batch(device, generator)` (x, y),
+    `loss(model, x, y)` the step's loss (run under the step's autocast)."""
 
     label: str
     build: Callable[[], nn.Module]
     batch: Callable[[torch.device, torch.Generator], tuple[torch.Tensor, torch.Tensor]]
     bf16: bool  # train under bf16 autocast (on CUDA)
+    loss: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor] = logits_loss
 
 
 def _tokens(b: int, t: int, vocab: int):
     def make(device, gen):
         idx = torch.randint(0, vocab, (b, t + 1), generator=gen)  # on CPU: independent of device RNG
         return idx[:, :-1].contiguous().to(device), idx[:, 1:].contiguous().to(device)
+
+    return make
+
+
+def _hf_tokens(b: int, t: int, vocab: int):
+    """input_ids twice: a Hugging Face causal LM is given labels=input_ids and shifts them itself."""
+
+    def make(device, gen):
+        idx = torch.randint(0, vocab, (b, t), generator=gen).to(device)
+        return idx, idx
 
     return make
 
@@ -146,7 +192,18 @@ PRESETS: dict[str, Preset] = {
     "resnet": Preset(
         "resnet152_b64_224px_fp32", lambda: ResNet((3, 8, 36, 3)), _images(64, 224, 1000), False
     ),
+    # transformers' Llama at GPT-24's width: 12 layers, grouped-query attention (16 heads, 4 KV), 32k vocab
+    "hf-llama": Preset(
+        "hf_llama12_d1024_b4_t1024_bf16",
+        hf_llama(1024, 2816, 12, 16, 4, 32768, 2048),
+        _hf_tokens(4, 1024, 32768),
+        True,
+        hf_loss,
+    ),
     # --quick: seconds on a CPU, for smoke tests of the harness
+    "hf-llama-quick": Preset(
+        "hf_llama2_d64_b2_t64", hf_llama(64, 176, 2, 4, 2, 512, 64), _hf_tokens(2, 64, 512), True, hf_loss
+    ),
     "gpt-quick": Preset(
         "gpt2_d64_b2_t64", lambda: GPT(layers=2, d=64, heads=2, vocab=512, ctx=64), _tokens(2, 64, 512), True
     ),

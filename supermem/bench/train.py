@@ -1,4 +1,5 @@
-"""`supermem bench train`: training steps of GPT-24 and ResNet-152 (models.PRESETS), one row per mode.
+"""`supermem bench train`: training steps of GPT-24, ResNet-152 and (--model hf-llama) Hugging Face's Llama
+(models.PRESETS), one row per mode.
 
 Two tables per model, each with the native row of this run as its baseline:
 - allocator: native vs supermem's allocator. Step ms (median of timed steps, CUDA events), ratio,
@@ -11,6 +12,10 @@ Two tables per model, each with the native row of this run as its baseline:
   ms, ratio, peak allocated, bytes offloaded, recomputed and compressed, copy GB/s, % copy hidden.
   Targets: each cost_aware row beats the lru row of its budget in step time and peak, and its peak is
   within 5% of its budget.
+- hf-llama: its savers are HF's own `gradient_checkpointing_enable()`, non-reentrant ("hf checkpoint") and
+  reentrant ("hf checkpoint reentrant"), in place of checkpointing model.blocks; with --sweep the pool
+  runs at 75% and 50% of native's peak and at each of those rows' peaks. Target: no pool row slower
+  than an HF checkpointing row at an equal (within 1%) or lower peak.
 
 A new row is a `Mode`; a new way to save memory is an entry in `SAVERS` (worker side).
 """
@@ -28,6 +33,9 @@ from ..cli_args import check_names, comma_list, nonnegative_int, positive_float,
 from . import runner, table
 
 GiB = 1 << 30
+BLOCK_MODELS = ("gpt", "resnet")  # the bench's own models: model.blocks, checkpointed by torch's checkpoint
+HF_MODELS = ("hf-llama",)  # transformers' models: checkpointed by gradient_checkpointing_enable()
+MODELS = BLOCK_MODELS + HF_MODELS
 STEP_TARGET = 1.01
 # DESIGN.md, H200, torch 2.11 (the anchors script): step ms, peak allocated GiB. Not this run.
 REFERENCE = {
@@ -60,8 +68,9 @@ def modes(device: str, budgets: list[float]) -> list[Mode]:
     out = [Mode("native", "native", "none", table="allocator")]
     if cuda:
         out.append(Mode("supermem", "supermem", "none", table="allocator"))
-    out.append(Mode("checkpoint", "native", "checkpoint"))
-    out.append(Mode("checkpoint first half", "native", "checkpoint_half"))
+    out.append(Mode("checkpoint", "native", "checkpoint", models=BLOCK_MODELS))
+    out.append(Mode("checkpoint first half", "native", "checkpoint_half", models=BLOCK_MODELS))
+    out += hf_checkpoint_modes()
     if cuda:
         out.append(Mode("save_on_cpu", "native", "save_on_cpu"))
     if cuda and hasattr(supermem, "pool"):
@@ -86,7 +95,17 @@ def modes(device: str, budgets: list[float]) -> list[Mode]:
     return out
 
 
+def hf_checkpoint_modes() -> list[Mode]:
+    """HF's own checkpointing of every decoder layer, as its users turn it on: non-reentrant (HF's default)
+    and reentrant."""
+    return [
+        Mode(name, "native", "hf_checkpoint", options={"reentrant": reentrant}, models=HF_MODELS)
+        for name, reentrant in (("hf checkpoint", False), ("hf checkpoint reentrant", True))
+    ]
+
+
 SWEEP_BUDGETS = (0.9, 0.75, 0.6, 0.5)
+HF_SWEEP_BUDGETS = (0.75, 0.5)  # and each HF checkpointing row's peak: the sweep in ~4 minutes on an H200
 # --sweep's warm-up: a planned pool records its first steps, then may record and plan again a few times
 # (PlanRunner: MAX_REPLANS) before its plan holds; the rows time the steps after (an H100 sweep with 3
 # warm-up steps timed GPT-24's planned 75% at 183.7 ms a step, its plan's own steps at 95.3)
@@ -96,23 +115,38 @@ COMPILE_BUDGETS = (1.0, 0.5, 0.2)  # torch._functorch.config.activation_memory_b
 
 def sweep_modes(device: str) -> list[Mode]:
     """--sweep: every baseline, then cost_aware and planned at fractions of native's peak and at
-    checkpoint's own peak. On CPU one torch.compile row only: inductor's build takes ~15 s a row."""
+    checkpoint's own peak (an HF model: at HF_SWEEP_BUDGETS and each HF checkpointing row's peak). On
+    CPU one torch.compile row only: inductor's build takes ~15 s a row; none for an HF model."""
     cuda = device == "cuda"
-    out = [Mode("native", "native", "none", table="allocator"), Mode("checkpoint", "native", "checkpoint")]
-    out.append(Mode("checkpoint reentrant", "native", "checkpoint", options={"reentrant": True}))
+    out = [Mode("native", "native", "none", table="allocator")]
+    out.append(Mode("checkpoint", "native", "checkpoint", models=BLOCK_MODELS))
+    reentrant = {"reentrant": True}
+    out.append(Mode("checkpoint reentrant", "native", "checkpoint", options=reentrant, models=BLOCK_MODELS))
     for name, f in (("quarter", 0.25), ("half", 0.5), ("three quarters", 0.75)):
-        out.append(Mode(f"checkpoint first {name}", "native", "checkpoint_first", options={"fraction": f}))
+        opts = {"fraction": f}
+        out.append(
+            Mode(f"checkpoint first {name}", "native", "checkpoint_first", options=opts, models=BLOCK_MODELS)
+        )
+    out += hf_checkpoint_modes()
     if cuda:
         out.append(Mode("save_on_cpu", "native", "save_on_cpu"))
     # supermem.linear_cross_entropy in place of the head and its loss (GPT only: its loss is the spike)
     out.append(Mode("chunked loss", "native", "none", options={"loss": "chunked"}, models=("gpt",)))
     for b in COMPILE_BUDGETS if cuda else COMPILE_BUDGETS[1:2]:
-        out.append(Mode(f"compile budget {b}", "native", "compile", options={"memory_budget": b}))
+        opts = {"memory_budget": b}
+        out.append(Mode(f"compile budget {b}", "native", "compile", options=opts, models=BLOCK_MODELS))
     for policy in ("cost_aware", "planned"):
         opts = {"policy": policy}
         for b in SWEEP_BUDGETS:
-            out.append(Mode(f"{policy} {b:.0%}", "supermem", "pool", budget=b, options=opts))
-        out.append(Mode(f"{policy} ckpt peak", "supermem", "pool", 1.0, options=opts, budget_of="checkpoint"))
+            ms = () if b in HF_SWEEP_BUDGETS else BLOCK_MODELS
+            out.append(Mode(f"{policy} {b:.0%}", "supermem", "pool", budget=b, options=opts, models=ms))
+        name = f"{policy} ckpt peak"
+        out.append(
+            Mode(name, "supermem", "pool", 1.0, options=opts, models=BLOCK_MODELS, budget_of="checkpoint")
+        )
+        for ck in hf_checkpoint_modes():  # "cost_aware hf ckpt peak", "... hf ckpt reentrant peak"
+            name = f"{policy} {ck.name.replace('checkpoint', 'ckpt')} peak"
+            out.append(Mode(name, "supermem", "pool", 1.0, options=opts, models=HF_MODELS, budget_of=ck.name))
     # ReLU compression offered to the plan (packs that wait for nothing: Compress(room="full")); ResNet
     # only (GPT has no ReLU)
     opts = {"policy": "planned", "treatments": ["offload", "recompute", "compress:full"]}
@@ -151,7 +185,8 @@ def _pool(spec: dict) -> Callable[[], contextlib.AbstractContextManager]:
 
 # saver name -> (spec -> a context-manager factory entered around forward+backward). "checkpoint",
 # "checkpoint_half" and "checkpoint_first" also set model.checkpoint_blocks (all blocks, the first half,
-# the first spec["fraction"]); "compile" runs torch.compile(model) under spec["memory_budget"]. When
+# the first spec["fraction"]); "hf_checkpoint" calls an HF model's gradient_checkpointing_enable();
+# "compile" runs torch.compile(model) under spec["memory_budget"] (_prepare does these). When
 # the `as` value has stats() (the pool: cumulative counters), they are read over the timed steps
 # (reset_stats() before, synchronize() after, when it has them).
 SAVERS = {
@@ -159,6 +194,7 @@ SAVERS = {
     "checkpoint": _no_saver,
     "checkpoint_half": _no_saver,
     "checkpoint_first": _no_saver,
+    "hf_checkpoint": _no_saver,
     "compile": _no_saver,
     "save_on_cpu": _save_on_cpu,
     "pool": _pool,
@@ -170,7 +206,7 @@ def measure(spec: dict) -> dict:
     import torch
 
     from ..losses import linear_cross_entropy
-    from .models import PRESETS, loss_fn
+    from .models import PRESETS
 
     device = torch.device(spec["device"])
     cuda = device.type == "cuda"
@@ -182,19 +218,7 @@ def measure(spec: dict) -> dict:
     torch.manual_seed(0)
     with device:
         model = preset.build()
-    n = len(model.blocks)
-    first = int(spec.get("fraction", 0) * n)
-    model.checkpoint_blocks = {"checkpoint": True, "checkpoint_half": n // 2, "checkpoint_first": first}.get(
-        spec["saver"], False
-    )
-    model.checkpoint_reentrant = spec.get("reentrant", False)
-    forward = model
-    if spec["saver"] == "compile":
-        import torch._functorch.config
-
-        # read when the backward graph is partitioned, at the first step
-        torch._functorch.config.activation_memory_budget = spec["memory_budget"]
-        forward = torch.compile(model)
+    forward = _prepare(model, spec)
     x, y = preset.batch(device, torch.Generator().manual_seed(0))
     opt = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
     saver = SAVERS[spec["saver"]](spec)
@@ -210,7 +234,7 @@ def measure(spec: dict) -> dict:
                 if chunked_loss:  # the head and its loss a chunk of rows at a time: no full logits
                     loss = linear_cross_entropy(model.hidden(x), model.head.weight, y)
                 else:
-                    loss = loss_fn(forward(x), y)
+                    loss = preset.loss(forward, x, y)
             loss.backward()
         if hasattr(ctx, "stats") and not entered:
             entered.append(ctx)
@@ -259,6 +283,36 @@ def measure(spec: dict) -> dict:
         row["peak_alloc_bytes"] = row["pool"]["peak_resident_bytes"]
     row["loss"] = float(step())
     return row
+
+
+def _prepare(model, spec: dict):
+    """Sets the model up for spec's saver (checkpointing, compile); returns what the step calls."""
+    saver = spec["saver"]
+    reentrant = spec.get("reentrant", False)
+    if saver == "hf_checkpoint":
+        if not hasattr(model, "gradient_checkpointing_enable"):
+            raise ValueError(f"hf_checkpoint needs a Hugging Face model, not {type(model).__name__}")
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+        return model
+    if hasattr(model, "blocks"):
+        n = len(model.blocks)
+        first = int(spec.get("fraction", 0) * n)
+        model.checkpoint_blocks = {
+            "checkpoint": True,
+            "checkpoint_half": n // 2,
+            "checkpoint_first": first,
+        }.get(saver, False)
+        model.checkpoint_reentrant = reentrant
+    elif saver.startswith("checkpoint"):  # an HF model: its own checkpointing is hf_checkpoint
+        raise ValueError(f"{saver} checkpoints model.blocks; {type(model).__name__} has none")
+    if saver == "compile":
+        import torch
+        import torch._functorch.config
+
+        # read when the backward graph is partitioned, at the first step
+        torch._functorch.config.activation_memory_budget = spec["memory_budget"]
+        return torch.compile(model)
+    return model
 
 
 def _saver_stats(entered: list, steps: int) -> dict | None:
@@ -346,7 +400,12 @@ def _timed(step: Callable[[], object], cuda: bool) -> float:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", choices=("gpt", "resnet", "all"), default="all")
+    p.add_argument(
+        "--model",
+        choices=(*MODELS, "all"),
+        default="all",
+        help="all: gpt and resnet; hf-llama needs transformers (default all)",
+    )
     p.add_argument(
         "--modes",
         type=comma_list(str),
@@ -395,14 +454,34 @@ def run(args: argparse.Namespace) -> dict:
     all_modes = sweep_modes(args.device) if sweep else modes(args.device, args.budgets)
     every = sweep_modes("cuda") if sweep else modes("cuda", args.budgets)  # the names --modes may give
     check_names("--modes", args.modes, _names(every), here=_names(all_modes))
+    models = BLOCK_MODELS if args.model == "all" else (args.model,)
+    _check_models(models, args.modes, every)
     chosen = [m for m in all_modes if _selected(m, wanted)]
     out = {"bench": "train", "device": args.device, "models": {}}
-    for model in ("gpt", "resnet") if args.model == "all" else (args.model,):
+    for model in models:
         rows = _run_model(model, [m for m in chosen if runs_on(m, model)], args)
         out["models"][model] = rows
         out.setdefault("env", rows[0].get("env"))
         (_print_sweep if sweep else _print_tables)(model, rows, args)
     return out
+
+
+def _check_models(models: tuple[str, ...], names: list[str], every: list[Mode]) -> None:
+    """UsageError, before anything runs: a --modes name that runs for none of the models (an HF row for
+    gpt, checkpointing model.blocks for hf-llama), or an HF model without transformers."""
+    import importlib.util
+
+    from ..errors import UsageError
+
+    for name in names:
+        for_models = {x for m in every if name in (m.name, m.saver) for x in (m.models or MODELS)}
+        if not for_models & set(models):
+            raise UsageError(
+                f"--modes: {name!r} runs only for --model {'/'.join(sorted(for_models))},"
+                f" not {'/'.join(models)}"
+            )
+    if set(models) & set(HF_MODELS) and importlib.util.find_spec("transformers") is None:
+        raise UsageError(f"--model {'/'.join(models)} needs transformers (pip install transformers)")
 
 
 def _names(ms: list[Mode]) -> list[str]:
@@ -504,6 +583,7 @@ def _print_tables(model: str, rows: list[dict], args: argparse.Namespace) -> Non
             + ", ".join(f"{k} {v[0]} ms / {v[1]} GiB" for k, v in ref.items())
         )
     _print_targets(label, native, rows)
+    _print_hf_targets(label, rows, "GiB", GiB)
     if len(savers) > 1:  # one line per model for summaries (tools/gpu_check.sh greps "savers ")
         parts = [
             f"{r['config']} {_fmt(r.get('step_x'), '.2f')}x {_fmt(_peak_gib(r), '.2f')}GiB" for r in savers
@@ -575,6 +655,7 @@ def _print_sweep(model: str, rows: list[dict], args: argparse.Namespace) -> None
                 f" predicted / {step_ms:.1f} measured ms ({off:+.0%})"
             )
         print(line)
+    _print_hf_targets(label, rows, unit, size)
 
 
 # How a pool row's timed steps ran: blocks the pool did not see (under checkpoint, bypassed, lean), its
@@ -638,6 +719,39 @@ def _print_targets(label: str, native: dict, rows: list[dict]) -> None:
         ok = f is not None and nf is not None and f <= nf
         print(
             f"target {label} frag: supermem {_fmt(f, '.3f')} vs native {_fmt(nf, '.3f')} (<=): {_met(ok, f)}"
+        )
+
+
+HF_PEAK_SLACK = 1.01  # an HF checkpointing row within 1% of a pool row's peak is at its peak
+
+
+def _print_hf_targets(label: str, rows: list[dict], unit: str, size: int) -> None:
+    """One line per pool row beside HF's checkpointing rows: no slower than any of them whose peak is
+    equal (within 1%) or lower. Nothing when the run has no HF checkpointing row."""
+    ckpts = [r for r in rows if r["config"].startswith("hf checkpoint")]
+    if not ckpts:
+        return
+
+    def show(r: dict) -> str:
+        peak = r.get("peak_alloc_bytes")
+        return f"{_fmt(r.get('step_x'), '.2f')}x {'-' if peak is None else f'{peak / size:.2f}'}{unit}"
+
+    measured = lambda r: None not in (r.get("step_x"), r.get("peak_alloc_bytes"))  # noqa: E731
+    for r in rows:
+        if r["allocator"] != "supermem" or r.get("budget") is None:  # the pool's rows
+            continue
+        if not all(map(measured, [r, *ckpts])):
+            verdict, against = "NO DATA", ckpts
+        else:
+            against = [c for c in ckpts if c["peak_alloc_bytes"] <= HF_PEAK_SLACK * r["peak_alloc_bytes"]]
+            verdict = "met" if all(r["step_x"] <= c["step_x"] for c in against) else "MISSED"
+        vs = (
+            ", ".join(f"{c['config']} {show(c)}" for c in against)
+            or "no HF checkpointing row at its peak or lower"
+        )
+        print(
+            f"target {label} {r['config']}: {show(r)} vs {vs}"
+            f" (no slower than HF checkpointing at an equal or lower peak): {verdict}"
         )
 
 
