@@ -600,7 +600,7 @@ def light(p: Profile, plan: Plan, units: set[int], ix: _Index) -> dict[int, int]
     region.py's _LightFn): autograd saves nothing in the call, the pool makes no entry (on a host-bound
     step entries cost more than the replay; tiny GPT-24 on this CPU, the pool at 50% +22 ms,
     checkpointing half its blocks +8.6 ms), and the step's ordinals skip the call's.
-    A call qualifies when it can go unseen (_unseen), its graph reaches each input once
+    A call qualifies when it can go unseen (_unseen), its inputs' uses in the call are known
     (Profile.no_light), and the plan offloads or compresses none of its saves and no chosen rebuild
     outside the call reads one."""
     last: dict[int, int] = {}  # unit -> its last member's ordinal (its members are in save order)

@@ -103,8 +103,8 @@ class Profile:
     # backward is through the call). A model's first block on its batch: planned so, it ran through
     # the pool all the same, and the step left the plan there.
     no_bypass: set[int] = field(default_factory=set)
-    # region calls (as call_outputs) whose graph reaches an input by two edges or more: never run
-    # light (region.shared_input: the input's gradient would be summed in another order)
+    # region calls (as call_outputs) whose inputs' uses in the call are not known (region.consumers):
+    # never run light (each use's gradient must go back in its own slot, or it rounds otherwise)
     no_light: set[int] = field(default_factory=set)
     # saves a region's capture made: its input, saved by nothing in the step before the call ended (a
     # first block's batch where the block saves only a cast of it), made an entry for the replay

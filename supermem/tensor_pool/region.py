@@ -326,7 +326,7 @@ class Region:
 
 def consumers(inputs: list[torch.Tensor], outputs: list[torch.Tensor], limit: int = 10_000) -> list | None:
     """The call's uses of each input: per input, the (node, edge) of each edge of the call's graph (from
-    its outputs back to its inputs) that reaches it, in the call's order. None: an input given twice, or
+    its outputs back to its inputs) that reaches it. None: an input given twice, or
     a walk over `limit` nodes (the graph leaves the call through a tensor that is not an argument).
 
     Why it matters: a light call's node hands back each input's gradient, and autograd adds it to the
@@ -360,9 +360,6 @@ def consumers(inputs: list[torch.Tensor], outputs: list[torch.Tensor], limit: in
                 found[j].append((node, i))
             elif id(nxt) not in stop:
                 stack.append(nxt)
-    # the order autograd runs them in: the last made first (sequence numbers)
-    for uses in found:
-        uses.sort(key=lambda u: -u[0]._sequence_nr())
     return found
 
 
