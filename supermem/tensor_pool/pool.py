@@ -985,6 +985,7 @@ class Pool(PlanRunner):
                 "prefetched_bytes": self._prefetched_bytes,
                 "dropped_bytes": self._dropped_bytes,
                 "regions": len(self.regions.modules),
+                "light_split_misses": self.regions.split_misses,
                 "compiled_kept_bytes": self.compiled.kept_bytes,
                 "steps": self._steps,
                 **self._counters,

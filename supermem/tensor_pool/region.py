@@ -643,6 +643,10 @@ class _LightFn(torch.autograd.Function):
                     per_use.remove()
         if light.alive is not None:
             light.alive.through(None)  # backward is through the call (a second one is the pool's no more)
+        if per_use is not None and not per_use.complete():
+            tracker = light.tracker()
+            if tracker is not None:
+                tracker.split_misses += 1  # (summed: the rounding may differ from plain; stats())
         if per_use is not None and per_use.complete():
             return (
                 None,
@@ -811,6 +815,7 @@ class Regions:
         # the uses of each tensor input in a module's call (consumers); where unknown, never light
         self.uses: weakref.WeakKeyDictionary[torch.nn.Module, tuple] = weakref.WeakKeyDictionary()
         self.no_light: weakref.WeakKeyDictionary[torch.nn.Module, bool] = weakref.WeakKeyDictionary()
+        self.split_misses = 0  # light backwards whose uses' gradients were not all caught (_PerUse)
         # id(weight) -> the module with an `eps` that owns it, seen in the first step (op replay's
         # LayerNorm: its node does not keep its eps)
         self._eps_owners: dict[int, weakref.ref[torch.nn.Module]] = {}

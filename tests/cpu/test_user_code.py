@@ -83,7 +83,9 @@ def test_a_forward_pre_hook_that_returns_a_new_input_keeps_every_gradient(policy
             model[2].register_forward_pre_hook(lambda mod, args: (args[0] * 0.5,))
 
     ref = _train(None, at_step=hook)
-    assert _same(_train(_pool(policy, recompute_only), at_step=hook), ref)
+    pool = _pool(policy, recompute_only)
+    assert _same(_train(pool, at_step=hook), ref)
+    assert pool.stats()["light_split_misses"] == 0
 
 
 @pytest.mark.parametrize("policy, recompute_only", WAYS)

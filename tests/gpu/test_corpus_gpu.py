@@ -74,7 +74,9 @@ def test_a_third_party_model_trains_bitwise_within_the_budget_under_every_policy
         bitwise = len(got) == len(ref) and all(torch.equal(a, b) for a, b in zip(got, ref))
         st = pool.stats()
         how = " ".join(f"{k}={st[k]}" for k in ("light_calls", "bypassed_calls", "lean_drops", "recomputes"))
-        how += f" rest={st['rest_steps']} refused={len(pool.regions.refused)}"
+        how += (
+            f" rest={st['rest_steps']} refused={len(pool.regions.refused)} misses={st['light_split_misses']}"
+        )
         print(
             f"\nCORPUS {name:18s} {policy:10s} {share:.0%}: bitwise={bitwise} "
             f"peak/budget={peak / budget:.3f} x_native={seconds / native_s:.2f} "
