@@ -73,7 +73,10 @@ def test_a_third_party_model_trains_bitwise_within_the_budget_under_every_policy
         floor = [str(w.message) for w in said if "no plan keeps this step" in str(w.message)]
         bitwise = len(got) == len(ref) and all(torch.equal(a, b) for a, b in zip(got, ref))
         st = pool.stats()
-        how = " ".join(f"{k}={st[k]}" for k in ("light_calls", "bypassed_calls", "lean_drops", "recomputes"))
+        how = " ".join(
+            f"{k}={st[k]}"
+            for k in ("light_calls", "graph_replays", "bypassed_calls", "lean_drops", "recomputes")
+        )
         how += (
             f" rest={st['rest_steps']} refused={len(pool.regions.refused)} misses={st['light_split_misses']}"
         )
