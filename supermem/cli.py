@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.metadata
+import re
 import sys
+from pathlib import Path
 
 from .cli_args import check_device
 from .errors import ConfigError, UsageError
@@ -23,10 +26,23 @@ COMMANDS = {
 }
 
 
+def version() -> str:
+    """The installed distribution's version; in a source tree that was never installed, pyproject's."""
+    try:
+        return importlib.metadata.version("supermem")
+    except importlib.metadata.PackageNotFoundError:
+        pyproject = Path(__file__).resolve().parent.parent / "pyproject.toml"
+        text = pyproject.read_text() if pyproject.is_file() else ""
+        found = re.search(r'^version = "([^"]+)"', text, re.M)
+        return found.group(1) if found else "unknown"
+
+
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The parser; with `command`, only that subcommand's module is imported (others import torch,
-    and `supermem run` must set the environment before torch's import runs supermem's hook)."""
+    and `supermem run` must set the environment before torch's import runs supermem's hook); with
+    "", none (`supermem --version` and `--help` need none)."""
     parser = argparse.ArgumentParser(prog="supermem", description="A GPU memory manager for PyTorch.")
+    parser.add_argument("--version", action="version", version=f"supermem {version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, (module, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
@@ -40,7 +56,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     command = next((a for a in argv if not a.startswith("-")), None)
-    args = build_parser(command if command in COMMANDS else None).parse_args(argv)
+    # no known command: argparse answers (--version, --help, a usage error) before any module is needed
+    args = build_parser(command if command in COMMANDS else "").parse_args(argv)
     try:
         check_device(getattr(args, "device", None))  # demo's and bench's --device cuda
         return int(args._main(args) or 0)
