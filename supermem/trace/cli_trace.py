@@ -30,6 +30,10 @@ from .output import check_output
 from .recorder import DEFAULT_CAPACITY_EVENTS
 
 _PYTHON = re.compile(r"^python[0-9.]*$")
+# Bare names that mean "Python": run as supermem's own interpreter, the one that imports supermem (PATH's
+# first python may be another environment's: "No module named 'supermem'"). A path or a versioned name
+# (python3.12) is the user's choice and runs as given.
+_BARE_PYTHONS = ("python", "python3")
 _LAUNCHER_MODULES = ("torch.distributed.run", "torch.distributed.launch")
 TRACE_ENV = "SUPERMEM_TRACE_CHILD"  # JSON {"output", "capacity", "stacks"} for each rank
 
@@ -73,6 +77,10 @@ def is_launcher(command: list[str]) -> bool:
     )
 
 
+def _interpreter(word: str) -> str:
+    return sys.executable if word in _BARE_PYTHONS and sys.executable else word
+
+
 def child_argv(command: list[str], output: str, capacity: int, stacks: bool) -> list[str]:
     """The child's command line for `command` (python [-m mod | -c code | script.py] args...)."""
     if command and command[0] == "--":
@@ -80,7 +88,7 @@ def child_argv(command: list[str], output: str, capacity: int, stacks: bool) -> 
     if not command:
         raise UsageError("nothing to run: give the program after --, e.g. supermem trace -- python train.py")
     if _PYTHON.match(os.path.basename(command[0])):
-        python, rest = command[0], command[1:]
+        python, rest = _interpreter(command[0]), command[1:]
     elif command[0].endswith(".py"):
         python, rest = sys.executable, command
     else:
@@ -145,6 +153,7 @@ def _main_launcher(args: argparse.Namespace) -> int:
             "the output, e.g. supermem trace -o run-{rank}.smtrace -- torchrun ..."
         )
     command = args.program[1:] if args.program[0] == "--" else args.program
+    command = [_interpreter(command[0]), *command[1:]]
     env = dict(os.environ)
     env[TRACE_ENV] = json.dumps(
         {"output": _abs(args.output), "capacity": args.capacity, "stacks": args.stacks}

@@ -78,7 +78,7 @@ def test_child_argv_forms():
     py = sys.executable
     base = ["-m", "supermem.trace.run_script", "--output", "o", "--capacity", "10"]
     assert child_argv(["--", "python3", "t.py", "-x"], "o", 10, False) == [
-        "python3",
+        py,  # a bare python is supermem's own interpreter
         *base,
         "--",
         "t.py",
@@ -98,6 +98,37 @@ def test_child_argv_forms():
     ):
         with pytest.raises(UsageError, match=msg):
             child_argv(bad, "o", 10, False)
+    assert child_argv(["/opt/py/bin/python3", "t.py"], "o", 10, False)[0] == "/opt/py/bin/python3"
+    assert child_argv(["python3.99", "t.py"], "o", 10, False)[0] == "python3.99"
+
+
+def test_bare_python_is_supermems_interpreter_not_paths(tmp_path):
+    """`-- python x.py` ran PATH's first python, outside supermem's environment ("No module named
+    'supermem'"); here PATH's python is one that fails."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name in ("python", "python3"):
+        (bin_dir / name).write_text('#!/bin/sh\necho "PATH\'s $0" >&2\nexit 97\n')
+        (bin_dir / name).chmod(0o755)
+    env = {**os.environ, "PATH": os.pathsep.join([str(bin_dir), os.environ.get("PATH", "")])}
+    for name in ("python", "python3"):
+        out = tmp_path / f"{name}.smtrace"
+        cmd = ["trace", "-o", str(out), "--", name, "-c", "import supermem, sys; print(sys.executable)"]
+        r = subprocess.run(
+            [sys.executable, "-m", "supermem", *cmd], capture_output=True, text=True, timeout=120, env=env
+        )
+        assert r.returncode == 0 and r.stdout.strip() == sys.executable, r.stderr
+        assert len(load(out)) == 0
+
+
+def test_bare_python_launcher_is_supermems_interpreter(tmp_path, monkeypatch):
+    ran = []
+    monkeypatch.setattr(
+        "supermem.trace.cli_trace.subprocess.call", lambda argv, env=None: ran.append(argv) or 0
+    )
+    out = str(tmp_path / "r-{rank}.smtrace")
+    cli.main(["trace", "-o", out, "--", "python", "-m", "torch.distributed.run", "t.py"])
+    assert ran == [[sys.executable, "-m", "torch.distributed.run", "t.py"]]
 
 
 def test_trace_of_code_in_a_real_supermem_process(tmp_path):
