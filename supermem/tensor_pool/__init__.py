@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..units import parse_bytes
 from .pool import Pool
 from .treatments import treatment_names
 
@@ -21,23 +22,53 @@ def pool(
 ) -> Pool:
     """A Pool for these options, created once and reused (its host memory and streams are kept), so
     `with supermem.pool(budget="8GiB"):` can wrap every training step. `treatments` may name them:
-    ("offload", "recompute", "compress")."""
+    ("offload", "recompute", "compress").
+
+    One pool however the options are spelled: it is found by the options as the Pool resolves them
+    (budget and host_limit in bytes, the policy's name, the device), so budget=1 << 20, "1MiB" and
+    "1 MiB" are one pool, and budget="8GiB" is the pool of budget="8GiB", policy="planned"."""
     if kwargs.get("treatments") is not None:
         kwargs["treatments"] = treatment_names(kwargs["treatments"])  # hashable: the same pool each call
-    key = (budget, policy, host_limit, _default_device(kwargs), tuple(sorted(kwargs.items())))
+    try:
+        key = _resolved(budget, policy, host_limit, kwargs)
+    except (ValueError, TypeError, RuntimeError):  # a bad option: the Pool's own error names it
+        return Pool(budget, policy, host_limit, **kwargs)
     if key not in _pools:
         _pools[key] = Pool(budget, policy, host_limit, **kwargs)
     return _pools[key]
 
 
-def _default_device(kwargs: dict) -> int | None:
-    """The CUDA device a Pool made without `device` would serve: part of the cache key, so that a
+def _resolved(budget: Any, policy: str | None, host_limit: Any, kwargs: dict) -> tuple:
+    """The cache key: the options as Pool.__init__ resolves them. The device is part of it, so a
     process using two GPUs (or a rank that switched device) gets a pool per device."""
+    import psutil
     import torch
 
-    if kwargs.get("device") is not None or not torch.cuda.is_available():
-        return None
-    return torch.cuda.current_device()
+    options = dict(kwargs)
+    device = options.pop("device", None)
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    if device.type != "cpu" and not (device.type == "cuda" and torch.cuda.is_available()):
+        raise ValueError(f"no such device here: {device}")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    total = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+    budget_bytes = None if budget is None else parse_bytes(budget, total)
+    if policy is None:
+        policy = "planned" if budget is not None else "cost_aware"
+    host_bytes = parse_bytes("50%" if host_limit is None else host_limit, psutil.virtual_memory().total)
+    if options.get("min_bytes") is None:
+        options["min_bytes"] = 1 << 20 if device.type == "cuda" else 0
+    options["treatments"] = options.get("treatments") or ("offload", "recompute")
+    options.setdefault("graphs", True)
+    return (budget_bytes, policy, host_bytes, str(device), tuple(sorted(options.items())))
+
+
+def _forget(p: Pool) -> None:
+    """Pool.close(): the next supermem.pool(...) with its options makes a new one."""
+    for key in [k for k, v in _pools.items() if v is p]:
+        del _pools[key]
 
 
 def env_pool(cfg: Any) -> Pool:

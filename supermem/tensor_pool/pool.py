@@ -31,7 +31,7 @@ import torch
 
 from ..errors import ConfigError
 from ..policies import Choice, make_policy
-from ..units import parse_bytes
+from ..units import format_bytes, parse_bytes
 from .compiled import CompiledGraphs
 from .copy import CopyEngine
 from .entry import Entry, Kept, PlanKept, State, alive_anyway, check_version, dedup_key, movable
@@ -1001,6 +1001,22 @@ class Pool(PlanRunner):
     def synchronize(self) -> None:
         """Waits for every copy in flight and folds all timings into stats()."""
         self.copies.collect(block=True)
+
+    def __repr__(self) -> str:
+        budget = "none" if self.budget_bytes is None else format_bytes(self.budget_bytes)
+        return (
+            f"<supermem.Pool policy={self.policy.name} budget={budget} device={self.device} "
+            f"treatments={','.join(self.treatments)} steps={self._steps}>"
+        )
+
+    def close(self) -> None:
+        """Takes the pool's module hooks off and drops it from supermem.pool's cache (the same options
+        there make a new pool). Between steps, with no backward of its pending; the pool is not to be
+        entered again."""
+        self.regions.close()
+        from . import _forget  # the factory's cache lives in the package, which imports this module
+
+        _forget(self)
 
     def reset_stats(self) -> None:
         with self._lock:
