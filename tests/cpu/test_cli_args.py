@@ -90,7 +90,7 @@ def test_bad_names_are_one_line_before_anything_runs(argv, message, capsys):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a PyTorch without CUDA, or no GPU")
-@pytest.mark.parametrize("argv", [["demo"], ["bench", "alloc"], ["bench", "relu"]])
+@pytest.mark.parametrize("argv", [["demo"], ["bench", "alloc"], ["bench", "relu"], ["bench", "train"]])
 def test_device_cuda_without_cuda_is_one_line(argv, capsys):
     assert cli.main([*argv, "--device", "cuda"]) == 2
     err = capsys.readouterr().err
