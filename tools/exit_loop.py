@@ -72,40 +72,17 @@ time.sleep(0.02)
 print("exit")
 """
 
-GPU_CHILD = r"""
-import torch, supermem
-from supermem.tensor_pool import Pool
-supermem.install("limit:3GiB")
-torch.manual_seed(0)
-model = torch.nn.Sequential(*[torch.nn.Linear(4096, 4096) for _ in range(8)]).cuda()
-def step(batch, pool):
-    x = torch.randn(batch, 4096, device="cuda")
-    with pool:
-        loss = model(x).square().mean()
-        loss.backward()
-    model.zero_grad(set_to_none=True)
-pool = Pool(budget=None, policy="cost_aware")
-step(16384, pool)
-print("pressure calls", pool.stats()["pressure_calls"])
-try:
-    step(1 << 17, pool)
-    print("no OOM")
-except torch.OutOfMemoryError as e:
-    print("OOM", "CUDA out of memory." in str(e))
-step(4096, pool)
-pool.check()
-print("continued", torch.cuda.memory_allocated() < (1 << 30))
-"""
-
-CHILDREN = {"sim": SIM_CHILD, "gpu": GPU_CHILD}
+# gpu: the pressure test's own child, under cost_aware
+GPU_CHILD = os.path.join(os.path.dirname(__file__), "..", "tests", "gpu", "pressure_child.py")
+CHILDREN = {"sim": ["-c", SIM_CHILD], "gpu": [GPU_CHILD, "cost_aware"]}
 ABORTS = (-6, 134)  # SIGABRT, and as a shell reports it
 
 
-def run_once(code: str, timeout_s: float) -> tuple[int | None, str]:
+def run_once(args: list[str], timeout_s: float) -> tuple[int | None, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SUPERMEM")}
     try:
         r = subprocess.run(
-            [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout_s
+            [sys.executable, *args], env=env, capture_output=True, text=True, timeout=timeout_s
         )
     except subprocess.TimeoutExpired:
         return None, "timed out"
@@ -119,11 +96,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--jobs", type=int, default=2, help="children at a time (default 2)")
     p.add_argument("--timeout", type=float, default=300, help="seconds a child may take (default 300)")
     args = p.parse_args(argv)
-    code = CHILDREN[args.mode]
+    child = CHILDREN[args.mode]
     t0 = time.perf_counter()
     aborts = failures = 0
     with ThreadPoolExecutor(args.jobs) as pool:
-        for i, (rc, err) in enumerate(pool.map(lambda _: run_once(code, args.timeout), range(args.n))):
+        for i, (rc, err) in enumerate(pool.map(lambda _: run_once(child, args.timeout), range(args.n))):
             lines = err.strip().splitlines() or [""]
             said = [line for line in lines if "terminate" in line or "FATAL" in line or "Fatal" in line]
             tail = (said or lines)[-1]

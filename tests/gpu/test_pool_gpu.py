@@ -115,32 +115,10 @@ def _run(code: str, env: dict | None = None) -> str:
 
 @pytest.mark.parametrize("policy", ["lru", "cost_aware", "planned"])
 def test_pressure_handler_offloads_instead_of_oom_then_oom_and_continue(policy):
-    out = _run(
-        f"""
-        import torch, supermem
-        from supermem.tensor_pool import Pool
-        supermem.install("limit:3GiB")
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(*[torch.nn.Linear(4096, 4096) for _ in range(8)]).cuda()
-        def step(batch, pool):
-            x = torch.randn(batch, 4096, device="cuda")
-            with pool:
-                loss = model(x).square().mean()
-                loss.backward()
-            model.zero_grad(set_to_none=True)
-        pool = Pool(budget=None, policy="{policy}")  # act only under pressure
-        step(16384, pool)  # 8 saved activations of 256 MiB + params: over 3 GiB without the pool
-        print("pressure calls", pool.stats()["pressure_calls"], "offloads", pool.stats()["offloads"])
-        try:
-            step(1 << 17, pool)  # 2 GiB per activation: cannot fit
-            print("no OOM")
-        except torch.OutOfMemoryError as e:
-            print("OOM", "CUDA out of memory." in str(e))
-        step(4096, pool)
-        pool.check()
-        print("continued", torch.cuda.memory_allocated() < (1 << 30))
-        """
-    )
+    child = os.path.join(os.path.dirname(__file__), "pressure_child.py")
+    r = subprocess.run([sys.executable, child, policy], capture_output=True, text=True, timeout=300)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out
     assert "OOM True" in out and "continued True" in out, out
     calls = int(out.split("pressure calls ")[1].split()[0])
     assert calls >= 1, out
