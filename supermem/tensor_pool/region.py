@@ -96,6 +96,10 @@ def held_state(tree: Any) -> str | None:
     return None
 
 
+def _takes_state(held: str) -> str:
+    return f"its call takes a {held}, state a replay would see changed"
+
+
 _WARNED: set[tuple[str, str]] = set()
 
 
@@ -643,20 +647,13 @@ class _LightFn(torch.autograd.Function):
                     per_use.remove()
         if light.alive is not None:
             light.alive.through(None)  # backward is through the call (a second one is the pool's no more)
-        if per_use is not None and not per_use.complete():
+        if per_use is not None:
+            if per_use.complete():
+                params = (got.get(id(w)) for w in ctx.params)
+                return (None, None, None, None, *per_use.first(), *params, *per_use.rest())
             tracker = light.tracker()
             if tracker is not None:
                 tracker.split_misses += 1  # (summed: the rounding may differ from plain; stats())
-        if per_use is not None and per_use.complete():
-            return (
-                None,
-                None,
-                None,
-                None,
-                *per_use.first(),
-                *(got.get(id(w)) for w in ctx.params),
-                *per_use.rest(),
-            )
         extra = [None] * len(light.extra)
         return (None, None, None, None, *(got.pop(id(x), None) for x in (*inputs, *ctx.params)), *extra)
 
@@ -777,7 +774,7 @@ def choose_regions(roots: list[_Call], refused: Any = None) -> set[torch.nn.Modu
             return
         kids = [k for k in c.children if k.own_bytes > 0]
         if not top and c.held is not None and refused is not None and c.module not in refused:
-            refused[c.module] = f"its call takes a {c.held}, state a replay would see changed"
+            refused[c.module] = _takes_state(c.held)
         if kids and (top or c.own_bytes > MAX_SHARE * total or c.held is not None):
             for k in kids:
                 visit(k, False)
@@ -812,9 +809,9 @@ class Regions:
         # modules never replayed, with why: their calls take state, or a replay was not the call
         self.refused: weakref.WeakKeyDictionary[torch.nn.Module, str] = weakref.WeakKeyDictionary()
         self._verified: set[tuple[int, tuple]] = set()  # (id(module), kind) replayed and matched
-        # the uses of each tensor input in a module's call (consumers); where unknown, never light
-        self.uses: weakref.WeakKeyDictionary[torch.nn.Module, tuple] = weakref.WeakKeyDictionary()
-        self.no_light: weakref.WeakKeyDictionary[torch.nn.Module, bool] = weakref.WeakKeyDictionary()
+        # the uses of each tensor input in a module's verified call (consumers); None where unknown:
+        # such a module never runs light
+        self.uses: weakref.WeakKeyDictionary[torch.nn.Module, tuple | None] = weakref.WeakKeyDictionary()
         self.split_misses = 0  # light backwards whose uses' gradients were not all caught (_PerUse)
         # id(weight) -> the module with an `eps` that owns it, seen in the first step (op replay's
         # LayerNorm: its node does not keep its eps)
@@ -977,11 +974,11 @@ class Regions:
         # (a refused module's calls are captured all the same, never ready: a plan's ordinals count
         # the inputs a capture keeps)
         if module not in self.refused and (held := held_state((args, kwargs))) is not None:
-            self.refuse(module, f"its call takes a {held}, state a replay would see changed")
+            self.refuse(module, _takes_state(held))
         start = pool._region_start()
         if start is None:
             return
-        light_ok = module not in self.no_light and module not in self.refused
+        light_ok = self.uses.get(module, ()) is not None and module not in self.refused
         unseen, hooks = pool._unseen_call(start, light_ok, False), None  # (run light: no hooks to know)
         if unseen is None:
             hooks = _pool_hooks(pool, args)
@@ -1079,13 +1076,10 @@ class Regions:
                     if why is not None:  # (its entries stay; the step records the call all the same)
                         region.unready()
                         self.refuse(module, why)
-                    elif not verified:
+                    elif not verified and self.uses.get(module, ()) is not None:  # (unknown stays)
                         uses = consumers(_tensors(call), _tensors(output))
-                        if uses is None:
-                            self.no_light[module] = True
-                        else:
-                            self.uses[module] = tuple(len(u) for u in uses)
-            if module in self.no_light and pool._rec is not None and pool._rec.full:
+                        self.uses[module] = None if uses is None else tuple(len(u) for u in uses)
+            if self.uses.get(module, ()) is None and pool._rec is not None and pool._rec.full:
                 pool._rec.no_light.add(region.start)
             pool._region_done(region, _tensors(output))
 
