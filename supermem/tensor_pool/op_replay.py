@@ -22,11 +22,10 @@ Proven, not assumed: the first time a site is seen (the chain, its arguments, it
 tensors' shapes, strides and dtypes), the chain is run once beside the original and must match it
 bitwise, strides included. LayerNorm's eps, which its node does not keep, is read from the module
 that owns its weight (found by the pool's first step, Regions.eps_of) and is part of the site: a
-model whose eps changed between steps is verified again at the new eps (the old one was reused
-before, and trained with it). A LayerNorm with no such owner gets no recipe.
-A site that does not match never gets a recipe. The same run times the replay: the
-cost the policy prices the drop at (the first rebuilds refine it, as a region's calls do). On a GPU
-the comparison reads one bool back (a host sync), once per site.
+model whose eps changes between steps is verified again at the new eps, never rebuilt with the old
+one. A LayerNorm with no such owner gets no recipe. A site that does not match never gets a recipe.
+The same run times the replay: the cost the policy prices the drop at (the first rebuilds refine it,
+as a region's calls do). On a GPU the comparison reads one bool back (a host sync), once per site.
 
 In-place changes: a recipe whose input changed since it was saved does not drop (the tensor stays);
 one that changes after the drop raises autograd's error at the rebuild, as plain autograd does when
@@ -87,7 +86,7 @@ OPS: dict[str, Op] = {
         3,
         lambda n: (tuple(n._saved_normalized_shape),),
         lambda a, eps, x, w, b: torch.native_layer_norm(x, a[0], w, b, eps)[0],
-        ("eps",),  # read from the weight's module (_eps)
+        ("eps",),  # one variant: the eps of the weight's module (_eps), put in at _verify
     ),
     "NativeBatchNormBackward0": _batch_norm("_saved_eps"),
     "CudnnBatchNormBackward0": _batch_norm("_saved_epsilon"),
