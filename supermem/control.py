@@ -243,10 +243,13 @@ class ControlServer:
         sock, wake = self._sock, self._wake
         if sock is None or wake is None:
             return
-        sock.setblocking(False)
         with selectors.DefaultSelector() as sel, wake[0], wake[1]:
-            sel.register(sock, selectors.EVENT_READ)
-            sel.register(wake[0], selectors.EVENT_READ)
+            try:
+                sock.setblocking(False)
+                sel.register(sock, selectors.EVENT_READ)
+                sel.register(wake[0], selectors.EVENT_READ)
+            except (OSError, ValueError):  # stop() closed it before this thread ran
+                return
             clients: dict[socket.socket, _Client] = {}  # oldest first
             try:
                 while self._sock is sock:
@@ -316,12 +319,16 @@ class ControlServer:
         return json.dumps(collect(), default=str).encode() + b"\n"
 
     def stop(self) -> None:
+        """Ends the serving thread, then closes the socket: closed under a thread still setting up
+        (a process that exits right after starting the server), it raised in that thread."""
         s, self._sock = self._sock, None
         if self._wake is not None:
             try:
                 self._wake[1].send(b"x")
             except OSError:  # the serving thread has ended and closed it
                 pass
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=2.0)
         if s is not None:
             try:
                 s.shutdown(socket.SHUT_RDWR)

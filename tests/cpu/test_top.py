@@ -8,6 +8,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -158,6 +159,18 @@ def test_other_users_are_refused(tmp_path):
             assert b"unknown request" in s.recv(1000)
     finally:
         srv.stop()
+
+
+def test_a_server_stopped_as_soon_as_it_starts_ends_quietly(tmp_path, monkeypatch):
+    """A program that starts the server and exits at once stops it at exit, maybe before its thread
+    ran: that thread must neither raise nor outlive stop()."""
+    raised = []
+    monkeypatch.setattr(threading, "excepthook", raised.append)
+    for i in range(200):
+        srv = control.ControlServer(tmp_path / f"q{i}.sock").start()
+        srv.stop()
+        assert not srv._thread.is_alive() and not srv.path.exists()
+    assert raised == []
 
 
 @pytest.mark.skipif(os.getuid() != 0, reason="needs root to act as another user")
