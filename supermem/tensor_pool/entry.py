@@ -187,15 +187,20 @@ def _check(t: torch.Tensor, now: int, saved: int, shape: torch.Size) -> None:
 
 
 def version_watcher(t: torch.Tensor) -> torch.Tensor:
-    """A tensor without storage that shares `t`'s version counter (detach() shares it; set_() drops
-    the storage; the version set_() added is taken back, so `t`'s own version is unchanged). It lets
-    the pool check a saved tensor's version after the pool let go of its memory. No no_grad(): a
-    detached tensor needs none, and entering it doubled this call, made at every drop."""
-    version = t._version
+    """A tensor without storage that shares `t`'s version counter (detach() shares it; `.data =`
+    swaps in an empty tensor's storage and keeps the counter, unbumped). It lets the pool check a
+    saved tensor's version after the pool let go of its memory. Not set_(): that bumps the counter
+    for a moment, and another thread checking `t` then reads a change no one made."""
     w = t.detach()
-    w.set_()
-    _set_version(w, version)
+    key = (t.dtype, t.device)
+    empty = _EMPTY.get(key)
+    if empty is None:
+        empty = _EMPTY.setdefault(key, torch.empty(0, dtype=t.dtype, device=t.device))
+    w.data = empty
     return w
+
+
+_EMPTY: dict[tuple, torch.Tensor] = {}  # one storage-less tensor per (dtype, device) for the watchers
 
 
 def _set_version(t: torch.Tensor, version: int) -> None:

@@ -176,6 +176,29 @@ def test_one_pool_from_two_threads():
     pool.check()
 
 
+def test_watching_a_tensor_never_shows_another_thread_a_change():
+    """The pool watches a dropped tensor's version from any thread (one thread's step drops another's
+    tensors under a shared budget); the tensor's version must read unchanged all the while."""
+    from supermem.tensor_pool.entry import version_watcher
+
+    t = torch.randn(8, 8)
+    done, seen = threading.Event(), set()
+
+    def watch():
+        for _ in range(2000):
+            version_watcher(t)
+        done.set()
+
+    w = threading.Thread(target=watch)
+    w.start()
+    while not done.is_set():
+        seen.add(t._version)
+    w.join()
+    assert seen == {0}
+    t.add_(1)
+    assert version_watcher(t)._version == 1 and version_watcher(t).untyped_storage().nbytes() == 0
+
+
 @pytest.mark.parametrize(
     "make",
     [
