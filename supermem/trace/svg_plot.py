@@ -18,9 +18,10 @@ CATEGORY_COLORS = {
     "activation": "#76b7b2",
     "input": "#59a14f",
     "temporary": "#edc949",
+    "autograd_detail": "#b07aa1",
     "unknown": "#bab0ab",
 }
-EXTRA_COLORS = ("#af7aa1", "#ff9da7", "#9c755f", "#17becf")
+EXTRA_COLORS = ("#ff9da7", "#9c755f", "#17becf", "#8c564b")
 RESERVED_COLOR = "#333333"
 
 W, H = 1000, 260  # viewBox of every plot
