@@ -25,6 +25,7 @@ import numpy as np
 
 from .. import control, distributed, events, registry
 from ..errors import UsageError
+from ..log import warn
 from . import attribution, format, owners
 from . import context as ctx
 from .table import ALLOCATOR_ACTIONS, Trace, concat_columns, empty_columns
@@ -62,10 +63,9 @@ def _serve_cuda() -> None:
         return
     if not torch.cuda.is_initialized() and supermem.install():
         return
-    print(
+    warn(
         "supermem: this trace records no device memory: PyTorch's own allocator serves CUDA in this "
-        "process. Start the trace before the first CUDA tensor, or run with SUPERMEM=1 or `supermem trace`.",
-        file=sys.stderr,
+        "process. Start the trace before the first CUDA tensor, or run with SUPERMEM=1 or `supermem trace`."
     )
 
 
