@@ -52,9 +52,10 @@ def saved_bytes(model, inputs, loss_of) -> int:
     return sum(saved.values())
 
 
-def train_traced(build, device: str, allocators=None, steps: int = 2, autocast=None):
-    """A fresh model trained `steps` AdamW steps under a recording started before it was built (as
-    `supermem trace` runs a script). Returns (trace, model, optimizer, inputs, loss_of)."""
+def train_traced(build, device: str, allocators=None, steps: int = 2, autocast=None, optimizer=None):
+    """A fresh model trained `steps` steps (AdamW, or `optimizer(params)`) under a recording started
+    before it was built (as `supermem trace` runs a script). Returns (trace, model, optimizer, inputs,
+    loss_of)."""
     rec = Recorder(allocators).start()
     try:
         torch.manual_seed(0)
@@ -65,7 +66,8 @@ def train_traced(build, device: str, allocators=None, steps: int = 2, autocast=N
             inputs = inputs.to(device)
         else:
             inputs = tuple(x.to(device) for x in inputs)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        params = model.parameters()
+        opt = optimizer(params) if optimizer else torch.optim.AdamW(params, lr=1e-3)
         for _ in range(steps):
             opt.zero_grad(set_to_none=True)
             with torch.autocast(torch.device(device).type, autocast or torch.float32, enabled=bool(autocast)):

@@ -76,6 +76,7 @@ class Report:
     num_events: int
     devices: list[DeviceReport] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    what_if: list[Any] = field(default_factory=list)  # whatif.WhatIf per device, where a budget was given
 
     @property
     def time_is_index(self) -> bool:

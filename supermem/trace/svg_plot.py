@@ -138,6 +138,15 @@ class Plot:
             f'stroke="{attr(color)}" stroke-dasharray="4 3"><title>{html.escape(text)}</title></line>',
         )
 
+    def band(self, i0: float, i1: float, color: str, css: str, title: str) -> None:
+        """A shaded span of bins, drawn under everything (a phase of the step)."""
+        x0, x1 = self.x(i0), self.x(i1)
+        self.parts.insert(
+            0,
+            f'<rect class="{attr(css)}" x="{x0:.1f}" y="{TOP}" width="{max(x1 - x0, 0.5):.1f}" '
+            f'height="{H - TOP - BOTTOM}" fill="{attr(color)}"><title>{html.escape(title)}</title></rect>',
+        )
+
     def svg(self, label: str) -> str:
         axes = []
         step = nice_bytes_step(self.y_max) if self.y_label is format_bytes else nice_step(self.y_max)
