@@ -13,6 +13,7 @@ from supermem.trace.breakdown import owners_at_peak
 from supermem.trace.cpu_source import ProfiledCPU
 from supermem.trace.owners import stack_owners
 from supermem.trace.timeline import lifetimes
+from supermem.trace.torch_snapshot import to_torch_snapshot
 
 
 def _small_resnet(size):
@@ -116,3 +117,16 @@ def test_steps_and_phases(traced):
     assert all(s["owners"] and s["peak_bytes"] <= d.peak_bytes for s in d.steps)
     assert max(s["peak_bytes"] for s in d.steps) == d.peak_bytes
     assert {p for _, _, p in d.phase_spans} == {"forward", "backward", "optimizer"}
+
+
+def test_the_export_keeps_module_and_phase_as_frames(traced):
+    """memory_viz shows the same owners: each alloc's frames start with its module and phase."""
+    name, trace, rep, model, *_ = traced
+    snap = to_torch_snapshot(trace)
+    entries = snap["device_traces"][0]
+    allocs = [e for e in entries if e["action"] == "alloc" and e.get("category") == "activation"]
+    names = {n for n, _ in model.named_modules() if n} | {type(model).__name__}
+    heads = [[f for f in e["frames"][:2] if f["filename"] in ("<module>", "<phase>")] for e in allocs]
+    placed = [h[0]["name"] for h in heads if h[0]["filename"] == "<module>"]
+    assert placed and set(placed) <= names  # (a loss computed outside the model: no module, a phase)
+    assert {h[-1]["filename"] for h in heads} == {"<phase>"} and {h[-1]["name"] for h in heads} == {"forward"}
