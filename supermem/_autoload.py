@@ -4,6 +4,7 @@ It does nothing unless SUPERMEM (not "0"), SUPERMEM_CONF or SUPERMEM_TRACE_CHILD
 
 import os
 import sys
+from typing import NoReturn
 
 
 def wanted(environ: dict | None = None) -> bool:
@@ -40,7 +41,7 @@ def stop_at_activation(message: str) -> None:
 
     from .log import logger
 
-    def stop(*_: object) -> None:
+    def stop(*_: object) -> NoReturn:
         print(message, file=sys.stderr)
         # SystemExit: no traceback, and it passes through torch's `except Exception` around queued
         # CUDA calls (and autograd's around hooks) where any other error would be rewrapped.

@@ -171,7 +171,8 @@ def _memory_snapshot(*args: Any, **kwargs: Any) -> dict:
     """PyTorch's snapshot shape: segments of every device (with their blocks) and empty traces."""
     from . import _C
 
-    segments, traces = [], []
+    segments: list[dict] = []
+    traces: list[list] = []
     for device in _C.plugin_devices():
         segments += torch_segments(_C.plugin_allocator(device, False).snapshot(), device)
         traces.append([])
@@ -223,13 +224,15 @@ class _InductorConfigHook(importlib.abc.MetaPathFinder):
             return None
         sys.meta_path.remove(self)
         spec = importlib.util.find_spec(fullname)
-        exec_module = spec.loader.exec_module
+        if spec is None or spec.loader is None:
+            return None
+        loader, exec_module = spec.loader, spec.loader.exec_module
 
         def exec_and_patch(module: Any) -> None:
             exec_module(module)
             module.triton.cudagraph_trees = False
 
-        spec.loader.exec_module = exec_and_patch
+        loader.exec_module = exec_and_patch  # type: ignore[method-assign]
         return spec
 
 

@@ -25,19 +25,22 @@ LEVELS = ("debug", "info", "warning", "error")
 logger = logging.getLogger("supermem")
 
 
+class _Handler(logging.StreamHandler):
+    """SUPERMEM_LOG's handler: a class of its own, so that configure() removes it and no other."""
+
+
 def configure(environ: dict[str, str] | os._Environ[str] | None = None) -> None:
     """Applies SUPERMEM_LOG (done once at import; tests call it again with their own environment)."""
     env = os.environ if environ is None else environ
-    for handler in [h for h in logger.handlers if getattr(h, "_supermem_log", False)]:
+    for handler in [h for h in logger.handlers if isinstance(h, _Handler)]:
         logger.removeHandler(handler)
     logger.setLevel(logging.NOTSET)
     logger.propagate = True
     wanted = env.get(ENV, "").strip().lower()
     if not wanted:
         return
-    handler = logging.StreamHandler(sys.stderr)
+    handler = _Handler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(message)s"))
-    handler._supermem_log = True  # type: ignore[attr-defined]  (ours to remove on a second call)
     logger.addHandler(handler)
     logger.propagate = False
     if wanted in LEVELS:

@@ -83,7 +83,7 @@ class CostAware(Policy):
     has no costs, so the replayer runs it as lru."""
 
     name = "cost_aware"
-    treatments = ("offload", "recompute", "compress")
+    treatments: tuple[str, ...] = ("offload", "recompute", "compress")
     doc = "offload or recompute, whichever costs less per byte freed (DTR)"
 
     def score(self, c: Choice, now: int) -> float:
