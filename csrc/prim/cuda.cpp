@@ -6,34 +6,12 @@
 #include <vector>
 
 #include "../core/fork.h"
+#include "cuda_util.h"
 #include "prim.h"
 
 namespace supermem {
 
 namespace {
-
-void check(cudaError_t err, const char* what) {
-  if (err != cudaSuccess) {
-    cudaGetLastError();  // clear it so it does not surface in an unrelated PyTorch call
-    throw DeviceError(std::string("supermem: ") + what + " failed: " + cudaGetErrorString(err));
-  }
-}
-
-// Makes `index` the current device for the guard's lifetime.
-class DeviceGuard {
- public:
-  explicit DeviceGuard(int index) {
-    check(cudaGetDevice(&prev_), "cudaGetDevice");
-    if (prev_ != index) check(cudaSetDevice(index), "cudaSetDevice");
-  }
-  ~DeviceGuard() {
-    int cur = -1;
-    if (cudaGetDevice(&cur) == cudaSuccess && cur != prev_) cudaSetDevice(prev_);
-  }
-
- private:
-  int prev_ = 0;
-};
 
 // Reusable events: creating one costs a driver call, recording a spare one does not.
 struct EventPool {

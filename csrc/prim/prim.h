@@ -7,6 +7,7 @@
 
 #include <cstddef>
 #include <memory>
+#include <mutex>
 #include <string>
 
 #include "../core/types.h"
@@ -34,6 +35,29 @@ class Device {
   // Gives the event back (to a pool of reusable events).
   virtual void event_release(Event e) = 0;
 
+  // Virtual memory, for expandable segments: address space reserved once, memory mapped into it and
+  // unmapped from it in pages. A device without it keeps these defaults (vm_page_bytes() == 0).
+  //
+  // The page size: every size and offset below is a multiple of it. 0: no virtual memory.
+  virtual size_t vm_page_bytes() { return 0; }
+  // Reserves `nbytes` of address space with nothing mapped. nullptr when the address space is
+  // exhausted; throws DeviceError on any other failure.
+  virtual void* vm_reserve(size_t nbytes) { return nullptr; }
+  // Gives a reserved range back. Precondition: none of its pages is mapped.
+  virtual void vm_release(void* base, size_t nbytes) {}
+  // Backs the unmapped pages [addr, addr + nbytes) of a reserved range with new memory, readable and
+  // writable by the device. false when the device has no room (then none of them is mapped); throws
+  // DeviceError on any other failure (a page already mapped, a range not reserved). Legal while a
+  // stream is being captured into a CUDA graph.
+  virtual bool vm_map(void* addr, size_t nbytes) { return false; }
+  // Unmaps the mapped pages [addr, addr + nbytes) and frees their memory, after waiting for the work
+  // queued on the device (a kernel queued on the allocation stream may still use them). Throws
+  // DeviceError for a page not mapped. Must not be called during a graph capture.
+  virtual void vm_unmap(void* addr, size_t nbytes) {}
+  // Bytes of [addr, addr + nbytes) that are mapped, as the device itself counts them (the walker
+  // compares them with the allocator's blocks).
+  virtual size_t vm_mapped_bytes(void* addr, size_t nbytes) { return 0; }
+
   virtual size_t total_bytes() = 0;  // capacity of the device
   virtual size_t free_bytes() = 0;   // what segment_alloc could still hand out, roughly
   virtual int index() const = 0;     // device ordinal (0 for the simulated device)
@@ -45,9 +69,13 @@ using DevicePtr = std::shared_ptr<Device>;
 // A simulated device of `capacity` bytes. Memory is real host memory (mmap'd per segment,
 // pages committed only when touched). Events complete immediately unless the test holds them:
 // hold_events(true) keeps every event recorded from then on outstanding until hold_events(false).
+// Virtual memory in pages of `page_bytes` (a multiple of the host's page size; 0: none): a reserved range is
+// inaccessible host address space, a mapped page fresh zeroed memory, an unmapped page inaccessible
+// again (a stray access faults, as on a GPU). Mapped pages count as used, reserved ranges do not.
 class SimDevice : public Device {
  public:
-  explicit SimDevice(size_t capacity);
+  static constexpr size_t kDefaultPageBytes = 2 << 20;  // CUDA's granularity on current GPUs
+  explicit SimDevice(size_t capacity, size_t page_bytes = kDefaultPageBytes);
   ~SimDevice() override;
   void* segment_alloc(size_t nbytes, Stream stream) override;
   void segment_free(void* ptr, size_t nbytes) override;
@@ -55,6 +83,12 @@ class SimDevice : public Device {
   bool event_done(Event e) override;
   void event_wait(Event e) override;
   void event_release(Event e) override;
+  size_t vm_page_bytes() override { return page_bytes_; }
+  void* vm_reserve(size_t nbytes) override;
+  void vm_release(void* base, size_t nbytes) override;
+  bool vm_map(void* addr, size_t nbytes) override;
+  void vm_unmap(void* addr, size_t nbytes) override;
+  size_t vm_mapped_bytes(void* addr, size_t nbytes) override;
   size_t total_bytes() override { return capacity_; }
   size_t free_bytes() override;
   int index() const override { return 0; }
@@ -68,6 +102,7 @@ class SimDevice : public Device {
   struct State;
   std::unique_ptr<State> st_;
   size_t capacity_;
+  size_t page_bytes_;
 };
 
 #ifdef SUPERMEM_WITH_CUDA
@@ -82,6 +117,16 @@ class CudaDevice : public Device {
   bool event_done(Event e) override;
   void event_wait(Event e) override;
   void event_release(Event e) override;
+  // Virtual memory through the driver API (cuMemAddressReserve, cuMemCreate + cuMemMap +
+  // cuMemSetAccess per page, cuMemUnmap), reached with cudaGetDriverEntryPointByVersion: no link
+  // against libcuda. Pages are the driver's recommended granularity, at least 2 MiB; 0 when the
+  // device or driver has no virtual memory management. Only this device gets access (no peers).
+  size_t vm_page_bytes() override;
+  void* vm_reserve(size_t nbytes) override;
+  void vm_release(void* base, size_t nbytes) override;
+  bool vm_map(void* addr, size_t nbytes) override;
+  void vm_unmap(void* addr, size_t nbytes) override;
+  size_t vm_mapped_bytes(void* addr, size_t nbytes) override;
   size_t total_bytes() override;
   size_t free_bytes() override;
   int index() const override { return index_; }
@@ -89,7 +134,11 @@ class CudaDevice : public Device {
 
  private:
   struct State;
+  struct Vm;  // cuda_vm.cpp: the driver's page size and which reserved pages are mapped
+  Vm& vm();
   std::unique_ptr<State> st_;
+  std::once_flag vm_once_;
+  Vm* vm_ = nullptr;  // leaked, as the spare events are: the device may outlive CUDA at exit
   int index_;
 };
 

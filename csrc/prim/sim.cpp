@@ -1,6 +1,9 @@
 // The simulated device: fixed capacity, host memory, controllable events.
 #include <sys/mman.h>
+#include <unistd.h>
 
+#include <algorithm>
+#include <map>
 #include <mutex>
 #include <unordered_set>
 #include <vector>
@@ -16,19 +19,34 @@ struct SimEvent {
 };
 }  // namespace
 
+// A reserved range and which of its pages are mapped.
+struct SimRange {
+  size_t size = 0;
+  std::vector<bool> mapped;
+};
+
 struct SimDevice::State {
   std::mutex mu;
   ForkRegistration fork{&mu, ForkLevel::device};
-  size_t used = 0;
+  size_t used = 0;                     // segments and mapped pages
+  std::map<char*, SimRange> ranges;    // reserved ranges by base address
   bool hold = false;
   std::vector<SimEvent*> held;        // events recorded while holding
   std::unordered_set<SimEvent*> live; // events not yet released
 };
 
-SimDevice::SimDevice(size_t capacity) : st_(new State), capacity_(capacity) {}
+SimDevice::SimDevice(size_t capacity, size_t page_bytes)
+    : st_(new State), capacity_(capacity), page_bytes_(page_bytes) {
+  size_t host_page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  if (page_bytes % host_page)  // 0: a device without virtual memory
+    throw UsageError("supermem: a simulated device's page_bytes must be a multiple of the host's page size (" +
+                     std::to_string(host_page) + " bytes) or 0 for no virtual memory, got " +
+                     std::to_string(page_bytes));
+}
 
 SimDevice::~SimDevice() {
   for (SimEvent* e : st_->live) delete e;
+  // Ranges left reserved belong to an allocator's live blocks: they stay mapped, as segments do.
 }
 
 void* SimDevice::segment_alloc(size_t nbytes, Stream) {
@@ -75,6 +93,96 @@ void SimDevice::event_release(Event e) {
   for (auto& h : st_->held)
     if (h == se) h = nullptr;
   delete se;
+}
+
+namespace {
+
+// The reserved range holding [addr, addr + nbytes), and the first page's index; DeviceError for a range
+// that is not page-aligned or not inside one reservation (the allocator's bug: the sim says so).
+std::pair<SimRange*, size_t> find_range(std::map<char*, SimRange>& ranges, void* addr, size_t nbytes,
+                                        size_t page, const char* what) {
+  char* p = static_cast<char*>(addr);
+  auto it = ranges.upper_bound(p);
+  if (it != ranges.begin()) {
+    --it;
+    size_t off = static_cast<size_t>(p - it->first);
+    if (p >= it->first && off % page == 0 && nbytes % page == 0 && nbytes <= it->second.size - off)
+      return {&it->second, off / page};
+  }
+  throw DeviceError(std::string("supermem: simulated ") + what + " of " + std::to_string(nbytes) +
+                    " bytes at an address that is not whole pages of a reserved range");
+}
+
+// Replaces [p, p + n) with a fresh mapping: zeroed and writable, or inaccessible.
+bool remap(void* p, size_t n, bool accessible) {
+  int prot = accessible ? PROT_READ | PROT_WRITE : PROT_NONE;
+  return mmap(p, n, prot, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0) != MAP_FAILED;
+}
+
+}  // namespace
+
+void* SimDevice::vm_reserve(size_t nbytes) {
+  if (!page_bytes_ || nbytes == 0 || nbytes % page_bytes_)
+    throw DeviceError("supermem: simulated vm_reserve of a partial page, or on a device without virtual memory");
+  void* p = mmap(nullptr, nbytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (p == MAP_FAILED) return nullptr;
+  std::lock_guard<std::mutex> g(st_->mu);
+  SimRange& r = st_->ranges[static_cast<char*>(p)];
+  r.size = nbytes;
+  r.mapped.assign(nbytes / page_bytes_, false);
+  return p;
+}
+
+void SimDevice::vm_release(void* base, size_t nbytes) {
+  std::lock_guard<std::mutex> g(st_->mu);
+  auto it = st_->ranges.find(static_cast<char*>(base));
+  if (it == st_->ranges.end() || it->second.size != nbytes)
+    throw DeviceError("supermem: simulated vm_release of a range that was not reserved");
+  for (bool m : it->second.mapped)
+    if (m) throw DeviceError("supermem: simulated vm_release of a range with pages still mapped");
+  st_->ranges.erase(it);
+  munmap(base, nbytes);
+}
+
+bool SimDevice::vm_map(void* addr, size_t nbytes) {
+  std::lock_guard<std::mutex> g(st_->mu);
+  auto [r, first] = find_range(st_->ranges, addr, nbytes, page_bytes_, "vm_map");
+  size_t n = nbytes / page_bytes_;
+  for (size_t i = first; i < first + n; ++i)
+    if (r->mapped[i]) throw DeviceError("supermem: simulated vm_map of a page already mapped");
+  if (nbytes > capacity_ - st_->used) return false;
+  if (!remap(addr, nbytes, true)) return false;  // the host is out of memory maps: a full device
+  for (size_t i = first; i < first + n; ++i) r->mapped[i] = true;
+  st_->used += nbytes;
+  return true;
+}
+
+void SimDevice::vm_unmap(void* addr, size_t nbytes) {
+  std::lock_guard<std::mutex> g(st_->mu);
+  auto [r, first] = find_range(st_->ranges, addr, nbytes, page_bytes_, "vm_unmap");
+  size_t n = nbytes / page_bytes_;
+  for (size_t i = first; i < first + n; ++i)
+    if (!r->mapped[i]) throw DeviceError("supermem: simulated vm_unmap of a page not mapped");
+  if (!remap(addr, nbytes, false)) throw DeviceError("supermem: simulated vm_unmap: mmap failed");
+  for (size_t i = first; i < first + n; ++i) r->mapped[i] = false;
+  st_->used -= nbytes;
+}
+
+size_t SimDevice::vm_mapped_bytes(void* addr, size_t nbytes) {
+  std::lock_guard<std::mutex> g(st_->mu);
+  char* p = static_cast<char*>(addr);
+  size_t total = 0;
+  for (auto& [base, r] : st_->ranges) {  // any range, any alignment: the walker asks with block bounds
+    char* lo = std::max(p, base);
+    char* hi = std::min(p + nbytes, base + r.size);
+    for (char* q = lo; q < hi;) {
+      size_t i = static_cast<size_t>(q - base) / page_bytes_;
+      char* page_end = std::min(hi, base + (i + 1) * page_bytes_);
+      if (r.mapped[i]) total += static_cast<size_t>(page_end - q);
+      q = page_end;
+    }
+  }
+  return total;
 }
 
 size_t SimDevice::free_bytes() {
