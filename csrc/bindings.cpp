@@ -249,7 +249,9 @@ py::dict nested_stats(CachingAllocator& a) {
   d["supermem"] = py::dict(py::arg("cached_free_bytes") = cached, py::arg("largest_free_block_bytes") = largest,
                            py::arg("num_pressure_calls") = s.num_pressure_calls,
                            py::arg("pressure_freed_bytes") = s.pressure_freed_bytes,
-                           py::arg("limit_bytes") = limit);
+                           py::arg("limit_bytes") = limit,
+                           py::arg("expandable_segments") = a.options().expandable,
+                           py::arg("address_space_bytes") = s.address_space_bytes);
   return d;
 }
 
@@ -263,7 +265,7 @@ const char* state_name(BlockState s) {
   switch (s) {
     case BlockState::allocated: return "active_allocated";
     case BlockState::pending: return "active_pending_free";
-    default: return "inactive";
+    default: return "inactive";  // free (unmapped blocks are never reported)
   }
 }
 
@@ -340,14 +342,22 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("total_bytes", &Device::total_bytes)
       .def_property_readonly("free_bytes", &Device::free_bytes)
       .def_property_readonly("index", &Device::index)
-      .def_property_readonly("name", &Device::name);
+      .def_property_readonly("name", &Device::name)
+      .def_property_readonly("page_bytes", &Device::vm_page_bytes);  // 0: no virtual memory
 
   py::class_<SimDevice, Device, std::shared_ptr<SimDevice>>(m, "SimDevice")
-      .def(py::init([](py::handle capacity) {
-             return std::make_shared<SimDevice>(int_arg(capacity, "capacity_bytes", kMaxSize));
+      .def(py::init([](py::handle capacity, py::handle page) {
+             return std::make_shared<SimDevice>(int_arg(capacity, "capacity_bytes", kMaxSize),
+                                                int_arg(page, "page_bytes", kMaxSize));
            }),
-           py::arg("capacity_bytes"))
+           py::arg("capacity_bytes"), py::arg("page_bytes") = SimDevice::kDefaultPageBytes)
       .def("hold_events", &SimDevice::hold_events, py::arg("hold"))
+      .def("mapped_bytes", [](SimDevice& d, py::handle addr, py::handle n) {
+             return d.vm_mapped_bytes(as_ptr(int_arg(addr, "address", kMaxWord)), int_arg(n, "nbytes", kMaxWord));
+           }, py::arg("address"), py::arg("nbytes"))
+      // For tests of the invariant walker: change the mapping behind the allocator's back.
+      .def("_vm_map", [](SimDevice& d, uint64_t addr, size_t n) { return d.vm_map(as_ptr(addr), n); })
+      .def("_vm_unmap", [](SimDevice& d, uint64_t addr, size_t n) { d.vm_unmap(as_ptr(addr), n); })
       .def_property_readonly("used_bytes", &SimDevice::used_bytes)
       .def_property_readonly("live_events", &SimDevice::live_events);
 
@@ -373,7 +383,7 @@ PYBIND11_MODULE(_C, m) {
   using CA = CachingAllocator;
   py::class_<CA, std::shared_ptr<CA>>(m, "CachingAllocator")
       .def(py::init([](py::handle device, py::handle limit, py::handle passthrough, py::handle debug,
-                       py::handle trace_capacity, py::handle segment_bytes) {
+                       py::handle trace_capacity, py::handle segment_bytes, py::handle expandable) {
              // None would become a null device and crash at the first malloc.
              if (device.is_none() || !py::isinstance<Device>(device))
                throw py::type_error("supermem: device must be a supermem device (SimulatedDevice, CudaDevice, "
@@ -384,6 +394,7 @@ PYBIND11_MODULE(_C, m) {
              o.debug = static_cast<int>(int_arg(debug, "debug", 2));
              o.trace_capacity = int_arg(trace_capacity, "trace_capacity", kMaxSize);
              o.segment_bytes = int_arg(segment_bytes, "segment_bytes", kMaxSize);
+             o.expandable = bool_arg(expandable, "expandable_segments");
              auto dev = device.cast<DevicePtr>();
              try {
                return std::make_shared<CA>(std::move(dev), o);
@@ -392,7 +403,8 @@ PYBIND11_MODULE(_C, m) {
              }
            }),
            py::arg("device"), py::arg("limit_bytes") = 0, py::arg("passthrough") = false,
-           py::arg("debug") = 0, py::arg("trace_capacity") = 0, py::arg("segment_bytes") = 0)
+           py::arg("debug") = 0, py::arg("trace_capacity") = 0, py::arg("segment_bytes") = 0,
+           py::arg("expandable_segments") = false)
       .def("malloc", [](CA& a, py::handle n, py::handle stream) {
              size_t size = request_size(n);
              Stream s = int_arg(stream, "stream", kMaxWord);
@@ -480,7 +492,7 @@ PYBIND11_MODULE(_C, m) {
                                    py::arg("stream") = s.stream,
                                    py::arg("segment_type") = s.small ? "small" : "large",
                                    py::arg("segment_pool_id") = py::make_tuple(s.pool.first, s.pool.second),
-                                   py::arg("blocks") = blocks));
+                                   py::arg("is_expandable") = s.expandable, py::arg("blocks") = blocks));
              }
              return out;
            })
@@ -512,7 +524,8 @@ PYBIND11_MODULE(_C, m) {
                     })
       .def_property_readonly("trace_dropped", [](CA& a) { return a.trace().dropped(); })
       .def_property_readonly("device", &CA::device)
-      .def_property_readonly("passthrough", [](CA& a) { return a.options().passthrough; });
+      .def_property_readonly("passthrough", [](CA& a) { return a.options().passthrough; })
+      .def_property_readonly("expandable_segments", [](CA& a) { return a.options().expandable; });
 
   m.def("format_size", [](py::handle n) { return format_size(int_arg(n, "nbytes", kMaxWord)); }, py::arg("nbytes"),
         "A size as PyTorch's OOM messages write it (\"1.50 GiB\").");

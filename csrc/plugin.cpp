@@ -281,12 +281,14 @@ class TorchAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPlu
 void register_plugin(pybind11::module_& m) {
   namespace py = pybind11;
   m.def("plugin_configure", [](size_t limit_bytes, double limit_fraction, bool passthrough, int debug,
-                               size_t trace_capacity) {
+                               size_t trace_capacity, bool expandable) {
     // Checked now, not at the first CUDA malloc (where a failure would read as an allocation error).
     TraceRing::check_capacity(trace_capacity);
     if (!(limit_fraction >= 0 && limit_fraction <= 1))
       throw UsageError("supermem: limit_fraction must be in [0, 1], got " + std::to_string(limit_fraction));
     if (debug < 0 || debug > 2) throw UsageError("supermem: debug must be 0, 1 or 2, got " + std::to_string(debug));
+    if (expandable && passthrough)
+      throw UsageError("supermem: expandable_segments:true caches memory and passthrough:true caches none: choose one");
     Plugin& p = plugin();
     std::lock_guard<std::mutex> g(p.mu);
     p.opts.base.limit_bytes = limit_bytes;
@@ -294,8 +296,9 @@ void register_plugin(pybind11::module_& m) {
     p.opts.base.passthrough = passthrough;
     p.opts.base.debug = debug;
     p.opts.base.trace_capacity = trace_capacity;
+    p.opts.base.expandable = expandable;  // allocators made from now on (at each device's first malloc)
   }, py::arg("limit_bytes"), py::arg("limit_fraction"), py::arg("passthrough"), py::arg("debug"),
-        py::arg("trace_capacity"));
+        py::arg("trace_capacity"), py::arg("expandable_segments") = false);
   m.def("plugin_allocator", [](int device, bool create_if_missing) -> std::shared_ptr<CachingAllocator> {
     if (device < 0 || device >= kMaxDevices) throw UsageError("supermem: bad device index");
     CachingAllocator* a = plugin().fast[device].load(std::memory_order_acquire);

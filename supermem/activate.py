@@ -38,8 +38,16 @@ device_allocator = registry.device_allocator
 class PluginSource:
     """The PyTorch plug-in's per-device allocators (csrc/plugin.cpp), as registry.DeviceSource."""
 
-    def __init__(self, limit_bytes: int, limit_fraction: float, passthrough: bool, debug: int):
+    def __init__(
+        self,
+        limit_bytes: int,
+        limit_fraction: float,
+        passthrough: bool,
+        debug: int,
+        expandable_segments: bool = False,
+    ):
         self._options = (limit_bytes, limit_fraction, passthrough, debug)
+        self._expandable = expandable_segments
 
     def devices(self) -> list[int]:
         from . import _C
@@ -56,7 +64,7 @@ class PluginSource:
     def set_new_ring_events(self, n: int) -> None:
         from . import _C
 
-        _C.plugin_configure(*self._options, n)
+        _C.plugin_configure(*self._options, n, expandable_segments=self._expandable)
 
 
 def _limit_args(limit: Any) -> tuple[int, float]:
@@ -100,7 +108,7 @@ def install(conf: str | dict | None = None) -> bool:
     from .trace import oom
 
     torch_conf_said = config.honour_torch_alloc_conf(cfg)  # before the limit is read
-    source = PluginSource(*_limit_args(cfg.limit), cfg.passthrough, cfg.debug)
+    source = PluginSource(*_limit_args(cfg.limit), cfg.passthrough, cfg.debug, cfg.expandable_segments)
     # the `trace` option, or a small always-on ring for OOM snapshots
     registry.set_device_source(source, oom.ring_events_for_config())
     try:
@@ -181,7 +189,8 @@ def _memory_snapshot(*args: Any, **kwargs: Any) -> dict:
 
 def torch_segments(segments: list[dict], device: int) -> list[dict]:
     """An allocator's snapshot() segments with every key of native's: torch/csrc/cuda/Module.cpp's
-    segmentInfoToDict, PyTorch 2.1 to 2.13 (PyTorch's own tests read `is_expandable`). Its sums as
+    segmentInfoToDict, PyTorch 2.1 to 2.13 (PyTorch's own tests read `is_expandable`: an expandable
+    segment is, as in native's, one segment per run of mapped pages). Its sums as
     c10's CUDACachingAllocator snapshot() makes them: allocated over allocated blocks; active and
     requested over active ones (allocated, or freed with stream work pending). No stacks: `frames` is
     empty, as native's without _record_memory_history."""
@@ -196,7 +205,7 @@ def torch_segments(segments: list[dict], device: int) -> list[dict]:
                 allocated_size=sum(b["size"] for b in blocks if b["state"] == "active_allocated"),
                 active_size=sum(b["size"] for b in active),
                 requested_size=sum(b["requested_size"] for b in active),
-                is_expandable=False,  # supermem maps whole segments, never expandable ones
+                is_expandable=bool(seg.get("is_expandable", False)),
                 frames=[],
                 blocks=blocks,
             )

@@ -33,10 +33,15 @@ class SimulatedDevice(_C.SimDevice):
     """A device of `capacity_bytes` backed by host memory: addresses are real and writable.
 
     Events complete at once, unless `hold_events(True)` keeps every event recorded from then on
-    pending until `hold_events(False)` (to test cross-stream reuse)."""
+    pending until `hold_events(False)` (to test cross-stream reuse).
 
-    def __init__(self, capacity_bytes: int | str):
-        super().__init__(parse_bytes(capacity_bytes))
+    Virtual memory (for expandable segments) in pages of `page_bytes` (a multiple of the host's page
+    size; 2 MiB as on CUDA; 0 for a device without virtual memory): reserved address space is
+    inaccessible, a mapped page is fresh zeroed memory that counts in used_bytes, an unmapped page
+    faults again. `mapped_bytes(address, nbytes)` says how much of a range is mapped."""
+
+    def __init__(self, capacity_bytes: int | str, page_bytes: int | str = "2MiB"):
+        super().__init__(parse_bytes(capacity_bytes), _size_arg("page_bytes", page_bytes))
 
     def __repr__(self) -> str:
         return f"SimulatedDevice(capacity_bytes={self.total_bytes})"
@@ -73,6 +78,10 @@ class CachingAllocator:
     trace_capacity: events kept in the trace ring (0: off).
     segment_bytes: smallest segment to ask the source for (0: PyTorch's sizes); large values make a
         few big chunks that blocks are carved from (the pinned host pool uses this).
+    expandable_segments: one segment per (pool, stream, size class), a reserved virtual address range
+        into which the source's pages are mapped on demand and from which free pages are unmapped
+        when cached memory is released (OOM retry, empty_cache, a lower limit): PyTorch's
+        expandable_segments. The source must have virtual memory (`source.page_bytes > 0`).
     """
 
     def __init__(
@@ -84,6 +93,7 @@ class CachingAllocator:
         debug: int = 0,
         trace_capacity: int = 0,
         segment_bytes: int | str = 0,
+        expandable_segments: bool = False,
     ):
         if not isinstance(source, _C.Device):  # checked first: the limit may be a fraction of it
             raise TypeError(
@@ -92,7 +102,9 @@ class CachingAllocator:
             )
         limit = 0 if limit_bytes is None else _size_arg("limit_bytes", limit_bytes, source.total_bytes)
         segment = _size_arg("segment_bytes", segment_bytes)
-        self._impl = _C.CachingAllocator(source, limit, passthrough, debug, trace_capacity, segment)
+        self._impl = _C.CachingAllocator(
+            source, limit, passthrough, debug, trace_capacity, segment, expandable_segments
+        )
 
     @classmethod
     def wrap(cls, impl: _C.CachingAllocator) -> CachingAllocator:
@@ -173,6 +185,10 @@ class CachingAllocator:
         return self._impl.passthrough
 
     @property
+    def expandable_segments(self) -> bool:
+        return self._impl.expandable_segments
+
+    @property
     def allocated_bytes(self) -> int:
         """Bytes in allocated blocks now (cheap: no stats dict)."""
         return self._impl.allocated_bytes
@@ -182,8 +198,13 @@ class CachingAllocator:
         return self._impl.nested_stats()
 
     def stats(self) -> dict:
-        """Flat stats: *_bytes (current) and *_bytes_peak, counts, and a fragmentation figure:
-        1 - largest cached free block / all cached free bytes (0 when nothing is cached)."""
+        """Flat stats: *_bytes (current) and *_bytes_peak, counts, and fragmentation figures:
+        fragmentation: 1 - largest cached free block / all cached free bytes (0 when nothing is cached);
+        peak_unallocated_bytes: reserved_bytes_peak - allocated_bytes_peak, memory held but unused at
+            the peak; peak_reserved_ratio: reserved_bytes_peak / allocated_bytes_peak (1.0 before any
+            allocation), what a tight memory limit has to leave room for.
+        reserved_bytes is memory (for expandable segments, their mapped pages); address_space_bytes is
+        the address space expandable segments reserved, with or without memory behind it."""
         n = self._impl.nested_stats()
         out = {}
         for key in ("allocated_bytes", "reserved_bytes", "active_bytes", "requested_bytes"):
@@ -201,6 +222,9 @@ class CachingAllocator:
         out.update(own)
         cached = own["cached_free_bytes"]
         out["fragmentation"] = 1 - own["largest_free_block_bytes"] / cached if cached else 0.0
+        reserved_peak, allocated_peak = out["reserved_bytes_peak"], out["allocated_bytes_peak"]
+        out["peak_unallocated_bytes"] = reserved_peak - allocated_peak
+        out["peak_reserved_ratio"] = reserved_peak / allocated_peak if allocated_peak else 1.0
         return out
 
     def take_watermark(self) -> int:
@@ -263,7 +287,8 @@ class CachingAllocator:
         self._impl.push_trace(action, address, size, stream, tag)
 
     def __repr__(self) -> str:
-        return f"CachingAllocator({self.device!r}, limit_bytes={self.limit_bytes})"
+        extra = ", expandable_segments=True" if self.expandable_segments else ""
+        return f"CachingAllocator({self.device!r}, limit_bytes={self.limit_bytes}{extra})"
 
 
 def _size_arg(name: str, value: int | str, total_bytes: int | None = None) -> int:

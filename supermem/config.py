@@ -113,6 +113,15 @@ OPTIONS: tuple[Option, ...] = (
         "No caching: every tensor gets its own cudaMalloc, freed at once (for compute-sanitizer).",
     ),
     Option(
+        "expandable_segments",
+        _bool,
+        False,
+        "true | false",
+        "Grow each stream's segment in a reserved virtual address range, mapping 2 MiB pages on demand and "
+        "unmapping free ones when memory runs short (PyTorch's key): far less memory reserved but "
+        "unallocated when tensor sizes change from step to step. Off until measured on GPUs.",
+    ),
+    Option(
         "trace",
         _int_range(0, 1 << 30),
         0,

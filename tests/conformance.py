@@ -35,6 +35,7 @@ class Target:
     memory: DeviceMemory  # reads/writes what the allocator hands out
     streams: tuple[int, int]  # two distinct non-default stream handles valid on the source
     passthrough: bool = False
+    expandable: bool = False  # expandable segments: reserved sizes are whole pages (alloc_spec)
     limit_bytes: int | None = None
     big_bytes: int = GiB  # the largest boundary size tried (0 to skip)
     device_used_bytes: Callable[[CachingAllocator], int] | None = None  # the source's own count, if known
@@ -72,13 +73,15 @@ class AllocatorConformance:
         s = alloc.stats()
         assert s["allocated_bytes"] == rounded(nbytes)
         assert s["requested_bytes"] == nbytes
-        assert s["reserved_bytes"] == segment_bytes(nbytes, target.passthrough)
+        assert s["reserved_bytes"] == segment_bytes(nbytes, target.passthrough, target.expandable)
         assert s["segments"] == 1
         blocks.remove(p)
         alloc.free(p)
         s = alloc.stats()
         assert s["allocated_bytes"] == 0 and s["requested_bytes"] == 0
-        assert s["reserved_bytes"] == (0 if target.passthrough else segment_bytes(nbytes))
+        assert s["reserved_bytes"] == (
+            0 if target.passthrough else segment_bytes(nbytes, False, target.expandable)
+        )
 
     def test_many_live_blocks_never_alias_and_keep_their_contents(self, alloc, blocks, target):
         rng = random.Random(1)
@@ -254,7 +257,7 @@ class AllocatorConformance:
         assert s["allocated_bytes"] == rounded(1) + rounded(MiB + 1)
         assert s["active_bytes"] == s["allocated_bytes"]
         assert s["live_blocks"] == 2 and s["num_allocs"] == 2 and s["num_frees"] == 0
-        expected_reserved = segment_bytes(1, target.passthrough) + segment_bytes(MiB + 1, target.passthrough)
+        expected_reserved = sum(segment_bytes(n, target.passthrough, target.expandable) for n in (1, MiB + 1))
         assert s["reserved_bytes"] == expected_reserved
         nested = alloc.nested_stats()
         assert nested["allocated_bytes"]["small_pool"]["current"] == rounded(1)

@@ -20,7 +20,7 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from alloc_spec import MAX_REQUEST, MiB, rounded
+from alloc_spec import MAX_REQUEST, PAGE, MiB, round_up, rounded
 from live_blocks import HostMemory, LiveBlocks
 
 from supermem.allocator import CachingAllocator, SimulatedDevice
@@ -37,12 +37,17 @@ class Block:
 
 class AllocatorModel:
     def __init__(
-        self, capacity_bytes: int, streams: tuple[int, ...] = (0, 1, 2), passthrough: bool = False
+        self,
+        capacity_bytes: int,
+        streams: tuple[int, ...] = (0, 1, 2),
+        passthrough: bool = False,
+        expandable: bool = False,
     ) -> None:
         self.capacity_bytes = capacity_bytes
         self.streams = streams
+        self.expandable = expandable
         self.device = SimulatedDevice(capacity_bytes)
-        self.alloc = CachingAllocator(self.device, passthrough=passthrough)
+        self.alloc = CachingAllocator(self.device, passthrough=passthrough, expandable_segments=expandable)
         self.live = LiveBlocks(HostMemory())
         self.blocks: dict[int, Block] = {}
         # Freed blocks that other streams used. `deferred`: freed during a capture, no events yet.
@@ -74,7 +79,8 @@ class AllocatorModel:
         except OutOfMemoryError as e:
             self.ooms += 1
             assert str(e).startswith("CUDA out of memory."), str(e)
-            fits = rounded(nbytes) <= min(self.limit_bytes or self.capacity_bytes, self.capacity_bytes)
+            need = round_up(rounded(nbytes), PAGE) if self.expandable else rounded(nbytes)  # whole pages
+            fits = need <= min(self.limit_bytes or self.capacity_bytes, self.capacity_bytes)
             assert not (empty and fits and nbytes <= MAX_REQUEST), (
                 f"OOM for {nbytes} bytes with no live blocks: {e}"
             )
@@ -212,9 +218,11 @@ def realistic_size(rng: random.Random) -> int:
     return rng.choice((CAPACITY + 1, 1 << 50, 1 << 61, 0))
 
 
-def run_random_ops(seed: int, n_ops: int, passthrough: bool = False) -> AllocatorModel:
+def run_random_ops(
+    seed: int, n_ops: int, passthrough: bool = False, expandable: bool = False
+) -> AllocatorModel:
     rng = random.Random(seed)
-    m = AllocatorModel(CAPACITY, passthrough=passthrough)
+    m = AllocatorModel(CAPACITY, passthrough=passthrough, expandable=expandable)
     for i in range(n_ops):
         op = random_op(rng, m)
         try:

@@ -45,6 +45,11 @@ CachingAllocator::CachingAllocator(DevicePtr device, AllocatorOptions options)
     : device_(std::move(device)), opts_(options), limited_(options.limit_bytes > 0),
       trace_(options.trace_capacity) {
   if (!device_) throw UsageError("supermem: CachingAllocator needs a device, got none");
+  if (opts_.expandable && opts_.passthrough)
+    throw UsageError("supermem: expandable segments cache memory and passthrough caches none: choose one");
+  if (opts_.expandable && device_->vm_page_bytes() == 0)
+    throw UsageError("supermem: expandable segments need virtual memory, which the device " + device_->name() +
+                     " does not have (set expandable_segments:false)");
   live_.reserve(4096);
 }
 
@@ -53,6 +58,17 @@ CachingAllocator::~CachingAllocator() {
   try {
     std::lock_guard<std::mutex> g(mu_);
     for (auto& [base, s] : segments_) {
+      if (s->expandable()) {
+        bool in_use = false;
+        for (Block* b = s->head; b; b = b->next)
+          in_use |= b->state == BlockState::allocated || b->state == BlockState::pending;
+        if (in_use) continue;
+        // Free blocks end on page boundaries here: only unmapped blocks or the range's ends border them.
+        for (Block* b = s->head; b; b = b->next)
+          if (b->state == BlockState::free) device_->vm_unmap(b->ptr, b->size);
+        device_->vm_release(s->base, s->size);
+        continue;
+      }
       bool whole_free = s->head->state == BlockState::free && !s->head->next;
       if (whole_free) device_->segment_free(s->base, s->size);
     }
@@ -149,7 +165,10 @@ Block* CachingAllocator::take_free(Pool& pool, bool small, Stream stream, size_t
 
 Block* CachingAllocator::split(Block* b, size_t size, bool small) {
   size_t remaining = b->size - size;
-  bool should = !opts_.passthrough && (small ? remaining >= kMinBlockBytes : remaining > kSmallBytes);
+  // An expandable segment splits as the small pool does: its rest is not stranded in a fixed segment
+  // (it merges with the pages mapped after it), so no large remainder is needed (PyTorch's rule too).
+  bool fine = small || b->segment->expandable();
+  bool should = !opts_.passthrough && (fine ? remaining >= kMinBlockBytes : remaining > kSmallBytes);
   if (!should) return nullptr;
   Block* rest = new_block();
   rest->ptr = b->ptr + size;
@@ -189,6 +208,20 @@ void CachingAllocator::free_block(Block* b) {
   b->state = BlockState::free;
   b->stream_uses.clear();
   trace_.push(TraceKind::free_completed, b->ptr, b->size, b->stream);
+  b = insert_free(b);
+  bool pool_gone = s->pool != &default_pool_ && s->pool->users == 0;
+  if (!captures_.empty()) return;  // nothing goes back to the device during a capture
+  if (s->expandable()) {
+    if (pool_gone) unmap_free_pages(b);  // may release the segment
+    return;
+  }
+  bool whole = !b->prev && !b->next;
+  if (whole && (opts_.passthrough || pool_gone)) release_segment(s);
+}
+
+Block* CachingAllocator::insert_free(Block* b) {
+  Segment* s = b->segment;
+  bool small = s->small;
   auto& set = s->pool->free_set(small);
   int64_t split_blocks = 0, split_bytes = 0;  // net change of the inactive split stats
   for (Block* n : {b->prev, b->next}) {  // coalesce with free neighbours
@@ -212,9 +245,7 @@ void CachingAllocator::free_block(Block* b) {
   if (split_blocks) stats_.inactive_split.add(small, split_blocks);
   if (split_bytes) stats_.inactive_split_bytes.add(small, split_bytes);
   set.insert(b);
-  bool whole = !b->prev && !b->next;
-  bool pool_gone = s->pool != &default_pool_ && s->pool->users == 0;
-  if (whole && (opts_.passthrough || pool_gone) && captures_.empty()) release_segment(s);
+  return b;
 }
 
 // ---------------------------------------------------------------- slow path
@@ -252,6 +283,7 @@ Block* CachingAllocator::malloc_slow(Lock& lk, Pool& pool, bool small, Stream st
 }
 
 Block* CachingAllocator::new_segment(Pool& pool, bool small, Stream stream, size_t size) {
+  if (opts_.expandable) return map_for(pool, small, stream, size);
   size_t limit = opts_.limit_bytes;
   size_t reserved = stats_.reserved_bytes.s[kAll].current;
   // Prefer PyTorch's segment sizes; under a tight limit or a full device fall back to the exact size.
@@ -267,6 +299,7 @@ Block* CachingAllocator::new_segment(Pool& pool, bool small, Stream stream, size
   auto* s = new Segment;
   s->base = static_cast<char*>(p);
   s->size = got;
+  s->mapped_bytes = got;
   s->stream = stream;
   s->small = small;
   s->pool = &pool;
@@ -285,12 +318,17 @@ Block* CachingAllocator::new_segment(Pool& pool, bool small, Stream stream, size
 
 void CachingAllocator::release_segment(Segment* s) {
   Block* b = s->head;
-  s->pool->free_set(s->small).erase(b);
-  device_->segment_free(s->base, s->size);
-  ++stats_.num_device_free;
-  stats_.reserved_bytes.add(s->small, -static_cast<int64_t>(s->size));
+  if (s->expandable()) {  // all of it unmapped already: only the address space goes back
+    device_->vm_release(s->base, s->size);
+    stats_.address_space_bytes -= static_cast<int64_t>(s->size);
+  } else {
+    s->pool->free_set(s->small).erase(b);
+    device_->segment_free(s->base, s->size);
+    ++stats_.num_device_free;
+    stats_.reserved_bytes.add(s->small, -static_cast<int64_t>(s->size));
+    trace_.push(TraceKind::segment_free, s->base, s->size, s->stream);
+  }
   stats_.segment.add(s->small, -1);
-  trace_.push(TraceKind::segment_free, s->base, s->size, s->stream);
   segments_.erase(s->base);
   recycle(b);
   delete s;
@@ -299,12 +337,14 @@ void CachingAllocator::release_segment(Segment* s) {
 bool CachingAllocator::release_cached() {
   if (!captures_.empty()) return false;  // cudaFree and event syncs are illegal during capture
   sync_events();
-  std::vector<Segment*> whole;
+  std::vector<Segment*> whole, expandable;
   for (auto& [base, s] : segments_) {
     bool freeable = s->pool == &default_pool_ || s->pool->users == 0;
-    if (freeable && s->head->state == BlockState::free && !s->head->next) whole.push_back(s);
+    if (freeable && s->expandable()) expandable.push_back(s);
+    else if (freeable && s->head->state == BlockState::free && !s->head->next) whole.push_back(s);
   }
   for (Segment* s : whole) release_segment(s);
+  for (Segment* s : expandable) release_expandable(s);
   for (auto it = private_pools_.begin(); it != private_pools_.end();) {  // forget empty dead pools
     Pool* p = it->second;
     bool empty = p->small_free.empty() && p->large_free.empty();
@@ -417,6 +457,14 @@ void CachingAllocator::throw_oom(Lock& lk, size_t nbytes, size_t alloc_size, siz
          format_size(reserved - allocated) + " is reserved by PyTorch but unallocated (supermem: requested " +
          std::to_string(nbytes) + " bytes, allocated " + std::to_string(allocated) + " bytes, reserved " +
          std::to_string(reserved) + " bytes, evicted " + std::to_string(evicted) + " bytes under pressure).";
+    if (opts_.expandable) {
+      m += " Expandable segments map " + format_size(reserved) + " in " +
+           format_size(static_cast<size_t>(stats_.address_space_bytes)) + " of reserved address space.";
+    } else if (reserved - allocated >= alloc_size && !opts_.passthrough && device_->vm_page_bytes()) {
+      // Enough cached bytes, none of them in one piece: what expandable segments avoid (PyTorch's hint).
+      m += " If reserved but unallocated memory is large try setting SUPERMEM_CONF=expandable_segments:true "
+           "to avoid fragmentation.";
+    }
   }
   auto observers = oom_observers_;
   std::string msg = std::move(m);
@@ -618,8 +666,9 @@ std::string CachingAllocator::describe_bad_pointer(void* ptr) {
     if (p < s->base + s->size) {
       for (Block* b = s->head; b; b = b->next) {
         if (b->ptr == p)
-          return "supermem: double free or free of a block that is not allocated: " + hex(p) +
-                 " is a " + (b->state == BlockState::pending ? "pending" : "free") + " block";
+          return "supermem: double free or free of a block that is not allocated: " + hex(p) + " is a " +
+                 (b->state == BlockState::pending ? "pending" : b->state == BlockState::unmapped ? "free (unmapped)" : "free") +
+                 " block";
         if (p > b->ptr && p < b->ptr + b->size)
           return "supermem: " + hex(p) + " points inside the block at " + hex(b->ptr) + " (" +
                  format_size(b->size) + "); pass the address malloc returned";
@@ -639,16 +688,19 @@ void CachingAllocator::check() {
 void CachingAllocator::check_locked() {
   auto fail = [](const std::string& what) { throw std::logic_error("supermem invariant violated: " + what); };
   int64_t reserved = 0, allocated = 0, pending = 0, cached = 0, split_free = 0, split_free_bytes = 0;
+  int64_t address_space = 0;
   size_t n_free = 0, n_live = 0;
   for (auto& [base, s] : segments_) {
     if (s->base != base || s->head->ptr != s->base || s->head->prev) fail("segment head at " + hex(base));
-    reserved += s->size;
-    size_t covered = 0;
+    reserved += s->mapped_bytes;
+    if (s->expandable()) address_space += s->size, check_expandable(s);
+    size_t covered = 0, mapped = 0;
     for (Block* b = s->head; b; b = b->next) {
       if (b->ptr != s->base + covered) fail("blocks of segment " + hex(base) + " are not contiguous");
       if (b->segment != s) fail("block " + hex(b->ptr) + " names the wrong segment");
       if (b->next && b->next->prev != b) fail("broken prev/next links at " + hex(b->ptr));
       covered += b->size;
+      if (b->state != BlockState::unmapped) mapped += b->size;
       auto& set = s->pool->free_set(s->small);
       bool in_set = set.count(b) > 0;
       switch (b->state) {
@@ -669,10 +721,16 @@ void CachingAllocator::check_locked() {
           pending += b->size;
           if (in_set) fail("pending block " + hex(b->ptr) + " is in a free set");
           break;
+        case BlockState::unmapped:
+          if (in_set) fail("unmapped block " + hex(b->ptr) + " is in a free set");
+          if (!s->expandable()) fail("unmapped block " + hex(b->ptr) + " in a plain segment");
+          break;
       }
     }
     if (covered != s->size) fail("blocks of segment " + hex(base) + " do not cover it");
+    if (mapped != s->mapped_bytes) fail("mapped blocks of segment " + hex(base) + " != its mapped bytes");
   }
+  if (address_space != stats_.address_space_bytes) fail("address_space stat != sum of expandable segments");
   size_t set_total = default_pool_.small_free.size() + default_pool_.large_free.size();
   for (auto& [id, p] : private_pools_) set_total += p->small_free.size() + p->large_free.size();
   if (set_total != n_free) fail("free sets hold " + std::to_string(set_total) + " blocks, segments " + std::to_string(n_free));
@@ -691,11 +749,20 @@ std::vector<SegmentInfo> CachingAllocator::snapshot() {
   std::lock_guard<std::mutex> g(mu_);
   std::vector<SegmentInfo> out;
   for (auto& [base, s] : segments_) {
-    SegmentInfo si{reinterpret_cast<uint64_t>(base), s->size, s->stream, s->small,
-                   {s->pool->id_hi, s->pool->id_lo}, {}};
-    for (Block* b = s->head; b; b = b->next)
-      si.blocks.push_back({reinterpret_cast<uint64_t>(b->ptr), b->size, b->requested, b->state});
-    out.push_back(std::move(si));
+    // As PyTorch reports an expandable segment: one segment per run of mapped blocks.
+    for (Block* b = s->head; b;) {
+      if (b->state == BlockState::unmapped) {
+        b = b->next;
+        continue;
+      }
+      SegmentInfo si{reinterpret_cast<uint64_t>(b->ptr), 0, s->stream, s->small, s->expandable(),
+                     {s->pool->id_hi, s->pool->id_lo}, {}};
+      for (; b && b->state != BlockState::unmapped; b = b->next) {
+        si.blocks.push_back({reinterpret_cast<uint64_t>(b->ptr), b->size, b->requested, b->state});
+        si.size += b->size;
+      }
+      out.push_back(std::move(si));
+    }
   }
   return out;
 }

@@ -5,7 +5,14 @@
 // Fast path: malloc finds a cached block of its stream (one set lookup) and splits it; free
 // coalesces it back. Everything else (new segments, recovery from OOM) is in malloc_slow.
 //
-// OOM protocol, one retry per stage: (1) a new segment; (2) release cached segments, retry;
+// Expandable segments (expandable.cpp, option `expandable`): instead of a segment per cudaMalloc, one
+// reserved address range per (pool, stream, size class) into which pages are mapped on demand, at the
+// lowest address where a request fits; free pages are unmapped when cached memory is released (the
+// OOM protocol's stage 2, empty_cache, a lower limit). A request that no cached block fits takes the
+// free space at a segment's end plus new pages, instead of a new segment beside the unusable rest.
+//
+// OOM protocol, one retry per stage: (1) a new segment (or new pages); (2) release cached segments
+// (and unmap free pages), retry;
 // (3) release the lock, call the pressure handlers (they may free through this allocator), retry;
 // (4) throw OutOfMemory carrying requested, allocated, reserved and evicted bytes.
 #pragma once
@@ -33,6 +40,7 @@ struct AllocatorOptions {
   int debug = 0;              // 1: invariant walk after each slow-path call; 2: after every call
   size_t trace_capacity = 0;  // ring buffer size in events; 0: tracing off
   size_t segment_bytes = 0;   // >0: segments are at least this big (host pools: few, large chunks)
+  bool expandable = false;    // expandable segments (the device must have virtual memory)
 };
 
 // Called under memory pressure with the allocator lock released; returns the bytes it freed.
@@ -47,9 +55,10 @@ struct BlockInfo {
   uint64_t addr, size, requested;
   BlockState state;
 };
-struct SegmentInfo {
+struct SegmentInfo {  // an expandable segment is reported as one SegmentInfo per run of mapped blocks
   uint64_t addr, size, stream;
   bool small;
+  bool expandable;
   PoolId pool;
   std::vector<BlockInfo> blocks;
 };
@@ -115,6 +124,16 @@ class CachingAllocator {
   Block* take_free(Pool& pool, bool small, Stream stream, size_t size);
   Block* malloc_slow(Lock& lk, Pool& pool, bool small, Stream stream, size_t size, size_t nbytes);
   Block* new_segment(Pool& pool, bool small, Stream stream, size_t size);
+  // expandable.cpp
+  Block* map_for(Pool& pool, bool small, Stream stream, size_t size);  // new_segment's expandable twin
+  Block* find_run(Pool& pool, bool small, Stream stream, size_t size, size_t& map_bytes);
+  Segment* reserve_segment(Pool& pool, bool small, Stream stream);
+  Block* map_front(Block* unmapped, size_t nbytes);  // the merged free block, or nullptr (no room)
+  void unmap_free_pages(Block* b);                   // a free block's whole pages go back
+  void release_expandable(Segment* s);               // unmaps its free pages; releases it if empty
+  Block* insert_free(Block* b);                      // coalesce with free neighbours, into the free set
+  void count_inactive_split(Block* b, int sign);     // b in/out of the inactive split stats
+  void check_expandable(Segment* s);                 // the walker's page checks
   Block* new_block();          // from spare_blocks_ when it can: no heap call on the fast path
   void recycle(Block* b);
   Block* split(Block* b, size_t size, bool small);  // the free remainder, or nullptr if not split

@@ -4,15 +4,22 @@
 // Ownership
 //   CachingAllocator owns its Pools, Segments and Blocks (deleted only by the allocator).
 //   A Segment is one allocation obtained from the Device (prim layer); its Blocks tile it exactly.
+//   An expandable segment (option expandable_segments) is instead a reserved virtual address range
+//   whose pages are mapped on demand; its Blocks tile the whole range, mapped or not.
 //   A Block is either allocated (handed to a user), pending (freed by the user, waiting for events
-//   recorded on the streams that used it) or free (in its pool's free set, ready for reuse).
+//   recorded on the streams that used it), free (in its pool's free set, ready for reuse) or
+//   unmapped (address space of an expandable segment with no memory behind it).
 //
 // Invariants (checked by the walker)
 //   for each segment:  sum(block.size) == segment.size, blocks address-contiguous via prev/next
 //   no two address-adjacent blocks are both free                  (coalescing is complete)
+//   segment.mapped_bytes == sum(block.size | block.state != unmapped)    (== size for a plain segment)
+//   an unmapped block starts and ends on page boundaries, and no two unmapped blocks are adjacent
+//   the device maps exactly the pages under a segment's mapped blocks (asked, for each mapped run)
 //   pool.free_blocks  == { b | b.state == free }                  (free sets are exact)
 //   live_blocks       == { b | b.state == allocated }             (address map is exact)
-//   stats.reserved    == sum(segment.size)
+//   stats.reserved    == sum(segment.mapped_bytes)                 (memory, not address space)
+//   stats.address_space == sum(segment.size | expandable)
 //   stats.allocated   == sum(b.size | allocated)
 //   stats.reserved    == stats.allocated + pending_bytes + cached_free_bytes
 //   stats.inactive_split(_bytes) == count (bytes) of free blocks in segments split in several blocks
@@ -36,7 +43,7 @@ constexpr size_t kLargeSegmentBytes = 20 << 20;  // requests < 10 MiB share 20 M
 constexpr size_t kMinLargeAlloc = 10 << 20;      // requests >= 10 MiB get their own segment...
 constexpr size_t kRoundLarge = 2 << 20;          // ...rounded up to 2 MiB
 
-enum class BlockState : uint8_t { free, allocated, pending };
+enum class BlockState : uint8_t { free, allocated, pending, unmapped };
 
 struct Pool;
 struct Segment;
@@ -64,11 +71,14 @@ struct BlockLess {  // free sets are ordered (stream, size, address): per-stream
 
 struct Segment {
   char* base = nullptr;
-  size_t size = 0;
-  Stream stream = 0;     // stream of the allocation that created it
-  bool small = false;    // belongs to the small (<= 1 MiB) size class
+  size_t size = 0;          // bytes of address space (all mapped for a plain segment)
+  size_t mapped_bytes = 0;  // bytes with memory behind them: what counts as reserved
+  size_t page_bytes = 0;    // > 0: an expandable segment, mapped and unmapped in pages of this size
+  Stream stream = 0;        // stream of the allocation that created it
+  bool small = false;       // belongs to the small (<= 1 MiB) size class
   Pool* pool = nullptr;
-  Block* head = nullptr; // lowest-address block
+  Block* head = nullptr;    // lowest-address block
+  bool expandable() const { return page_bytes != 0; }
 };
 
 // A pool is a set of segments whose blocks are only reused among themselves: the default pool,
@@ -107,6 +117,7 @@ struct Stats {
   int64_t num_alloc_retries = 0, num_ooms = 0, num_sync_all_streams = 0;
   int64_t num_device_alloc = 0, num_device_free = 0, num_pressure_calls = 0;
   int64_t pressure_freed_bytes = 0;
+  int64_t address_space_bytes = 0;  // reserved by expandable segments (their memory is in reserved_bytes)
 };
 
 // What the user did wrong; the binding turns it into a Python ValueError subclass.

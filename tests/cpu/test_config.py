@@ -115,6 +115,7 @@ BAD_VALUES = {
     "host_limit": "150%",
     "control": "sometimes",
     "graphs": "often",
+    "expandable_segments": "expandable",
 }
 
 

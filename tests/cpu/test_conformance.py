@@ -15,6 +15,9 @@ CONFIGS = {
     "passthrough": {"passthrough": True},
     "limited": {"limit_bytes": LIMIT},
     "debug2": {"debug": 2},
+    "expandable": {"expandable_segments": True},
+    "expandable-limited": {"expandable_segments": True, "limit_bytes": LIMIT},
+    "expandable-debug2": {"expandable_segments": True, "debug": 2},
 }
 
 
@@ -27,6 +30,7 @@ def target(request) -> Target:
         memory=HostMemory(),
         streams=(1, 2),
         passthrough=options.get("passthrough", False),
+        expandable=options.get("expandable_segments", False),
         limit_bytes=options.get("limit_bytes"),
         device_used_bytes=lambda alloc: alloc.device.used_bytes,
     )

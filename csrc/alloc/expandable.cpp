@@ -1,0 +1,234 @@
+// Expandable segments: the caching allocator's slow path when option `expandable` is on.
+//
+// A segment is a range of address space reserved once per (pool, stream, size class), 1 1/8 of the
+// device's capacity as in PyTorch (room to move pages from a hole to the end). Its blocks tile the
+// whole range: allocated, pending and free blocks have memory behind them, unmapped blocks have none.
+// A request that no cached block fits takes the lowest run of free and unmapped blocks long enough
+// for it and maps the pages that run lacks; so the free space at a segment's end, which a plain
+// segment strands, is part of the next larger request. Free pages are unmapped only when cached
+// memory is released (the OOM protocol's stage 2, empty_cache, a lower limit): mapping costs driver
+// calls and a device synchronisation to unmap, too much for every free.
+//
+// Stream-ordered reuse is unchanged: a segment belongs to one stream, a block is free only once the
+// events of the other streams that used it completed, and unmapping waits for the device.
+#include <algorithm>
+
+#include "caching.h"
+
+namespace supermem {
+
+namespace {
+
+size_t round_up(size_t n, size_t multiple) { return (n + multiple - 1) / multiple * multiple; }
+
+bool is_free(const Block* b) { return b && b->state == BlockState::free; }
+bool is_unmapped(const Block* b) { return b && b->state == BlockState::unmapped; }
+
+}  // namespace
+
+Block* CachingAllocator::map_for(Pool& pool, bool small, Stream stream, size_t size) {
+  size_t map_bytes = 0;
+  Block* b = find_run(pool, small, stream, size, map_bytes);
+  Segment* fresh = nullptr;
+  if (!b) {  // a new range; none for a request larger than any range (it cannot fit the device either)
+    size_t page = device_->vm_page_bytes(), total = device_->total_bytes();
+    if (size > round_up(total + total / 8, page)) return nullptr;
+    map_bytes = round_up(size, page);
+  }
+  if (limited_ && stats_.reserved_bytes.s[kAll].current + static_cast<int64_t>(map_bytes) >
+                      static_cast<int64_t>(opts_.limit_bytes))
+    return nullptr;
+  if (!b) {
+    if (!(fresh = reserve_segment(pool, small, stream))) return nullptr;
+    b = fresh->head;
+  }
+  size_t page = b->segment->page_bytes;
+  // The run is free, unmapped, free, ... (coalesced): map each unmapped block's front until b spans
+  // size. Pages mapped before a failure stay, as free blocks; a fresh range with none goes back.
+  if (is_unmapped(b)) b = map_front(b, std::min(b->size, round_up(size, page)));
+  while (b && b->size < size) {
+    Block* next = b->next;  // unmapped: a free block's neighbours are not free
+    b = map_front(next, std::min(next->size, round_up(size - b->size, page)));
+  }
+  if (!b) {
+    if (fresh && fresh->mapped_bytes == 0) release_segment(fresh);
+    return nullptr;
+  }
+  b->segment->pool->free_set(small).erase(b);  // handed to malloc, which splits it
+  return b;
+}
+
+// The lowest-address run in this pool's segments of (stream, size class) that holds `size` bytes: a
+// free block followed by unmapped ones, or an unmapped block, with its free and unmapped successors.
+// Its first block, and in map_bytes the pages it lacks; nullptr if there is none.
+Block* CachingAllocator::find_run(Pool& pool, bool small, Stream stream, size_t size, size_t& map_bytes) {
+  for (auto& [base, s] : segments_) {
+    if (!s->expandable() || s->pool != &pool || s->small != small || s->stream != stream) continue;
+    for (Block* u = s->head; u; u = u->next) {
+      if (!is_unmapped(u)) continue;
+      Block* start = is_free(u->prev) ? u->prev : u;
+      size_t bytes = 0, lacking = 0;
+      for (Block* c = start; c && bytes < size && (is_free(c) || is_unmapped(c)); c = c->next) {
+        if (is_unmapped(c)) lacking += std::min(c->size, round_up(size - bytes, s->page_bytes));
+        bytes += c->size;
+      }
+      if (bytes >= size) {
+        map_bytes = lacking;
+        return start;
+      }
+    }
+  }
+  return nullptr;
+}
+
+Segment* CachingAllocator::reserve_segment(Pool& pool, bool small, Stream stream) {
+  size_t page = device_->vm_page_bytes();
+  size_t total = device_->total_bytes();
+  size_t range = round_up(total + total / 8, page);
+  if (range == 0) return nullptr;
+  void* p = device_->vm_reserve(range);
+  if (!p) return nullptr;
+  auto* s = new Segment;
+  s->base = static_cast<char*>(p);
+  s->size = range;
+  s->page_bytes = page;
+  s->stream = stream;
+  s->small = small;
+  s->pool = &pool;
+  Block* b = new_block();
+  b->ptr = s->base;
+  b->size = range;
+  b->stream = stream;
+  b->segment = s;
+  b->state = BlockState::unmapped;
+  s->head = b;
+  segments_.emplace(s->base, s);
+  stats_.segment.add(small, 1);
+  stats_.address_space_bytes += static_cast<int64_t>(range);
+  return s;
+}
+
+// Maps the first nbytes (whole pages) of an unmapped block; the mapped part becomes a free block and
+// merges with a free neighbour. nullptr when the device has no room (nothing changed then).
+Block* CachingAllocator::map_front(Block* u, size_t nbytes) {
+  Segment* s = u->segment;
+  if (!device_->vm_map(u->ptr, nbytes)) return nullptr;
+  Block* m = u;
+  if (nbytes < u->size) {  // the rest stays unmapped, after the new block
+    m = new_block();
+    m->ptr = u->ptr;
+    m->size = nbytes;
+    m->stream = u->stream;
+    m->segment = s;
+    m->prev = u->prev;
+    m->next = u;
+    if (m->prev) m->prev->next = m;
+    else s->head = m;
+    u->prev = m;
+    u->ptr += nbytes;
+    u->size -= nbytes;
+  }
+  m->state = BlockState::free;
+  s->mapped_bytes += nbytes;
+  stats_.reserved_bytes.add(s->small, static_cast<int64_t>(nbytes));
+  ++stats_.num_device_alloc;
+  trace_.push(TraceKind::segment_alloc, m->ptr, nbytes, s->stream);
+  return insert_free(m);
+}
+
+void CachingAllocator::count_inactive_split(Block* b, int sign) {
+  if (!b->prev && !b->next) return;
+  stats_.inactive_split.add(b->segment->small, sign);
+  stats_.inactive_split_bytes.add(b->segment->small, sign * static_cast<int64_t>(b->size));
+}
+
+// Unmaps the whole pages inside free block b (PyTorch's unmap_block): what is left of b at either end
+// stays a free block (a page shared with a neighbour stays mapped). Releases the segment once nothing
+// of it is mapped.
+void CachingAllocator::unmap_free_pages(Block* b) {
+  Segment* s = b->segment;
+  size_t page = s->page_bytes;
+  char* lo = s->base + round_up(static_cast<size_t>(b->ptr - s->base), page);
+  char* hi = s->base + static_cast<size_t>(b->ptr + b->size - s->base) / page * page;
+  if (lo >= hi) return;
+  device_->vm_unmap(lo, static_cast<size_t>(hi - lo));
+  auto& set = s->pool->free_set(s->small);
+  set.erase(b);
+  count_inactive_split(b, -1);
+  auto carve = [&](char* ptr, size_t size, Block* prev, Block* next) {  // a free remainder
+    Block* r = new_block();
+    r->ptr = ptr;
+    r->size = size;
+    r->stream = b->stream;
+    r->segment = s;
+    r->prev = prev;
+    r->next = next;
+    if (prev) prev->next = r;
+    else s->head = r;
+    if (next) next->prev = r;
+    return r;
+  };
+  std::vector<Block*> rest;
+  if (lo > b->ptr) rest.push_back(carve(b->ptr, static_cast<size_t>(lo - b->ptr), b->prev, b));
+  if (hi < b->ptr + b->size) rest.push_back(carve(hi, static_cast<size_t>(b->ptr + b->size - hi), b, b->next));
+  b->ptr = lo;
+  b->size = static_cast<size_t>(hi - lo);
+  b->state = BlockState::unmapped;
+  for (Block* r : rest) {
+    set.insert(r);
+    count_inactive_split(r, +1);
+  }
+  s->mapped_bytes -= b->size;
+  stats_.reserved_bytes.add(s->small, -static_cast<int64_t>(b->size));
+  ++stats_.num_device_free;
+  trace_.push(TraceKind::segment_free, b->ptr, b->size, s->stream);
+  for (Block* n : {b->prev, b->next}) {  // coalesce with unmapped neighbours
+    if (!is_unmapped(n)) continue;
+    if (n == b->prev) {
+      b->ptr = n->ptr;
+      b->prev = n->prev;
+      if (b->prev) b->prev->next = b;
+      else s->head = b;
+    } else {
+      b->next = n->next;
+      if (b->next) b->next->prev = b;
+    }
+    b->size += n->size;
+    recycle(n);
+  }
+  if (!b->prev && !b->next) release_segment(s);
+}
+
+void CachingAllocator::release_expandable(Segment* s) {
+  std::vector<Block*> free_blocks;  // gathered first: unmapping relinks the list (and may free s)
+  for (Block* b = s->head; b; b = b->next)
+    if (b->state == BlockState::free) free_blocks.push_back(b);
+  for (Block* b : free_blocks) unmap_free_pages(b);
+}
+
+void CachingAllocator::check_expandable(Segment* s) {
+  auto fail = [&](const std::string& what) {
+    throw std::logic_error("supermem invariant violated: expandable segment at " +
+                           std::to_string(reinterpret_cast<uintptr_t>(s->base)) + ": " + what);
+  };
+  size_t page = s->page_bytes;
+  if (s->size % page) fail("its size is not whole pages");
+  for (Block* b = s->head; b;) {
+    if (b->stream != s->stream) fail("a block of another stream");
+    if (is_unmapped(b)) {
+      if (static_cast<size_t>(b->ptr - s->base) % page || b->size % page) fail("an unmapped block is not whole pages");
+      if (is_unmapped(b->next)) fail("uncoalesced unmapped blocks");
+      if (device_->vm_mapped_bytes(b->ptr, b->size) != 0) fail("the device maps pages under an unmapped block");
+      b = b->next;
+      continue;
+    }
+    char* run = b->ptr;  // a run of mapped blocks: whole pages, every one mapped on the device
+    for (; b && !is_unmapped(b); b = b->next) {}
+    char* end = b ? b->ptr : s->base + s->size;
+    size_t n = static_cast<size_t>(end - run);
+    if (static_cast<size_t>(run - s->base) % page || n % page) fail("a mapped run is not whole pages");
+    if (device_->vm_mapped_bytes(run, n) != n) fail("the device does not map every page under mapped blocks");
+  }
+}
+
+}  // namespace supermem

@@ -1,0 +1,212 @@
+"""Expandable segments on the simulated device: pages mapped on demand into one reserved range per
+(pool, stream, size class), free pages unmapped when cached memory is released, stream-ordered reuse
+kept, the walker checking the device's own page map, and less memory reserved when sizes vary.
+
+Most tests run the same calls with the option off beside it: what the option changes is asserted,
+so each fails without it. The conformance suite and the fuzz lanes run with it on and off too."""
+
+import pytest
+from alloc_spec import PAGE, MiB, rounded
+
+from supermem import config
+from supermem.activate import torch_segments
+from supermem.allocator import CachingAllocator, SimulatedDevice
+from supermem.errors import ConfigError, InvariantError, OutOfMemoryError, UsageError
+
+GiB = 1 << 30
+
+
+def make(expandable: bool = True, capacity: int = 4 * GiB, **kw) -> CachingAllocator:
+    return CachingAllocator(SimulatedDevice(capacity), expandable_segments=expandable, debug=2, **kw)
+
+
+def test_pages_are_mapped_on_demand_and_count_as_reserved():
+    a = make()
+    assert a.stats()["reserved_bytes"] == 0 and a.device.used_bytes == 0
+    p = a.malloc(3 * MiB)  # large pool: two pages, not a 20 MiB segment
+    s = a.stats()
+    assert s["reserved_bytes"] == 2 * PAGE == a.device.used_bytes
+    assert a.device.mapped_bytes(p, 4 * MiB) == 4 * MiB
+    assert s["segments"] == 1 and s["address_space_bytes"] >= 4 * GiB  # 1 1/8 of the device, reserved
+    q = a.malloc(5 * MiB)  # the rest of the second page plus two more
+    assert q == p + 3 * MiB and a.stats()["reserved_bytes"] == 4 * PAGE
+    a.free(p)
+    a.free(q)
+    plain = make(expandable=False)
+    plain.malloc(3 * MiB)
+    assert plain.stats()["reserved_bytes"] == 20 * MiB  # what the option saves here
+
+
+def test_a_larger_request_extends_the_free_end_of_the_segment():
+    """The allocation that a plain allocator puts in a new segment, beside an unusable cached one."""
+    for expandable, reserved in ((True, 14 * MiB), (False, 12 * MiB + 14 * MiB)):
+        a = make(expandable)
+        p = a.malloc(12 * MiB)
+        a.free(p)
+        q = a.malloc(14 * MiB)
+        assert a.stats()["reserved_bytes"] == reserved
+        assert (q == p) == expandable  # the same address, grown by one page
+        a.free(q)
+
+
+def test_empty_cache_unmaps_free_pages_anywhere_and_releases_empty_ranges():
+    a = make()
+    x, y, z = (a.malloc(10 * MiB) for _ in range(3))
+    a.free(y)  # a hole in the middle
+    a.empty_cache()
+    s = a.stats()
+    assert s["reserved_bytes"] == 20 * MiB == a.device.used_bytes
+    assert a.device.mapped_bytes(y, 10 * MiB) == 0 and a.device.mapped_bytes(x, 10 * MiB) == 10 * MiB
+    assert a.malloc(10 * MiB) == y  # the lowest place that fits: the hole, mapped again
+    for p in (x, y, z):
+        a.free(p)
+    a.empty_cache()
+    s = a.stats()
+    assert s["reserved_bytes"] == 0 and s["segments"] == 0 and s["address_space_bytes"] == 0
+    assert a.device.used_bytes == 0
+
+
+def test_partial_pages_stay_mapped_under_live_blocks():
+    a = make()
+    p = a.malloc(3 * MiB)  # pages 0-1; page 1 half used
+    q = a.malloc(2 * MiB)  # 3..5 MiB: pages 1-2
+    a.free(p)
+    a.empty_cache()  # page 0 is wholly free, page 1 shares q
+    assert a.stats()["reserved_bytes"] == 2 * PAGE
+    assert a.device.mapped_bytes(p, 2 * MiB) == 0 and a.device.mapped_bytes(p + 2 * MiB, 4 * MiB) == 4 * MiB
+    a.free(q)
+
+
+def test_out_of_memory_moves_free_pages_to_where_the_request_fits():
+    """Free memory scattered in holes serves a request none of them fits: stage 2 of the OOM protocol
+    unmaps them and maps pages at the segment's end. Without the option the same calls raise."""
+    for expandable in (True, False):
+        a = make(expandable, capacity=GiB, limit_bytes=100 * MiB)
+        blocks = [a.malloc(9 * MiB) for _ in range(9)]  # plain: two to a 20 MiB segment
+        for p in blocks[::2]:
+            a.free(p)  # 45 MiB free, in 9 MiB pieces
+        if expandable:
+            big = a.malloc(40 * MiB)
+            assert a.stats()["reserved_bytes"] <= 100 * MiB
+            a.free(big)
+        else:
+            with pytest.raises(OutOfMemoryError, match="expandable_segments:true"):  # the hint
+                a.malloc(40 * MiB)
+        for p in blocks[1::2]:
+            a.free(p)
+
+
+def test_the_oom_message_says_what_is_mapped():
+    a = make(capacity=64 * MiB)
+    p = a.malloc(40 * MiB)
+    with pytest.raises(OutOfMemoryError) as info:
+        a.malloc(30 * MiB)
+    message = str(info.value)
+    assert message.startswith("CUDA out of memory. Tried to allocate 30.00 MiB.")
+    assert "Expandable segments map 40.00 MiB in" in message and "of reserved address space" in message
+    a.free(p)
+
+
+def test_streams_have_their_own_segments_and_pending_blocks_wait_for_their_events():
+    a = make()
+    p = a.malloc(4 * MiB, 1)
+    q = a.malloc(4 * MiB, 2)
+    segments = {seg["stream"]: seg for seg in a.snapshot()}
+    assert set(segments) == {1, 2} and all(seg["is_expandable"] for seg in segments.values())
+    assert segments[1]["address"] <= p < segments[1]["address"] + segments[1]["total_size"]
+    a.device.hold_events(True)
+    a.record_stream(p, 3)  # stream 3 still works on p after its free
+    a.free(p)
+    r = a.malloc(4 * MiB, 1)
+    assert r != p  # pending, not free: neither reused nor merged with the pages after it
+    a.empty_cache()  # waits for the events, then unmaps p's pages (a live r keeps its own)
+    assert a.device.mapped_bytes(p, 4 * MiB) == 0 and a.stats()["active_bytes"] == 8 * MiB
+    for x in (q, r):
+        a.free(x)
+    a.device.hold_events(False)
+
+
+def test_private_pools_get_their_own_segments_and_give_them_back_when_released():
+    a = make()
+    keep = a.malloc(4 * MiB)
+    a.begin_allocate_to_pool((1, 0), [7])
+    g = a.malloc(6 * MiB, 7)
+    a.end_allocate_to_pool((1, 0))
+    pools = {tuple(seg["segment_pool_id"]) for seg in a.snapshot()}
+    assert pools == {(0, 0), (1, 0)}
+    a.free(g)
+    a.empty_cache()  # the pool's graph is alive: its pages stay
+    assert a.stats()["reserved_bytes"] == 4 * MiB + 6 * MiB
+    a.release_pool((1, 0))
+    assert a.stats()["reserved_bytes"] == 4 * MiB and a.stats()["segments"] == 1
+    a.free(keep)
+
+
+def test_a_lower_limit_unmaps_free_pages():
+    a = make()
+    p = a.malloc(64 * MiB)
+    a.free(p)
+    a.limit_bytes = 32 * MiB
+    assert a.stats()["reserved_bytes"] == 0
+
+
+def test_the_walker_checks_the_devices_page_map():
+    a = make()
+    p = a.malloc(3 * MiB)
+    a.check()
+    a.device._vm_unmap(p, PAGE)  # memory gone from under an allocated block
+    with pytest.raises(InvariantError, match="does not map every page"):
+        a.check()
+    a.device._vm_map(p, PAGE)
+    a.check()
+    hole = p + 2 * PAGE  # the first unmapped page after the mapped run
+    a.device._vm_map(hole, PAGE)
+    with pytest.raises(InvariantError, match="maps pages under an unmapped block"):
+        a.check()
+    a.device._vm_unmap(hole, PAGE)
+    a.free(p)
+
+
+def test_the_device_refuses_what_the_allocator_must_never_do():
+    d = SimulatedDevice(64 * MiB)
+    with pytest.raises(Exception, match="not whole pages"):
+        d._vm_map(4096, PAGE)  # nothing reserved there
+
+
+def test_stats_report_fragmentation_at_the_peak():
+    a = make(expandable=False)
+    p = a.malloc(3 * MiB)  # a 20 MiB segment
+    s = a.stats()
+    assert s["peak_unallocated_bytes"] == 20 * MiB - rounded(3 * MiB)
+    assert s["peak_reserved_ratio"] == pytest.approx(20 * MiB / rounded(3 * MiB))
+    assert s["expandable_segments"] is False and s["address_space_bytes"] == 0
+    a.free(p)
+    assert make().stats()["peak_reserved_ratio"] == 1.0  # nothing allocated yet
+
+
+def test_snapshot_reports_one_segment_per_mapped_run_with_native_keys():
+    a = make()
+    x, y, z = (a.malloc(10 * MiB) for _ in range(3))
+    a.free(y)
+    a.empty_cache()  # y's pages unmapped: two runs
+    segs = a.snapshot()
+    assert [(seg["address"], seg["total_size"]) for seg in segs] == [(x, 10 * MiB), (z, 10 * MiB)]
+    torch_segs = torch_segments(segs, device=0)
+    assert all(seg["is_expandable"] is True and seg["allocated_size"] == 10 * MiB for seg in torch_segs)
+    assert torch_segments(make(expandable=False).snapshot(), 0) == []
+    a.free(x)
+    a.free(z)
+
+
+def test_option_parsing_and_refusals():
+    assert config.parse_conf("expandable_segments:True") == {"expandable_segments": True}
+    assert config.parse_conf("expandable_segments:false") == {"expandable_segments": False}
+    assert config.Config().expandable_segments is False  # off by default
+    with pytest.raises(ConfigError, match="'expandable_segments'.*'maybe' is not a boolean"):
+        config.parse_conf("expandable_segments:maybe")
+    with pytest.raises(UsageError, match="passthrough caches none"):
+        CachingAllocator(SimulatedDevice(64 * MiB), passthrough=True, expandable_segments=True)
+    with pytest.raises(UsageError, match="need virtual memory"):
+        CachingAllocator(SimulatedDevice(64 * MiB, page_bytes=0), expandable_segments=True)
+    with pytest.raises(UsageError, match="multiple of the host's page size"):
+        SimulatedDevice(64 * MiB, page_bytes=1000)
