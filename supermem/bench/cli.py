@@ -1,6 +1,6 @@
-"""`supermem bench alloc|train|depth|trace|relu`: benchmarks with their native baseline, each configuration
-in a fresh process (relu runs in this one). Prints tables (and "target ..." verdict lines) on stdout;
---json PATH writes the rows."""
+"""`supermem bench alloc|train|depth|trace|relu|frag`: benchmarks with their native baseline, each
+configuration in a fresh process (relu runs in this one; frag on CPU, on the simulated device). Prints
+tables (and "target ..." verdict lines) on stdout; --json PATH writes the rows."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 from ..cli_args import conf, positive_float, positive_int
-from . import alloc, depth, relu, trace, train
+from . import alloc, depth, frag, relu, trace, train
 
 BENCHES = {
     "alloc": (alloc, "cost of torch.empty + del per pair, native vs supermem"),
@@ -20,6 +20,7 @@ BENCHES = {
     ),
     "trace": (trace, "what recording a trace costs a training step; writes the trace (and report)"),
     "relu": (relu, "ReLU compression kernels: pack/unpack throughput against a copy, packed size"),
+    "frag": (frag, "reserved / allocated at the peak with and without expandable segments (varlen, ramp)"),
 }
 
 

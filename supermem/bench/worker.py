@@ -29,9 +29,11 @@ def _environment(cuda: bool) -> dict:
 def measure(spec: dict) -> dict:
     import torch
 
-    from . import alloc, trace, train
+    from . import alloc, frag, trace, train
 
-    fn = {"alloc": alloc.measure, "train": train.measure, "trace": trace.measure}[spec["bench"]]
+    fn = {"alloc": alloc.measure, "train": train.measure, "trace": trace.measure, "frag": frag.measure}[
+        spec["bench"]
+    ]
     cuda = spec["device"] == "cuda"
     row: dict = {}
     try:
@@ -56,6 +58,12 @@ def measure(spec: dict) -> dict:
 
 def main(argv: list[str]) -> int:
     spec = json.loads(argv[0])
+    if spec.get(
+        "pytorch_alloc_conf"
+    ):  # native's options (expandable_segments:True): read at its first malloc
+        import os
+
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = spec["pytorch_alloc_conf"]
     if spec["allocator"] == "supermem":
         import supermem
 
