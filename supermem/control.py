@@ -117,6 +117,10 @@ def allocator_provider(allocators: list[Any] | None = None) -> Provider:
                     "reserved_bytes_peak": s["reserved_bytes_peak"],
                     "num_ooms": s["num_ooms"],
                     "fragmentation": s["fragmentation"],
+                    "peak_unallocated_bytes": s["peak_unallocated_bytes"],
+                    "peak_reserved_ratio": s["peak_reserved_ratio"],
+                    "expandable_segments": s["expandable_segments"],
+                    "address_space_bytes": s["address_space_bytes"],
                 }
             )
         return {"devices": devices}

@@ -79,6 +79,17 @@ def render(snap: dict[str, Any]) -> str:
                 f"{format_bytes(d['reserved_bytes']):>12}{format_bytes(cap) if cap else '-':>12}"
                 f"{format_bytes(d.get('reserved_bytes_peak', 0)):>12}  {use}"
             )
+            if "peak_unallocated_bytes" in d:  # what fragmentation cost at the peak
+                frag = (
+                    f"{'':<8}unallocated at peak {format_bytes(d['peak_unallocated_bytes'])}"
+                    f" (reserved / allocated {d['peak_reserved_ratio']:.3f})"
+                )
+                if d.get("expandable_segments"):
+                    frag += (
+                        f"; expandable: {format_bytes(d['reserved_bytes'])} mapped in"
+                        f" {format_bytes(d['address_space_bytes'])} of address space"
+                    )
+                lines.append(frag)
     elif "error" in alloc:
         lines.append(f"allocator: {alloc['error']}")
     else:

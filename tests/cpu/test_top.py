@@ -241,6 +241,15 @@ def test_render_shows_every_section():
     assert 'MYSTERY {"x": 1}' in text and "OOMS    0" in text
 
 
+def test_render_shows_fragmentation_at_the_peak_and_expandable_segments():
+    device = {"device": 0, "name": "sim", "total_bytes": 1 << 30, "limit_bytes": 0, "allocated_bytes": 0}
+    device.update(reserved_bytes=6 << 20, reserved_bytes_peak=21 << 20, peak_unallocated_bytes=1 << 20)
+    device.update(peak_reserved_ratio=1.05, expandable_segments=True, address_space_bytes=9 << 30)
+    text = top_module.render({"pid": 1, "providers": {"allocator": {"devices": [device]}}})
+    assert "unallocated at peak 1.00 MiB (reserved / allocated 1.050)" in text
+    assert "expandable: 6.00 MiB mapped in 9.00 GiB of address space" in text
+
+
 # ---------------------------------------------------------------- the server is optional (issue 8.10, 8.13)
 
 
