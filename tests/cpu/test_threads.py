@@ -9,6 +9,7 @@ import sys
 import textwrap
 import threading
 
+import pytest
 from alloc_spec import MiB, rounded
 from live_blocks import Cookies, HostMemory, IntervalSet
 
@@ -128,9 +129,10 @@ def run_stress(alloc, n_threads, rounds, iters, transfer_slots=64):
             alloc.free(entry[0])
 
 
-def test_threads_with_cross_thread_frees():
+@pytest.mark.parametrize("expandable", [False, True], ids=["plain", "expandable"])
+def test_threads_with_cross_thread_frees(expandable):
     device = SimulatedDevice(1024 * MiB)
-    alloc = CachingAllocator(device)
+    alloc = CachingAllocator(device, expandable_segments=expandable)
     run_stress(alloc, n_threads=4, rounds=3, iters=10_000)
     alloc.check()
     s = alloc.stats()
@@ -141,10 +143,11 @@ def test_threads_with_cross_thread_frees():
     assert s["active_bytes"] == 0 and s["reserved_bytes"] == 0 and device.used_bytes == 0
 
 
-def test_threads_under_a_tight_limit_with_a_pressure_handler():
+@pytest.mark.parametrize("expandable", [False, True], ids=["plain", "expandable"])
+def test_threads_under_a_tight_limit_with_a_pressure_handler(expandable):
     """Threads hit OOM together; the handler evicts cached "tensors" that other threads made."""
     device = SimulatedDevice(1024 * MiB)
-    alloc = CachingAllocator(device, limit_bytes=48 * MiB)
+    alloc = CachingAllocator(device, limit_bytes=48 * MiB, expandable_segments=expandable)
     evictable = []  # blocks any thread may free under pressure
     lock = threading.Lock()
     ooms = []
