@@ -3,7 +3,7 @@
 import pytest
 import supermem._C
 import torch
-from alloc_spec import GiB
+from alloc_spec import PAGE, GiB
 from conformance import AllocatorConformance, Target
 
 pytestmark = pytest.mark.gpu
@@ -45,6 +45,8 @@ CONFIGS = {
     "passthrough": {"passthrough": True},
     "limited": {"limit_bytes": 2 * GiB},
     "debug2": {"debug": 2},
+    "expandable": {"expandable_segments": True},
+    "expandable-limited": {"expandable_segments": True, "limit_bytes": 2 * GiB},
 }
 
 
@@ -53,12 +55,16 @@ def target(request) -> Target:
     options = CONFIGS[request.param]
     streams = (torch.cuda.Stream(), torch.cuda.Stream())
     device = CudaDevice(0)
+    expandable = options.get("expandable_segments", False)
+    if expandable and device.page_bytes != PAGE:  # the spec's sizes are whole 2 MiB pages
+        pytest.skip(f"this GPU's virtual memory page is {device.page_bytes} bytes, not {PAGE}")
     return Target(
         name=f"cuda-{request.param}",
         make=lambda: CachingAllocator(device, **options),
         memory=CudaMemory(),
         streams=(streams[0].cuda_stream, streams[1].cuda_stream),
         passthrough=options.get("passthrough", False),
+        expandable=expandable,
         limit_bytes=options.get("limit_bytes"),
         keep=[streams, device],
     )

@@ -238,6 +238,20 @@ def check_ipc_sharing_is_refused_not_crashed():
     return {"refused": outcome}
 
 
+def check_cross_device_copies():
+    """Pages are mapped for their own device only (no peer mappings, unlike native's enablePeerAccess):
+    a copy between GPUs must still be right, through peer access or staged."""
+    if torch.cuda.device_count() < 2:
+        raise Skip("needs two GPUs")
+    _alloc()
+    x = torch.arange(16 * MiB, dtype=torch.int32, device="cuda:0")
+    y = x.to("cuda:1")
+    z = (y + 1).to("cuda:0")
+    torch.cuda.synchronize(0)
+    torch.cuda.synchronize(1)
+    assert torch.equal(z, x + 1)
+
+
 def check_invariants_hold():
     _alloc().check()
 
