@@ -669,7 +669,7 @@ std::string CachingAllocator::describe_bad_pointer(void* ptr) {
           return "supermem: double free or free of a block that is not allocated: " + hex(p) + " is a " +
                  (b->state == BlockState::pending ? "pending" : b->state == BlockState::unmapped ? "free (unmapped)" : "free") +
                  " block";
-        if (p > b->ptr && p < b->ptr + b->size)
+        if (p > b->ptr && p < b->ptr + b->size && b->state != BlockState::unmapped)
           return "supermem: " + hex(p) + " points inside the block at " + hex(b->ptr) + " (" +
                  format_size(b->size) + "); pass the address malloc returned";
       }

@@ -222,3 +222,29 @@ def test_option_parsing_and_refusals():
         CachingAllocator(SimulatedDevice(64 * MiB, page_bytes=0), expandable_segments=True)
     with pytest.raises(UsageError, match="multiple of the host's page size"):
         SimulatedDevice(64 * MiB, page_bytes=1000)
+
+
+def test_the_trace_records_each_mapped_and_unmapped_range_as_a_segment_event():
+    a = CachingAllocator(SimulatedDevice(GiB), expandable_segments=True, trace_capacity=64)
+    p = a.malloc(3 * MiB, 5)
+    q = a.malloc(2 * MiB, 5)  # 1 MiB left on the second page, one page more
+    a.free(p)
+    a.empty_cache()  # page 0 is free; page 1 is shared with q
+    events = [(e.action, e.address, e.size, e.stream) for e in a.drain_trace()]
+    assert events == [
+        ("segment_alloc", p, 2 * PAGE, 5),
+        ("alloc", p, 3 * MiB, 5),
+        ("segment_alloc", p + 2 * PAGE, PAGE, 5),
+        ("alloc", q, 2 * MiB, 5),
+        ("free_completed", p, 3 * MiB, 5),
+        ("segment_free", p, PAGE, 5),
+    ]
+    a.free(q)
+
+
+def test_a_pointer_into_unmapped_address_space_is_foreign():
+    a = make()
+    p = a.malloc(MiB + 1)
+    with pytest.raises(UsageError, match="not allocated by this allocator"):
+        a.free(p + 64 * MiB)  # inside the segment's reserved range, where nothing is mapped
+    a.free(p)
