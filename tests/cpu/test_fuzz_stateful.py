@@ -18,9 +18,11 @@ picks = st.integers(0, 1 << 16)  # an index into the live blocks, taken modulo t
 
 
 class AllocatorMachine(RuleBasedStateMachine):
+    expandable = False
+
     def __init__(self):
         super().__init__()
-        self.m = AllocatorModel(64 * MiB, streams=STREAMS)
+        self.m = AllocatorModel(64 * MiB, streams=STREAMS, expandable=self.expandable)
 
     def _pick(self, i):
         return list(self.m.blocks)[i % len(self.m.blocks)]
@@ -73,11 +75,18 @@ class AllocatorMachine(RuleBasedStateMachine):
         self.m.check()
 
 
-AllocatorMachine.TestCase.settings = settings(
+class ExpandableAllocatorMachine(AllocatorMachine):
+    expandable = True
+
+
+SETTINGS = settings(
     max_examples=200,
     stateful_step_count=60,
     deadline=None,
     derandomize=True,  # CI runs are reproducible; explore with --hypothesis-seed
     suppress_health_check=[HealthCheck.too_slow],
 )
+AllocatorMachine.TestCase.settings = SETTINGS
+ExpandableAllocatorMachine.TestCase.settings = SETTINGS
 TestAllocatorMachine = AllocatorMachine.TestCase
+TestExpandableAllocatorMachine = ExpandableAllocatorMachine.TestCase
