@@ -197,10 +197,11 @@ _BY_NAME = {o.name: o for o in OPTIONS}
 
 # PyTorch's own allocator options (PYTORCH_ALLOC_CONF, formerly PYTORCH_CUDA_ALLOC_CONF; torch 2.13's
 # c10/core/AllocatorConfig.h and c10/cuda/CUDAAllocatorConfig.h). Two mean the same under supermem and are
-# aliases; the rest set up the allocator that supermem's replaces, and have no supermem equivalent.
+# aliases; expandable_segments is supermem's option of the same name; the rest set up the allocator that
+# supermem's replaces, and have no supermem equivalent.
 TORCH_ALIASES = {"per_process_memory_fraction": "limit", "backend": "allocator"}
+TORCH_SAME_NAME = ("expandable_segments",)
 TORCH_ONLY = (
-    "expandable_segments",
     "max_split_size_mb",
     "max_non_split_rounding_mb",
     "garbage_collection_threshold",
@@ -339,18 +340,20 @@ def torch_alloc_conf(environ: os._Environ | dict | None = None) -> tuple[str, di
 
 def honour_torch_alloc_conf(cfg: Config, environ: os._Environ | dict | None = None) -> str | None:
     """Once supermem's allocator replaces PyTorch's, PyTorch's allocator options apply no more. Those that
-    mean a supermem option (per_process_memory_fraction: limit) set it where the user's supermem options
+    mean a supermem option (per_process_memory_fraction: limit; expandable_segments, the same name) set it
+    where the user's supermem options
     leave it at its default; the message returned names what is taken and what is ignored, or is None
     when there is nothing to say."""
     var, items = torch_alloc_conf(environ)
     taken, ignored = [], []
     for key, value in items.items():
-        name = TORCH_ALIASES.get(key)
+        name = key if key in TORCH_SAME_NAME else TORCH_ALIASES.get(key)
         if name is None or name == "allocator":  # (backend: supermem's allocator is the one asked for)
             ignored.append(key)
             continue
         try:
             _, parsed = from_torch_name(key, value)
+            parsed = parse_option(name, parsed) if key in TORCH_SAME_NAME else parsed
         except ConfigError:
             ignored.append(f"{key} (bad value {value!r})")
             continue

@@ -307,7 +307,7 @@ def test_pytorchs_names_of_supermem_options_are_aliases(text, expected):
 @pytest.mark.parametrize(
     ("text", "message"),
     [
-        ("expandable_segments:True", "'expandable_segments' is an option of PyTorch's own allocator"),
+        ("max_split_size_mb:128", "'max_split_size_mb' is an option of PyTorch's own allocator"),
         ("max_split_size_mb:128", "supermem has no equivalent (its options: allocator, limit"),
         ("garbage_collection_threshold:0.6", "per_process_memory_fraction, backend are taken as supermem's"),
         ("backend:cudaMallocAsync", "only PyTorch's `native` backend has a supermem equivalent"),
@@ -330,11 +330,11 @@ def test_pytorch_alloc_conf_takes_what_means_a_supermem_option_and_names_the_res
     conf = "expandable_segments:True,roundup_power2_divisions:[256:1,>:2],per_process_memory_fraction:0.5"
     cfg = config.Config()
     said = config.honour_torch_alloc_conf(cfg, {var: conf})
-    assert cfg.limit == 0.5
+    assert cfg.limit == 0.5 and cfg.expandable_segments is True
     assert said == (
         f"supermem: {var} configures PyTorch's own allocator, which supermem's replaces in this process; "
-        "taken: per_process_memory_fraction:0.5 as limit:0.5; "
-        "ignored: expandable_segments, roundup_power2_divisions"
+        "taken: expandable_segments:True as expandable_segments:True, "
+        "per_process_memory_fraction:0.5 as limit:0.5; ignored: roundup_power2_divisions"
     )
 
 

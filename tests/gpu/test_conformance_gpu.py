@@ -1,10 +1,11 @@
 """The conformance suite against a real GPU (CudaDevice(0)); skipped without one."""
 
 import pytest
-import supermem._C
 import torch
 from alloc_spec import PAGE, GiB
 from conformance import AllocatorConformance, Target
+
+import supermem._C
 
 pytestmark = pytest.mark.gpu
 
