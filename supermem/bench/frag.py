@@ -19,10 +19,12 @@ import random
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import TypeVar
 
 from ..cli_args import positive_int
 from . import runner, table
 
+H = TypeVar("H")  # what alloc returns and free takes: an address, a tensor's key
 LIMIT_FACTORS = (1.00, 1.02, 1.05, 1.10, 1.25, 1.50)
 ROWS = (  # name, allocator, its option text
     ("native", "native", None),
@@ -56,13 +58,11 @@ def lengths(pattern: str, steps: int, seed: int = 0) -> Iterator[tuple[int, int]
             yield 1 + (15 * i) // max(1, steps - 1), 1024
 
 
-def step(
-    alloc: Callable[[int], object], free: Callable[[object], None], m: Decoder, batch: int, seq: int
-) -> None:
+def step(alloc: Callable[[int], H], free: Callable[[H], None], m: Decoder, batch: int, seq: int) -> None:
     """One forward and backward: activations saved per layer, attention scores and the loss's logits
     as temporaries, gradients of each layer's size in backward."""
     act = batch * seq * m.d_model * m.elem
-    saved: list[list[object]] = []
+    saved: list[list[H]] = []
     for _ in range(m.layers):
         scores = alloc(batch * m.heads * seq * seq * m.elem)
         saved.append([alloc(3 * act), alloc(act), alloc(4 * act), alloc(4 * act)])
@@ -78,9 +78,7 @@ def step(
         free(g)
 
 
-def run_pattern(
-    alloc: Callable[[int], object], free: Callable[[object], None], pattern: str, steps: int
-) -> int:
+def run_pattern(alloc: Callable[[int], H], free: Callable[[H], None], pattern: str, steps: int) -> int:
     """The whole run; returns the steps completed (all of them, or an OOM propagates)."""
     m = Decoder()
     params = [alloc(n) for n in m.params_bytes()]
