@@ -43,7 +43,7 @@ from .units import parse_bytes
 
 if TYPE_CHECKING:
     from .streaming_overlap import Overlap
-    from .tensor_pool.host import HostBlock
+    from .transfer.host import HostBlock
 
 _live: weakref.WeakSet[Streamer] = weakref.WeakSet()
 _optimizer_hook: Any = None
@@ -260,8 +260,8 @@ class Streamer:
         except ValueError as e:
             raise UsageError(f"stream: bad host_limit: {e}") from None
         # imported here, not at the top: SUPERMEM_CONF=stream:weights imports this module in `import torch`
-        from .tensor_pool.copy import CopyEngine
-        from .tensor_pool.host import shared_host_pool
+        from .transfer.copy import CopyEngine
+        from .transfer.host import shared_host_pool
 
         self.host = shared_host_pool(self.device, host_bytes)  # one per device, shared with the tensor pool
         self.copies = CopyEngine(self.device)

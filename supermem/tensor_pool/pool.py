@@ -33,9 +33,9 @@ from ..errors import ConfigError
 from ..policies import Choice, make_policy
 from ..units import format_bytes, parse_bytes
 from .compiled import CompiledGraphs
-from .copy import CopyEngine
+from ..transfer.copy import CopyEngine
 from .entry import Entry, Kept, PlanKept, State, alive_anyway, check_version, dedup_key, movable
-from .host import shared_host_pool
+from ..transfer.host import shared_host_pool
 from .op_replay import OpReplays
 from .plan_run import PlanRunner, Resting
 from .planner import Plan
