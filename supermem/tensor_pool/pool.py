@@ -29,13 +29,14 @@ from typing import Any
 import psutil
 import torch
 
+from .. import costs
 from ..errors import ConfigError
 from ..policies import Choice, make_policy
+from ..transfer.copy import CopyEngine
+from ..transfer.host import shared_host_pool
 from ..units import format_bytes, parse_bytes
 from .compiled import CompiledGraphs
-from ..transfer.copy import CopyEngine
 from .entry import Entry, Kept, PlanKept, State, alive_anyway, check_version, dedup_key, movable
-from ..transfer.host import shared_host_pool
 from .op_replay import OpReplays
 from .plan_run import PlanRunner, Resting
 from .planner import Plan
@@ -46,8 +47,6 @@ from .treatments import Cast, Offload, Recompute, Treatment, autocast_copy_of, c
 
 PREFETCH_SCAN = 64  # entries looked at, going back from the one just used, for prefetch
 CANDIDATES = 32  # least recently used entries priced per decision (the stalest score best anyway)
-CPU_COPY_BYTES_PER_S = 5e9  # host memcpy
-GPU_MEMORY_BYTES_PER_S = 2e12  # device copies (H200: 4.2 TB/s read+write)
 
 
 class Pool(PlanRunner):
@@ -925,7 +924,7 @@ class Pool(PlanRunner):
     # ------------------------------------------------------------------ costs (for the policy)
 
     def _device_bytes_per_s(self) -> float:
-        return GPU_MEMORY_BYTES_PER_S if self.cuda else CPU_COPY_BYTES_PER_S
+        return costs.GPU_MEMORY_BYTES_PER_S if self.cuda else costs.CPU_COPY_BYTES_PER_S
 
     def _device_index(self) -> int:
         return self.device.index if self.cuda else -1

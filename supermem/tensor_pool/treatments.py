@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .. import events
+from .. import costs, events
 from ..compress import Packed, fitted, packed_nbytes, relu_pack, relu_unpack, trimmed
 from ..errors import ConfigError, UsageError
 from ..policies import Choice
@@ -31,11 +31,8 @@ from .entry import Entry, State
 if TYPE_CHECKING:
     from .pool import Pool
 
-GPU_LINK_BYTES_PER_S = 25e9  # pinned copies where the probe cannot run (H100/H200: ~55)
 LINK_PROBE_BYTES = 64 << 20
 _link_probed: dict[int, float] = {}  # CUDA device index -> D2H bytes per second to pinned memory
-CPU_COPY_BYTES_PER_S = 5e9  # host memcpy
-COPY_INTERFERENCE = 0.08  # a step slowed 8% with copies running beside it (DESIGN.md, one H100 run)
 
 
 class Treatment:
@@ -93,7 +90,7 @@ def link_rate(device: torch.device) -> float:
     25 GB/s, which an H100's link more than doubles (54-55 GB/s measured)."""
     index = torch.device(device).index or 0
     if index not in _link_probed:
-        rate = GPU_LINK_BYTES_PER_S
+        rate = costs.GPU_LINK_BYTES_PER_S
         try:
             src = torch.empty(LINK_PROBE_BYTES, dtype=torch.uint8, device=torch.device("cuda", index))
             dst = torch.empty(LINK_PROBE_BYTES, dtype=torch.uint8, pin_memory=True)
@@ -135,8 +132,8 @@ class Offload(Treatment):
         if c.d2h_seconds > 0 and c.d2h_bytes > 1 << 20:
             return c.d2h_bytes / c.d2h_seconds
         if not pool.cuda:
-            return CPU_COPY_BYTES_PER_S
-        return _link_probed.get(torch.device(pool.device).index or 0, GPU_LINK_BYTES_PER_S)
+            return costs.CPU_COPY_BYTES_PER_S
+        return _link_probed.get(torch.device(pool.device).index or 0, costs.GPU_LINK_BYTES_PER_S)
 
     def probe(self, pool: Pool) -> None:
         """Before a plan: the link's rate, measured (link_rate) where no copy measured it yet. Never
@@ -168,7 +165,7 @@ class Offload(Treatment):
             exposed = e.nbytes if e.payload is None else 0  # a kept host copy costs nothing to reuse
             hidden = min(exposed, max(0, hideable))
             hideable -= hidden
-            cost_s = ((exposed - hidden) + COPY_INTERFERENCE * exposed) / bps
+            cost_s = ((exposed - hidden) + costs.REACTIVE_COPY_INTERFERENCE * exposed) / bps
             out.append(Choice(e, self.name, e.nbytes, cost_s, e.last_use, (e,)))
         return out
 
@@ -259,16 +256,10 @@ class Recompute(Treatment):
 
 
 RELU_MADE = frozenset({"ReluBackward0", "ReluBackward1", "ThresholdBackward0", "ThresholdBackward1"})
-PACKED_RATIO_PRIOR = 0.55  # packed / tensor bytes before any pack: half zeros, plus the bitmap
-PRIOR_PASSES = 4  # before any timing: pack reads the tensor twice and unpack writes it, about 4 passes
 TIMED_USES = 8  # packs (and unpacks) timed; the fastest per byte prices them (the first one warms up)
 ROOM_MARGIN = 1.03  # values room: this times the same saved tensor's nonzeros last step, ...
 ROOM_SLACK = 1 / 256  # ... plus this share of the elements (densities drift from step to step)
 ROOM_NEW_SLACK = 1 / 16  # a tensor never packed: the densest of its size so far, plus this share
-# Host seconds of an exact pack on a GPU before one was measured: it reads its count back, a host sync
-# that drains the GPU's queue. On an H100 a plan packing ~30 of ResNet-152's ReLU outputs a step ran
-# ~1.6 ms a pack slower than one that packed none (a replan included: a rough prior, not a measurement)
-EXACT_PACK_PRIOR_S = 1e-3
 EXACT_SAMPLES = 16  # the last exact packs' host seconds kept; their median prices the next
 ROOMS = ("exact", "guess", "full")  # Compress(room=...)
 
@@ -351,12 +342,12 @@ class Compress(Treatment):
         last ones of each), where a host-bound step pays them whatever the kernels take (ResNet-152 at
         checkpoint's peak on an H100: a plan packing 56 tensors a step predicted 127.6 ms, took 208.8
         while pricing kernels alone). On CPU the seconds per byte are the host's already: 0."""
-        prior = PRIOR_PASSES / 2 / pool._device_bytes_per_s()
+        prior = costs.PRIOR_PASSES / 2 / pool._device_bytes_per_s()
         s_per_byte = sum(x.s_per_byte_or(prior) for x in self._timing.values())
-        ratio = self._packed_bytes / self._tensor_bytes if self._tensor_bytes else PACKED_RATIO_PRIOR
+        ratio = self._packed_bytes / self._tensor_bytes if self._tensor_bytes else costs.PACKED_RATIO_PRIOR
         wait_s = 0.0
         if pool.cuda and self.room == "exact":
-            wait_s = statistics.median_high(self._exact_s) if self._exact_s else EXACT_PACK_PRIOR_S
+            wait_s = statistics.median_high(self._exact_s) if self._exact_s else costs.EXACT_PACK_PRIOR_S
         host_s = sum(statistics.median_high(d) for d in self._host_s.values() if d) if pool.cuda else 0.0
         return s_per_byte, ratio, wait_s, host_s
 

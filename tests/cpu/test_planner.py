@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 from small_models import ResNet, hide_entry_unpacks, same, train_steps
 
+from supermem import costs
 from supermem.tensor_pool import Pool
 from supermem.tensor_pool.planner import make_plan
 from supermem.tensor_pool.profile import Profile, Saved
@@ -914,7 +915,7 @@ def test_an_offload_whose_return_cannot_hide_is_recomputed_instead():
     prefetch may not start before that point (it would raise the peak): the copy back (1 s) is exposed.
     Recomputing A's unit (0.9 s) is cheaper than that, though dearer than the copies' slowdown of compute
     alone (twice COPY_INTERFERENCE of 1 s)."""
-    from supermem.tensor_pool.planner import COPY_INTERFERENCE
+    from supermem.costs import COPY_INTERFERENCE
 
     assert 2 * COPY_INTERFERENCE < 0.9
     p = _small_profile(
@@ -931,7 +932,7 @@ def test_a_copy_is_priced_at_its_host_seconds_where_they_exceed_its_slowdown_of_
     """A copy hides (1 s out, long before the point; back well before its use): it costs its slowdown
     of compute, 2 x COPY_INTERFERENCE x 1 s, less than recomputing tensor 1 (1 s). Where issuing a
     copy costs the host 1 s (a host-bound step is that much longer, each way), recompute is cheaper."""
-    from supermem.tensor_pool.planner import COPY_INTERFERENCE
+    from supermem.costs import COPY_INTERFERENCE
 
     assert 2 * COPY_INTERFERENCE < 1.0
     chosen = []
@@ -1024,11 +1025,10 @@ def test_treating_one_save_of_a_block_is_priced_at_the_kept_saves_its_call_no_lo
 
 def test_a_call_run_lean_is_priced_at_the_hooks_on_each_of_its_saves(monkeypatch):
     """A call run lean (lean_call.py) drops an inner unit's saves itself, but each of its saves goes
-    through its pack and unpack hooks (planner.LEAN_KEPT_SHARE of Profile.kept_s each). Unpriced, the
+    through its pack and unpack hooks (costs.LEAN_KEPT_SHARE of Profile.kept_s each). Unpriced, the
     plan here lean-drops most blocks' weight casts (on an H100 the same mispricing lean-dropped GPT-24's
     GELU outputs at 90%: 1.17x, where checkpointing 6 blocks took 1.08x); priced, it replays more whole
     blocks instead and runs no call lean."""
-    from supermem.tensor_pool import planner
 
     def plan():
         p = gpt24_profile(block_cost_s=1.5e-3)  # 4.4 ms per GiB; a cast lean: 1.2 ms per GiB, hooks aside
@@ -1040,7 +1040,7 @@ def test_a_call_run_lean_is_priced_at_the_hooks_on_each_of_its_saves(monkeypatch
         p.kept_s = 30e-6  # 9 saves a block: 0.135 ms of hooks to run one lean
         return make_plan(p, int(native_peak(p) * 0.9))
 
-    monkeypatch.setattr(planner, "LEAN_KEPT_SHARE", 0.0)
+    monkeypatch.setattr(costs, "LEAN_KEPT_SHARE", 0.0)
     unpriced = plan()
     assert len(unpriced.drops) >= 12, (unpriced.drops, unpriced.light)
     monkeypatch.undo()
@@ -1091,7 +1091,7 @@ def test_prefetches_share_one_link():
     each copy back takes 1 s: one hides, two in a row do not (0.5 s exposed). Recomputing one costs 1 s,
     more than a hidden copy's slowdown of compute, less than that and the exposed half second: the plan
     offloads one and recomputes the other."""
-    from supermem.tensor_pool.planner import COPY_INTERFERENCE
+    from supermem.costs import COPY_INTERFERENCE
 
     p = _small_profile(
         [1, 1, 0],
@@ -1347,7 +1347,7 @@ def test_compute_waits_once_for_copies_queued_before_a_point():
     """Three 1 s copies queued at t=0 must all have landed before the point at 0.5 s, and nothing else
     lowers it: compute waits there until the last lands, 3 s in all (not 1 + 2 + 3 s, a wait per copy);
     the copies back hide in backward; each copy slows compute by COPY_INTERFERENCE of its seconds."""
-    from supermem.tensor_pool.planner import COPY_INTERFERENCE
+    from supermem.costs import COPY_INTERFERENCE
 
     saved = [Saved(k + 1, MiB, save=k, use=7 - k, end=8 - k) for k in range(3)]
     times = [0.0, 0.0, 0.0, 0.5, 1.0, 10.0, 20.0, 30.0]
@@ -1610,21 +1610,20 @@ def test_blocks_replayed_in_backward_cost_their_kernels_until_the_host_slack_is_
     launches run ahead of the backward's kernels, so the replays cost their kernels' seconds (the
     block's forward on the profile's timeline) until their launches pass the host's free share of the
     backward (BACKWARD_HOST_FREE): max(kernels, launches - slack). On a CPU, their timed seconds."""
-    from supermem.tensor_pool import planner
     from supermem.tensor_pool.planner import simulate
 
     p = gpt24_profile(block_cost_s=2e-3)
     for blk in range(24):
         p.unit_start[blk], p.unit_end[blk] = 9 * blk, 9 * blk + 9
     kernels = 19.9e-3 * 9 / (24 * 9 + 1)  # a block's 9 saves of the forward's 217 events
-    slack = planner.BACKWARD_HOST_FREE * (p.step_s - p.times_s[p.backward_event])  # (its first event: ~46 ms)
+    slack = costs.BACKWARD_HOST_FREE * (p.step_s - p.times_s[p.backward_event])  # (its first event: ~46 ms)
     few, all_ = set(range(6)), set(range(24))
     assert simulate(p, set(), few, 0).added_s == pytest.approx(6 * kernels)
     assert simulate(p, set(), all_, 0).added_s == pytest.approx(24 * 2e-3 - slack)
-    monkeypatch.setattr(planner, "BACKWARD_HOST_FREE", 0.0)
+    monkeypatch.setattr(costs, "BACKWARD_HOST_FREE", 0.0)
     assert simulate(p, set(), few, 0).added_s == pytest.approx(6 * 2e-3)
     p.sync_copies = True  # CPU: no slack, whatever the share
-    monkeypatch.setattr(planner, "BACKWARD_HOST_FREE", 0.5)
+    monkeypatch.setattr(costs, "BACKWARD_HOST_FREE", 0.5)
     assert simulate(p, set(), all_, 0).added_s == pytest.approx(24 * 2e-3 + 0)
 
 

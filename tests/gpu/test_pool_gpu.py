@@ -343,7 +343,7 @@ def test_planned_profile_counts_attentions_qkv_storage_once(monkeypatch):
     assert not treatments & {"offload", "compress"}, treatments
     # the plan priced copies at a measured rate (its copies', or the probe's), not the default: 25 GB/s
     # is half an H100's link
-    from supermem.tensor_pool.treatments import GPU_LINK_BYTES_PER_S
+    from supermem.costs import GPU_LINK_BYTES_PER_S
 
     rate = profiles[0].link_bytes_per_s
     assert rate != GPU_LINK_BYTES_PER_S and 1e9 < rate < 1e12, rate
