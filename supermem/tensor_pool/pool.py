@@ -59,7 +59,8 @@ class Pool(PlanRunner):
         or recompute, whichever frees bytes at the least exposed cost; "planned": profile the first
         step of each shape, plan every saved tensor's treatment, run the plan after). Default: planned
         when a budget is given (faster than cost_aware at 7 of the 10 budgets of an H100 sweep, and at
-        every one of 60-90% of native's peak: README), else cost_aware.
+        every one of 60-90% of native's peak: docs/measurements.md#planned-against-cost_aware), else
+        cost_aware.
     host_limit: pinned host bytes the pool may use (int, size string or percentage of host RAM).
     min_bytes: smaller saved tensors stay where they are (default 1 MiB on GPU, 0 on CPU).
     treatments: the ways out, objects or names ("offload", "recompute", "compress", "compress:full";

@@ -28,10 +28,11 @@ GiB = 1 << 30
 
 
 def gpt24_profile(link_bytes_per_s=55e9, spike_bytes=int(3.07 * GiB), block_cost_s=None) -> Profile:
-    """GPT-24 as DESIGN.md measured it on an H100: 24 blocks of saved tensors (fc1 64 MiB, GELU 64,
-    qkv 48, two fp32 residuals 32 each, two LayerNorm outputs 16 each, attention 16, autocast weight
-    copies 24), the head and loss 1.65 GiB, 3.09 GiB fixed, forward 19.9 ms, backward 46 ms, and the
-    loss's +3.07 GiB at backward's start. Each block is a recompute unit at 1.9 ms per GiB."""
+    """GPT-24 as docs/design.md#gpt-24s-memory-and-what-each-treatment-costs has it (an H100): 24 blocks of
+    saved tensors (fc1 64 MiB, GELU 64, qkv 48, two fp32 residuals 32 each, two LayerNorm outputs 16 each,
+    attention 16, autocast weight copies 24), the head and loss 1.65 GiB, 3.09 GiB fixed, forward 19.9 ms,
+    backward 46 ms, and the loss's +3.07 GiB at backward's start. Each block is a recompute unit at 1.9 ms
+    per GiB."""
     block = [64, 64, 48, 32, 32, 16, 16, 16]
     saved: list[Saved] = []
     sizes = [m * MiB for _ in range(24) for m in block + [24]] + [int(1.65 * GiB)]
@@ -214,7 +215,7 @@ def _train(pool, batches, seed=0):
 
 def test_planned_is_the_default_with_a_budget_and_cost_aware_without():
     """A plan needs a budget to plan under; with one, planned was faster than cost_aware at 7 of the 10
-    budgets of an H100 sweep (README)."""
+    budgets of an H100 sweep (docs/measurements.md#planned-against-cost_aware)."""
     from supermem import config
     from supermem.tensor_pool import pool as make_pool
 
@@ -1195,8 +1196,9 @@ def test_an_offloaded_input_of_a_replayed_unit_is_prefetched_for_the_replay():
 
 
 def test_gpt24_prefers_recompute_to_copies_that_slow_compute_both_ways():
-    """DESIGN.md's GPT-24: a block rebuilds at 1.9 ms per GiB; a copy at 55 GB/s (19.5 ms per GiB) slows
-    compute by at least 8% of its time each way (3.1 ms per GiB both): at 75% the plan recomputes only."""
+    """The GPT-24 of docs/design.md#gpt-24s-memory-and-what-each-treatment-costs: a block rebuilds at 1.9 ms
+    per GiB; a copy at 55 GB/s (19.5 ms per GiB) slows compute by at least 8% of its time each way (3.1 ms
+    per GiB both): at 75% the plan recomputes only."""
     p = gpt24_profile()
     plan = make_plan(p, int(0.75 * native_peak(p)))
     assert plan.feasible and "offload" not in plan.treatment.values(), plan.counts()
