@@ -33,7 +33,7 @@ class Choice:
 class Policy:
     name = "base"
     live = True  # usable by the live pool (False: needs the future, replay only)
-    treatments: tuple[str, ...] = ("offload",)  # the treatments it may choose
+    kinds: tuple[str, ...] = ("offload",)  # the kinds of treatment it may choose (Treatment.kind)
     doc = ""
 
     def score(self, c: Choice, now: int) -> float:
@@ -45,7 +45,7 @@ class Policy:
         chosen: list[Choice] = []
         taken: set[int] = set()
         total = 0
-        usable = [c for c in choices if c.treatment in self.treatments and c.nbytes > 0]
+        usable = [c for c in choices if c.nbytes > 0]  # (the pool asks only its kinds: Pool._choices)
         for c in sorted(usable, key=lambda c: self.score(c, now)):
             if total >= need_bytes:
                 break
@@ -83,7 +83,7 @@ class CostAware(Policy):
     has no costs, so the replayer runs it as lru."""
 
     name = "cost_aware"
-    treatments = ("offload", "recompute", "compress")
+    kinds = ("offload", "recompute", "compress")
     doc = "offload or recompute, whichever costs less per byte freed (DTR)"
 
     def score(self, c: Choice, now: int) -> float:
@@ -102,7 +102,7 @@ class Planned(CostAware):
     ahead leaves first."""
 
     name = "planned"
-    treatments = ("offload", "recompute")  # the planner does not model compression (yet)
+    kinds = ("offload", "recompute")  # its fallback does not compress
     doc = "plan each saved tensor's treatment from a profiled step (replay: Belady)"
 
     def key(self, start: int, end: int) -> float:

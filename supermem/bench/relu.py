@@ -92,7 +92,7 @@ def measure(device, dtype, size_bytes: int, density: float, iters: int) -> list[
     import torch
 
     from ..compress import relu_pack, relu_unpack
-    from ..tensor_pool.treatments import ROOM_MARGIN, ROOM_SLACK
+    from ..tensor_pool.treatments.compress import ROOM_MARGIN, ROOM_SLACK
 
     n = size_bytes // (torch.finfo(dtype).bits // 8)
     g = torch.Generator(device=device).manual_seed(0)

@@ -23,9 +23,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .cast import autocast_copy_of
 from .entry import Kept, _check, movable, storage_extent
 from .op_replay import _run, _Unsupported, chain_of
-from .treatments import autocast_copy_of
 
 if TYPE_CHECKING:
     from .pool import Pool

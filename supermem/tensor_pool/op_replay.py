@@ -423,5 +423,5 @@ def _away_by_op(x: Entry | None) -> bool:
         and x.state in (State.LEAVING, State.AWAY)
         and isinstance(x.recipe, OpReplay)
         and x.treatment is not None
-        and x.treatment.name == "recompute"
+        and x.treatment.rebuilds
     )

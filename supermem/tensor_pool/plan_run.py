@@ -21,13 +21,13 @@ from torch.utils._pytree import tree_map
 
 from ..compress import packed_nbytes_of
 from ..units import format_bytes
+from .cast import Cast
 from .entry import Entry, PlanKept, State, dedup_key, storage_extent
 from .lean_call import LeanCall
 from .op_replay import OpReplay
 from .planner import Plan, make_plan
 from .profile import EventCounter, Profile
 from .step import NO_EARLY_CALL
-from .treatments import Cast
 
 if TYPE_CHECKING:
     from .step import Step
@@ -151,8 +151,8 @@ class PlanRunner:
             # an op replay's cost by its site (measured later; the recipe itself holds this step's entries)
             cost = e.recipe.site.cost_s if isinstance(e.recipe, OpReplay) else e.recipe.cost_s(self)
             self._plan_recipe(e.recipe, [e], cost, offloadable=not isinstance(e.recipe, Cast))
-        compress = self.treatments.get("compress")
-        if rec.full and compress is not None and compress.compressible(e):
+        compress = self._by_kind.get("compress")
+        if rec.full and compress is not None and compress.takes(e):
             # Each ReLU output priced by its own nonzeros: the share packed so far, one number for all,
             # undercounts the denser ones (after a residual add), and on this repository's CPU a
             # ResNet-152's (at width 4) first plan with packs rose 7.6% over its budget and was made
@@ -163,16 +163,12 @@ class PlanRunner:
         if not self._plan_matches(e):
             return
         self._by_ordinal[e.ordinal] = weakref.ref(e)
-        how = self._plan.treatment.get(e.ordinal)
-        if how == "offload" and "offload" in self.treatments:
-            self._leave(e, self.treatments["offload"])
-        elif how == "recompute" and "recompute" in self.treatments:
-            if e.recipe is not None and e.recipe.ready:
-                self._leave(e, self.treatments["recompute"])
-            else:
+        how = self._by_kind.get(self._plan.treatment.get(e.ordinal))
+        if how is not None:
+            if how.rebuilds and (e.recipe is None or not e.recipe.ready):
                 self._plan_pending.append(weakref.ref(e))  # its call has not returned yet
-        elif how == "compress" and compress is not None and compress.compressible(e):
-            self._leave(e, compress)
+            elif how.takes(e):
+                self._leave(e, how)
         self._plan_events(event)
 
     def _lean_pack(self, t: torch.Tensor) -> Any:
@@ -380,7 +376,7 @@ class PlanRunner:
             return
         if not rec.regions_on:
             return
-        offload, compress = self.treatments.get("offload"), self.treatments.get("compress")
+        offload, compress = self._by_kind.get("offload"), self._by_kind.get("compress")
         if offload:
             offload.probe(self)
         profile = rec.profile(

@@ -35,6 +35,7 @@ from ..policies import Choice, make_policy
 from ..transfer.copy import CopyEngine
 from ..transfer.host import shared_host_pool
 from ..units import format_bytes, parse_bytes
+from .cast import Cast, autocast_copy_of
 from .compiled import CompiledGraphs
 from .entry import Entry, Kept, PlanKept, State, alive_anyway, check_version, dedup_key, movable
 from .op_replay import OpReplays
@@ -43,7 +44,7 @@ from .planner import Plan
 from .profile import EventCounter, Recorder
 from .region import Regions
 from .step import NO_EARLY_CALL, Step
-from .treatments import Cast, Offload, Recompute, Treatment, autocast_copy_of, checked_treatments
+from .treatments import Offload, Recompute, Treatment, checked_treatments
 
 PREFETCH_SCAN = 64  # entries looked at, going back from the one just used, for prefetch
 CANDIDATES = 32  # least recently used entries priced per decision (the stalest score best anyway)
@@ -136,6 +137,14 @@ class Pool(PlanRunner):
         self._step_peak = 0
         chosen = checked_treatments(treatments) if treatments is not None else ()
         self.treatments = {t.name: t for t in chosen or (Offload(), Recompute())}
+        self._by_kind: dict[str, Treatment] = {}  # what the plan uses for each kind: the first given
+        for t in self.treatments.values():
+            self._by_kind.setdefault(t.kind, t)
+        # the treatment that rebuilds from recipes, where the policy may use it: regions are profiled
+        # and op recipes made only then
+        self._rebuilder = next(
+            (t for t in self.treatments.values() if t.rebuilds and t.kind in self.policy.kinds), None
+        )
         self._settlers = [t for t in self.treatments.values() if type(t).settle is not Treatment.settle]
         host_bytes = _size(
             "host_limit", "50%" if host_limit is None else host_limit, psutil.virtual_memory().total
@@ -147,7 +156,7 @@ class Pool(PlanRunner):
         self.regions = Regions(self)
         self.op_replays = OpReplays(self)
         # op recipes are made only where the policy may recompute (their first run verifies them)
-        self._op_recipes = "recompute" in self.policy.treatments and "recompute" in self.treatments
+        self._op_recipes = self._rebuilder is not None
         self.compiled = CompiledGraphs()  # torch.compile'd graphs' saved tensors: left to the compiler
         self._lock = threading.RLock()
         self._entries: dict[int, weakref.ref[Entry]] = {}  # live entries by pack order
@@ -256,7 +265,7 @@ class Pool(PlanRunner):
     def _start(self) -> None:
         self._register_pressure_handler()
         self._keep_budget()
-        if "recompute" in self.policy.treatments and "recompute" in self.treatments:
+        if self._rebuilder is not None:
             self.regions.start_profiling()
 
     def _active_here(self) -> bool:
@@ -606,7 +615,7 @@ class Pool(PlanRunner):
                 if x is None or x.recipe is None or x.state is not State.RESIDENT:
                     continue
                 if x.recipe.ready:
-                    self._leave(x, self.treatments["recompute"])
+                    self._leave(x, self._by_kind["recompute"])
                 else:
                     still.append(ref)
             self._plan_pending = still
@@ -615,7 +624,7 @@ class Pool(PlanRunner):
     def _choices(self, limit: int | None = None) -> list[Choice]:
         """The policy's ways to free bytes now, over the `limit` least recently used resident entries
         that one of its treatments can take (entries none can take do not use up the window)."""
-        ways = [t for name in self.policy.treatments if (t := self.treatments.get(name)) is not None]
+        ways = [t for t in self.treatments.values() if t.kind in self.policy.kinds]
 
         def takeable(e: Entry) -> bool:
             return not any(e is x for x in self._in_use) and any(t.applies(e) for t in ways)
@@ -665,7 +674,7 @@ class Pool(PlanRunner):
                 try:
                     e.treatment.come_back(self, e)
                 finally:
-                    rebuilt = e.treatment.name == "recompute" and e.recipe is not None
+                    rebuilt = e.treatment.rebuilds and e.recipe is not None
                     self._frame_end(t0, type(e.recipe).__name__ if rebuilt and sampled else None)
             if e.state is State.RETURNING:
                 e.treatment.ready(self, e)

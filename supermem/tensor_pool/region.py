@@ -238,7 +238,7 @@ class Region:
             for k, ref in self.made
             if (x := ref()) is not None
             and x.state is State.AWAY
-            and (x.recipe is self or (x.treatment.name == "recompute" and not any(x is y for y in in_use)))
+            and (x.recipe is self or (x.treatment.rebuilds and not any(x is y for y in in_use)))
         }
         if not want:
             return

@@ -422,7 +422,7 @@ def test_replay_of_a_call_with_nested_and_keyword_arguments(policy, monkeypatch)
 
 def test_a_weight_copy_rebuilt_in_a_create_graph_backward_holds_no_graph():
     """A backward with create_graph runs with grad on: an autocast weight copy is cast again detached."""
-    from supermem.tensor_pool.treatments import Cast
+    from supermem.tensor_pool.cast import Cast
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16))

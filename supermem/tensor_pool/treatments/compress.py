@@ -1,13 +1,4 @@
-"""Treatments: what happens to a saved tensor that leaves the device, one small class each.
-
-A treatment releases an entry's device memory (`leave`), brings it back (`come_back`, then `ready`
-before compute uses it), hears when the entry is back by any way (`arrived`: a region's replay too),
-says what the entry costs while away (`device_bytes`, `host_bytes`) and what leaving costs
-(`choices`, in estimated exposed seconds, for the policy), frees its payload when the entry dies
-(`forget`) and checks its own invariant (`check`). The pool's core only moves entries between states
-and keeps the byte counters; a new treatment is a new class here, in `TREATMENTS`, and passed in
-`Pool(treatments=...)` (Compress: a device payload smaller than the tensor).
-"""
+"""Compress: a ReLU output packed on the device (bitmap and nonzeros), unpacked when backward reads it."""
 
 from __future__ import annotations
 
@@ -18,241 +9,19 @@ import statistics
 import time
 import weakref
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
-from .. import costs, events
-from ..compress import Packed, fitted, packed_nbytes, relu_pack, relu_unpack, trimmed
-from ..errors import ConfigError, UsageError
-from ..policies import Choice
-from .entry import Entry, State
+from ... import costs
+from ...compress import Packed, fitted, packed_nbytes, relu_pack, relu_unpack, trimmed
+from ...errors import UsageError
+from ...policies import Choice
+from ..entry import Entry, State
+from .base import Treatment
 
 if TYPE_CHECKING:
-    from .pool import Pool
-
-LINK_PROBE_BYTES = 64 << 20
-_link_probed: dict[int, float] = {}  # CUDA device index -> D2H bytes per second to pinned memory
-
-
-class Treatment:
-    name = "base"
-    prefetch = False  # the pool may bring entries back ahead of use (worth it for copies)
-
-    def applies(self, e: Entry) -> bool:
-        return True
-
-    def choices(self, pool: Pool, resident: Iterable[Entry]) -> list[Choice]:
-        """Ways this treatment can free device bytes now, priced for the policy."""
-        raise NotImplementedError
-
-    def leave(self, pool: Pool, e: Entry) -> bool:
-        """Starts taking a resident entry off the device (the device tensor is still set: the pool
-        drops it after); sets its state to leaving or away. False: it cannot (the entry stays)."""
-        raise NotImplementedError
-
-    def come_back(self, pool: Pool, e: Entry) -> None:
-        """Starts bringing the entry back; ends with `pool._arrived(e, tensor, event)`."""
-        raise NotImplementedError
-
-    def ready(self, pool: Pool, e: Entry) -> None:
-        """Makes a returning entry usable on the current stream."""
-        e.event = None
-        e.state = State.RESIDENT
-
-    def arrived(self, pool: Pool, e: Entry) -> None:
-        """The entry is back on the device, by this treatment or another way (a region's replay
-        rebuilds every dropped entry of its call): drop what need not be kept."""
-
-    def settle(self, pool: Pool, wait: bool = False) -> None:
-        """Finishes what finished in the background (all of it, waiting, with `wait`): frees what
-        the entries it holds no longer need. The pool calls it before it measures device memory."""
-
-    def device_bytes(self, e: Entry) -> int:
-        """Device bytes the entry still takes while away (a compressed payload; 0 when none)."""
-        return 0
-
-    def host_bytes(self, e: Entry) -> int:
-        return 0
-
-    def forget(self, pool: Pool, e: Entry) -> None:
-        """The entry died or leaves by another treatment: free this treatment's payload."""
-        e.payload = None
-
-    def check(self, pool: Pool, e: Entry) -> None:
-        """This treatment's invariant for an entry it holds; AssertionError if off."""
-
-
-def link_rate(device: torch.device) -> float:
-    """The device's copy rate to pinned host memory (Offload.rate), probed once a process (the fastest
-    of three 64 MiB copies on a side stream, ~4 ms; one copy read 29 GB/s once on an H100 host whose
-    link gave 55 in the process before): a plan made before the pool copied anything priced copies at
-    25 GB/s, which an H100's link more than doubles (54-55 GB/s measured)."""
-    index = torch.device(device).index or 0
-    if index not in _link_probed:
-        rate = costs.GPU_LINK_BYTES_PER_S
-        try:
-            src = torch.empty(LINK_PROBE_BYTES, dtype=torch.uint8, device=torch.device("cuda", index))
-            dst = torch.empty(LINK_PROBE_BYTES, dtype=torch.uint8, pin_memory=True)
-            stream = torch.cuda.Stream(src.device)
-            stream.wait_stream(torch.cuda.current_stream(src.device))
-            events = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
-            with torch.cuda.stream(stream):
-                dst.copy_(src, non_blocking=True)  # (a first copy: the link's setup is not its rate)
-                for e in events[:-1]:
-                    e.record()
-                    dst.copy_(src, non_blocking=True)
-                events[-1].record()
-            events[-1].synchronize()
-            least_ms = min(a.elapsed_time(b) for a, b in zip(events, events[1:]))
-            rate = LINK_PROBE_BYTES / (least_ms / 1e3)
-        except (RuntimeError, torch.OutOfMemoryError):  # no room for the probe: the default stands
-            pass
-        _link_probed[index] = rate
-    return _link_probed[index]
-
-
-class Offload(Treatment):
-    """Copies the tensor's storage span to pinned host memory on the copy engine's D2H stream; brings
-    it back on the H2D stream (prefetched during backward). The host copy is kept while the entry lives:
-    leaving again after a return is free."""
-
-    name = "offload"
-    prefetch = True
-
-    def __init__(self, link_bytes_per_s: float | None = None):
-        """link_bytes_per_s: the copy rate to price copies at; None: the rate the copy engine achieved
-        (until it has copied: 25 GB/s on a GPU, 5 GB/s on CPU)."""
-        self.link_bytes_per_s = link_bytes_per_s
-
-    def rate(self, pool: Pool) -> float:
-        if self.link_bytes_per_s is not None:
-            return self.link_bytes_per_s
-        c = pool.copies.stats
-        if c.d2h_seconds > 0 and c.d2h_bytes > 1 << 20:
-            return c.d2h_bytes / c.d2h_seconds
-        if not pool.cuda:
-            return costs.CPU_COPY_BYTES_PER_S
-        return _link_probed.get(torch.device(pool.device).index or 0, costs.GPU_LINK_BYTES_PER_S)
-
-    def probe(self, pool: Pool) -> None:
-        """Before a plan: the link's rate, measured (link_rate) where no copy measured it yet. Never
-        from a pressure handler: the probe allocates."""
-        if pool.cuda and self.link_bytes_per_s is None:
-            link_rate(pool.device)
-
-    def hideable_bytes(self, pool: Pool, bps: float) -> int:
-        """Bytes the link can still carry before backward starts, judging by the last step's forward
-        (what it already carries this step counts against it). On CPU copies are synchronous: none."""
-        step = pool._step
-        if not pool.cuda or step is None or not pool._last_forward_s or pool._urgent:
-            return 0  # (urgent: the allocator waits for these bytes, so a copy hides nothing)
-        elapsed = time.perf_counter() - step.started_s
-        queued = max(0.0, step.offloaded - bps * elapsed)
-        return int(bps * max(0.0, pool._last_forward_s - elapsed) - queued)
-
-    def applies(self, e: Entry) -> bool:
-        # Weight copies are rebuilt, never copied to host; a call still running decides at its end.
-        return e.recipe is None or (e.recipe.ready and not isinstance(e.recipe, Cast))
-
-    def choices(self, pool: Pool, resident: Iterable[Entry]) -> list[Choice]:
-        bps = self.rate(pool)
-        hideable = self.hideable_bytes(pool, bps)
-        out = []
-        for e in resident:
-            if not self.applies(e):
-                continue
-            exposed = e.nbytes if e.payload is None else 0  # a kept host copy costs nothing to reuse
-            hidden = min(exposed, max(0, hideable))
-            hideable -= hidden
-            cost_s = ((exposed - hidden) + costs.REACTIVE_COPY_INTERFERENCE * exposed) / bps
-            out.append(Choice(e, self.name, e.nbytes, cost_s, e.last_use, (e,)))
-        return out
-
-    def leave(self, pool: Pool, e: Entry) -> bool:
-        if e.payload is None:
-            block = pool.host.take(e.nbytes)
-            if block is None:
-                pool._counters["host_full"] += 1
-                return False
-            e.payload = block
-            e.event = pool.copies.to_host(e.device_span(), _host_span(e))
-            pool._offloaded_bytes += e.nbytes
-            e.step.offloaded += e.nbytes
-            pool._counters["offloads"] += 1
-            events.emit("offload", e.nbytes, e.tensor.data_ptr(), pool._device_index(), e.seq, "activation")
-        else:  # offloaded before: the host copy is complete (returns wait for it)
-            e.event = None
-        e.state = State.LEAVING if e.event is not None else State.AWAY
-        return True
-
-    def come_back(self, pool: Pool, e: Entry) -> None:
-        if e.event is not None and pool.cuda:  # the host copy may still be being written
-            pool.copies.h2d.wait_event(e.event)
-        span, event = pool.copies.to_device(_host_span(e))
-        pool._arrived(e, e.from_span(span), event)
-        events.emit("prefetch", e.nbytes, e.tensor.data_ptr(), pool._device_index(), e.seq, "activation")
-
-    def ready(self, pool: Pool, e: Entry) -> None:
-        pool.copies.use(e.tensor, e.event)
-        super().ready(pool, e)
-
-    def host_bytes(self, e: Entry) -> int:
-        return e.payload.nbytes if e.payload is not None else 0
-
-    def forget(self, pool: Pool, e: Entry) -> None:
-        if e.payload is not None:
-            pool.host.give_back(e.payload, pool.copies.stream_ids)
-        e.payload = None
-
-    def check(self, pool: Pool, e: Entry) -> None:
-        assert e.payload is not None and e.payload.nbytes >= e.nbytes, f"{e}: away without a host copy"
-
-
-class Recompute(Treatment):
-    """Drops the tensor; rebuilds it when backward needs it, from its recipe: a module call replayed
-    from its saved inputs (tensor_pool/region.py), or an autocast weight copy cast again from its
-    parameter, or the cheap op that made it run again on its inputs (tensor_pool/op_replay.py).
-    Dropping frees the memory at once; nothing crosses the link."""
-
-    name = "recompute"
-
-    def applies(self, e: Entry) -> bool:
-        return e.recipe is not None and e.recipe.ready and e.recipe.droppable(e)
-
-    def choices(self, pool: Pool, resident: Iterable[Entry]) -> list[Choice]:
-        groups: dict[int, list[Entry]] = {}
-        recipes = {}
-        for e in resident:
-            if self.applies(e):
-                key = id(e.recipe.group)
-                groups.setdefault(key, []).append(e)
-                recipes[key] = e.recipe
-        out = []
-        for key, es in groups.items():
-            cost_s = recipes[key].cost_s(pool)
-            if cost_s is None:
-                continue  # not measured yet
-            nbytes = sum(e.nbytes for e in es)
-            out.append(
-                Choice(recipes[key].group, self.name, nbytes, cost_s, max(e.last_use for e in es), tuple(es))
-            )
-        return out
-
-    def leave(self, pool: Pool, e: Entry) -> bool:
-        if not e.recipe.droppable(e):
-            return False  # an op replay's input changed, or dropping it would make a cascade (op_replay.py)
-        e.state = State.AWAY
-        pool._counters["dropped"] += 1
-        pool._dropped_bytes += e.nbytes
-        return True
-
-    def come_back(self, pool: Pool, e: Entry) -> None:
-        pool._counters["recomputes"] += 1
-        e.recipe.rebuild(pool, e)
-
-    def check(self, pool: Pool, e: Entry) -> None:
-        assert e.recipe is not None and e.payload is None, f"{e}: away without a recipe"
+    from ..pool import Pool
 
 
 RELU_MADE = frozenset({"ReluBackward0", "ReluBackward1", "ThresholdBackward0", "ThresholdBackward1"})
@@ -293,6 +62,20 @@ class Compress(Treatment):
     not used, since the pool does not know which ops saved an entry."""
 
     name = "compress"
+    kind = "compress"
+
+    @classmethod
+    def from_spec(cls, arg: str) -> Compress:
+        if arg not in ROOMS:
+            raise ValueError(f"compress takes a room: {', '.join(ROOMS)}")
+        return cls(room=arg)
+
+    @classmethod
+    def specs(cls) -> list[str]:
+        return [cls.name, *(f"{cls.name}:{r}" for r in ROOMS)]
+
+    def takes(self, e: Entry) -> bool:
+        return self.compressible(e)
 
     def __init__(self, room: str = "exact"):
         if room not in ROOMS:
@@ -618,99 +401,6 @@ def _relu_output(t: torch.Tensor, made_by: str) -> bool:
 
 @functools.cache
 def _kernels_built() -> bool:
-    from .. import _C
+    from ... import _C
 
     return bool(getattr(_C, "has_relu_kernels", False))
-
-
-class Cast:
-    """Recipe for an autocast copy of a parameter (about 8% of GPT-24's saved bytes): cast it again."""
-
-    __slots__ = ("param", "dtype", "shape", "stride", "offset", "param_version")
-    ready = True
-
-    def __init__(self, param: torch.Tensor, t: torch.Tensor):
-        self.param = param
-        self.dtype = t.dtype
-        self.shape, self.stride, self.offset = t.shape, t.stride(), t.storage_offset()
-        self.param_version = param._version
-
-    @property
-    def group(self) -> Cast:
-        return self
-
-    def cost_s(self, pool: Pool) -> float:
-        return 3 * self.param.nbytes / pool._device_bytes_per_s()  # read fp32, write bf16
-
-    def droppable(self, e: Entry) -> bool:
-        return True
-
-    def rebuild(self, pool: Pool, e: Entry) -> None:
-        if self.param._version != self.param_version:
-            raise RuntimeError(
-                "supermem: a parameter changed in place between forward and backward; its autocast "
-                "copy saved for backward cannot be rebuilt (plain autograd would use the stale copy)"
-            )
-        copy = self.param.detach().to(self.dtype)  # detached: no graph, and no no_grad context to enter
-        pool._arrived(e, copy.as_strided(self.shape, self.stride, self.offset), None)
-
-
-TREATMENTS: dict[str, type[Treatment]] = {t.name: t for t in (Offload, Recompute, Compress)}
-
-
-def treatment_names(spec: Any) -> tuple:
-    """("offload", "compress") from that, a list, or "offload,compress" (objects pass through)."""
-    if isinstance(spec, str):
-        return tuple(name.strip() for name in spec.split(",") if name.strip())
-    try:
-        return tuple(spec)
-    except TypeError:
-        raise ConfigError(
-            f"bad pool option treatments={spec!r}: give names, e.g. ('offload', 'recompute', 'compress')"
-        ) from None
-
-
-def checked_treatments(spec: Any) -> tuple[Treatment, ...]:
-    """The treatments `spec` names (as treatment_names takes them) or holds; ConfigError for a bad one."""
-    names = treatment_names(spec)
-    try:
-        return make_treatments(names)
-    except ValueError as e:
-        raise ConfigError(f"bad pool option treatments={names!r}: {e}") from None
-
-
-def make_treatments(spec: Iterable[str | Treatment]) -> tuple[Treatment, ...]:
-    """Treatments from names ("offload", "recompute", "compress", "compress:full": a room mode, see
-    Compress) or objects; ValueError naming the known ones for an unknown name."""
-    out = []
-    for t in spec:
-        if isinstance(t, Treatment):
-            out.append(t)
-        elif t in TREATMENTS:
-            out.append(TREATMENTS[t]())
-        elif isinstance(t, str) and t.startswith("compress:") and t[len("compress:") :] in ROOMS:
-            out.append(Compress(room=t[len("compress:") :]))
-        else:
-            known = [*TREATMENTS, *(f"compress:{r}" for r in ROOMS)]
-            raise ValueError(f"unknown treatment {t!r}; known: {', '.join(known)}")
-    return tuple(out)
-
-
-def autocast_copy_of(t: torch.Tensor) -> torch.Tensor | None:
-    """The parameter `t` is an autocast copy of (or a view of one), else None: its base was made by
-    one cast (ToCopyBackward0) straight from a leaf that requires grad, with the same shape."""
-    base = t._base if t._base is not None else t
-    fn = base.grad_fn
-    if fn is None or type(fn).__name__ != "ToCopyBackward0" or not base.is_contiguous():
-        return None
-    nxt = fn.next_functions
-    if len(nxt) != 1 or nxt[0][0] is None or not hasattr(nxt[0][0], "variable"):
-        return None
-    param = nxt[0][0].variable
-    if param.shape != base.shape or not param.is_contiguous() or param.device != base.device:
-        return None
-    return param
-
-
-def _host_span(e: Entry) -> torch.Tensor:
-    return e.payload.tensor.view(e.dtype)
