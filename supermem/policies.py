@@ -34,7 +34,14 @@ class Policy:
     name = "base"
     live = True  # usable by the live pool (False: needs the future, replay only)
     kinds: tuple[str, ...] = ("offload",)  # the kinds of treatment it may choose (Treatment.kind)
+    plans = False  # it plans each step's shape ahead (solve); else it only chooses as the step runs
     doc = ""
+
+    def solve(self, profile: Any, budget: int) -> Any:
+        """A plan (tensor_pool.planner.Plan) for the profiled step under `budget` bytes: the solver a
+        planning policy brings. The pool calls it once per step shape, and again lower where a plan
+        missed its budget."""
+        raise NotImplementedError
 
     def score(self, c: Choice, now: int) -> float:
         """Lower scores leave first."""
@@ -103,7 +110,14 @@ class Planned(CostAware):
 
     name = "planned"
     kinds = ("offload", "recompute")  # its fallback does not compress
+    plans = True
     doc = "plan each saved tensor's treatment from a profiled step (replay: Belady)"
+
+    def solve(self, profile: Any, budget: int) -> Any:
+        """The greedy (tensor_pool/planner.py)."""
+        from .tensor_pool.planner import make_plan  # (the pool's package imports this module)
+
+        return make_plan(profile, budget)
 
     def key(self, start: int, end: int) -> float:
         return -(end if end >= 0 else float("inf"))

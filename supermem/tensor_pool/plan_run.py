@@ -25,7 +25,7 @@ from .cast import Cast
 from .entry import Entry, PlanKept, State, dedup_key, storage_extent
 from .lean_call import LeanCall
 from .op_replay import OpReplay
-from .planner import Plan, make_plan
+from .planner import Plan
 from .profile import EventCounter, Profile
 from .step import NO_EARLY_CALL
 
@@ -414,7 +414,7 @@ class PlanRunner:
     def _plan_from(self, profile: Profile) -> None:
         """The plan of `profile`'s shape, below the budget by what its plans overshot; cached."""
         sig = profile.signature
-        self._plan = make_plan(profile, max(0, self.budget_bytes - self._plan_aim.get(sig, 0)))
+        self._plan = self.policy.solve(profile, max(0, self.budget_bytes - self._plan_aim.get(sig, 0)))
         if not self._plan.feasible and sig not in self._said_infeasible:
             self._said_infeasible.add(sig)
             warnings.warn(infeasible_message(self._plan, profile, self.budget_bytes), stacklevel=2)

@@ -106,7 +106,7 @@ class Pool(PlanRunner):
             raise ConfigError(f"bad pool option min_bytes={min_bytes!r}: give an int >= 0 (bytes)")
         self.graphs = graphs
         self._light_graphs: Any = None  # LightGraphs, made at the first light call on CUDA
-        self.planning = self.policy.name == "planned"
+        self.planning = self.policy.plans
         self._plans: dict[tuple[int, ...], Plan] = {}  # by shape signature (bytes per saved tensor)
         self._plan: Plan | None = None  # the plan this step runs (or the last one made)
         self._plan_ok = False  # this step matches the plan so far

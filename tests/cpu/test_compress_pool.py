@@ -767,11 +767,13 @@ def test_the_recorded_step_prices_each_relu_output_by_its_own_density(monkeypatc
     again lower (a ResNet-152 at width 4 on this CPU: 7.6% over)."""
     import copy
 
-    from supermem.tensor_pool import plan_run
+    from supermem.policies import Planned
 
     profiles = []
-    real = plan_run.make_plan
-    monkeypatch.setattr(plan_run, "make_plan", lambda p, b: profiles.append(copy.deepcopy(p)) or real(p, b))
+    real = Planned.solve
+    monkeypatch.setattr(
+        Planned, "solve", lambda self, p, b: profiles.append(copy.deepcopy(p)) or real(self, p, b)
+    )
     batch = lambda g: (torch.randn(128, 64, generator=g), None)  # noqa: E731
     ref = train_steps(DenseThenSparse, batch, steps=5)
     probe = Pool(budget="1GiB", policy="planned", treatments=(Compress(),))
@@ -792,11 +794,14 @@ def test_the_plan_prices_what_a_pack_waits_for_its_count_and_its_host_seconds(mo
     (Profile.compress_host_s): where they are long, the plan rebuilds instead of packing."""
     import copy
 
-    from supermem.tensor_pool import plan_run, planner
+    from supermem.policies import Planned
+    from supermem.tensor_pool import planner
 
     profiles = []
-    real = plan_run.make_plan
-    monkeypatch.setattr(plan_run, "make_plan", lambda p, b: profiles.append(copy.deepcopy(p)) or real(p, b))
+    real = Planned.solve
+    monkeypatch.setattr(
+        Planned, "solve", lambda self, p, b: profiles.append(copy.deepcopy(p)) or real(self, p, b)
+    )
     probe = Pool(budget="1GiB", policy="planned", treatments=(Compress(), Recompute()))
     train("bottleneck", probe, steps=3)
     p = profiles[-1]

@@ -1209,17 +1209,16 @@ def test_the_profile_names_what_each_region_replay_reads(monkeypatch):
     """Each layer of the MLP is a region; its replay reads the layer's input (the Linear saves it), an
     entry of the step that is no member of the region: the profile's unit_inputs name it, so the plan
     keeps it on the device (or brings it back) for the replay."""
-    import sys
+    from supermem.policies import Planned
 
-    mod = sys.modules["supermem.tensor_pool.plan_run"]
     profiles = []
-    real = mod.make_plan
+    real = Planned.solve
 
-    def capture(p, budget):
+    def capture(self, p, budget):
         profiles.append(p)
-        return real(p, budget)
+        return real(self, p, budget)
 
-    monkeypatch.setattr(mod, "make_plan", capture)
+    monkeypatch.setattr(Planned, "solve", capture)
     from supermem.tensor_pool.op_replay import OpReplays
 
     monkeypatch.setattr(OpReplays, "recipe_for", lambda *_: None)  # regions only (GELU's are op replays)
@@ -1315,12 +1314,11 @@ def test_the_models_own_rise_between_two_events_is_a_transient_even_where_a_pres
 def test_a_slow_pool_leaves_the_profiled_steps_seconds_as_they_are(monkeypatch):
     """Live: with every save through the pool 10 ms slower in the profiled step, its profile's step
     seconds stay below the step's wall less those 10 ms a save (they are the pool's, not the model's)."""
-    from supermem.tensor_pool import plan_run
 
     g = torch.Generator().manual_seed(1)
     pool = Pool(budget=20 << 10, policy="planned", host_limit="64MiB")
     profiles, slowed, walls = [], [0], []
-    real_pack, real_plan, real_ended = pool._pack_saved, plan_run.make_plan, pool._step_ended
+    real_pack, real_plan, real_ended = pool._pack_saved, pool.policy.solve, pool._step_ended
 
     def pack(t):
         if pool._rec is not None and pool._rec.full and pool._rec.regions_on:
@@ -1338,7 +1336,7 @@ def test_a_slow_pool_leaves_the_profiled_steps_seconds_as_they_are(monkeypatch):
 
     monkeypatch.setattr(pool, "_pack_saved", pack)
     monkeypatch.setattr(pool, "_step_ended", step_ended)
-    monkeypatch.setattr(plan_run, "make_plan", make_plan)
+    monkeypatch.setattr(pool.policy, "solve", make_plan)
     _train(pool, [torch.randn(32, 64, generator=g) for _ in range(4)])
     (p, n), *_ = profiles
     wall = walls[1]  # step 1 finds regions, step 2 is profiled
@@ -1411,18 +1409,17 @@ def test_an_allocation_that_came_to_the_pressure_handler_is_a_point_the_plan_hol
     """The loss's temporaries fall between two saves: the pool sees them only when the allocator asks it
     for room. The step that is profiled calls the pressure handler there (as the soft limit would); the
     profile must carry that demand at the event before it, and the plan must hold it under the budget."""
-    import sys
+    from supermem.policies import Planned
 
-    mod = sys.modules["supermem.tensor_pool.plan_run"]
     profiles, plans = [], []
-    real = mod.make_plan
+    real = Planned.solve
 
-    def capture(p, budget):
+    def capture(self, p, budget):
         profiles.append(p)
-        plans.append(real(p, budget))
+        plans.append(real(self, p, budget))
         return plans[-1]
 
-    monkeypatch.setattr(mod, "make_plan", capture)
+    monkeypatch.setattr(Planned, "solve", capture)
     g = torch.Generator().manual_seed(1)
     batches = [torch.randn(32, 64, generator=g) for _ in range(3)]
     pool = Pool(budget=40 << 10, policy="planned", host_limit="64MiB")

@@ -1,6 +1,7 @@
-"""The treatment seam: a treatment added in its own file (stash_treatment.py) and registered is made
+"""The pool's seams. Treatments: one added in its own file (stash_treatment.py) and registered is made
 by name, chosen by the policies whose kinds include its kind, and carried out by the plan, with
-training bitwise plain PyTorch's; nothing else in the pool names it."""
+training bitwise plain PyTorch's; nothing else in the pool names it. Solvers: a planning policy
+brings its own (Policy.solve), and the pool plans with it."""
 
 import pytest
 import torch
@@ -70,3 +71,28 @@ def test_the_plan_carries_out_its_offloads_by_the_treatment_of_that_kind():
     before = stash.left
     _train(pool, steps=1)
     assert planned > 0 and stash.left - before >= planned, (planned, stash.left - before)
+
+
+def test_a_planning_policy_brings_its_own_solver(monkeypatch):
+    from supermem.policies import POLICIES, Planned
+
+    asked = []
+
+    class Cautious(Planned):
+        """The greedy, aiming at half the budget it is given."""
+
+        name = "cautious"
+
+        def solve(self, profile, budget):
+            asked.append(budget)
+            return super().solve(profile, budget // 2)
+
+    monkeypatch.setitem(POLICIES, "cautious", Cautious)
+    budget = _half_peak()
+    pool = Pool(budget=budget, policy="cautious", min_bytes=0)
+    ref = _train(None)
+    got = _train(pool)
+    assert all(torch.equal(a, b) for a, b in zip(got, ref)) and len(got) == len(ref)
+    assert asked and asked[0] == budget, asked
+    plan = pool.stats()["plan"]
+    assert plan["budget_bytes"] == budget // 2 and plan["measured_peak_bytes"] <= budget // 2, plan
