@@ -159,6 +159,7 @@ class Pool(PlanRunner):
         self._op_recipes = self._rebuilder is not None
         self.compiled = CompiledGraphs()  # torch.compile'd graphs' saved tensors: left to the compiler
         self._lock = threading.RLock()
+        self.closed = False  # close() was called (supermem.pool(...) then makes a new one)
         self._entries: dict[int, weakref.ref[Entry]] = {}  # live entries by pack order
         self._seqs: list[int] = []  # pack order, with dead seqs compacted away now and then
         self._lru: dict[int, weakref.ref[Entry]] = {}  # resident entries, least recently used first
@@ -1023,9 +1024,7 @@ class Pool(PlanRunner):
         there make a new pool). Between steps, with no backward of its pending; the pool is not to be
         entered again."""
         self.regions.close()
-        from . import _forget  # the factory's cache lives in the package, which imports this module
-
-        _forget(self)
+        self.closed = True
 
     def reset_stats(self) -> None:
         with self._lock:
