@@ -4,6 +4,7 @@ It does nothing unless SUPERMEM (not "0"), SUPERMEM_CONF or SUPERMEM_TRACE_CHILD
 
 import os
 import sys
+from typing import NoReturn
 
 
 def wanted(environ: dict | None = None) -> bool:
@@ -22,13 +23,33 @@ def hook() -> None:
     try:
         install_from_env()
     except ConfigError as e:
-        # A user mistake: stop with the message, not a traceback. SystemExit passes through torch's
-        # `except Exception` around entry points, whichever version of torch this is.
-        print(
-            f"supermem: bad SUPERMEM_CONF ({os.environ.get('SUPERMEM_CONF', '')!r}): ConfigError: {e}",
-            file=sys.stderr,
-        )
-        raise SystemExit(2) from None
+        stop_at_activation(bad_conf_message(e))
+
+
+def bad_conf_message(e: Exception) -> str:
+    return f"supermem: bad SUPERMEM_CONF ({os.environ.get('SUPERMEM_CONF', '')!r}): ConfigError: {e}"
+
+
+def stop_at_activation(message: str) -> None:
+    """A bad SUPERMEM_CONF stops the process where supermem would have acted on it: at CUDA's
+    initialisation (the allocator swap) or at the first tensor saved for backward (the pool), with the
+    one line and exit 2. A process that does neither (a tool or a data worker that imports torch, a CPU
+    job without autograd) runs on: every child of a job inherits the variable, and most never use CUDA.
+    supermem's API (install, pool, options) still raises ConfigError at once: config.current() parses
+    the variable again."""
+    import torch
+
+    from .log import logger
+
+    def stop(*_: object) -> NoReturn:
+        print(message, file=sys.stderr)
+        # SystemExit: no traceback, and it passes through torch's `except Exception` around queued
+        # CUDA calls (and autograd's around hooks) where any other error would be rewrapped.
+        raise SystemExit(2)
+
+    logger.info("%s; the process stops at CUDA's initialisation or its first backward", message)
+    torch.cuda._lazy_call(stop)  # private: runs inside torch.cuda._lazy_init, after cuInit
+    torch._C._autograd._push_saved_tensors_default_hooks(stop, stop)
 
 
 def _trace_rank() -> None:
@@ -37,4 +58,6 @@ def _trace_rank() -> None:
 
         start_from_env(install=not wanted())  # with SUPERMEM=1 the hook below installs
     except Exception as e:  # noqa: BLE001  (the program runs on, untraced, rather than not at all)
-        print(f"supermem trace: error: cannot record this rank: {type(e).__name__}: {e}", file=sys.stderr)
+        from .log import logger
+
+        logger.error("supermem trace: error: cannot record this rank: %s: %s", type(e).__name__, e)

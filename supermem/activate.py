@@ -17,6 +17,7 @@ from typing import Any
 
 from . import config, registry
 from .errors import ActivationError
+from .log import logger
 from .units import parse_bytes
 
 # No torch, _C or allocator import here: PyTorch's autoload hook imports this module while
@@ -90,17 +91,15 @@ def install(conf: str | dict | None = None) -> bool:
     from . import _C
 
     if not hasattr(_C, "plugin_install") or not hasattr(torch._C, "_cuda_customAllocator"):
-        if not _said_no_cuda:
+        if not _said_no_cuda:  # info, not a warning: under SUPERMEM=1 every `import torch` comes here
             _said_no_cuda = True
-            print(
-                "supermem: this PyTorch or supermem build has no CUDA; the allocator is not swapped",
-                file=sys.stderr,
-            )
+            logger.info("supermem: this PyTorch or supermem build has no CUDA; the allocator is not swapped")
         return False
     if torch.cuda.is_initialized():
         raise ActivationError(_TOO_LATE)
     from .trace import oom
 
+    torch_conf_said = config.honour_torch_alloc_conf(cfg)  # before the limit is read
     source = PluginSource(*_limit_args(cfg.limit), cfg.passthrough, cfg.debug)
     # the `trace` option, or a small always-on ring for OOM snapshots
     registry.set_device_source(source, oom.ring_events_for_config())
@@ -110,6 +109,8 @@ def install(conf: str | dict | None = None) -> bool:
         registry.set_device_source(None)
         raise ActivationError(_TOO_LATE) from e
     _C.plugin_add_oom_observer(oom.on_oom)  # records it for `top`; writes the oom_snapshot trace
+    if torch_conf_said:
+        logger.warning(torch_conf_said)
     _patch_torch()
     if cfg.control:
         from . import control
@@ -170,7 +171,8 @@ def _memory_snapshot(*args: Any, **kwargs: Any) -> dict:
     """PyTorch's snapshot shape: segments of every device (with their blocks) and empty traces."""
     from . import _C
 
-    segments, traces = [], []
+    segments: list[dict] = []
+    traces: list[list] = []
     for device in _C.plugin_devices():
         segments += torch_segments(_C.plugin_allocator(device, False).snapshot(), device)
         traces.append([])
@@ -222,13 +224,15 @@ class _InductorConfigHook(importlib.abc.MetaPathFinder):
             return None
         sys.meta_path.remove(self)
         spec = importlib.util.find_spec(fullname)
-        exec_module = spec.loader.exec_module
+        if spec is None or spec.loader is None:
+            return None
+        loader, exec_module = spec.loader, spec.loader.exec_module
 
         def exec_and_patch(module: Any) -> None:
             exec_module(module)
             module.triton.cudagraph_trees = False
 
-        spec.loader.exec_module = exec_and_patch
+        loader.exec_module = exec_and_patch  # type: ignore[method-assign]
         return spec
 
 

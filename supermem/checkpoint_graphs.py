@@ -29,13 +29,13 @@ bits (tests/gpu checks ResNet bottlenecks: bitwise on an H100).
 from __future__ import annotations
 
 import copy
-import warnings
 import weakref
 from typing import Any
 
 import torch
 
 from .errors import UsageError
+from .log import warn
 from .streaming import ALIGN, streamed_unit
 
 MIN_BLOCKS = 4  # a structure is graphed only when a chain repeats it this often: captures cost ~0.1 s
@@ -221,10 +221,9 @@ class ChainGraphs:
                     torch.get_rng_state(), cpu_rng
                 )
                 if drew:
-                    warnings.warn(
+                    warn(
                         f"supermem: CUDA graphs leave {type(block).__name__} blocks eager: they draw random "
-                        "numbers, which a CUDA graph would draw anew at each replay",
-                        stacklevel=4,
+                        "numbers, which a CUDA graph would draw anew at each replay"
                     )
                     return None
                 self._record(slot, info, kind.wrt)

@@ -186,11 +186,69 @@ OPTIONS: tuple[Option, ...] = (
 )
 _BY_NAME = {o.name: o for o in OPTIONS}
 
+# PyTorch's own allocator options (PYTORCH_ALLOC_CONF, formerly PYTORCH_CUDA_ALLOC_CONF; torch 2.13's
+# c10/core/AllocatorConfig.h and c10/cuda/CUDAAllocatorConfig.h). Two mean the same under supermem and are
+# aliases; the rest set up the allocator that supermem's replaces, and have no supermem equivalent.
+TORCH_ALIASES = {"per_process_memory_fraction": "limit", "backend": "allocator"}
+TORCH_ONLY = (
+    "expandable_segments",
+    "max_split_size_mb",
+    "max_non_split_rounding_mb",
+    "garbage_collection_threshold",
+    "roundup_power2_divisions",
+    "release_lock_on_cudamalloc",
+    "graph_capture_record_stream_reuse",
+    "pinned_use_cuda_host_register",
+    "pinned_num_register_threads",
+    "pinned_use_background_threads",
+    "pinned_reserve_segment_size_mb",
+)
+
+
+def _torch_fraction(text: Any) -> float:
+    """per_process_memory_fraction's value as PyTorch takes it: a fraction of the card in (0, 1]."""
+    try:
+        f = float(str(text).strip())
+    except ValueError:
+        raise ValueError(f"{text!r} is not a number") from None
+    if not 0 < f <= 1:
+        raise ValueError(f"{f} is not a fraction in (0, 1]")
+    return f
+
+
+def _torch_backend(text: Any) -> str:
+    if str(text).strip() != "native":
+        raise ValueError(
+            f"{text!r}: only PyTorch's `native` backend has a supermem equivalent (allocator:native)"
+        )
+    return "native"
+
+
+_TORCH_VALUE = {"per_process_memory_fraction": _torch_fraction, "backend": _torch_backend}
+
+
+def from_torch_name(name: str, value: Any) -> tuple[str, Any]:
+    """(supermem's key, the value in its terms) for a key that may be PyTorch's name of a supermem option;
+    ConfigError for PyTorch's allocator options that have none."""
+    if name in TORCH_ALIASES:
+        try:
+            return TORCH_ALIASES[name], _TORCH_VALUE[name](value)
+        except ValueError as e:
+            raise ConfigError(f"bad value for PyTorch's allocator option {name!r}: {e}") from None
+    if name in TORCH_ONLY:
+        raise ConfigError(
+            f"{name!r} is an option of PyTorch's own allocator, which supermem's replaces; supermem has no "
+            f"equivalent (its options: {', '.join(_BY_NAME)}; PyTorch's {', '.join(TORCH_ALIASES)} are taken "
+            f"as supermem's {', '.join(TORCH_ALIASES.values())})"
+        )
+    return name, value
+
 
 def parse_option(name: str, value: Any) -> Any:
     """The parsed value of one option; ConfigError names the key and the allowed values."""
     opt = _BY_NAME.get(name)
     if opt is None:
+        from_torch_name(name, value)  # PyTorch's names: a message that says what to use instead
         raise ConfigError(f"unknown supermem option {name!r}; known options: {', '.join(_BY_NAME)}")
     if value is None:
         return None
@@ -201,16 +259,17 @@ def parse_option(name: str, value: Any) -> Any:
 
 
 def parse_conf(text: str) -> dict[str, Any]:
-    """Parses "key:value,key:value" strictly (spaces ignored, an empty string is no options)."""
+    """Parses "key:value,key:value" strictly (spaces ignored, an empty string is no options). PyTorch's
+    names of supermem's options are taken as those (per_process_memory_fraction:0.8 is limit:0.8)."""
     out: dict[str, Any] = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
         key, sep, value = item.partition(":")
-        key = key.strip()
         if not sep or not value.strip():
             raise ConfigError(f"SUPERMEM_CONF item {item!r} is not key:value (e.g. limit:12GiB,pool:lru)")
+        key, parsed = from_torch_name(key.strip(), value.strip())
         if key in out:
             raise ConfigError(f"supermem option {key!r} is given twice")
-        out[key] = parse_option(key, value.strip())
+        out[key] = parse_option(key, parsed)
     return out
 
 
@@ -221,7 +280,7 @@ def merge_conf(base: str, override: str) -> str:
     items = {}
     for text in (base, override):
         for item in filter(None, (part.strip() for part in text.split(","))):
-            items[item.partition(":")[0].strip()] = item
+            items[TORCH_ALIASES.get(key := item.partition(":")[0].strip(), key)] = item
     return ",".join(items.values())
 
 
@@ -242,9 +301,63 @@ class Config:
         return dict(self._values)
 
     def set(self, **values: Any) -> None:
-        """Sets every value, or none when one is bad (ConfigError)."""
-        parsed = {k: parse_option(k, v) for k, v in values.items()}
+        """Sets every value, or none when one is bad (ConfigError). PyTorch's names of supermem's options
+        are taken as those."""
+        parsed = {}
+        for name, value in values.items():
+            key, value = from_torch_name(name, value)
+            if key in parsed:
+                raise ConfigError(f"supermem option {key!r} is given twice")
+            parsed[key] = parse_option(key, value)
         self._values.update(parsed)
+
+
+TORCH_CONF_VARS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")  # PyTorch reads the first one set
+
+
+def torch_alloc_conf(environ: os._Environ | dict | None = None) -> tuple[str, dict[str, str]]:
+    """(the variable, its "key:value" items) of PyTorch's allocator options in the environment; ("", {})
+    when none is set. Lists in brackets (roundup_power2_divisions:[256:1,>:2]) stay one item."""
+    env = os.environ if environ is None else environ
+    var = next((v for v in TORCH_CONF_VARS if env.get(v, "").strip()), "")
+    items: dict[str, str] = {}
+    for item in re.split(r",(?![^\[]*\])", env.get(var, "")) if var else ():
+        key, _, value = item.partition(":")
+        if key.strip():
+            items[key.strip()] = value.strip()
+    return var, items
+
+
+def honour_torch_alloc_conf(cfg: Config, environ: os._Environ | dict | None = None) -> str | None:
+    """Once supermem's allocator replaces PyTorch's, PyTorch's allocator options apply no more. Those that
+    mean a supermem option (per_process_memory_fraction: limit) set it where the user's supermem options
+    leave it at its default; the message returned names what is taken and what is ignored, or is None
+    when there is nothing to say."""
+    var, items = torch_alloc_conf(environ)
+    taken, ignored = [], []
+    for key, value in items.items():
+        name = TORCH_ALIASES.get(key)
+        if name is None or name == "allocator":  # (backend: supermem's allocator is the one asked for)
+            ignored.append(key)
+            continue
+        try:
+            _, parsed = from_torch_name(key, value)
+        except ConfigError:
+            ignored.append(f"{key} (bad value {value!r})")
+            continue
+        if getattr(cfg, name) == _BY_NAME[name].default:
+            cfg.set(**{name: parsed})
+            taken.append(f"{key}:{value} as {name}:{parsed}")
+        else:
+            ignored.append(f"{key} (supermem's {name} is set)")
+    if not taken and not ignored:
+        return None
+    said = [f"supermem: {var} configures PyTorch's own allocator, which supermem's replaces in this process"]
+    if taken:
+        said.append(f"taken: {', '.join(taken)}")
+    if ignored:
+        said.append(f"ignored: {', '.join(ignored)}")
+    return "; ".join(said)
 
 
 def from_env(environ: os._Environ | dict | None = None) -> Config:

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from . import registry
+from .log import logger
 
 Provider = Callable[[], dict[str, Any]]
 
@@ -372,7 +373,7 @@ def start_server(allowed_uid: int | None = None) -> ControlServer | None:
                 _server = ControlServer(allowed_uid=allowed_uid).start()
             except OSError as e:  # PermissionError from private_dir, "AF_UNIX path too long", ...
                 _failed = str(e)
-                print(f"supermem: `supermem top` is off for this process: {e}", file=sys.stderr)
+                logger.warning("supermem: `supermem top` is off for this process: %s", e)
         return _server
 
 

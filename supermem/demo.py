@@ -16,6 +16,7 @@ differ slightly from run to run).
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 from typing import Any
 
@@ -63,9 +64,14 @@ class GPT(nn.Module):
         return self.head(self.ln(x))
 
 
-# Steps before the timed ones, in every run (the losses compare step by step): a planned pool finds
-# its regions in the first, records the second, and runs its plan from the third.
+# Steps before the timed ones, in every run: a planned pool finds its regions in the first, records
+# the second, and runs its plan from the third. Then more, up to MAX_WARMUP, until the last STEADY
+# steps' times are within STEADY_SPREAD of each other: a process's first run pays first-time costs
+# (a GPU's first row took 1592 ms a step, 29.9 ms when run again) for longer than 3 steps.
 WARMUP = 3
+MAX_WARMUP = 10
+STEADY = 3
+STEADY_SPREAD = 0.1
 
 SIZES = {  # layers, d, heads, vocab, seq, batch
     "cuda": (12, 768, 12, 8192, 1024, 8),
@@ -80,10 +86,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", choices=live_names(), default="planned", help="pool policy (default planned)")
 
 
+def steady(times_s: list[float], warmup: int = WARMUP) -> bool:
+    """Warm enough to time: at least `warmup` steps, and the last STEADY within STEADY_SPREAD of their
+    fastest (or MAX_WARMUP steps run)."""
+    if len(times_s) >= MAX_WARMUP:
+        return True
+    last = times_s[-STEADY:]
+    return len(times_s) >= warmup and len(last) == STEADY and max(last) <= (1 + STEADY_SPREAD) * min(last)
+
+
 def train(device: torch.device, steps: int, pool: Pool | None, ckpt: bool = False) -> dict:
-    """`steps` timed steps after WARMUP ones, under `pool`; without one, with no saved-tensor hooks at
-    all (a process-wide pool's, a caller's) besides checkpoint's own. On CPU such a run's peak is
-    counted in one more step, untimed and after the compared ones, by a pool without a budget."""
+    """`steps` timed steps after a warm-up until steady(), under `pool`; without one, with no
+    saved-tensor hooks at all (a process-wide pool's, a caller's) besides checkpoint's own. On CPU such
+    a run's peak is counted in one more step, untimed and after the compared ones, by a pool without a
+    budget. "losses" has every step's, warm-up's too (runs compare the steps they all ran); "ms" is the
+    timed steps' median, "ms_range" their fastest and slowest."""
     layers, d, heads, vocab, seq, batch = SIZES[device.type]
     torch.manual_seed(0)
     model = GPT(layers, d, heads, vocab, seq).to(device)
@@ -97,17 +114,23 @@ def train(device: torch.device, steps: int, pool: Pool | None, ckpt: bool = Fals
     )
     hooks = pool if pool is not None else _NoSavedTensorHooks()
 
+    losses: list[float] = []
+
     def step(hooks: Any) -> float:
+        """One step's seconds (loss.item() waits for the GPU)."""
+        t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         with hooks, amp:
             logits = model(data[:, :-1])
             loss = F.cross_entropy(logits.flatten(0, 1).float(), data[:, 1:].flatten())
         loss.backward()
         opt.step()
-        return loss.item()
+        losses.append(loss.item())
+        return time.perf_counter() - t0
 
-    for _ in range(WARMUP):  # kernels, caches, host pool chunks; a planned pool's recorded steps
-        step(hooks)
+    warm: list[float] = []
+    while not steady(warm):  # kernels, caches, host pool chunks; a planned pool's recorded steps
+        warm.append(step(hooks))
     if device.type == "cuda":
         torch.cuda.synchronize()
         warm_peak = torch.cuda.max_memory_allocated()
@@ -116,12 +139,7 @@ def train(device: torch.device, steps: int, pool: Pool | None, ckpt: bool = Fals
         warm_peak = pool.stats()["peak_resident_bytes"] if pool is not None else 0
     if pool is not None:
         pool.reset_stats()
-    losses, t0 = [], time.perf_counter()
-    for _ in range(steps):
-        losses.append(step(hooks))
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    seconds = (time.perf_counter() - t0) / steps
+    times_s = [step(hooks) for _ in range(steps)]
     if pool is not None:
         pool.synchronize()
     s = pool.stats() if pool is not None else None
@@ -132,8 +150,17 @@ def train(device: torch.device, steps: int, pool: Pool | None, ckpt: bool = Fals
     else:
         counter = Pool(budget=None, device=device)  # counts saved activations, moves nothing
         step(counter)
+        losses.pop()  # (not a compared step)
         peak = counter.stats()["peak_resident_bytes"]
-    return {"ms": seconds * 1e3, "peak": peak, "warm_peak": warm_peak or peak, "losses": losses, "pool": s}
+    return {
+        "ms": statistics.median(times_s) * 1e3,
+        "ms_range": (min(times_s) * 1e3, max(times_s) * 1e3),
+        "warmup_steps": len(warm),
+        "peak": peak,
+        "warm_peak": warm_peak or peak,
+        "losses": losses,
+        "pool": s,
+    }
 
 
 class _NoSavedTensorHooks:
@@ -200,46 +227,62 @@ def main(args: argparse.Namespace) -> int:
         (f"supermem pool at checkpoint's peak ({format_bytes(ckpt['peak'])})", pooled(ckpt["peak"])),
     ]
 
-    print(
-        f"{'run':<52}{'step':>10}{'peak memory':>14}{'offloaded':>12}{'recomputed':>20}"
-        f"{'copy GB/s':>11}{'hidden':>8}"
-    )
+    print(HEADER)
     for name, r in runs:
         print(row(name, r, args.steps))
+    fewest, most = min(r["warmup_steps"] for _, r in runs), max(r["warmup_steps"] for _, r in runs)
     print(
-        "(a step's offloaded bytes; recomputed: block calls run light, which save nothing and run again\n"
-        " in backward, and saves dropped to be rebuilt; the first two rows run without any pool)"
+        f"(step: the median of {args.steps} timed steps, spread: their fastest and slowest, after "
+        f"{fewest if fewest == most else f'{fewest}-{most}'} warm-up steps, until\n"
+        f" {STEADY} steps in a row were within {100 * STEADY_SPREAD:.0f}%; a step's offloaded bytes; "
+        "recomputed: block calls run light,\n which save nothing and run again in backward, and saves "
+        "dropped to be rebuilt; the first two rows run\n without any pool)"
     )
     warm = [format_bytes(r["warm_peak"]) for _, r in runs[2:] if r["warm_peak"] > 1.01 * r["peak"]]
     if warm:  # the steps a planned pool records before its plan run under its reactive fallback
-        print(f"(the pool runs' first {WARMUP} steps, before a plan, peaked at {' and '.join(warm)})")
+        print(f"(the pool runs' warm-up steps, before a plan, peaked at {' and '.join(warm)})")
     print()
     for label, r in (("supermem pool", pool_run), ("checkpoint per block", ckpt)):
         saved, ratio = 1 - r["peak"] / plain["peak"], r["ms"] / plain["ms"]
         print(f"{label + ':':<22} memory saved: {100 * saved:.0f}%   time: {ratio:.2f}x")
     others = [r for _, r in runs[1:]]
+    common = min(len(r["losses"]) for _, r in runs)  # the steps every run took (warm-ups differ)
     if device.type == "cpu":
-        same = all(r["losses"] == plain["losses"] for r in others)
-        verdict = f"losses identical: {same}"
+        same = all(r["losses"][:common] == plain["losses"][:common] for r in others)
+        verdict = f"losses identical: {same} ({common} steps)"
     else:  # fused attention kernels are not bitwise deterministic from one run to the next
-        rel = max(abs(a - b) / abs(a) for r in others for a, b in zip(plain["losses"], r["losses"]))
+        pairs = [(a, b) for r in others for a, b in zip(plain["losses"][:common], r["losses"][:common])]
+        rel = max(abs(a - b) / abs(a) for a, b in pairs)
         same = rel < 1e-2
         verdict = f"losses match: {same} (largest relative difference {rel:.1e}; GPU kernels vary run to run)"
     print(verdict)
     return 0 if same else 1
 
 
+HEADER = (
+    f"{'run':<52}{'step':>10}{'spread':>16}{'peak memory':>14}{'offloaded':>12}{'recomputed':>20}"
+    f"{'copy GB/s':>11}{'hidden':>11}"
+)
+
+
 def row(name: str, r: dict, steps: int) -> str:
-    """One run's line of the table: its step time, peak, and what its pool moved and rebuilt a step."""
+    """One run's line of the table: its median step time and the spread of its steps, peak, and what
+    its pool moved and rebuilt a step. A pool that copied nothing says "no copies" (its stats' hidden
+    fraction is 1 then: all of nothing)."""
     s = r["pool"]
-    head = f"{name:<52}{r['ms']:>8.1f}ms{format_bytes(r['peak']):>14}"
+    fastest, slowest = r["ms_range"]
+    spread = f"{fastest:.1f}-{slowest:.1f}ms"
+    head = f"{name:<52}{r['ms']:>8.1f}ms{spread:>16}{format_bytes(r['peak']):>14}"
     if s is None:
-        return f"{head}{'-':>12}{'-':>20}{'-':>11}{'-':>8}"
-    rate = max(s["d2h_gbps"], s["h2d_gbps"])
-    return (
-        f"{head}{format_bytes(s['offloaded_bytes'] / steps):>12}{recomputed(s, steps):>20}"
-        f"{rate:>11.1f}{100 * s['hidden_fraction']:>7.0f}%"
-    )
+        return f"{head}{'-':>12}{'-':>20}{'-':>11}{'-':>11}"
+    if not s["offloaded_bytes"] and not s["prefetched_bytes"]:
+        rate, hidden = "-", "no copies"
+    elif not s["copy_seconds"]:  # copies not timed (none finished yet)
+        rate, hidden = "-", "-"
+    else:
+        rate, hidden = f"{max(s['d2h_gbps'], s['h2d_gbps']):.1f}", f"{100 * s['hidden_fraction']:.0f}%"
+    moved = f"{format_bytes(s['offloaded_bytes'] / steps):>12}{recomputed(s, steps):>20}"
+    return f"{head}{moved}{rate:>11}{hidden:>11}"
 
 
 def _install_allocator() -> None:

@@ -11,8 +11,18 @@ import time
 from collections.abc import Callable
 from typing import NamedTuple
 
-# What a tensor is, for reports. The pool tags what it saves as "activation".
-CATEGORIES = ("parameter", "gradient", "optimizer_state", "activation", "input", "temporary", "unknown")
+# What a tensor is, for reports (PyTorch's memory profiler's categories; supermem.trace.owners says how
+# each is told). The pool tags what it saves as "activation".
+CATEGORIES = (
+    "parameter",
+    "gradient",
+    "optimizer_state",
+    "activation",
+    "input",
+    "temporary",
+    "autograd_detail",
+    "unknown",
+)
 
 
 class Event(NamedTuple):

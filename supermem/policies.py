@@ -90,7 +90,7 @@ class CostAware(Policy):
     has no costs, so the replayer runs it as lru."""
 
     name = "cost_aware"
-    kinds = ("offload", "recompute", "compress")
+    kinds: tuple[str, ...] = ("offload", "recompute", "compress")
     doc = "offload or recompute, whichever costs less per byte freed (DTR)"
 
     def score(self, c: Choice, now: int) -> float:

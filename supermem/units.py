@@ -32,7 +32,7 @@ def _checked(n: int, value: object) -> int:
     return n
 
 
-def parse_bytes(value: int | str, total_bytes: int | None = None) -> int:
+def parse_bytes(value: int | float | str, total_bytes: int | None = None) -> int:
     """Bytes from an int, a size string ("64KiB", "1.5GiB", "512MB") or, when `total_bytes` is given,
     a fraction of it ("60%" or a float 0 < x <= 1). Raises ValueError with the accepted forms."""
     if isinstance(value, bool):

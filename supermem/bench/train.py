@@ -132,6 +132,11 @@ def sweep_modes(device: str) -> list[Mode]:
         out.append(Mode("save_on_cpu", "native", "save_on_cpu"))
     # supermem.linear_cross_entropy in place of the head and its loss (GPT only: its loss is the spike)
     out.append(Mode("chunked loss", "native", "none", options={"loss": "chunked"}, models=("gpt",)))
+    import torch
+
+    if hasattr(torch.nn, "LinearCrossEntropyOptions"):  # torch's own (2.13), its chunked path, beside it
+        torchs = {"loss": "torch_chunked"}
+        out.append(Mode("torch chunked loss", "native", "none", options=torchs, models=("gpt",)))
     for b in COMPILE_BUDGETS if cuda else COMPILE_BUDGETS[1:2]:
         opts = {"memory_budget": b}
         out.append(Mode(f"compile budget {b}", "native", "compile", options=opts, models=BLOCK_MODELS))
@@ -204,6 +209,7 @@ SAVERS = {
 def measure(spec: dict) -> dict:
     """Worker side: build the model, run warm-up then timed steps; step ms, peaks, pool stats."""
     import torch
+    import torch.nn.functional as F
 
     from ..losses import linear_cross_entropy
     from .models import PRESETS
@@ -223,6 +229,7 @@ def measure(spec: dict) -> dict:
     opt = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
     saver = SAVERS[spec["saver"]](spec)
     chunked_loss = spec.get("loss") == "chunked"
+    torch_chunked_loss = spec.get("loss") == "torch_chunked"
     amp = preset.bf16 and cuda
     entered: list = []  # the saver's `as` value, when it keeps stats (the pool)
     # CPU has no allocator watermark: --sweep counts the bytes saved for backward (what the pool budgets)
@@ -233,6 +240,9 @@ def measure(spec: dict) -> dict:
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
                 if chunked_loss:  # the head and its loss a chunk of rows at a time: no full logits
                     loss = linear_cross_entropy(model.hidden(x), model.head.weight, y)
+                elif torch_chunked_loss:  # torch's own, chunked as its options pick; (N, d) rows only
+                    h, options = model.hidden(x).flatten(0, -2), torch.nn.LinearCrossEntropyOptions()
+                    loss = F.linear_cross_entropy(h, model.head.weight, y.flatten(), options=options)
                 else:
                     loss = preset.loss(forward, x, y)
             loss.backward()
@@ -611,10 +621,9 @@ def _print_sweep(model: str, rows: list[dict], args: argparse.Namespace) -> None
     ]
     print(table.render(columns, sorted(rows, key=peak_of)))
     mem = lambda b: f"{b / size:.2f}{unit}"  # noqa: E731
-    # PyTorch's own ways to the same memory (not compile's, not supermem's chunked loss)
-    eager = [
-        r for r in rows if r["allocator"] == "native" and not r["config"].startswith(("compile", "chunked"))
-    ]
+    # PyTorch's own ways to the same memory (not compile's, not a chunked loss: another loss expression)
+    other = ("compile", "chunked", "torch chunked")
+    eager = [r for r in rows if r["allocator"] == "native" and not r["config"].startswith(other)]
     for r in rows:
         if r["allocator"] == "native":
             continue

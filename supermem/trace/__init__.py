@@ -49,6 +49,8 @@ def record(
     capacity_events: int | None = None,
     allocators: list[Any] | None = None,
     report: bool = False,
+    context: bool = True,
+    activations: bool = True,
 ):
     """A recording of this process's GPU memory events, as a context manager that writes `path`
     (.smtrace) on exit, also when the block raises (an OOM trace is the useful one).
@@ -59,6 +61,10 @@ def record(
     capacity_events: events kept per device (newest win); default 10^6 (~100 MB of host memory).
     allocators: CachingAllocators (or (device, allocator) pairs) to record; None: discover.
     report: also write an HTML report (and PNG) next to `path`.
+    context: record the module call and phase (forward, backward, optimizer) each block was made in
+        (global module and optimizer hooks: one deque append per module call).
+    activations: tag what autograd saves as activations (a saved-tensor hook under all others, ~2 us
+        per saved tensor).
     """
     from .recorder import DEFAULT_CAPACITY_EVENTS, Recorder
 
@@ -70,6 +76,8 @@ def record(
         optimizer=optimizer,
         path=path,
         report=report,
+        context=context,
+        activations=activations,
     )
 
 

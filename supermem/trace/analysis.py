@@ -15,6 +15,9 @@ import numpy as np
 
 from ..events import CATEGORIES
 from ..units import format_bytes
+from . import breakdown
+from .context import PHASE_ACTION
+from .owners import python_frames, stack_owners
 from .table import MEMORY_ACTIONS, OOM, Trace
 from .timeline import bin_sums, category_values, downsample, lifetimes, series
 
@@ -52,6 +55,14 @@ class DeviceReport:
     pool_counts: dict[str, int]
     copy_rate: dict[str, list[float]]  # "d2h"/"h2d" -> bytes/s per bin
     dropped_events: int
+    # Who holds the peak (breakdown.py): {category, module, bytes, blocks}, largest first, at most
+    # breakdown.MAX_OWNERS rows, then what the rest add up to
+    peak_owners: list[dict[str, Any]] = field(default_factory=list)
+    peak_owners_other: dict[str, int] = field(default_factory=dict)  # bytes, rows
+    coverage: dict[str, float] = field(default_factory=dict)  # categorised, activation_with_module
+    off_device_at_peak: dict[str, int] = field(default_factory=dict)  # what the pool held away then
+    steps: list[dict[str, Any]] = field(default_factory=list)  # breakdown.step_peaks
+    phase_spans: list[tuple[int, int, str]] = field(default_factory=list)  # (bin, bin, phase)
 
 
 @dataclass
@@ -65,6 +76,7 @@ class Report:
     num_events: int
     devices: list[DeviceReport] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    what_if: list[Any] = field(default_factory=list)  # whatif.WhatIf per device, where a budget was given
 
     @property
     def time_is_index(self) -> bool:
@@ -78,10 +90,15 @@ def analyze(trace: Trace, width: int = 1000, max_blocks: int = 500, source: str 
     t1 = int(t.max()) if len(t) else 0
     span_ns = max(t1 - t0, 1)
     rep = Report(source, dict(trace.meta), t0, span_ns / 1e9, width, span_ns / 1e9 / width, len(trace))
-    pool_mask = ~np.isin(trace.cols["action"], list(MEMORY_ACTIONS) + [OOM])
+    not_pool = list(MEMORY_ACTIONS) + [OOM]
+    if PHASE_ACTION in trace.actions:
+        not_pool.append(trace.actions.index(PHASE_ACTION))
+    pool_mask = ~np.isin(trace.cols["action"], not_pool)
     devices = trace.device_indices()
+    modules = stack_owners(trace)[0]
     for n, dev in enumerate(devices):
-        rep.devices.append(_device(trace, dev, t0, t1, width, max_blocks, pool_mask, first=n == 0))
+        d = _device(trace, dev, t0, t1, width, max_blocks, pool_mask, first=n == 0, modules=modules)
+        rep.devices.append(d)
     dropped = {k: v for k, v in trace.meta.get("dropped_events", {}).items() if v}
     if dropped:
         rep.notes.append(
@@ -95,7 +112,17 @@ def analyze(trace: Trace, width: int = 1000, max_blocks: int = 500, source: str 
     return rep
 
 
-def _device(trace: Trace, dev: int, t0: int, t1: int, width: int, max_blocks: int, pool_mask, first: bool):
+def _device(
+    trace: Trace,
+    dev: int,
+    t0: int,
+    t1: int,
+    width: int,
+    max_blocks: int,
+    pool_mask,
+    first: bool,
+    modules: list[str],
+):
     info = trace.device(dev)
     lt = lifetimes(trace, dev)
     s = series(trace, dev, lt)
@@ -137,15 +164,22 @@ def _device(trace: Trace, dev: int, t0: int, t1: int, width: int, max_blocks: in
     blocks = []
     for i in live[:max_blocks]:
         start = int(lt.start[i])
+        frames = trace.stack_frames(int(lt.stack[i]))
+        st = int(lt.stack[i])
         blocks.append(
             {
                 "size": int(lt.size[i]),
                 "category": trace.categories[int(lt.category[i])],
+                "module": modules[st] if st >= 0 else "",
+                "phase": next((f[2] for f in frames[:2] if f[0] == "<phase>"), ""),
                 "address": int(lt.address[i]),
                 "alloc_s": (int(t[start]) - t0) / 1e9 if start >= 0 else None,
-                "frames": trace.stack_frames(int(lt.stack[i])),
+                "frames": python_frames(frames),
             }
         )
+    owners = breakdown.owners_of(trace, lt, live, modules)
+    listed = owners[: breakdown.MAX_OWNERS]
+    others = owners[breakdown.MAX_OWNERS :]
     rest = live[max_blocks:]
 
     c = trace.cols
@@ -219,6 +253,12 @@ def _device(trace: Trace, dev: int, t0: int, t1: int, width: int, max_blocks: in
         pool_counts=pool_counts,
         copy_rate=copy_rate,
         dropped_events=dropped,
+        peak_owners=listed,
+        peak_owners_other={"bytes": sum(r["bytes"] for r in others), "rows": len(others)},
+        coverage=breakdown.coverage(owners),
+        off_device_at_peak=breakdown.off_device(trace, peak_index, dev),
+        steps=breakdown.step_peaks(trace, lt, s, modules, t0),
+        phase_spans=breakdown.phase_spans(trace, t0, t1, width),
     )
 
 
@@ -237,6 +277,28 @@ def summary_text(rep: Report) -> str:
         if d.peak_by_category:
             parts = [f"{k} {format_bytes(v)}" for k, v in d.peak_by_category.items()]
             lines.append("  at the peak: " + ", ".join(parts))
+        if d.peak_owners:
+            total = d.peak_bytes or 1
+            top = [
+                f"{r['category']} {r['module']} {format_bytes(r['bytes'])} ({r['bytes'] / total:.0%})"
+                for r in d.peak_owners[:5]
+            ]
+            lines.append("  largest owners: " + "; ".join(top))
+            cov = d.coverage
+            lines.append(
+                f"  categorised {cov['categorised']:.1%} of the peak; activations with a module "
+                f"{cov['activation_with_module']:.1%}"
+            )
+        if d.off_device_at_peak:
+            parts = [f"{k} {format_bytes(v)}" for k, v in d.off_device_at_peak.items()]
+            lines.append("  off the device at the peak (pool): " + ", ".join(parts))
+        if len(d.steps) > 1:
+            worst = max(d.steps, key=lambda r: r["peak_bytes"])
+            by = worst["set_by"]
+            lines.append(
+                f"  {len(d.steps)} steps; highest step {worst['step']}: {format_bytes(worst['peak_bytes'])}"
+                + (f", reached by {by['category']} {by['module']} {format_bytes(by['bytes'])}" if by else "")
+            )
         if d.ooms:
             lines.append(
                 f"  {len(d.ooms)} OOM(s), first asking for {format_bytes(d.ooms[0]['requested_bytes'])}"

@@ -34,7 +34,7 @@ import numpy as np
 from .table import UNKNOWN_CATEGORY, Trace
 from .timeline import lifetimes
 
-Observation = tuple[int, int, str, int]  # (time_ns, address, category, stack id or -1)
+Observation = tuple[int, int, str, int, str]  # (time_ns, address, category, stack id or -1, module path)
 
 
 class Observations:
@@ -43,46 +43,75 @@ class Observations:
     def __init__(self, capacity: int = 1 << 20):
         self.rows: collections.deque[Observation] = collections.deque(maxlen=capacity)
 
-    def add(self, address: int, category: str, stack: int = -1, time_ns: int | None = None) -> None:
+    def add(
+        self, address: int, category: str, stack: int = -1, time_ns: int | None = None, module: str = ""
+    ) -> None:
         if address:
-            self.rows.append((time.monotonic_ns() if time_ns is None else time_ns, address, category, stack))
+            now = time.monotonic_ns() if time_ns is None else time_ns
+            self.rows.append((now, address, category, stack, module))
 
-    def add_tensor(self, tensor: Any, category: str, now_ns: int, stack: int = -1) -> None:
+    def add_tensor(self, tensor: Any, category: str, now_ns: int, stack: int = -1, module: str = "") -> None:
         try:
             address = tensor.untyped_storage().data_ptr()
         except (RuntimeError, AttributeError, NotImplementedError):  # sparse, meta, fake: no address
             return
         if address:
-            self.rows.append((now_ns, address, category, stack))
+            self.rows.append((now_ns, address, category, stack, module))
 
 
-def tensors_of(models: Iterable[Any], optimizers: Iterable[Any], gradients_only: bool = False):
-    """(tensor, category) for parameters, gradients and optimizer state."""
+def roots_of(models: Iterable[Any]) -> list[Any]:
+    """The modules that are no other's child: the trees a gc scan found every node of."""
+    models = list(models)
+    children = {id(c) for m in models for c in m.children()}
+    return [m for m in models if id(m) not in children]
+
+
+def owner(name: str, root: Any) -> str:
+    """The module path that owns a parameter or buffer named `name` under `root` (context.py's paths)."""
+    return name.rpartition(".")[0] or type(root).__name__
+
+
+def tensors_of(
+    models: Iterable[Any],
+    optimizers: Iterable[Any],
+    gradients_only: bool = False,
+    paths: dict[int, str] | None = None,
+):
+    """(tensor, category, owning module path) for parameters (and buffers: the model's state),
+    gradients and optimizer state. `models`: roots (roots_of); a parameter's path is under its root;
+    `paths`: id(parameter) -> path for the optimizers' parameters of no model given."""
     seen: set[int] = set()
+    path_of: dict[int, str] = dict(paths or {})
     for m in models:
-        for p in m.parameters():
+        for name, p in m.named_parameters():
             if id(p) in seen:
                 continue
             seen.add(id(p))
+            path_of[id(p)] = path = owner(name, m)
             if not gradients_only:
-                yield p, "parameter"
+                yield p, "parameter", path
             if p.grad is not None:
-                yield p.grad, "gradient"
+                yield p.grad, "gradient", path
+        if not gradients_only:
+            for name, b in m.named_buffers():
+                if id(b) not in seen:
+                    seen.add(id(b))
+                    yield b, "parameter", owner(name, m)
     for opt in optimizers:
         for group in opt.param_groups:
             for p in group["params"]:
                 if id(p) not in seen:
                     seen.add(id(p))
                     if not gradients_only:
-                        yield p, "parameter"
+                        yield p, "parameter", path_of.get(id(p), "")
                     if p.grad is not None:
-                        yield p.grad, "gradient"
+                        yield p.grad, "gradient", path_of.get(id(p), "")
         if gradients_only:
             continue
-        for state in opt.state.values():
+        for p, state in opt.state.items():
             for v in state.values() if isinstance(state, dict) else ():
                 if hasattr(v, "untyped_storage") and v.numel() > 1:  # skip scalar `step` counters
-                    yield v, "optimizer_state"
+                    yield v, "optimizer_state", path_of.get(id(p), "")
 
 
 def find_models_and_optimizers() -> tuple[list[Any], list[Any]]:
@@ -114,14 +143,18 @@ class ModelScanner:
         self.full_scan_every = full_scan_every  # steps between scans of parameters and optimizer state
         self._steps: dict[int, int] = {}  # id(optimizer) -> steps seen
         self._hooks: list[Any] = []
+        self._paths: dict[int, str] = {}  # id(parameter) -> its module's path, as of the last scan
 
     def scan(self, gradients_only: bool = False) -> None:
         if self.find:
-            self.models, self.optimizers = find_models_and_optimizers()
+            models, self.optimizers = find_models_and_optimizers()
+            self.models = roots_of(models)
         now = time.monotonic_ns()
         try:
-            for t, cat in tensors_of(self.models, self.optimizers, gradients_only):
-                self.obs.add_tensor(t, cat, now)
+            for t, cat, path in tensors_of(self.models, self.optimizers, gradients_only):
+                self.obs.add_tensor(t, cat, now, module=path)
+                if cat == "parameter":
+                    self._paths[id(t)] = path
         except RuntimeError:  # a dump from another thread (an OOM) raced a change of optimizer state
             pass
 
@@ -143,16 +176,33 @@ class ModelScanner:
             self._hooks.append(opt.register_step_post_hook(lambda o, *_: self.after_step(o)))
 
     def before_step(self, opt: Any) -> None:
+        params = [p for group in opt.param_groups for p in group["params"]]
+        if any(id(p) not in self._paths for p in params):
+            self._learn_paths(opt)
         now = time.monotonic_ns()
-        for t, cat in tensors_of((), (opt,), gradients_only=True):
-            self.obs.add_tensor(t, cat, now)
+        for p in params:
+            if p.grad is not None:
+                self.obs.add_tensor(p.grad, "gradient", now, module=self._paths.get(id(p), ""))
 
     def after_step(self, opt: Any) -> None:
         n = self._steps[id(opt)] = self._steps.get(id(opt), 0) + 1
         if n <= 2 or n % self.full_scan_every == 0:
             now = time.monotonic_ns()
-            for t, cat in tensors_of((), (opt,)):
-                self.obs.add_tensor(t, cat, now)
+            for t, cat, path in tensors_of((), (opt,), paths=self._paths):
+                self.obs.add_tensor(t, cat, now, module=path)
+
+    def _learn_paths(self, opt: Any) -> None:
+        """The paths of `opt`'s parameters, from their models: found by a gc walk (the models of a
+        `supermem trace` run are made after the start) at most at an optimizer's first two steps."""
+        if self.find and self._steps.get(id(opt), 0) < 2:
+            models, _ = find_models_and_optimizers()
+            self.models = roots_of(models)
+        for t, cat, path in tensors_of(self.models, ()):
+            if cat == "parameter":
+                self._paths[id(t)] = path
+        for group in opt.param_groups:
+            for p in group["params"]:
+                self._paths.setdefault(id(p), "")  # a model not found: asked no more
 
     def remove_hooks(self) -> None:
         for h in self._hooks:
@@ -228,16 +278,21 @@ def stack_mode(table: StackTable, obs: Observations):
     return _StackMode()
 
 
-def apply(trace: Trace, rows: Iterable[Observation]) -> int:
-    """Writes observed categories and stacks onto the trace's events and final snapshot blocks.
-    Returns the number of block lifetimes that got a category or a stack."""
+def apply(trace: Trace, rows: Iterable[Observation], context: Any = None) -> int:
+    """Writes observed categories, stacks and owning modules onto the trace's events and final snapshot
+    blocks, with what `context` (an owners.ContextLog) says of each block (owners.compose). Returns the
+    number of block lifetimes that got a category or a stack."""
+    from . import owners
+
     rows = list(rows)
-    if not rows:
+    if not rows and context is None:
         return 0
-    o_time = np.fromiter((r[0] for r in rows), np.int64, len(rows))
-    o_addr = np.fromiter((r[1] for r in rows), np.int64, len(rows))
-    o_cat = np.fromiter((trace.category_id(r[2]) for r in rows), np.uint8, len(rows))
-    o_stack = np.fromiter((r[3] for r in rows), np.int32, len(rows))
+    n_obs = len(rows)
+    o_time = np.fromiter((r[0] for r in rows), np.int64, n_obs)
+    o_addr = np.fromiter((r[1] for r in rows), np.int64, n_obs)
+    o_cat = np.fromiter((trace.category_id(r[2]) for r in rows), np.uint8, n_obs)
+    o_stack = np.fromiter((r[3] for r in rows), np.int32, n_obs)
+    o_module = [r[4] if len(r) > 4 else "" for r in rows]
     t = trace.cols["time_ns"]
     total = 0
     for dev in trace.device_indices():
@@ -255,8 +310,8 @@ def apply(trace: Trace, rows: Iterable[Observation]) -> int:
         # the last lifetime id forward: lifetime ids already increase in (address, time) order.
         addr = np.concatenate([lt.address, o_addr])
         when = np.concatenate([start_t, o_time])
-        kind = np.concatenate([np.zeros(nl, np.int8), np.ones(len(rows), np.int8)])
-        val = np.concatenate([np.arange(nl), np.full(len(rows), -1)])
+        kind = np.concatenate([np.zeros(nl, np.int8), np.ones(n_obs, np.int8)])
+        val = np.concatenate([np.arange(nl), np.full(n_obs, -1)])
         order = np.lexsort((kind, when, addr))
         carried = np.maximum.accumulate(val[order])
         is_obs = kind[order] == 1
@@ -266,7 +321,7 @@ def apply(trace: Trace, rows: Iterable[Observation]) -> int:
         life, obs_i = life[ok], obs_i[ok]
         ok = (lt.address[life] == o_addr[obs_i]) & (end_t[life] >= o_time[obs_i])
         life, obs_i = life[ok], obs_i[ok]
-        if not len(life):
+        if not len(life) and context is None:
             continue
         cat = lt.category.copy()
         stack = lt.stack.copy()
@@ -276,6 +331,9 @@ def apply(trace: Trace, rows: Iterable[Observation]) -> int:
         first = np.full(nl, -1, np.int32)  # the earliest stack wins: later ones are in-place ops
         first[life[with_stack][::-1]] = o_stack[obs_i][with_stack][::-1]
         stack = np.where((stack < 0) & (first >= 0), first, stack)
+        module = {int(li): o_module[oi] for li, oi in zip(life, obs_i, strict=True) if o_module[oi]}
+        if module or context is not None:  # (the latest observation's module wins, as its category)
+            cat, stack = owners.compose(trace, start_t, cat, stack, module, context)
         changed = (cat != lt.category) | (stack != lt.stack)
         total += int(changed.sum())
         ev, evl = lt.event_index, lt.event_lifetime

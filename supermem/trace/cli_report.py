@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 from ..cli_args import positive_int
+from ..units import parse_bytes
 from .analysis import analyze, summary_text
 from .loader import load_for_cli as load
 from .output import OutputError, check_output, same_file
@@ -28,7 +29,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-blocks", type=positive_int, default=500, help="blocks listed at the peak (default 500)"
     )
+    p.add_argument(
+        "--budget",
+        type=_budget,
+        help="what the pool would do at this many device bytes (8GiB): the floor, keep/offload per "
+        "module, the predicted peak and step time, whether it fits",
+    )
     p.add_argument("-q", "--quiet", action="store_true", help="no summary on stdout")
+
+
+def _budget(text: str) -> int:
+    try:
+        n = parse_bytes(text)
+    except (ValueError, TypeError) as e:
+        raise argparse.ArgumentTypeError(f"not a number of bytes: {text!r} ({e})") from None
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0 bytes, got {text!r}")
+    return n
 
 
 def main(args: argparse.Namespace) -> int:
@@ -50,11 +67,19 @@ def main(args: argparse.Namespace) -> int:
     else:
         trace, name = _merged(sources), ", ".join(s.name for s in sources)
     rep = analyze(trace, width=max(10, args.width), max_blocks=max(0, args.max_blocks), source=name)
+    whatif_text = ""
+    if args.budget is not None:
+        from .whatif import summary, what_if
+
+        rep.what_if = [what_if(trace, args.budget, d.device) for d in rep.devices]
+        whatif_text = "\n".join(summary(w) for w in rep.what_if)
     write_report(rep, html_path)
     written = [str(html_path)]
     if png_path is not None:
         write_png(rep, png_path)
         written.append(str(png_path))
+    if whatif_text:  # asked for: printed also with -q
+        print(whatif_text)
     if not args.quiet:
         print(summary_text(rep))
         print(f"wrote {', '.join(written)} in {time.perf_counter() - t0:.2f} s")

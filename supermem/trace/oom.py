@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import collections
 import os
-import sys
 import threading
 import time
 from pathlib import Path
 from typing import Any
+
+from ..log import logger
 
 _recent: collections.deque[dict[str, Any]] = collections.deque(maxlen=16)
 _count = 0
@@ -128,10 +129,8 @@ def write_oom_snapshot(
             from .report_html import write_report_files
 
             write_report_files(path)
-        print(f"supermem: OOM snapshot written to {path}", file=sys.stderr)
+        logger.warning("supermem: OOM snapshot written to %s", path)
         return path
     except Exception as e:  # never mask the OOM being raised
-        print(
-            f"supermem: could not write the OOM snapshot to {path}: {type(e).__name__}: {e}", file=sys.stderr
-        )
+        logger.error("supermem: could not write the OOM snapshot to %s: %s: %s", path, type(e).__name__, e)
         return None

@@ -25,7 +25,9 @@ import numpy as np
 
 from .. import control, distributed, events, registry
 from ..errors import UsageError
-from . import attribution, format
+from ..log import warn
+from . import attribution, format, owners
+from . import context as ctx
 from .table import ALLOCATOR_ACTIONS, Trace, concat_columns, empty_columns
 
 DEFAULT_CAPACITY_EVENTS = 1_000_000
@@ -61,10 +63,9 @@ def _serve_cuda() -> None:
         return
     if not torch.cuda.is_initialized() and supermem.install():
         return
-    print(
+    warn(
         "supermem: this trace records no device memory: PyTorch's own allocator serves CUDA in this "
-        "process. Start the trace before the first CUDA tensor, or run with SUPERMEM=1 or `supermem trace`.",
-        file=sys.stderr,
+        "process. Start the trace before the first CUDA tensor, or run with SUPERMEM=1 or `supermem trace`."
     )
 
 
@@ -158,8 +159,12 @@ class Recorder:
         find_models: bool = True,
         path: str | os.PathLike | None = None,
         report: bool = False,
+        context: bool = True,
+        activations: bool = True,
     ):
-        """See supermem.trace.record. `path`/`report`: what leaving a `with` block writes."""
+        """See supermem.trace.record. `path`/`report`: what leaving a `with` block writes.
+        context: record each block's module and phase (context.py); activations: and tag what autograd
+        saves (a saved-tensor hook under every other)."""
         if capacity_events <= 0:
             raise UsageError(f"capacity_events must be > 0, got {capacity_events}")
         self.capacity_events = capacity_events
@@ -168,6 +173,7 @@ class Recorder:
         self.pool_events: collections.deque[events.Event] = collections.deque(maxlen=capacity_events)
         self.obs = attribution.Observations()
         self.scanner = attribution.ModelScanner(self.obs, _as_list(model), _as_list(optimizer), find_models)
+        self.context = ctx.Context(self.obs, capacity_events, activations=activations) if context else None
         self.stack_table = attribution.StackTable() if stacks else None
         self._stack_mode = None
         self._lock = threading.RLock()
@@ -207,6 +213,8 @@ class Recorder:
         events.subscribe(self._on_event)
         self.scanner.scan()
         self.scanner.install_hooks()
+        if self.context is not None:
+            self.context.start()
         if self.stack_table is not None:
             self._stack_mode = attribution.stack_mode(self.stack_table, self.obs)
             self._stack_mode.__enter__()
@@ -223,6 +231,8 @@ class Recorder:
                 self._stack_mode.__exit__(None, None, None)
                 self._stack_mode = None
             self.scanner.remove_hooks()
+            if self.context is not None:
+                self.context.stop()
             events.unsubscribe(self._on_event)
             if self._explicit is None:
                 registry.unsubscribe(self._on_new_allocator)
@@ -295,6 +305,11 @@ class Recorder:
                 keep = pool["time_ns"] >= start
                 pool = {k: v[keep] for k, v in pool.items()}
             parts.append(pool)
+            context = None
+            if self.context is not None:
+                log, paths, phases = self.context.snapshot()
+                context = owners.ContextLog(log, paths)
+                parts.append(_phase_columns(trace, phases, parts))
             trace.cols = concat_columns(parts)
             trace.sort()
             for s in self.sources:
@@ -304,7 +319,7 @@ class Recorder:
                 trace.frames = list(self.stack_table.frames)
                 trace.stacks = list(self.stack_table.stacks)
             self.scanner.scan()  # what is live now: parameters, gradients, optimizer state
-            attributed = attribution.apply(trace, self.obs.rows)
+            attributed = attribution.apply(trace, self.obs.rows, context)
             trace.meta = self._meta(attributed)
             return trace
 
@@ -375,6 +390,20 @@ class Recorder:
             from .report_html import write_report_files
 
             write_report_files(out)
+
+
+def _phase_columns(trace: Trace, phases: list[tuple[int, str]], parts: list) -> dict[str, np.ndarray]:
+    """context.py's phase changes as "phase" events (device -1, the phase in detail), from the oldest
+    event the other parts hold (a ring that overwrote its start starts the trace)."""
+    first = min((int(p["time_ns"][0]) for p in parts if len(p["time_ns"])), default=None)
+    phases = [p for p in phases if first is None or p[0] >= first]
+    cols = empty_columns(len(phases))
+    if phases:
+        cols["time_ns"] = np.array([p[0] for p in phases], np.int64)
+        cols["action"][:] = trace.action_id(ctx.PHASE_ACTION)
+        cols["device"][:] = -1
+        cols["detail"] = np.array([trace.string_id(p[1]) for p in phases], np.int32)
+    return cols
 
 
 def one_shot_trace(allocators: list[Any] | None = None) -> Trace:

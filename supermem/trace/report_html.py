@@ -16,7 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from ..units import format_bytes
+from . import treemap
 from .analysis import DeviceReport, Report, analyze, summary_text
+from .breakdown import PHASE_COLORS
 from .output import check_output, write_bytes
 from .svg_plot import RESERVED_COLOR, TOP, H, Plot, attr, color_of, css_token
 from .table import Trace
@@ -103,6 +105,8 @@ def render(rep: Report, title: str = "") -> str:
         out.append(f'<p class="note">{html.escape(note)}</p>')
     if not rep.devices:
         out.append('<p class="note" id="empty">This trace has no device events and no snapshot.</p>')
+    for w in rep.what_if:
+        out.append(_what_if_section(w))
     for d in rep.devices:
         out.append(_device_section(rep, d))
     out.append(f"<h2>Summary (text)</h2><pre id=summary-text>{html.escape(summary_text(rep))}</pre>")
@@ -214,12 +218,17 @@ def _device_section(rep: Report, d: DeviceReport) -> str:
         legend.append((cat, color_of(cat, i)))
         lower = upper
     p.line(d.reserved, RESERVED_COLOR, "reserved")
+    for b0, b1, phase in reversed(d.phase_spans):  # (inserted under the data: the first ends on top)
+        p.band(b0, b1, PHASE_COLORS[phase], f"phase-{phase}", phase)
     if d.peak_time_s is not None:
         p.marker(_peak_bin(rep, d), f"peak {format_bytes(d.peak_bytes)}", "#c00", "peak-marker")
     for o in d.ooms:
         p.marker(min(n - 1, o["time_s"] / rep.bin_s if rep.bin_s else 0), "OOM", "#000", "oom-marker")
     legend_html = "".join(f"<span>{_swatch(c)}{html.escape(k)}</span>" for k, c in legend)
     legend_html += f"<span>{_swatch(RESERVED_COLOR, line=True)}reserved</span>"
+    if d.phase_spans:
+        shown = dict.fromkeys(p for _, _, p in d.phase_spans)
+        legend_html += "".join(f"<span>{_swatch(PHASE_COLORS[k])}{k} (phase)</span>" for k in shown)
     parts.append("<h3>Memory over time, by category</h3>")
     parts.append(p.svg(f"memory over time on device {d.device}"))
     parts.append(
@@ -308,8 +317,95 @@ def _at(rep: Report, t: float | None) -> str:
     return f" at {t:.6f} s"
 
 
+def _owners_section(d: DeviceReport) -> str:
+    """Who holds the peak: category x module, largest first, a treemap of the same, coverage."""
+    if not d.peak_owners:
+        return ""
+    total = d.peak_bytes or 1
+    cov = d.coverage
+    parts = [
+        "<h3>Who holds the peak (category x module)</h3>",
+        f'<p class=meta id="coverage-{d.device}">{cov["categorised"]:.1%} of the peak in a named category; '
+        f"{cov['activation_with_module']:.1%} of its activations attributed to a module</p>",
+        treemap.svg(d.peak_owners, d.peak_bytes, f"the peak by category and module on device {d.device}"),
+        f'<table class="owners" id="owners-{d.device}"><thead><tr><th>category</th><th>module</th>'
+        "<th class=num>bytes</th><th class=num>share</th><th class=num>blocks</th></tr></thead><tbody>",
+    ]
+    for r in d.peak_owners:
+        parts.append(
+            f"<tr><td>{html.escape(r['category'])}</td><td>{html.escape(r['module'])}</td>"
+            f"<td class=num>{format_bytes(r['bytes'])}</td><td class=num>{r['bytes'] / total:.1%}</td>"
+            f"<td class=num>{r['blocks']}</td></tr>"
+        )
+    other = d.peak_owners_other
+    if other.get("rows"):
+        parts.append(
+            f"<tr><td colspan=2>{other['rows']} more (category, module) pairs</td>"
+            f"<td class=num>{format_bytes(other['bytes'])}</td>"
+            f"<td class=num>{other['bytes'] / total:.1%}</td><td></td></tr>"
+        )
+    cached = max(d.reserved_at_peak_bytes - d.peak_bytes, 0)
+    if cached:
+        parts.append(
+            f"<tr><td>cached_free</td><td>(the allocator's cache: reserved, no block)</td>"
+            f"<td class=num>{format_bytes(cached)}</td><td class=num>+{cached / total:.1%}</td><td></td></tr>"
+        )
+    for action, nbytes in d.off_device_at_peak.items():
+        parts.append(
+            f"<tr><td>{html.escape(action)} (pool)</td><td>(off the device: in host memory)</td>"
+            f"<td class=num>{format_bytes(nbytes)}</td><td class=num>—</td><td></td></tr>"
+        )
+    parts.append("</tbody></table>")
+    if d.steps:
+        parts.append(
+            f'<h3>Each step\'s peak</h3><table class="steps" id="steps-{d.device}"><thead><tr><th>step</th>'
+            "<th class=num>peak</th><th>when</th><th>reached by</th><th>largest owners then</th></tr>"
+            "</thead><tbody>"
+        )
+        for r in d.steps:
+            by = r["set_by"]
+            set_by = (
+                f"{html.escape(by['category'])} {html.escape(by['module'])} {format_bytes(by['bytes'])}"
+                if by
+                else "—"
+            )
+            top = "; ".join(
+                f"{html.escape(o['category'])} {html.escape(o['module'])} {format_bytes(o['bytes'])}"
+                for o in r["owners"]
+            )
+            label = f"{r['step']}" + (" (after the last step)" if r["partial"] else "")
+            parts.append(
+                f"<tr><td>{label}</td><td class=num>{format_bytes(r['peak_bytes'])}</td>"
+                f"<td>{r['time_s']:.6f} s</td><td>{set_by}</td><td>{top}</td></tr>"
+            )
+        parts.append("</tbody></table>")
+    return "".join(parts)
+
+
+def _what_if_section(w: Any) -> str:
+    from .whatif import summary
+
+    verdict = "fits" if w.fits else "does not fit"
+    rows = "".join(
+        f"<tr><td>{html.escape(r['module'])}</td><td class=num>{format_bytes(r['keep_bytes'])}</td>"
+        f"<td class=num>{format_bytes(r['offload_bytes'])}</td></tr>"
+        for r in w.by_module[:60]
+    )
+    return (
+        f'<section class="what-if" id="what-if"><h2>What if the budget were {format_bytes(w.budget_bytes)}'
+        f" (device {w.device}): {verdict}</h2><pre>{html.escape(summary(w))}</pre>"
+        + (
+            "<table class=what-if-modules><thead><tr><th>module</th><th class=num>keep</th>"
+            f"<th class=num>offload</th></tr></thead><tbody>{rows}</tbody></table>"
+            if rows
+            else ""
+        )
+        + "</section>"
+    )
+
+
 def _peak_tables(rep: Report, d: DeviceReport) -> str:
-    parts = ["<h3>Live at the peak</h3>"]
+    parts = [_owners_section(d), "<h3>Live at the peak</h3>"]
     if d.peak_by_category:
         parts.append(
             "<table class=peak-categories><thead><tr><th>category</th><th class=num>bytes</th>"
@@ -326,8 +422,8 @@ def _peak_tables(rep: Report, d: DeviceReport) -> str:
         f'<input class="filter" id="filter-{d.device}" placeholder="filter blocks (category, file, op)">'
     )
     parts.append(
-        "<table class=peak><thead><tr><th class=num>size</th><th>category</th><th>address</th>"
-        "<th>allocated</th><th>stack</th></tr></thead><tbody>"
+        "<table class=peak><thead><tr><th class=num>size</th><th>category</th><th>module</th>"
+        "<th>phase</th><th>address</th><th>allocated</th><th>stack</th></tr></thead><tbody>"
     )
     for b in d.peak_blocks:
         frames = b["frames"]
@@ -340,6 +436,7 @@ def _peak_tables(rep: Report, d: DeviceReport) -> str:
         when = "before the trace" if b["alloc_s"] is None else _at(rep, b["alloc_s"])[4:]
         parts.append(
             f"<tr><td class=num>{format_bytes(b['size'])}</td><td>{html.escape(b['category'])}</td>"
+            f"<td>{html.escape(b.get('module', ''))}</td><td>{html.escape(b.get('phase', ''))}</td>"
             f"<td>0x{b['address']:x}</td><td>{when}</td><td>{stack}</td></tr>"
         )
     parts.append("</tbody></table>")

@@ -90,7 +90,9 @@ def start_from_env(install: bool = True) -> bool:
     if install and getattr(supermem, "install", None) is not None:  # False: SUPERMEM=1 installs anyway
         supermem.install()
     try:
-        rec = recorder.Recorder(capacity_events=capacity, stacks=stacks).start()
+        # No saved-tensor hook of its own in a launcher's rank: gloo keeps copies of process-wide hooks
+        # that deadlock its teardown unless drained (process_hooks.py does so for the pool's only).
+        rec = recorder.Recorder(capacity_events=capacity, stacks=stacks, activations=False).start()
     except (ValueError, MemoryError, OSError) as e:
         print(f"supermem trace: error: cannot start the recording: {e}", file=sys.stderr)
         return False

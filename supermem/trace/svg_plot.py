@@ -18,9 +18,10 @@ CATEGORY_COLORS = {
     "activation": "#76b7b2",
     "input": "#59a14f",
     "temporary": "#edc949",
+    "autograd_detail": "#b07aa1",
     "unknown": "#bab0ab",
 }
-EXTRA_COLORS = ("#af7aa1", "#ff9da7", "#9c755f", "#17becf")
+EXTRA_COLORS = ("#ff9da7", "#9c755f", "#17becf", "#8c564b")
 RESERVED_COLOR = "#333333"
 
 W, H = 1000, 260  # viewBox of every plot
@@ -135,6 +136,15 @@ class Plot:
             0,
             f'<line class="{attr(css)}" x1="{x:.1f}" x2="{x:.1f}" y1="{TOP}" y2="{H - BOTTOM}" '
             f'stroke="{attr(color)}" stroke-dasharray="4 3"><title>{html.escape(text)}</title></line>',
+        )
+
+    def band(self, i0: float, i1: float, color: str, css: str, title: str) -> None:
+        """A shaded span of bins, drawn under everything (a phase of the step)."""
+        x0, x1 = self.x(i0), self.x(i1)
+        self.parts.insert(
+            0,
+            f'<rect class="{attr(css)}" x="{x0:.1f}" y="{TOP}" width="{max(x1 - x0, 0.5):.1f}" '
+            f'height="{H - TOP - BOTTOM}" fill="{attr(color)}"><title>{html.escape(title)}</title></rect>',
         )
 
     def svg(self, label: str) -> str:

@@ -17,13 +17,64 @@ def run(args, env=None, cwd=None):
     return subprocess.run(args, env=full_env, capture_output=True, text=True, timeout=120, cwd=cwd)
 
 
-def test_bad_supermem_conf_stops_import_torch_with_the_key_and_no_traceback():
-    for conf, key in (("limt:1GiB", "limt"), ("limit:lots", "limit")):
-        r = run([sys.executable, "-c", "import torch; print('ran')"], env={"SUPERMEM_CONF": conf})
-        assert r.returncode == 2, r.stdout + r.stderr
-        assert "ran" not in r.stdout
-        assert "ConfigError" in r.stderr and key in r.stderr
-        assert "Traceback" not in r.stderr
+BAD_CONFS = (("limt:1GiB", "limt"), ("limit:lots", "limit"))
+
+
+def test_bad_supermem_conf_leaves_a_process_that_only_imports_torch_alone():
+    """Every child of a job inherits SUPERMEM_CONF; a tool that imports torch and never uses CUDA or
+    autograd (a data worker, `python -c "import torch; ..."`) runs on, and says nothing."""
+    for conf, _ in BAD_CONFS:
+        r = run(
+            [sys.executable, "-c", "import torch; print(torch.ones(2).sum().item())"],
+            env={"SUPERMEM_CONF": conf},
+        )
+        assert r.returncode == 0 and r.stdout.split() == ["2.0"] and r.stderr == "", r.stdout + r.stderr
+
+
+# As torch.cuda._lazy_init does after cuInit (a CPU build of torch never gets that far; the GPU test
+# test_gpu_activation.py::test_bad_supermem_conf_stops_at_the_first_cuda_use runs the real one).
+CUDA_INIT = (
+    "import torch; print('ran', flush=True); [call() for call, _ in torch.cuda._queued_calls]; print('on')"
+)
+BACKWARD = "import torch; print('ran', flush=True); x = torch.ones(2, requires_grad=True); x * x; print('on')"
+
+
+@pytest.mark.parametrize("code", [CUDA_INIT, BACKWARD], ids=["cuda_init", "first_saved_tensor"])
+def test_bad_supermem_conf_stops_at_activation_with_one_line_naming_the_key(code):
+    for conf, key in BAD_CONFS:
+        r = run([sys.executable, "-c", code], env={"SUPERMEM_CONF": conf})
+        assert r.returncode == 2 and r.stdout.split() == ["ran"], r.stdout + r.stderr
+        assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr, r.stderr
+        assert (
+            r.stderr.startswith(f"supermem: bad SUPERMEM_CONF ({conf!r}): ConfigError:") and key in r.stderr
+        )
+
+
+def test_bad_supermem_conf_makes_the_api_raise_config_error():
+    code = textwrap.dedent(
+        """
+        import torch, supermem
+        for call in (supermem.install, lambda: supermem.options(trace=1).__enter__()):
+            try:
+                call()
+            except supermem.ConfigError as e:
+                print("ConfigError", "limt" in str(e))
+        """
+    )
+    r = run([sys.executable, "-c", code], env={"SUPERMEM_CONF": "limt:1GiB"})
+    assert r.returncode == 0 and r.stdout.split() == ["ConfigError", "True"] * 2, r.stdout + r.stderr
+
+
+def test_the_switch_on_a_torch_without_cuda_is_silent_unless_supermem_log_asks():
+    """Under SUPERMEM=1 every `import torch` activates; on a CPU build there is nothing to swap, which is
+    worth a line only to someone who asked (SUPERMEM_LOG=info)."""
+    code = [sys.executable, "-c", "import torch"]
+    assert run(code, env={"SUPERMEM": "1"}).stderr == ""
+    r = run(code, env={"SUPERMEM": "1", "SUPERMEM_LOG": "info"})
+    assert r.returncode == 0 and "has no CUDA; the allocator is not swapped" in r.stderr, r.stderr
+    r = run(code, env={"SUPERMEM": "1", "SUPERMEM_LOG": "loud"})
+    assert r.returncode == 0 and "SUPERMEM_LOG='loud' is not one of debug, info" in r.stderr, r.stderr
+    assert "has no CUDA" not in r.stderr
 
 
 def test_python_dash_m_supermem_with_a_bad_conf_fails_the_same_way():

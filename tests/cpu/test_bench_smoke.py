@@ -66,7 +66,7 @@ def test_bench_train_sweep_quick_cpu(tmp_path):
     budgets = ["90%", "75%", "60%", "50%", "ckpt peak"]
     pool_rows = [f"{policy} {b}" for policy in ("cost_aware", "planned") for b in budgets]
     pool_rows += [f"planned+chunked loss {b}" for b in budgets]
-    extra = ["compile budget 0.5", "chunked loss"]  # CPU: no save_on_cpu
+    extra = ["compile budget 0.5", "chunked loss", "torch chunked loss"]  # CPU: no save_on_cpu
     assert set(by_name) == set(baselines + extra + pool_rows)
     for name, row in by_name.items():
         assert "error" not in row, f"{name}: {row['error']}"
@@ -78,6 +78,8 @@ def test_bench_train_sweep_quick_cpu(tmp_path):
     chunked = by_name["chunked loss"]
     assert math.isclose(native["loss"], chunked["loss"], rel_tol=1e-4)
     assert chunked["peak_alloc_bytes"] < native["peak_alloc_bytes"]
+    torchs = by_name["torch chunked loss"]  # torch's own F.linear_cross_entropy, beside supermem's
+    assert math.isclose(native["loss"], torchs["loss"], rel_tol=1e-4)
     # CPU peaks are bytes saved for backward: checkpointing more blocks keeps fewer
     assert (
         ckpt["peak_alloc_bytes"]

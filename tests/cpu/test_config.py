@@ -1,5 +1,7 @@
 """Byte sizes (supermem.units) and the strict SUPERMEM_CONF parser (supermem.config)."""
 
+import re
+
 import pytest
 
 from supermem import config
@@ -221,14 +223,15 @@ def test_huge_values_in_supermem_conf_are_config_errors(conf):
         config.parse_conf(conf)
 
 
-def test_a_huge_supermem_conf_stops_import_torch_with_a_message(tmp_path):
+def test_a_huge_supermem_conf_stops_activation_with_a_message(tmp_path):
     import os
     import subprocess
     import sys
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("SUPERMEM")}
     env["SUPERMEM_CONF"] = f"limit:{HUGE}GiB"
-    r = subprocess.run([sys.executable, "-c", "import torch"], env=env, capture_output=True, text=True)
+    code = "import torch; x = torch.ones(1, requires_grad=True); x * x"  # a saved tensor: where the pool acts
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert r.returncode == 2 and "Traceback" not in r.stderr and "too large" in r.stderr, r.stderr
 
 
@@ -280,3 +283,72 @@ def test_the_smallest_fraction_and_a_0_budget_are_taken():
     assert config.parse_conf("budget:0,limit:1") == {"budget": "0", "limit": "1"}
     assert parse_bytes("0.01%", total_bytes=10**6) == parse_bytes(0.0001, total_bytes=10**6) == 100
     assert "0:" in next(o for o in config.OPTIONS if o.name == "budget").doc
+
+
+# ---------------------------------------------------------------- PyTorch's allocator option names
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("per_process_memory_fraction:0.5", {"limit": 0.5}),
+        ("per_process_memory_fraction:1", {"limit": 1.0}),
+        ("backend:native,pool:lru", {"allocator": "native", "pool": "lru"}),
+    ],
+)
+def test_pytorchs_names_of_supermem_options_are_aliases(text, expected):
+    assert config.parse_conf(text) == expected
+    cfg = config.Config()
+    cfg.set(**{k: v for k, _, v in (item.partition(":") for item in text.split(","))})
+    assert {k: getattr(cfg, k) for k in expected} == expected
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("expandable_segments:True", "'expandable_segments' is an option of PyTorch's own allocator"),
+        ("max_split_size_mb:128", "supermem has no equivalent (its options: allocator, limit"),
+        ("garbage_collection_threshold:0.6", "per_process_memory_fraction, backend are taken as supermem's"),
+        ("backend:cudaMallocAsync", "only PyTorch's `native` backend has a supermem equivalent"),
+        ("per_process_memory_fraction:1.5", "'per_process_memory_fraction': 1.5 is not a fraction in"),
+        ("per_process_memory_fraction:0.5,limit:1GiB", "'limit' is given twice"),
+    ],
+)
+def test_pytorchs_other_allocator_options_are_refused_saying_what_supermem_has(text, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        config.parse_conf(text)
+
+
+def test_merge_conf_counts_an_alias_as_its_supermem_key():
+    merged = config.merge_conf("per_process_memory_fraction:0.5,trace:4", "limit:1GiB")
+    assert config.parse_conf(merged) == {"limit": "1GiB", "trace": 4}
+
+
+@pytest.mark.parametrize("var", ["PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"])
+def test_pytorch_alloc_conf_takes_what_means_a_supermem_option_and_names_the_rest(var):
+    conf = "expandable_segments:True,roundup_power2_divisions:[256:1,>:2],per_process_memory_fraction:0.5"
+    cfg = config.Config()
+    said = config.honour_torch_alloc_conf(cfg, {var: conf})
+    assert cfg.limit == 0.5
+    assert said == (
+        f"supermem: {var} configures PyTorch's own allocator, which supermem's replaces in this process; "
+        "taken: per_process_memory_fraction:0.5 as limit:0.5; "
+        "ignored: expandable_segments, roundup_power2_divisions"
+    )
+
+
+def test_pytorch_alloc_conf_does_not_override_supermems_own_option():
+    cfg = config.Config({"limit": "2GiB"})
+    said = config.honour_torch_alloc_conf(cfg, {"PYTORCH_CUDA_ALLOC_CONF": "per_process_memory_fraction:0.5"})
+    assert (
+        cfg.limit == "2GiB"
+        and said is not None
+        and "ignored: per_process_memory_fraction (supermem's limit is set)" in said
+    )
+    assert config.honour_torch_alloc_conf(config.Config(), {}) is None
+    # PyTorch reads PYTORCH_ALLOC_CONF first, and so does supermem
+    both = {
+        "PYTORCH_ALLOC_CONF": "max_split_size_mb:64",
+        "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
+    }
+    assert config.torch_alloc_conf(both) == ("PYTORCH_ALLOC_CONF", {"max_split_size_mb": "64"})

@@ -252,6 +252,37 @@ def test_bad_supermem_conf_fails_loudly_naming_the_key(tmp_path, conf, key):
     assert r.rc not in (0, None) and key in r.stderr, r.describe()
 
 
+def test_bad_supermem_conf_stops_at_the_first_cuda_use(tmp_path):
+    """Not at `import torch`: a process that never touches CUDA runs on (tests/cpu/test_activation_cpu.py)."""
+    code = "import torch\nprint('ran', flush=True)\ntorch.ones(1, device='cuda')\nprint('on')\n"
+    r = run_python(code, env={"SUPERMEM_CONF": "limt:1GiB"})
+    assert r.rc == 2 and r.stdout.split() == ["ran"], r.describe()
+    assert r.stderr.startswith("supermem: bad SUPERMEM_CONF ('limt:1GiB'): ConfigError:"), r.describe()
+    assert r.stderr.count("\n") == 1, r.describe()
+
+
+def test_pytorch_alloc_conf_is_taken_where_it_means_a_supermem_option_and_said_ignored_otherwise():
+    r = run_python(
+        """
+import torch
+total = torch.cuda.get_device_properties(0).total_memory
+try:
+    torch.empty(int(total * 0.3), dtype=torch.uint8, device="cuda")
+    emit(raised=None)
+except torch.OutOfMemoryError as e:
+    emit(raised=type(e).__name__)
+""",
+        env={
+            "SUPERMEM": "1",
+            "PYTORCH_CUDA_ALLOC_CONF": "per_process_memory_fraction:0.25,expandable_segments:True",
+        },
+    )
+    assert r.json() == {"raised": "OutOfMemoryError"}, r.describe()
+    said = [line for line in r.stderr.splitlines() if "PYTORCH_CUDA_ALLOC_CONF" in line]
+    assert len(said) == 1 and "ignored: expandable_segments" in said[0], r.describe()
+    assert "per_process_memory_fraction:0.25 as limit:0.25" in said[0], r.describe()
+
+
 def test_clean_exit_with_live_tensors_graphs_and_streams():
     """Tensors still alive at interpreter exit are freed (or dropped) without a crash or a message."""
     r = run_python(

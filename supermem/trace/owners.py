@@ -1,0 +1,136 @@
+"""Who owns each block: its module path and phase (from context.py's log), and the categories they imply.
+
+A block's module and phase are those in force at its alloc; a parameter's, gradient's or optimizer
+state's module is the one that owns the parameter (the observation's), wherever it was made. They are
+written into the trace as the first frames of the block's stack, so every tool that reads stacks (the
+report, the export to PyTorch's snapshot, memory_viz) shows them:
+    ("<module>", 0, "transformer.h.3.mlp.c_fc")   the innermost module call open at the alloc
+    ("<phase>", 0, "forward")                     forward, backward or optimizer
+then the Python frames, where stacks were recorded.
+
+Categories that follow from the phase, for blocks nothing else named (PyTorch's memory profiler's
+names, by simpler rules: no per-op dataflow is recorded):
+    temporary        made in a forward or an optimizer step and not saved for backward (a forward's
+                     intermediates, its outputs: the logits; the optimizer's scratch)
+    autograd_detail  made in a backward and not a parameter's gradient (the gradients flowing back
+                     through the graph, backward's own buffers)
+    input            saved for backward but made outside the forward, backward and optimizer step
+                     (the batch, its labels), in a program whose module calls make forwards
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .context import BACKWARD, FORWARD, NONE, OPTIMIZER, PHASES
+from .table import UNKNOWN_CATEGORY, Trace
+
+MODULE_FILE, PHASE_FILE = "<module>", "<phase>"
+INFERRED = {FORWARD: "temporary", OPTIMIZER: "temporary", BACKWARD: "autograd_detail"}
+
+
+class ContextLog:
+    """context.Context's log as arrays: what was in force at any time."""
+
+    def __init__(self, log: list[tuple[int, int, int]], paths: list[str]):
+        self.time_ns = np.array([r[0] for r in log], np.int64)
+        self.module = np.array([r[1] for r in log], np.int64)
+        self.phase = np.array([r[2] for r in log], np.int64)
+        order = np.argsort(self.time_ns, kind="stable")  # rows from two threads may interleave
+        self.time_ns, self.module, self.phase = self.time_ns[order], self.module[order], self.phase[order]
+        self.paths = paths
+
+    def at(self, times: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(module id or -1, phase) in force at each time (an alloc at the very time of a change
+        happened after it: changes are logged before the call they open)."""
+        i = np.searchsorted(self.time_ns, times, side="right") - 1
+        ok = i >= 0
+        j = np.maximum(i, 0)
+        if not len(self.time_ns):
+            return np.full(len(times), -1, np.int64), np.zeros(len(times), np.int64)
+        return np.where(ok, self.module[j], -1), np.where(ok, self.phase[j], NONE)
+
+
+def compose(
+    trace: Trace,
+    start_t: np.ndarray,
+    cat: np.ndarray,
+    stack: np.ndarray,
+    module_override: dict[int, str],
+    ctx: ContextLog | None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """New (category, stack) per lifetime: context frames prepended, categories inferred.
+    start_t: each lifetime's alloc time (int64 min where it began before the trace)."""
+    n = len(cat)
+    began = start_t > np.iinfo(np.int64).min
+    if ctx is not None:
+        mod_id, phase = ctx.at(start_t)
+        mod_id = np.where(began, mod_id, -1)
+        phase = np.where(began, phase, NONE)
+    else:
+        mod_id, phase = np.full(n, -1, np.int64), np.zeros(n, np.int64)
+    cat = cat.copy()
+    unknown = cat == UNKNOWN_CATEGORY
+    for ph, name in INFERRED.items():
+        m = unknown & (phase == ph)
+        if m.any():
+            cat[m] = trace.category_id(name)
+    if "activation" in trace.categories:
+        saved_before = (cat == trace.categories.index("activation")) & began & (phase == NONE)
+        # (where the log has forwards: a program with no module calls, whose pool names what it saves,
+        # has no step to be outside of)
+        if ctx is not None and (ctx.phase == FORWARD).any() and saved_before.any():
+            cat[saved_before] = trace.category_id("input")
+    frame_ids = {f: i for i, f in enumerate(trace.frames)}
+    stack_ids = {s: i for i, s in enumerate(trace.stacks)}
+
+    def frame(f: tuple[str, int, str]) -> int:
+        i = frame_ids.get(f)
+        if i is None:
+            i = frame_ids[f] = len(trace.frames)
+            trace.frames.append(f)
+        return i
+
+    paths = ctx.paths if ctx is not None else []
+    memo: dict[tuple[str, int, int], int] = {}
+    out = stack.copy()
+    todo = set(np.flatnonzero((mod_id >= 0) | (phase != NONE)).tolist()) | set(module_override)
+    for i in sorted(todo):
+        path = module_override.get(i) or (paths[int(mod_id[i])] if mod_id[i] >= 0 else "")
+        key = (path, int(phase[i]), int(stack[i]))
+        sid = memo.get(key)
+        if sid is None:
+            head = []
+            if path:
+                head.append(frame((MODULE_FILE, 0, path)))
+            if phase[i] != NONE:
+                head.append(frame((PHASE_FILE, 0, PHASES[int(phase[i])])))
+            frames = tuple(head) + (trace.stacks[int(stack[i])] if stack[i] >= 0 else ())
+            sid = stack_ids.get(frames)
+            if sid is None:
+                sid = stack_ids[frames] = len(trace.stacks)
+                trace.stacks.append(frames)
+            memo[key] = sid
+        out[i] = sid
+    return cat, out
+
+
+def stack_owners(trace: Trace) -> tuple[list[str], list[str]]:
+    """Per stack id: (module path or "", phase or ""), read from its leading context frames."""
+    modules, phases = [], []
+    for s in trace.stacks:
+        module = phase = ""
+        for f in s[:2]:
+            filename, _, name = trace.frames[f]
+            if filename == MODULE_FILE:
+                module = name
+            elif filename == PHASE_FILE:
+                phase = name
+        modules.append(module)
+        phases.append(phase)
+    return modules, phases
+
+
+def python_frames(frames: list[tuple[str, int, str]]) -> list[tuple[str, int, str]]:
+    """A stack's frames without the context ones."""
+    return [f for f in frames if f[0] not in (MODULE_FILE, PHASE_FILE)]

@@ -1,0 +1,63 @@
+"""`supermem report --budget`: the floor no treatment goes under, on a model whose bytes are counted by
+hand, and the plan's verdict either side of it."""
+
+import pytest
+import torch
+from owners_workload import train_traced
+
+from supermem import cli
+from supermem.trace import format as fmt
+from supermem.trace.cpu_source import ProfiledCPU
+from supermem.trace.whatif import what_if
+
+D, H, B = 32, 512, 64
+PARAM_BYTES = (D * H + H + H * D + D) * 4  # two Linears' weights and biases, float32
+HIDDEN_BYTES = B * H * 4  # the first Linear's output in forward, its gradient in backward
+
+
+def _mlp():
+    model = torch.nn.Sequential(torch.nn.Linear(D, H), torch.nn.ReLU(), torch.nn.Linear(H, D))
+
+    def batch(g):
+        return torch.randn(B, D, generator=g), torch.randn(B, D, generator=g)
+
+    return model, batch, lambda m, x: torch.nn.functional.mse_loss(m(x[0]), x[1])
+
+
+@pytest.fixture(scope="module")
+def trace():
+    def sgd(params):  # momentum, one tensor at a time: a buffer a parameter, no scratch
+        return torch.optim.SGD(params, lr=1e-3, momentum=0.9, foreach=False)
+
+    return train_traced(_mlp, "cpu", [ProfiledCPU()], steps=3, optimizer=sgd)[0]
+
+
+def test_the_floor_is_parameters_gradients_state_and_the_largest_temporary(trace):
+    w = what_if(trace, 1 << 30)
+    assert w.floor_parts == {
+        "parameter": PARAM_BYTES,
+        "gradient": PARAM_BYTES,
+        "optimizer_state": PARAM_BYTES,  # momentum buffers
+        "largest_unmovable": HIDDEN_BYTES,
+    }
+    assert w.floor_bytes == 3 * PARAM_BYTES + HIDDEN_BYTES
+    assert w.largest_unmovable["bytes"] == HIDDEN_BYTES
+
+
+def test_a_budget_under_the_floor_does_not_fit_and_one_over_the_peak_moves_nothing(trace):
+    w = what_if(trace, 3 * PARAM_BYTES + HIDDEN_BYTES - 1)
+    assert not w.fits and any("floor" in n for n in w.notes)
+    w = what_if(trace, 1 << 30)
+    assert w.fits and w.peak_bytes <= 1 << 30
+    assert w.by_module and not any(r["offload_bytes"] for r in w.by_module)
+    assert w.predicted_peak_bytes <= w.peak_bytes
+
+
+def test_report_budget_prints_the_verdict(trace, tmp_path, capsys):
+    path = tmp_path / "mlp.smtrace"
+    fmt.write(trace, path)
+    assert cli.main(["report", str(path), "--budget", "1KiB", "--no-png", "-q"]) == 0
+    out = capsys.readouterr().out
+    assert "does not fit" in out and "floor" in out
+    html = (tmp_path / "mlp.html").read_text()
+    assert 'id="what-if"' in html and "does not fit" in html

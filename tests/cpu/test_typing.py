@@ -1,0 +1,45 @@
+"""The typed API: supermem's lazy top-level names have their real signatures for a type checker."""
+
+import inspect
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import supermem
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_pool_factory_signature_is_pools():
+    from supermem.tensor_pool import Pool
+
+    declared = inspect.signature(supermem.PoolFactory.__call__).parameters
+    actual = inspect.signature(Pool.__init__).parameters
+    assert [(p.name, p.kind, p.default) for p in declared.values()] == [
+        (p.name, p.kind, p.default) for p in actual.values()
+    ]
+
+
+def test_a_misspelled_keyword_to_supermem_pool_is_a_type_error(tmp_path):
+    pytest.importorskip("mypy")
+    snippet = tmp_path / "user.py"
+    snippet.write_text(
+        "import supermem\n"
+        'good = supermem.pool(budget="8GiB", policy="lru")\n'
+        'bad = supermem.pool(budget="8GiB", polcy="lru")\n'
+        "supermem.install(limit=1)\n"
+    )
+    # cwd: the project's mypy cache (make lint fills it), so torch is not analysed again
+    r = subprocess.run(
+        [sys.executable, "-m", "mypy", "--no-error-summary", str(snippet)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=600,
+    )
+    errors = [line for line in r.stdout.splitlines() if ": error:" in line]
+    assert len(errors) == 2, r.stdout + r.stderr
+    assert ':3: error: Unexpected keyword argument "polcy"' in errors[0], errors
+    assert ':4: error: Unexpected keyword argument "limit" for "install"' in errors[1], errors
