@@ -16,8 +16,8 @@ import numpy as np
 from ..events import CATEGORIES
 from ..units import format_bytes
 from . import breakdown
-from .context import PHASE_ACTION
 from .owners import python_frames, stack_owners
+from .phases import PHASE_ACTION
 from .table import MEMORY_ACTIONS, OOM, Trace
 from .timeline import bin_sums, category_values, downsample, lifetimes, series
 

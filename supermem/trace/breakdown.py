@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from .context import PHASE_ACTION, STEP_MARK
+from .phases import PHASE_ACTION, STEP_MARK
 from .table import ALLOC, Trace
 from .timeline import Lifetimes, Series
 

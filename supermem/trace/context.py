@@ -35,11 +35,7 @@ import weakref
 from typing import Any
 
 from .attribution import Observations
-
-PHASES = ("", "forward", "backward", "optimizer")
-NONE, FORWARD, BACKWARD, OPTIMIZER = range(4)
-STEP_MARK = "step"  # a phase event's detail that ends a step (after the optimizer's step)
-PHASE_ACTION = "phase"  # the trace's action for a phase change; its detail names the phase begun
+from .phases import BACKWARD, FORWARD, NONE, OPTIMIZER, PHASES, STEP_MARK
 
 
 def tensors_in(x: Any, depth: int = 3):

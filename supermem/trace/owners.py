@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .context import BACKWARD, FORWARD, NONE, OPTIMIZER, PHASES
+from .phases import BACKWARD, FORWARD, NONE, OPTIMIZER, PHASES
 from .table import UNKNOWN_CATEGORY, Trace
 
 MODULE_FILE, PHASE_FILE = "<module>", "<phase>"

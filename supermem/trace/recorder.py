@@ -28,6 +28,7 @@ from ..errors import UsageError
 from ..log import warn
 from . import attribution, format, owners
 from . import context as ctx
+from .phases import PHASE_ACTION
 from .table import ALLOCATOR_ACTIONS, Trace, concat_columns, empty_columns
 
 DEFAULT_CAPACITY_EVENTS = 1_000_000
@@ -400,7 +401,7 @@ def _phase_columns(trace: Trace, phases: list[tuple[int, str]], parts: list) -> 
     cols = empty_columns(len(phases))
     if phases:
         cols["time_ns"] = np.array([p[0] for p in phases], np.int64)
-        cols["action"][:] = trace.action_id(ctx.PHASE_ACTION)
+        cols["action"][:] = trace.action_id(PHASE_ACTION)
         cols["device"][:] = -1
         cols["detail"] = np.array([trace.string_id(p[1]) for p in phases], np.int32)
     return cols

@@ -20,8 +20,8 @@ from typing import Any
 import numpy as np
 
 from .breakdown import NO_MODULE, phase_events
-from .context import STEP_MARK
 from .owners import stack_owners
+from .phases import STEP_MARK
 from .table import Trace
 from .timeline import category_values, lifetimes, series
 

@@ -13,8 +13,8 @@ from small_models import ResNet
 from supermem import cli
 from supermem.trace import format as fmt
 from supermem.trace.breakdown import phase_spans
-from supermem.trace.context import PHASE_ACTION
 from supermem.trace.cpu_source import ProfiledCPU
+from supermem.trace.phases import PHASE_ACTION
 from supermem.trace.table import Trace, empty_columns
 
 
