@@ -7,9 +7,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .port import PoolPort
+
 if TYPE_CHECKING:
     from .entry import Entry
-    from .pool import Pool
 
 
 class Cast:
@@ -28,20 +29,20 @@ class Cast:
     def group(self) -> Cast:
         return self
 
-    def cost_s(self, pool: Pool) -> float:
-        return 3 * self.param.nbytes / pool._device_bytes_per_s()  # read fp32, write bf16
+    def cost_s(self, pool: PoolPort) -> float:
+        return 3 * self.param.nbytes / pool.device_bytes_per_s  # read fp32, write bf16
 
     def droppable(self, e: Entry) -> bool:
         return True
 
-    def rebuild(self, pool: Pool, e: Entry) -> None:
+    def rebuild(self, pool: PoolPort, e: Entry) -> None:
         if self.param._version != self.param_version:
             raise RuntimeError(
                 "supermem: a parameter changed in place between forward and backward; its autocast "
                 "copy saved for backward cannot be rebuilt (plain autograd would use the stale copy)"
             )
         copy = self.param.detach().to(self.dtype)  # detached: no graph, and no no_grad context to enter
-        pool._arrived(e, copy.as_strided(self.shape, self.stride, self.offset), None)
+        pool.arrived(e, copy.as_strided(self.shape, self.stride, self.offset), None)
 
 
 def autocast_copy_of(t: torch.Tensor) -> torch.Tensor | None:

@@ -22,9 +22,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from .pool import Pool
+    from .port import PoolInternals, TreatmentLike
     from .step import Step
-    from .treatments import Treatment
 
 
 class State(enum.Enum):
@@ -61,7 +60,7 @@ class Entry:
         "made_by",
     )
 
-    def __init__(self, pool: Pool, seq: int, tensor: torch.Tensor, key: tuple, step: Step):
+    def __init__(self, pool: PoolInternals, seq: int, tensor: torch.Tensor, key: tuple, step: Step):
         self._pool = weakref.ref(pool)
         self.seq = seq  # pack order, over all steps
         self.shape = tensor.shape
@@ -70,7 +69,7 @@ class Entry:
         self.dtype = tensor.dtype
         self.nbytes = self.extent * tensor.element_size()
         self.tensor: torch.Tensor | None = _graphless(tensor)
-        self.treatment: Treatment | None = None  # what holds it while not resident
+        self.treatment: TreatmentLike | None = None  # what holds it while not resident
         self.payload: Any = None  # the treatment's (a host block, compressed bytes, ...)
         self.event: torch.cuda.Event | None = None  # end of the copy in flight (either direction)
         self.state = State.RESIDENT
@@ -154,7 +153,9 @@ class PlanKept(Kept):
 
     __slots__ = ("_pool", "ordinal", "nbytes", "step", "key", "source", "__weakref__")
 
-    def __init__(self, pool: Pool, tensor: torch.Tensor, ordinal: int, nbytes: int, step: Step, key: tuple):
+    def __init__(
+        self, pool: PoolInternals, tensor: torch.Tensor, ordinal: int, nbytes: int, step: Step, key: tuple
+    ):
         super().__init__(tensor)
         self._pool = weakref.ref(pool)
         self.ordinal = ordinal

@@ -28,7 +28,7 @@ from .. import costs
 from ..checkpoint_graphs import ChainGraphs
 
 if TYPE_CHECKING:
-    from .region import _Light
+    from .port import LightCall
 
 
 class LightGraphs:
@@ -44,7 +44,7 @@ class LightGraphs:
         self.chosen: set[int] | None = None  # the structures graphed (None: to choose again)
         self.failed: set[int] = set()
 
-    def note(self, light: _Light, x: torch.Tensor) -> None:
+    def note(self, light: LightCall, x: torch.Tensor) -> None:
         """A light call ran (forward): its structure counts toward being graphed."""
         info = self.graphs._block(light.module)
         if info is None or info.unit is not None:
@@ -55,7 +55,7 @@ class LightGraphs:
             self.static[info.sig] = 3 * x.numel() * x.element_size() + 2 * info.nbytes
             self.chosen = None
 
-    def backward(self, light: _Light, x: torch.Tensor, grad: torch.Tensor, params: tuple) -> list | None:
+    def backward(self, light: LightCall, x: torch.Tensor, grad: torch.Tensor, params: tuple) -> list | None:
         """The gradients of the call's input and of `params` by a replay, or None (eager)."""
         info = self.graphs._block(light.module)
         if info is None or not x.is_cuda:

@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import bisect
 import collections
+import contextlib
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import psutil
@@ -202,12 +203,12 @@ class Pool(PlanRunner):
                 "graph_replays",
                 "rest_steps",
                 "rest_wakes",
+                "offloaded_bytes",
+                "dropped_bytes",
             ),
             0,
         )
-        self._offloaded_bytes = 0
         self._prefetched_bytes = 0
-        self._dropped_bytes = 0
         self._peak_resident_bytes = 0
         self._local = threading.local()  # per thread: the stack of entered hook contexts
         self.always_active = False  # SUPERMEM_CONF's pool: hooks pushed for every thread's backward
@@ -652,18 +653,6 @@ class Pool(PlanRunner):
         self._left = True
         return True
 
-    def _arrived(self, e: Entry, tensor: torch.Tensor, event: Any) -> None:
-        """A treatment brought `e` back into `tensor` (ready after `event`, if any)."""
-        self._device_bytes -= e.treatment.device_bytes(e)
-        self._away_to_fetch.discard(e.seq)
-        if self._rec is not None and e.step is self._step:
-            self._rec.left(e.ordinal, e.treatment.device_bytes(e) - e.nbytes)
-        e.tensor = tensor
-        e.event = event
-        e.state = State.RETURNING if event is not None else State.RESIDENT
-        self._add_resident(e)
-        self._touch(e)
-
     def _materialize(self, e: Entry) -> torch.Tensor:
         self._in_use.append(e)  # a replay's allocations may call the pressure handler: not this one
         try:
@@ -934,10 +923,53 @@ class Pool(PlanRunner):
 
     # ------------------------------------------------------------------ costs (for the policy)
 
-    def _device_bytes_per_s(self) -> float:
+    # ------------------------------------------------------------------ the port (port.py)
+
+    def arrived(self, e: Entry, tensor: torch.Tensor, event: Any) -> None:
+        """A treatment brought `e` back into `tensor` (ready after `event`, if any)."""
+        self._device_bytes -= e.treatment.device_bytes(e)
+        self._away_to_fetch.discard(e.seq)
+        if self._rec is not None and e.step is self._step:
+            self._rec.left(e.ordinal, e.treatment.device_bytes(e) - e.nbytes)
+        e.tensor = tensor
+        e.event = event
+        e.state = State.RETURNING if event is not None else State.RESIDENT
+        self._add_resident(e)
+        self._touch(e)
+
+    def count(self, name: str, n: int = 1) -> None:
+        """Adds `n` to the counter `name`: stats() shows it, reset_stats() zeroes it."""
+        self._counters[name] = self._counters.get(name, 0) + n
+
+    @contextlib.contextmanager
+    def using(self, e: Entry) -> Iterator[None]:
+        """While it lasts, `e` is being worked on: the pool's pressure handler, called from inside
+        (an allocation of the work), does not choose it."""
+        self._in_use.append(e)
+        try:
+            yield
+        finally:
+            self._in_use.remove(e)
+
+    def copy_window(self) -> tuple[float, float, int] | None:
+        """Where copies out can hide behind this step's forward: (seconds since the step began, the
+        last step's forward seconds, bytes this step copied out so far); None where none hides (on
+        CPU copies are synchronous; urgent: the allocator waits for the bytes; no forward measured)."""
+        step = self._step
+        if not self.cuda or step is None or not self._last_forward_s or self._urgent:
+            return None
+        return time.perf_counter() - step.started_s, self._last_forward_s, step.offloaded
+
+    def payload_resized(self, e: Entry, delta: int) -> None:
+        """The payload `e`'s treatment keeps on the device while `e` is away grew by `delta` bytes."""
+        self._device_bytes += delta
+
+    @property
+    def device_bytes_per_s(self) -> float:
         return costs.GPU_MEMORY_BYTES_PER_S if self.cuda else costs.CPU_COPY_BYTES_PER_S
 
-    def _device_index(self) -> int:
+    @property
+    def device_index(self) -> int:
         return self.device.index if self.cuda else -1
 
     # ------------------------------------------------------------------ inspection
@@ -991,9 +1023,7 @@ class Pool(PlanRunner):
                 "largest_entry_bytes": self._largest_entry,
                 "budget_bytes": self.budget_bytes,
                 "margin_bytes": self._margin,
-                "offloaded_bytes": self._offloaded_bytes,
                 "prefetched_bytes": self._prefetched_bytes,
-                "dropped_bytes": self._dropped_bytes,
                 "regions": len(self.regions.modules),
                 "light_split_misses": self.regions.split_misses,
                 "compiled_kept_bytes": self.compiled.kept_bytes,
@@ -1031,7 +1061,7 @@ class Pool(PlanRunner):
             self.copies.collect(block=True)
             self.copies.stats = type(self.copies.stats)()
             self._counters = dict.fromkeys(self._counters, 0)
-            self._offloaded_bytes = self._prefetched_bytes = self._dropped_bytes = 0
+            self._prefetched_bytes = 0
             self._peak_resident_bytes = self._device_bytes + self._kept_bytes
 
 

@@ -47,7 +47,7 @@ from .light_graphs import LightGraphs, light_graphs_of
 _top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
 
 if TYPE_CHECKING:
-    from .pool import Pool
+    from .port import PoolInternals
 
 MAX_SHARE = 0.25  # a call saving more than this share of a step's bytes is split into its children
 COST_SAMPLES = 3  # calls timed per kind of call (each with a timed replay); the least prices it
@@ -162,7 +162,7 @@ class Region:
         "__weakref__",
     )
 
-    def __init__(self, module: torch.nn.Module, args: tuple, kwargs: dict, pool: Pool, timed: bool):
+    def __init__(self, module: torch.nn.Module, args: tuple, kwargs: dict, pool: PoolInternals, timed: bool):
         self.module = module
         self.inputs = [(x, x._version) for x in _tensors((args, kwargs))]
         self.input_ptrs = {_storage_ptr(x) for x, _ in self.inputs}
@@ -191,7 +191,7 @@ class Region:
         if mine and packed.recipe is None:
             packed.recipe = self  # not ready: it stays until the call returns and the policy can weigh both
 
-    def finish(self, pool: Pool) -> bool:
+    def finish(self, pool: PoolInternals) -> bool:
         """The call returned: True if it can be replayed (then its own entries take it as recipe)."""
         own, made, slots = [], [], []
         for k, ref in enumerate(self.slots):
@@ -221,13 +221,13 @@ class Region:
         self.ready = True
         return True
 
-    def cost_s(self, pool: Pool) -> float | None:
+    def cost_s(self, pool: PoolInternals) -> float | None:
         return pool.regions.cost_s(self.module)
 
     def droppable(self, e: Entry) -> bool:
         return True  # an op replay reading it rebuilds it first: one region replay, bounded
 
-    def rebuild(self, pool: Pool, e: Entry) -> None:
+    def rebuild(self, pool: PoolInternals, e: Entry) -> None:
         """Replays the call; every entry it made that is away comes back: its own (dropped or
         compressed), and those another recipe would rebuild (an op replay's, a weight cast's: the
         replay computes them anyway, and each rebuild of its own costs the host a call), except those
@@ -243,7 +243,7 @@ class Region:
         if not want:
             return
         args, kwargs = self.replay_args(pool)
-        arrived = pool._arrived
+        arrived = pool.arrived
         k = -1  # the slot of the tensor being saved
 
         def pack(t: torch.Tensor) -> None:
@@ -278,12 +278,12 @@ class Region:
                 "call did; its forward is not deterministic in what it saves"
             )
 
-    def replay_args(self, pool: Pool) -> tuple[tuple, dict]:
+    def replay_args(self, pool: PoolInternals) -> tuple[tuple, dict]:
         """The call's arguments again, its tensors brought back (or rebuilt) by the pool."""
         leaves, spec = self.args
         return tree_unflatten([x.get(pool) if isinstance(x, _Input) else x for x in leaves], spec)
 
-    def verify(self, pool: Pool, call: tuple, check: bool = True) -> str | None:
+    def verify(self, pool: PoolInternals, call: tuple, check: bool = True) -> str | None:
         """Calls the module again at once on `call`, the (args, kwargs) it got, as a rebuild would, and
         matches each tensor it saves against the call's own save at that place, bitwise where the pool
         still holds it: None if the replay is the call, else what differs. Not `check`: a replay only
@@ -442,7 +442,7 @@ class _Alive:
 
     __slots__ = ("pool", "nbytes")
 
-    def __init__(self, pool: Pool, nbytes: int = 0):
+    def __init__(self, pool: PoolInternals, nbytes: int = 0):
         """`nbytes`: what the call's graph holds that the plan keeps (a bypassed call's saves), in the
         pool's count of kept bytes meanwhile (on a CPU, the step's peak is that count)."""
         self.pool = weakref.ref(pool)
@@ -469,7 +469,7 @@ class _Alive:
         self.release()
 
 
-def _pool_hooks(pool: Pool, args: tuple) -> tuple | None:
+def _pool_hooks(pool: PoolInternals, args: tuple) -> tuple | None:
     """The saved-tensor hooks on top of this thread's stack if they are the pool's (a call with the
     pool's hooks off, Plan.bypass, pops them; not the user's own, pushed inside the pool's) and the
     call has an input made in the graph (its hook tells when backward is through the call); else None."""
@@ -723,11 +723,11 @@ class _Input:
 
     __slots__ = ("packed", "requires_grad")
 
-    def __init__(self, pool: Pool, x: torch.Tensor):
+    def __init__(self, pool: PoolInternals, x: torch.Tensor):
         self.packed = pool._pack_tensor(x, saved=False)
         self.requires_grad = x.requires_grad
 
-    def get(self, pool: Pool) -> torch.Tensor:
+    def get(self, pool: PoolInternals) -> torch.Tensor:
         return pool._unpack_input(self.packed).detach().requires_grad_(self.requires_grad)
 
 
@@ -792,7 +792,7 @@ def choose_regions(roots: list[_Call], refused: Any = None) -> set[torch.nn.Modu
 class Regions:
     """The pool's region tracker: profiles the first step, then hooks the chosen modules."""
 
-    def __init__(self, pool: Pool):
+    def __init__(self, pool: PoolInternals):
         self._pool = weakref.ref(pool)
         self.phase = "off"  # off -> profiling (first step) -> on
         self._local = threading.local()  # stack of open calls/regions; replaying flag
@@ -919,7 +919,7 @@ class Regions:
         st = getattr(self._local, "stack", None)
         return st[-1] if st else None
 
-    def _capturing(self, pool: Pool) -> bool:
+    def _capturing(self, pool: PoolInternals) -> bool:
         return (
             torch.is_grad_enabled() and pool._active_here() and not getattr(self._local, "replaying", False)
         )
@@ -968,7 +968,7 @@ class Regions:
             self.refused[module] = why
             _refusal_warning(module, why)
 
-    def _pre_call(self, module: torch.nn.Module, args: tuple, kwargs: dict, pool: Pool) -> None:
+    def _pre_call(self, module: torch.nn.Module, args: tuple, kwargs: dict, pool: PoolInternals) -> None:
         if not self._capturing(pool) or getattr(self._local, "unseen", None):
             return  # (inside a call the pool does not see: under checkpoint or with its hooks off)
         # (a refused module's calls are captured all the same, never ready: a plan's ordinals count
@@ -1005,7 +1005,9 @@ class Regions:
         region.start = start
         self._stack().append(region)
 
-    def _light(self, module: torch.nn.Module, args: tuple, kwargs: dict, pool: Pool, end: int) -> None:
+    def _light(
+        self, module: torch.nn.Module, args: tuple, kwargs: dict, pool: PoolInternals, end: int
+    ) -> None:
         """The call runs with grad off (Plan.light): autograd builds no graph in it and saves nothing;
         at its end `_Light` gives its outputs one node, whose backward calls it again with grad on and
         backpropagates through that call (reentrant checkpointing). Non-reentrant checkpointing, which
@@ -1083,7 +1085,9 @@ class Regions:
                 pool._rec.no_light.add(region.start)
             pool._region_done(region, _tensors(output))
 
-    def _time_replay(self, region: Region, call: tuple, pool: Pool, verify: bool, timed: bool) -> str | None:
+    def _time_replay(
+        self, region: Region, call: tuple, pool: PoolInternals, verify: bool, timed: bool
+    ) -> str | None:
         """Runs the call once more, timed from an idle stream: a sample of what a replay costs, the
         larger of its kernels and its own host work. The call itself ran in a step the pool records,
         whose host pace its CUDA events measure: GPT-24's blocks were priced at 7.2 ms each on an H100
@@ -1122,7 +1126,7 @@ class Regions:
         return c[0] if c[1] else None
 
 
-def _start_timer(pool: Pool) -> Any:
+def _start_timer(pool: PoolInternals) -> Any:
     """GPU: CUDA events on the compute stream (copies run on side streams). CPU: the host clock, less
     the time the pool itself spent inside the call (its synchronous copies are not the module's)."""
     if pool.cuda:
@@ -1132,7 +1136,7 @@ def _start_timer(pool: Pool) -> Any:
     return ("cpu", time.perf_counter() + pool._busy_s, None)
 
 
-def _stop_timer(timer: Any, pool: Pool) -> Any:
+def _stop_timer(timer: Any, pool: PoolInternals) -> Any:
     kind, start, _ = timer
     if kind == "cuda":
         end = torch.cuda.Event(enable_timing=True)

@@ -41,7 +41,7 @@ class Stash(Treatment):
 
     def come_back(self, pool, e) -> None:
         self.back += 1
-        pool._arrived(e, e.from_span(e.payload.clone()), None)
+        pool.arrived(e, e.from_span(e.payload.clone()), None)
 
     def host_bytes(self, e) -> int:
         return e.payload.nbytes if e.payload is not None else 0

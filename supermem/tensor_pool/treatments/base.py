@@ -5,14 +5,12 @@ ways it takes)."""
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ...errors import ConfigError
 from ...policies import Choice
 from ..entry import Entry, State
-
-if TYPE_CHECKING:
-    from ..pool import Pool
+from ..port import PoolPort
 
 
 class Treatment:
@@ -49,29 +47,29 @@ class Treatment:
         for a rebuild, is the plan runner's to wait for)."""
         return True
 
-    def choices(self, pool: Pool, resident: Iterable[Entry]) -> list[Choice]:
+    def choices(self, pool: PoolPort, resident: Iterable[Entry]) -> list[Choice]:
         """Ways this treatment can free device bytes now, priced for the policy."""
         raise NotImplementedError
 
-    def leave(self, pool: Pool, e: Entry) -> bool:
+    def leave(self, pool: PoolPort, e: Entry) -> bool:
         """Starts taking a resident entry off the device (the device tensor is still set: the pool
         drops it after); sets its state to leaving or away. False: it cannot (the entry stays)."""
         raise NotImplementedError
 
-    def come_back(self, pool: Pool, e: Entry) -> None:
-        """Starts bringing the entry back; ends with `pool._arrived(e, tensor, event)`."""
+    def come_back(self, pool: PoolPort, e: Entry) -> None:
+        """Starts bringing the entry back; ends with `pool.arrived(e, tensor, event)`."""
         raise NotImplementedError
 
-    def ready(self, pool: Pool, e: Entry) -> None:
+    def ready(self, pool: PoolPort, e: Entry) -> None:
         """Makes a returning entry usable on the current stream."""
         e.event = None
         e.state = State.RESIDENT
 
-    def arrived(self, pool: Pool, e: Entry) -> None:
+    def arrived(self, pool: PoolPort, e: Entry) -> None:
         """The entry is back on the device, by this treatment or another way (a region's replay
         rebuilds every dropped entry of its call): drop what need not be kept."""
 
-    def settle(self, pool: Pool, wait: bool = False) -> None:
+    def settle(self, pool: PoolPort, wait: bool = False) -> None:
         """Finishes what finished in the background (all of it, waiting, with `wait`): frees what
         the entries it holds no longer need. The pool calls it before it measures device memory."""
 
@@ -82,11 +80,11 @@ class Treatment:
     def host_bytes(self, e: Entry) -> int:
         return 0
 
-    def forget(self, pool: Pool, e: Entry) -> None:
+    def forget(self, pool: PoolPort, e: Entry) -> None:
         """The entry died or leaves by another treatment: free this treatment's payload."""
         e.payload = None
 
-    def check(self, pool: Pool, e: Entry) -> None:
+    def check(self, pool: PoolPort, e: Entry) -> None:
         """This treatment's invariant for an entry it holds; AssertionError if off."""
 
 
@@ -94,7 +92,7 @@ TREATMENTS: dict[str, type[Treatment]] = {}  # name -> class: the registry (trea
 
 
 def register(cls: type[Treatment]) -> type[Treatment]:
-    """Adds a treatment class to the registry under its name: Pool(treatments=(name, ...)) makes it."""
+    """Adds a treatment class to the registry under its name: PoolPort(treatments=(name, ...)) makes it."""
     if TREATMENTS.get(cls.name, cls) is not cls:
         raise ValueError(f"a treatment named {cls.name!r} is registered already")
     TREATMENTS[cls.name] = cls

@@ -9,7 +9,6 @@ import statistics
 import time
 import weakref
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -18,11 +17,8 @@ from ...compress import Packed, fitted, packed_nbytes, relu_pack, relu_unpack, t
 from ...errors import UsageError
 from ...policies import Choice
 from ..entry import Entry, State
+from ..port import PoolPort
 from .base import Treatment
-
-if TYPE_CHECKING:
-    from ..pool import Pool
-
 
 RELU_MADE = frozenset({"ReluBackward0", "ReluBackward1", "ThresholdBackward0", "ThresholdBackward1"})
 TIMED_USES = 8  # packs (and unpacks) timed; the fastest per byte prices them (the first one warms up)
@@ -118,14 +114,14 @@ class Compress(Treatment):
     def measured(self) -> bool:
         return all(x.s_per_byte is not None for x in self._timing.values())
 
-    def price(self, pool: Pool) -> tuple[float, float, float, float]:
+    def price(self, pool: PoolPort) -> tuple[float, float, float, float]:
         """(seconds per byte to pack and unpack, packed bytes per tensor byte, host seconds a pack
         waits for its count, host seconds of a pack, its unpack and its trim): measured so far, or the
         priors. The wait is an exact pack's on a GPU; the host seconds are a GPU's (the median of the
         last ones of each), where a host-bound step pays them whatever the kernels take (ResNet-152 at
         checkpoint's peak on an H100: a plan packing 56 tensors a step predicted 127.6 ms, took 208.8
         while pricing kernels alone). On CPU the seconds per byte are the host's already: 0."""
-        prior = costs.PRIOR_PASSES / 2 / pool._device_bytes_per_s()
+        prior = costs.PRIOR_PASSES / 2 / pool.device_bytes_per_s
         s_per_byte = sum(x.s_per_byte_or(prior) for x in self._timing.values())
         ratio = self._packed_bytes / self._tensor_bytes if self._tensor_bytes else costs.PACKED_RATIO_PRIOR
         wait_s = 0.0
@@ -134,7 +130,7 @@ class Compress(Treatment):
         host_s = sum(statistics.median_high(d) for d in self._host_s.values() if d) if pool.cuda else 0.0
         return s_per_byte, ratio, wait_s, host_s
 
-    def choices(self, pool: Pool, resident: Iterable[Entry]) -> list[Choice]:
+    def choices(self, pool: PoolPort, resident: Iterable[Entry]) -> list[Choice]:
         _count(pool)
         if self._packing:
             return []
@@ -163,7 +159,7 @@ class Compress(Treatment):
     def _payload_bytes(e: Entry, room: int) -> int:
         return packed_nbytes(e.extent, min(room, e.extent), e.dtype.itemsize)
 
-    def leave(self, pool: Pool, e: Entry) -> bool:
+    def leave(self, pool: PoolPort, e: Entry) -> bool:
         if e.state is not State.RESIDENT or e.tensor is None:
             return False  # taken off by a pressure call nested in another pack
         room = self._room(e)
@@ -172,19 +168,18 @@ class Compress(Treatment):
         # The payload's allocation may call the pool's pressure handler from inside this pack: it must
         # neither pack again nor take this entry from under it.
         self._packing += 1
-        pool._in_use.append(e)
         try:
-            # Timed unless it waits for its count (an exact pack on a GPU: its host seconds price it,
-            # price()).
-            t0 = time.perf_counter()
-            waits = room is None and self.room != "full" and pool.cuda
-            with self._timing["pack"].timed(pool, 0 if waits else e.nbytes):
-                packed = relu_pack(e.tensor, exact=self.room != "full", capacity=room)
-            (self._exact_s if waits else self._host_s["pack"]).append(time.perf_counter() - t0)
+            with pool.using(e):
+                # Timed unless it waits for its count (an exact pack on a GPU: its host seconds price
+                # it, price()).
+                t0 = time.perf_counter()
+                waits = room is None and self.room != "full" and pool.cuda
+                with self._timing["pack"].timed(pool, 0 if waits else e.nbytes):
+                    packed = relu_pack(e.tensor, exact=self.room != "full", capacity=room)
+                (self._exact_s if waits else self._host_s["pack"]).append(time.perf_counter() - t0)
         except torch.OutOfMemoryError:
             return False  # no room for the payload even after pressure: another treatment frees
         finally:
-            pool._in_use.remove(e)
             self._packing -= 1
         if packed.host_nnz is not None:  # exact (or made on the host)
             if not self._packed(pool, e, packed):
@@ -197,7 +192,7 @@ class Compress(Treatment):
         _count(pool, compressions=1, compressed_bytes=e.nbytes)
         return True
 
-    def _packed(self, pool: Pool, e: Entry, packed: Packed) -> bool:
+    def _packed(self, pool: PoolPort, e: Entry, packed: Packed) -> bool:
         """Learns from a whole pack of `e`; False if it frees nothing (then `e` is never packed again)."""
         nnz = packed.host_nnz
         self._last_nnz[(e.ordinal, e.extent)] = nnz
@@ -210,7 +205,7 @@ class Compress(Treatment):
         _count(pool, compressed_payload_bytes=packed.nbytes)
         return True
 
-    def settle(self, pool: Pool, wait: bool = False) -> None:
+    def settle(self, pool: PoolPort, wait: bool = False) -> None:
         """Packs whose nonzero count is back (all of them, waiting, with `wait`): a full room's values
         move into a buffer of their size; a guessed room's original goes if the values fit; if not,
         the entry is resident again with its original (no sync, no new allocation), and the count it
@@ -224,7 +219,7 @@ class Compress(Treatment):
         finally:
             self._settling = False
 
-    def _settle(self, pool: Pool, wait: bool) -> None:
+    def _settle(self, pool: PoolPort, wait: bool) -> None:
         still = []
         for ref in self._unsettled:
             e = ref()
@@ -240,17 +235,17 @@ class Compress(Treatment):
             if whole is None:  # more nonzeros than the room: rare (a margin over last step's count)
                 self._last_nnz[(e.ordinal, e.extent)] = nnz
                 _count(pool, room_misses=1)
-                pool._arrived(e, u.original, None)
+                pool.arrived(e, u.original, None)
                 self.arrived(pool, e)
                 continue
             self._host_s["trim"].append(time.perf_counter() - t0)
             before = self.device_bytes(e)
             self._packed(pool, e, whole)  # dense this step: it stays packed (lossless), never again
             e.payload = whole
-            pool._device_bytes += self.device_bytes(e) - before
+            pool.payload_resized(e, self.device_bytes(e) - before)
         self._unsettled = still
 
-    def come_back(self, pool: Pool, e: Entry) -> None:
+    def come_back(self, pool: PoolPort, e: Entry) -> None:
         if isinstance(e.payload, _Unsettled):
             self.settle(pool, wait=True)  # long done by backward, as a rule
             if e.state is State.RESIDENT:
@@ -265,10 +260,10 @@ class Compress(Treatment):
                 x.record_stream(stream)
             self._host_s["unpack"].append(time.perf_counter() - t0)
         _count(pool, decompressions=1)
-        pool._arrived(e, t, None)
+        pool.arrived(e, t, None)
         self.arrived(pool, e)
 
-    def arrived(self, pool: Pool, e: Entry) -> None:
+    def arrived(self, pool: PoolPort, e: Entry) -> None:
         """The entry is back on the device (unpacked, or rebuilt by a region's replay): its payload,
         device memory the pool no longer counts, goes."""
         e.payload = None
@@ -281,7 +276,7 @@ class Compress(Treatment):
             p = p.packed
         return p.nbytes if p is not None else 0
 
-    def check(self, pool: Pool, e: Entry) -> None:
+    def check(self, pool: PoolPort, e: Entry) -> None:
         p = e.payload
         if isinstance(p, _Unsettled):
             whole = p.packed.values.numel() == p.packed.numel
@@ -342,7 +337,7 @@ class _Timing:
         return prior if self.s_per_byte is None else self.s_per_byte
 
     @contextlib.contextmanager
-    def timed(self, pool: Pool, nbytes: int):
+    def timed(self, pool: PoolPort, nbytes: int):
         if self._runs >= TIMED_USES or nbytes == 0:
             yield
             return
@@ -377,13 +372,11 @@ _PACKABLE = (torch.float32, torch.float16, torch.bfloat16)
 _COUNTERS = ("compressions", "decompressions", "compressed_bytes", "compressed_payload_bytes", "room_misses")
 
 
-def _count(pool: Pool, **add: int) -> None:
+def _count(pool: PoolPort, **add: int) -> None:
     """Compress's counters, kept in the pool's (stats() shows them, reset_stats() zeroes them) from
     the first decision compression is offered in."""
     for k in _COUNTERS:
-        pool._counters.setdefault(k, 0)
-    for k, n in add.items():
-        pool._counters[k] += n
+        pool.count(k, add.get(k, 0))
 
 
 def _dense(t: torch.Tensor) -> bool:

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -12,10 +10,8 @@ from ... import costs, events
 from ...policies import Choice
 from ..cast import Cast
 from ..entry import Entry, State
+from ..port import PoolPort
 from .base import Treatment
-
-if TYPE_CHECKING:
-    from ..pool import Pool
 
 LINK_PROBE_BYTES = 64 << 20
 _link_probed: dict[int, float] = {}  # CUDA device index -> D2H bytes per second to pinned memory
@@ -64,7 +60,7 @@ class Offload(Treatment):
         (until it has copied: 25 GB/s on a GPU, 5 GB/s on CPU)."""
         self.link_bytes_per_s = link_bytes_per_s
 
-    def rate(self, pool: Pool) -> float:
+    def rate(self, pool: PoolPort) -> float:
         if self.link_bytes_per_s is not None:
             return self.link_bytes_per_s
         c = pool.copies.stats
@@ -74,27 +70,27 @@ class Offload(Treatment):
             return costs.CPU_COPY_BYTES_PER_S
         return _link_probed.get(torch.device(pool.device).index or 0, costs.GPU_LINK_BYTES_PER_S)
 
-    def probe(self, pool: Pool) -> None:
+    def probe(self, pool: PoolPort) -> None:
         """Before a plan: the link's rate, measured (link_rate) where no copy measured it yet. Never
         from a pressure handler: the probe allocates."""
         if pool.cuda and self.link_bytes_per_s is None:
             link_rate(pool.device)
 
-    def hideable_bytes(self, pool: Pool, bps: float) -> int:
+    def hideable_bytes(self, pool: PoolPort, bps: float) -> int:
         """Bytes the link can still carry before backward starts, judging by the last step's forward
         (what it already carries this step counts against it). On CPU copies are synchronous: none."""
-        step = pool._step
-        if not pool.cuda or step is None or not pool._last_forward_s or pool._urgent:
-            return 0  # (urgent: the allocator waits for these bytes, so a copy hides nothing)
-        elapsed = time.perf_counter() - step.started_s
-        queued = max(0.0, step.offloaded - bps * elapsed)
-        return int(bps * max(0.0, pool._last_forward_s - elapsed) - queued)
+        window = pool.copy_window()
+        if window is None:
+            return 0
+        elapsed, forward_s, copied = window
+        queued = max(0.0, copied - bps * elapsed)
+        return int(bps * max(0.0, forward_s - elapsed) - queued)
 
     def applies(self, e: Entry) -> bool:
         # Weight copies are rebuilt, never copied to host; a call still running decides at its end.
         return e.recipe is None or (e.recipe.ready and not isinstance(e.recipe, Cast))
 
-    def choices(self, pool: Pool, resident: Iterable[Entry]) -> list[Choice]:
+    def choices(self, pool: PoolPort, resident: Iterable[Entry]) -> list[Choice]:
         bps = self.rate(pool)
         hideable = self.hideable_bytes(pool, bps)
         out = []
@@ -108,43 +104,43 @@ class Offload(Treatment):
             out.append(Choice(e, self.name, e.nbytes, cost_s, e.last_use, (e,)))
         return out
 
-    def leave(self, pool: Pool, e: Entry) -> bool:
+    def leave(self, pool: PoolPort, e: Entry) -> bool:
         if e.payload is None:
             block = pool.host.take(e.nbytes)
             if block is None:
-                pool._counters["host_full"] += 1
+                pool.count("host_full")
                 return False
             e.payload = block
             e.event = pool.copies.to_host(e.device_span(), _host_span(e))
-            pool._offloaded_bytes += e.nbytes
+            pool.count("offloaded_bytes", e.nbytes)
             e.step.offloaded += e.nbytes
-            pool._counters["offloads"] += 1
-            events.emit("offload", e.nbytes, e.tensor.data_ptr(), pool._device_index(), e.seq, "activation")
+            pool.count("offloads")
+            events.emit("offload", e.nbytes, e.tensor.data_ptr(), pool.device_index, e.seq, "activation")
         else:  # offloaded before: the host copy is complete (returns wait for it)
             e.event = None
         e.state = State.LEAVING if e.event is not None else State.AWAY
         return True
 
-    def come_back(self, pool: Pool, e: Entry) -> None:
+    def come_back(self, pool: PoolPort, e: Entry) -> None:
         if e.event is not None and pool.cuda:  # the host copy may still be being written
             pool.copies.h2d.wait_event(e.event)
         span, event = pool.copies.to_device(_host_span(e))
-        pool._arrived(e, e.from_span(span), event)
-        events.emit("prefetch", e.nbytes, e.tensor.data_ptr(), pool._device_index(), e.seq, "activation")
+        pool.arrived(e, e.from_span(span), event)
+        events.emit("prefetch", e.nbytes, e.tensor.data_ptr(), pool.device_index, e.seq, "activation")
 
-    def ready(self, pool: Pool, e: Entry) -> None:
+    def ready(self, pool: PoolPort, e: Entry) -> None:
         pool.copies.use(e.tensor, e.event)
         super().ready(pool, e)
 
     def host_bytes(self, e: Entry) -> int:
         return e.payload.nbytes if e.payload is not None else 0
 
-    def forget(self, pool: Pool, e: Entry) -> None:
+    def forget(self, pool: PoolPort, e: Entry) -> None:
         if e.payload is not None:
             pool.host.give_back(e.payload, pool.copies.stream_ids)
         e.payload = None
 
-    def check(self, pool: Pool, e: Entry) -> None:
+    def check(self, pool: PoolPort, e: Entry) -> None:
         assert e.payload is not None and e.payload.nbytes >= e.nbytes, f"{e}: away without a host copy"
 
 

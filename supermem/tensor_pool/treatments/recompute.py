@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
 
 from ...policies import Choice
 from ..entry import Entry, State
+from ..port import PoolPort
 from .base import Treatment
-
-if TYPE_CHECKING:
-    from ..pool import Pool
 
 
 class Recompute(Treatment):
@@ -26,7 +23,7 @@ class Recompute(Treatment):
     def applies(self, e: Entry) -> bool:
         return e.recipe is not None and e.recipe.ready and e.recipe.droppable(e)
 
-    def choices(self, pool: Pool, resident: Iterable[Entry]) -> list[Choice]:
+    def choices(self, pool: PoolPort, resident: Iterable[Entry]) -> list[Choice]:
         groups: dict[int, list[Entry]] = {}
         recipes = {}
         for e in resident:
@@ -45,17 +42,17 @@ class Recompute(Treatment):
             )
         return out
 
-    def leave(self, pool: Pool, e: Entry) -> bool:
+    def leave(self, pool: PoolPort, e: Entry) -> bool:
         if not e.recipe.droppable(e):
             return False  # an op replay's input changed, or dropping it would make a cascade (op_replay.py)
         e.state = State.AWAY
-        pool._counters["dropped"] += 1
-        pool._dropped_bytes += e.nbytes
+        pool.count("dropped")
+        pool.count("dropped_bytes", e.nbytes)
         return True
 
-    def come_back(self, pool: Pool, e: Entry) -> None:
-        pool._counters["recomputes"] += 1
+    def come_back(self, pool: PoolPort, e: Entry) -> None:
+        pool.count("recomputes")
         e.recipe.rebuild(pool, e)
 
-    def check(self, pool: Pool, e: Entry) -> None:
+    def check(self, pool: PoolPort, e: Entry) -> None:
         assert e.recipe is not None and e.payload is None, f"{e}: away without a recipe"
