@@ -12,7 +12,6 @@ these methods use (the plan, the cache, the recorder, the counters) is the Pool'
 from __future__ import annotations
 
 import time
-import warnings
 import weakref
 from typing import TYPE_CHECKING, Any
 
@@ -20,9 +19,11 @@ import torch
 from torch.utils._pytree import tree_map
 
 from ..compress import packed_nbytes_of
+from ..log import warn
 from ..units import format_bytes
 from .cast import Cast
 from .entry import Entry, PlanKept, State, dedup_key, storage_extent
+from .labels import label
 from .lean_call import LeanCall
 from .op_replay import OpReplay
 from .planner import Plan
@@ -344,7 +345,7 @@ class PlanRunner:
         for o in plan.prefetch_at.get(event, ()):
             x = self._planned_entry(o)
             if x is not None and x.state in (State.LEAVING, State.AWAY) and x.treatment.prefetch:
-                x.treatment.come_back(self, x)
+                self._come_back(x)
                 self._counters["prefetches"] += 1
                 self._prefetched_bytes += x.nbytes
 
@@ -414,10 +415,11 @@ class PlanRunner:
     def _plan_from(self, profile: Profile) -> None:
         """The plan of `profile`'s shape, below the budget by what its plans overshot; cached."""
         sig = profile.signature
-        self._plan = self.policy.solve(profile, max(0, self.budget_bytes - self._plan_aim.get(sig, 0)))
+        with label("plan"):
+            self._plan = self.policy.solve(profile, max(0, self.budget_bytes - self._plan_aim.get(sig, 0)))
         if not self._plan.feasible and sig not in self._said_infeasible:
             self._said_infeasible.add(sig)
-            warnings.warn(infeasible_message(self._plan, profile, self.budget_bytes), stacklevel=2)
+            warn(infeasible_message(self._plan, profile, self.budget_bytes))
         self._plans[sig] = self._plan
         if len(self._plans) > MAX_PLANS:  # shapes that keep changing: the oldest plan goes
             oldest = next(iter(self._plans))

@@ -39,6 +39,7 @@ from ..units import format_bytes, parse_bytes
 from .cast import Cast, autocast_copy_of
 from .compiled import CompiledGraphs
 from .entry import Entry, Kept, PlanKept, State, alive_anyway, check_version, dedup_key, movable
+from .labels import label, recording
 from .op_replay import OpReplays
 from .plan_run import PlanRunner, Resting
 from .planner import Plan
@@ -317,7 +318,12 @@ class Pool(PlanRunner):
             rec.resume()
 
     def _pack(self, t: torch.Tensor) -> Any:
-        return t if self._passthrough else self._own(self._pack_saved, t)
+        if self._passthrough:
+            return t
+        if recording():  # (checked here: a range, even an empty one, costs every saved tensor)
+            with label("pack"):
+                return self._own(self._pack_saved, t)
+        return self._own(self._pack_saved, t)
 
     def _pack_saved(self, t: torch.Tensor) -> Any:
         if self.compiled.saved_by_graph(t):
@@ -430,6 +436,9 @@ class Pool(PlanRunner):
             return e
 
     def _unpack(self, packed: Any) -> torch.Tensor:
+        if recording():
+            with label("unpack"):
+                return self._own(self._unpack_saved, packed)
         return self._own(self._unpack_saved, packed)
 
     def _unpack_saved(self, packed: Any) -> torch.Tensor:
@@ -641,8 +650,9 @@ class Pool(PlanRunner):
         """Takes a resident entry off the device by treatment `t`; False when `t` cannot."""
         if e.treatment is not None and e.treatment is not t:
             e.treatment.forget(self, e)
-        if not t.leave(self, e):
-            return False
+        with label(t.name):
+            if not t.leave(self, e):
+                return False
         e.treatment = t
         self._drop_resident(e)
         if t.prefetch:
@@ -653,6 +663,11 @@ class Pool(PlanRunner):
         self._left = True
         return True
 
+    def _come_back(self, e: Entry) -> None:
+        """Starts bringing `e` back by its treatment."""
+        with label(e.treatment.name, ".restore"):
+            e.treatment.come_back(self, e)
+
     def _materialize(self, e: Entry) -> torch.Tensor:
         self._in_use.append(e)  # a replay's allocations may call the pressure handler: not this one
         try:
@@ -662,7 +677,7 @@ class Pool(PlanRunner):
                 sampled = self._host_bound_now()
                 self._frames.append(0.0)
                 try:
-                    e.treatment.come_back(self, e)
+                    self._come_back(e)
                 finally:
                     rebuilt = e.treatment.rebuilds and e.recipe is not None
                     self._frame_end(t0, type(e.recipe).__name__ if rebuilt and sampled else None)
@@ -717,7 +732,7 @@ class Pool(PlanRunner):
             if x.nbytes > room:
                 break
             room -= x.nbytes
-            x.treatment.come_back(self, x)
+            self._come_back(x)
             self._counters["prefetches"] += 1
             self._prefetched_bytes += x.nbytes
 
