@@ -61,10 +61,10 @@ _PASSED_THROUGH = (_PACKAGE, contextlib.__file__)
 def warn(message: str, category: type[Warning] = UserWarning) -> None:
     """warnings.warn pointing at the user's line: the stacklevel of the first caller outside supermem
     (and _PASSED_THROUGH), however deep inside supermem the warning is raised."""
-    passed = _PASSED_THROUGH
-    torch = sys.modules.get("torch")
-    if getattr(torch, "__file__", None):
-        passed += (os.path.dirname(torch.__file__) + os.sep,)
+    passed: tuple[str, ...] = _PASSED_THROUGH
+    torch_file = getattr(sys.modules.get("torch"), "__file__", None)
+    if torch_file:
+        passed += (os.path.dirname(torch_file) + os.sep,)
     frame, level = sys._getframe(1), 2
     while frame.f_back is not None and frame.f_code.co_filename.startswith(passed):
         frame, level = frame.f_back, level + 1

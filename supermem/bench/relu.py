@@ -138,6 +138,8 @@ def _time(fn, device, iters: int) -> float:
     """Seconds per call: GPU time from CUDA events on CUDA, wall time on CPU."""
     import torch
 
+    from .. import torch_private as tp
+
     fn()  # warm up: kernels loaded, allocator cache filled
     if device.type != "cuda":
         t0 = time.perf_counter()
@@ -146,7 +148,7 @@ def _time(fn, device, iters: int) -> float:
         return (time.perf_counter() - t0) / iters
     torch.cuda.synchronize(device)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda._sleep(SLEEP_CYCLES)
+    tp.cuda_sleep(SLEEP_CYCLES)
     start.record()
     for _ in range(iters):
         fn()

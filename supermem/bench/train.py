@@ -317,10 +317,10 @@ def _prepare(model, spec: dict):
         raise ValueError(f"{saver} checkpoints model.blocks; {type(model).__name__} has none")
     if saver == "compile":
         import torch
-        import torch._functorch.config
 
-        # read when the backward graph is partitioned, at the first step
-        torch._functorch.config.activation_memory_budget = spec["memory_budget"]
+        from .. import torch_private as tp
+
+        tp.set_compile_memory_budget(spec["memory_budget"])  # read when the backward graph is partitioned
         return torch.compile(model)
     return model
 

@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .. import torch_private as tp
+
 if TYPE_CHECKING:
     from .port import PoolInternals, TreatmentLike
     from .step import Step
@@ -205,10 +207,7 @@ _EMPTY: dict[tuple, torch.Tensor] = {}  # one storage-less tensor per (dtype, de
 
 
 def _set_version(t: torch.Tensor, version: int) -> None:
-    try:
-        torch._C._autograd._unsafe_set_version_counter((t,), (version,))
-    except TypeError:  # older PyTorch: one tensor, one int
-        torch._C._autograd._unsafe_set_version_counter(t, version)
+    tp.set_versions((t,), (version,))
 
 
 def movable(t: torch.Tensor) -> bool:
@@ -218,7 +217,7 @@ def movable(t: torch.Tensor) -> bool:
         return False
     if t.layout is not torch.strided or t.is_nested or t.is_meta or t.is_quantized or t.is_mkldnn:
         return False
-    return not torch._C._functorch.is_functorch_wrapped_tensor(t)
+    return not tp.is_functorch_wrapped(t)
 
 
 def alive_anyway(t: torch.Tensor) -> bool:

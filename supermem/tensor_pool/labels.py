@@ -8,20 +8,21 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
-import torch.autograd.profiler as _profiler
 from torch.profiler import record_function
+
+from .. import torch_private as tp
 
 _NONE = contextlib.nullcontext()
 
 
 def recording() -> bool:
     """Whether a profiler records now."""
-    return _profiler._is_profiler_enabled
+    return tp.profiler_recording()
 
 
 def label(name: str, suffix: str = "") -> Any:
     """A range named supermem::<name><suffix> while a profiler records; else nothing (a range costs
     about a microsecond even unrecorded, and the pack hook runs for every saved tensor)."""
-    if not _profiler._is_profiler_enabled:
+    if not tp.profiler_recording():
         return _NONE
     return record_function(f"supermem::{name}{suffix}")

@@ -16,8 +16,8 @@ import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.utils._pytree import tree_map
 
+from .. import torch_private as tp
 from ..compress import packed_nbytes_of
 from ..log import warn
 from ..units import format_bytes
@@ -38,7 +38,7 @@ MAX_REPLANS = 3  # per shape: a plan that keeps missing stays (the reactive fall
 MAX_PLANS = 64  # plans cached, one per shape signature
 
 
-_top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+_top_hooks = tp.top_saved_hooks
 
 
 class Resting:
@@ -494,7 +494,7 @@ def _recipe_inputs(recipe: Any) -> list[Entry]:
     if get is not None:
         return [x for x in get() if isinstance(x, Entry)]
     out: list[Entry] = []
-    tree_map(
+    tp.tree_map(
         lambda x: out.append(x.packed) if isinstance(getattr(x, "packed", None), Entry) else None,
         getattr(recipe, "args", None),
     )

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from .. import costs
+from .. import torch_private as tp
 
 # A profiled step's segment's kernels wait behind a spin kernel this many times the most host seconds
 # of the last SPIN_WINDOW segments (within these bounds), so that they are timed running back to back
@@ -179,7 +180,7 @@ class SegmentClock:
             return
         if self.synced and not torch.cuda.is_current_stream_capturing():
             torch.cuda.current_stream().synchronize()
-            torch.cuda._sleep(int(self.spin_s * _spin_cycles_per_s()))
+            tp.cuda_sleep(int(self.spin_s * _spin_cycles_per_s()))
             self.seg_start = torch.cuda.Event(enable_timing=True)
             self.seg_start.record()
         self.resumed_s = time.perf_counter()
@@ -492,9 +493,9 @@ def _spin_cycles_per_s() -> float:
     """torch.cuda._sleep's cycles per second on this device, measured once (its kernel loaded first)."""
     if not _cycles_per_s:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(1)
+        tp.cuda_sleep(1)
         start.record()
-        torch.cuda._sleep(10**6)
+        tp.cuda_sleep(10**6)
         end.record()
         end.synchronize()
         _cycles_per_s.append(10**6 / max(start.elapsed_time(end) / 1e3, 1e-6))

@@ -37,14 +37,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.nn.modules import module as _nn
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from .. import torch_private as tp
 from .call_state import CallState
 from .entry import Entry, State, _set_version, bitwise_equal
 from .light_graphs import LightGraphs, light_graphs_of
 
 # the saved-tensor hooks on top of this thread's stack (Plan.bypass takes the pool's off around a call)
-_top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+_top_hooks = tp.top_saved_hooks
 
 if TYPE_CHECKING:
     from .port import PoolInternals
@@ -141,7 +141,7 @@ def _tensors(tree: Any) -> list[torch.Tensor]:
                 break
         else:
             return out
-    return [x for x in tree_flatten(tree)[0] if isinstance(x, torch.Tensor)]
+    return [x for x in tp.tree_flatten(tree)[0] if isinstance(x, torch.Tensor)]
 
 
 class Region:
@@ -210,7 +210,7 @@ class Region:
                 return False
         self.inputs = []  # the raw inputs go; the pool keeps them as entries from here
         # Flat, with the tree's spec: a replay fills the inputs in and rebuilds the tree in one step.
-        leaves, spec = tree_flatten(self.args)
+        leaves, spec = tp.tree_flatten(self.args)
         args = ([_Input(pool, x) if isinstance(x, torch.Tensor) else x for x in leaves], spec)
         if not own:
             # (its recording made its inputs entries here, saves of the step, a first block's batch:
@@ -281,7 +281,7 @@ class Region:
     def replay_args(self, pool: PoolInternals) -> tuple[tuple, dict]:
         """The call's arguments again, its tensors brought back (or rebuilt) by the pool."""
         leaves, spec = self.args
-        return tree_unflatten([x.get(pool) if isinstance(x, _Input) else x for x in leaves], spec)
+        return tp.tree_unflatten([x.get(pool) if isinstance(x, _Input) else x for x in leaves], spec)
 
     def verify(self, pool: PoolInternals, call: tuple, check: bool = True) -> str | None:
         """Calls the module again at once on `call`, the (args, kwargs) it got, as a rebuild would, and
@@ -302,11 +302,11 @@ class Region:
                     why = f"its replay saved another tensor #{k} ({tuple(t.shape)} {t.dtype})"
             return None
 
-        leaves, spec = tree_flatten(call)
+        leaves, spec = tp.tree_flatten(call)
         leaves = [
             x.detach().requires_grad_(x.requires_grad) if isinstance(x, torch.Tensor) else x for x in leaves
         ]
-        args, kwargs = tree_unflatten(leaves, spec)
+        args, kwargs = tp.tree_unflatten(leaves, spec)
         try:
             with (
                 _Replaying(self.state, self.module, not check),
@@ -372,7 +372,7 @@ def _none(*_: Any) -> None:
     return None
 
 
-_BN_FORWARD = torch.nn.modules.batchnorm._BatchNorm.forward
+_BN_FORWARD = tp.BatchNorm.forward
 
 
 def _saved_buffers(module: torch.nn.Module, quiet_bn: bool) -> tuple[list, list]:
@@ -524,7 +524,7 @@ class _Light:
         if not kwargs and all(isinstance(x, torch.Tensor) for x in args):
             leaves, self.spec = list(args), None  # (tensors alone: no pytree, ~8 us a flatten)
         else:
-            leaves, self.spec = tree_flatten((args, kwargs))
+            leaves, self.spec = tp.tree_flatten((args, kwargs))
         self.places = [k for k, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
         self.leaves = [None if isinstance(x, torch.Tensor) else x for x in leaves]
         outs, out_spec = _flatten(output)
@@ -560,7 +560,7 @@ class _Light:
                 pool._passthrough = False
         for k, x in zip(self.out_places, attached):
             outs[k] = x
-        return outs[0] if out_spec is None else tree_unflatten(outs, out_spec)
+        return outs[0] if out_spec is None else tp.tree_unflatten(outs, out_spec)
 
     def again(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         """The call once more, with grad on, under its state, the module's buffers put back after; the
@@ -568,7 +568,7 @@ class _Light:
         leaves = list(self.leaves)
         for k, x in zip(self.places, inputs):
             leaves[k] = x
-        args, kwargs = (tuple(leaves), {}) if self.spec is None else tree_unflatten(leaves, self.spec)
+        args, kwargs = (tuple(leaves), {}) if self.spec is None else tp.tree_unflatten(leaves, self.spec)
         tracker = self.tracker()
         with (
             _Replaying(self.state, self.module, True),
@@ -581,7 +581,7 @@ class _Light:
 
 def _flatten(tree: Any) -> tuple[list, Any]:
     """tree_flatten, but a lone tensor costs no pytree walk (its spec: None)."""
-    return ([tree], None) if isinstance(tree, torch.Tensor) else tree_flatten(tree)
+    return ([tree], None) if isinstance(tree, torch.Tensor) else tp.tree_flatten(tree)
 
 
 def _submodules(module: torch.nn.Module) -> list[torch.nn.Module]:
@@ -705,14 +705,14 @@ class _PerUse:
         return out
 
 
-_RAW_APPLY = torch._C._FunctionBase.__dict__["apply"].__get__(None, _LightFn)
+_RAW_APPLY = tp.FUNCTION_APPLY.__get__(None, _LightFn)
 
 
 def _light_apply(*args: Any) -> tuple:
     """_LightFn.apply without its Python wrapper where no functorch transform is active: the wrapper
     looks at each argument (with a block's 9 parameters 19.5 against 9.4 us on this repository's CPU;
     on an H100's host the apply took 80 us of a light call's ~235, in a forward the host bounds)."""
-    if torch._C._are_functorch_transforms_active():
+    if tp.functorch_transforms_active():
         return _LightFn.apply(*args)
     return _RAW_APPLY(*args)
 
@@ -890,13 +890,10 @@ class Regions:
             or ids[1] not in module._forward_hooks
             or module._backward_hooks
             or module._backward_pre_hooks
-            or _nn._global_forward_pre_hooks
-            or _nn._global_forward_hooks
-            or _nn._global_backward_pre_hooks
-            or _nn._global_backward_hooks
+            or any(tp.global_module_hooks())
             or getattr(module, "_compiled_call_impl", None) is not None
             or type(module).__call__ is not torch.nn.Module.__call__
-            or torch._C._get_tracing_state()
+            or tp.jit_tracing_state()
         ):
             return module(*args, **kwargs)
         return module.forward(*args, **kwargs)
@@ -989,9 +986,9 @@ class Regions:
             if light:
                 self._light(module, args, kwargs, pool, end)
             else:
-                torch._C._autograd._pop_saved_tensors_default_hooks()  # Plan.bypass: autograd keeps them
+                tp.pop_saved_hooks()  # Plan.bypass: autograd keeps them
                 if lean is not None:  # but for those the plan drops (Plan.drops)
-                    torch._C._autograd._push_saved_tensors_default_hooks(lean.pack, lean.unpack)
+                    tp.push_saved_hooks(lean.pack, lean.unpack)
                 self._local.__dict__.setdefault("unseen", []).append((module, hooks, end, lean))
             return
         if hooks is None and pool._rec is not None and pool._rec.full:
@@ -1019,7 +1016,7 @@ class Regions:
         light.call = (args, kwargs)
         light.uses = self.uses.get(module)
         self._local.__dict__.setdefault("unseen", []).append((module, light, end, None))
-        torch._C._set_grad_enabled(False)
+        tp.set_grad_enabled(False)
 
     def _post(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         """The call's output, or what replaces it (a call run with grad off: its outputs with a node)."""
@@ -1036,13 +1033,13 @@ class Regions:
             _, call, end, lean = unseen.pop()  # call: a _Light, or the pool's hooks (bypassed)
             bypassed = isinstance(call, tuple)
             if lean is not None:
-                torch._C._autograd._pop_saved_tensors_default_hooks()
+                tp.pop_saved_hooks()
                 lean.close()
             pool = self._pool()
             if bypassed:  # the pool's hooks back on
-                torch._C._autograd._push_saved_tensors_default_hooks(*call)
+                tp.push_saved_hooks(*call)
             else:
-                torch._C._set_grad_enabled(True)
+                tp.set_grad_enabled(True)
                 if output is not None:  # (None: the call raised)
                     output = call.attach(self, module, *call.call, output, pool)
                 call.call = None
@@ -1175,14 +1172,13 @@ def _hook(register: Any, method: Any, **kwargs: Any) -> Any:
 
 def _tracing() -> bool:
     """Dynamo is tracing (what a garbage collection run inside a compile sees)."""
-    return torch.compiler.is_compiling() or torch._guards.TracingContext.try_get() is not None
+    return torch.compiler.is_compiling() or tp.dynamo_tracing()
 
 
 def _unhook(hook_ids: list[int], modules: list[torch.nn.Module]) -> None:
     """Hooks `hook_ids` out of torch's global forward hook dicts and those of `modules` (ids are unique
     over all of torch's hook handles)."""
-    dicts = [_nn._global_forward_pre_hooks, _nn._global_forward_hooks]
-    dicts.append(_nn._global_forward_hooks_always_called)
+    dicts = tp.global_forward_hook_dicts()
     for m in modules:
         dicts += [m._forward_pre_hooks, m._forward_pre_hooks_with_kwargs, m._forward_hooks]
         dicts += [m._forward_hooks_with_kwargs, m._forward_hooks_always_called]
