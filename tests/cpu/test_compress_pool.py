@@ -282,8 +282,8 @@ def test_compression_is_priced_from_measured_pack_and_unpack_times():
 
 
 def test_cost_aware_offers_compression_lru_does_not():
-    assert "compress" in make_policy("cost_aware").treatments
-    assert "compress" not in make_policy("lru").treatments
+    assert "compress" in make_policy("cost_aware").kinds
+    assert "compress" not in make_policy("lru").kinds
     pool = Pool(budget=0, policy="lru", host_limit="64MiB", treatments=(Offload(), Compress(room="guess")))
     train("mlp", pool, steps=1)
     assert pool.stats().get("compressions", 0) == 0 and pool.stats()["offloads"] > 0
