@@ -37,8 +37,8 @@ def stop_at_activation(message: str) -> None:
     job without autograd) runs on: every child of a job inherits the variable, and most never use CUDA.
     supermem's API (install, pool, options) still raises ConfigError at once: config.current() parses
     the variable again."""
-    import torch
 
+    from . import torch_private as tp
     from .log import logger
 
     def stop(*_: object) -> NoReturn:
@@ -48,8 +48,8 @@ def stop_at_activation(message: str) -> None:
         raise SystemExit(2)
 
     logger.info("%s; the process stops at CUDA's initialisation or its first backward", message)
-    torch.cuda._lazy_call(stop)  # private: runs inside torch.cuda._lazy_init, after cuInit
-    torch._C._autograd._push_saved_tensors_default_hooks(stop, stop)
+    tp.cuda_lazy_call(stop)  # (runs inside torch.cuda's initialisation, after cuInit)
+    tp.push_saved_hooks_importing(stop, stop)
 
 
 def _trace_rank() -> None:

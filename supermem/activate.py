@@ -97,8 +97,9 @@ def install(conf: str | dict | None = None) -> bool:
     if cfg.allocator == "native":
         return False
     from . import _C
+    from . import torch_private as tp
 
-    if not hasattr(_C, "plugin_install") or not hasattr(torch._C, "_cuda_customAllocator"):
+    if not hasattr(_C, "plugin_install") or not tp.has_custom_allocator_hooks():
         if not _said_no_cuda:  # info, not a warning: under SUPERMEM=1 every `import torch` comes here
             _said_no_cuda = True
             logger.info("supermem: this PyTorch or supermem build has no CUDA; the allocator is not swapped")
@@ -253,7 +254,7 @@ def _plain_cuda_graphs_for_inductor() -> None:
 
 
 def _patch_torch() -> None:
-    import torch
+    from . import torch_private as tp
 
     patches = {
         "_cuda_getCheckpointState": _no_checkpointing,
@@ -262,6 +263,5 @@ def _patch_torch() -> None:
         "_cuda_memorySnapshot": _memory_snapshot,
     }
     for name, fn in patches.items():
-        if hasattr(torch._C, name):
-            setattr(torch._C, name, fn)
+        tp.replace_c_function(name, fn)
     _plain_cuda_graphs_for_inductor()

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from . import torch_private as tp
 from .errors import UsageError
 
 Block = Callable[[torch.Tensor], torch.Tensor]
@@ -193,7 +194,7 @@ class _Held:
     supermem.pool may offload it) and released as soon as the backward has used it."""
 
     def __init__(self, x: torch.Tensor, state: _State):
-        hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        hooks = tp.top_saved_hooks(False)
         self.unpack = hooks[1] if hooks else None
         self.payload = hooks[0](x) if hooks else x
         self.state = state
@@ -397,7 +398,7 @@ class _Schedule:
             return None
         with torch.no_grad():
             for buffers, values, _ in groups.values():
-                torch._foreach_copy_(values, buffers)
+                tp.foreach_copy_(values, buffers)
         return list(groups.values())
 
     def _rerun(self, k: int, x: torch.Tensor, state: _State) -> torch.Tensor:
@@ -421,16 +422,12 @@ def _restore(saved: _Saved | None) -> None:
     if saved is not None:
         with torch.no_grad():
             for buffers, values, versions in saved:
-                torch._foreach_copy_(buffers, values)
+                tp.foreach_copy_(buffers, values)
                 _set_versions(buffers, versions)
 
 
 def _set_versions(tensors: list[torch.Tensor], versions: list[int]) -> None:
-    try:
-        torch._C._autograd._unsafe_set_version_counter(tuple(tensors), tuple(versions))
-    except TypeError:  # older PyTorch: one tensor, one int
-        for t, v in zip(tensors, versions):
-            torch._C._autograd._unsafe_set_version_counter(t, v)
+    tp.set_versions(tensors, versions)
 
 
 class _Chain(torch.autograd.Function):

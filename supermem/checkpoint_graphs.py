@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from . import torch_private as tp
 from .errors import UsageError
 from .log import warn
 from .streaming import ALIGN, streamed_unit
@@ -306,7 +307,7 @@ class ChainGraphs:
         else:
             if s.params:  # (a block without parameters: a foreach copy of nothing is an error)
                 with torch.no_grad():
-                    torch._foreach_copy_(s.params, info.params)
+                    tp.foreach_copy_(s.params, info.params)
             s.ready = None
         s.holding, s.epoch = info, self.epoch
 
@@ -329,7 +330,7 @@ class ChainGraphs:
 
     def _buffers_in(self, s: _Slot, info: _Block) -> None:
         for mine, theirs in zip(s.grouped, info.grouped):
-            torch._foreach_copy_(mine, theirs)
+            tp.foreach_copy_(mine, theirs)
 
     def forward(self, kind: _Kind, block: torch.nn.Module, x: torch.Tensor, counts: bool) -> torch.Tensor:
         """`block(x)` by replay, without grad; `counts`: the forward whose buffer updates are kept."""
@@ -342,7 +343,7 @@ class ChainGraphs:
             out = s.out.clone()
             if counts:
                 for mine, theirs in zip(s.grouped, info.grouped):
-                    torch._foreach_copy_(theirs, mine)
+                    tp.foreach_copy_(theirs, mine)
         self._replayed(s)
         return out
 

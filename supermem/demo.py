@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from . import config
+from . import torch_private as tp
 from .cli_args import positive_int
 from .errors import UsageError
 from .policies import live_names
@@ -169,13 +170,13 @@ class _NoSavedTensorHooks:
 
     def __enter__(self) -> None:
         self.taken = []
-        while (top := torch._C._autograd._top_saved_tensors_default_hooks(False)) is not None:
-            torch._C._autograd._pop_saved_tensors_default_hooks()
+        while (top := tp.top_saved_hooks(False)) is not None:
+            tp.pop_saved_hooks()
             self.taken.append(top)
 
     def __exit__(self, *exc: object) -> None:
         for pack, unpack in reversed(self.taken):
-            torch._C._autograd._push_saved_tensors_default_hooks(pack, unpack)
+            tp.push_saved_hooks(pack, unpack)
 
 
 def recomputed(s: dict | None, steps: int) -> str:

@@ -53,15 +53,20 @@ def configure(environ: dict[str, str] | os._Environ[str] | None = None) -> None:
 
 
 _PACKAGE = str(Path(__file__).resolve().parent) + os.sep
+# Passed through on the way to the user's line: supermem, contextlib (which runs `with supermem.trace(...)`
+# blocks) and torch, whose modules and autograd call the pool's hooks from inside the user's forward.
 _PASSED_THROUGH = (_PACKAGE, contextlib.__file__)
 
 
 def warn(message: str, category: type[Warning] = UserWarning) -> None:
     """warnings.warn pointing at the user's line: the stacklevel of the first caller outside supermem
-    (and contextlib, which runs `with supermem.trace(...)` blocks), however deep inside supermem the
-    warning is raised."""
+    (and _PASSED_THROUGH), however deep inside supermem the warning is raised."""
+    passed: tuple[str, ...] = _PASSED_THROUGH
+    torch_file = getattr(sys.modules.get("torch"), "__file__", None)
+    if torch_file:
+        passed += (os.path.dirname(torch_file) + os.sep,)
     frame, level = sys._getframe(1), 2
-    while frame.f_back is not None and frame.f_code.co_filename.startswith(_PASSED_THROUGH):
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(passed):
         frame, level = frame.f_back, level + 1
     warnings.warn(message, category, stacklevel=level)
 

@@ -33,8 +33,15 @@ class Choice:
 class Policy:
     name = "base"
     live = True  # usable by the live pool (False: needs the future, replay only)
-    treatments: tuple[str, ...] = ("offload",)  # the treatments it may choose
+    kinds: tuple[str, ...] = ("offload",)  # the kinds of treatment it may choose (Treatment.kind)
+    plans = False  # it plans each step's shape ahead (solve); else it only chooses as the step runs
     doc = ""
+
+    def solve(self, profile: Any, budget: int) -> Any:
+        """A plan (tensor_pool.planner.Plan) for the profiled step under `budget` bytes: the solver a
+        planning policy brings. The pool calls it once per step shape, and again lower where a plan
+        missed its budget."""
+        raise NotImplementedError
 
     def score(self, c: Choice, now: int) -> float:
         """Lower scores leave first."""
@@ -45,7 +52,7 @@ class Policy:
         chosen: list[Choice] = []
         taken: set[int] = set()
         total = 0
-        usable = [c for c in choices if c.treatment in self.treatments and c.nbytes > 0]
+        usable = [c for c in choices if c.nbytes > 0]  # (the pool asks only its kinds: Pool._choices)
         for c in sorted(usable, key=lambda c: self.score(c, now)):
             if total >= need_bytes:
                 break
@@ -83,7 +90,7 @@ class CostAware(Policy):
     has no costs, so the replayer runs it as lru."""
 
     name = "cost_aware"
-    treatments: tuple[str, ...] = ("offload", "recompute", "compress")
+    kinds: tuple[str, ...] = ("offload", "recompute", "compress")
     doc = "offload or recompute, whichever costs less per byte freed (DTR)"
 
     def score(self, c: Choice, now: int) -> float:
@@ -102,8 +109,15 @@ class Planned(CostAware):
     ahead leaves first."""
 
     name = "planned"
-    treatments = ("offload", "recompute")  # the planner does not model compression (yet)
+    kinds = ("offload", "recompute")  # its fallback does not compress
+    plans = True
     doc = "plan each saved tensor's treatment from a profiled step (replay: Belady)"
+
+    def solve(self, profile: Any, budget: int) -> Any:
+        """The greedy (tensor_pool/planner.py)."""
+        from .tensor_pool.planner import make_plan  # (the pool's package imports this module)
+
+        return make_plan(profile, budget)
 
     def key(self, start: int, end: int) -> float:
         return -(end if end >= 0 else float("inf"))

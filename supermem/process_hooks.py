@@ -34,7 +34,7 @@ def push(get_pool: Callable[[], Any]) -> None:
     """Pushes pack/unpack hooks that send every saved tensor of this thread to get_pool()'s pool, and makes
     the process's teardown wait for gloo's copies of them."""
     global _own_refs
-    import torch
+    from . import torch_private as tp
 
     def pack(t: Any) -> Any:
         return get_pool()._pack(t)
@@ -42,7 +42,7 @@ def push(get_pool: Callable[[], Any]) -> None:
     def unpack(packed: Any) -> Any:
         return get_pool()._unpack(packed)
 
-    torch._C._autograd._push_saved_tensors_default_hooks(pack, unpack)
+    tp.push_saved_hooks_importing(pack, unpack)
     _hooks[:] = [pack, unpack]
     del pack, unpack  # counted below: only _hooks and the thread-local stack hold them now
     _own_refs = _pack_refs()

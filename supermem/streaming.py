@@ -38,12 +38,13 @@ from typing import TYPE_CHECKING, Any
 import psutil
 import torch
 
+from . import torch_private as tp
 from .errors import UsageError
 from .units import parse_bytes
 
 if TYPE_CHECKING:
     from .streaming_overlap import Overlap
-    from .tensor_pool.host import HostBlock
+    from .transfer.host import HostBlock
 
 _live: weakref.WeakSet[Streamer] = weakref.WeakSet()
 _optimizer_hook: Any = None
@@ -260,8 +261,8 @@ class Streamer:
         except ValueError as e:
             raise UsageError(f"stream: bad host_limit: {e}") from None
         # imported here, not at the top: SUPERMEM_CONF=stream:weights imports this module in `import torch`
-        from .tensor_pool.copy import CopyEngine
-        from .tensor_pool.host import shared_host_pool
+        from .transfer.copy import CopyEngine
+        from .transfer.host import shared_host_pool
 
         self.host = shared_host_pool(self.device, host_bytes)  # one per device, shared with the tensor pool
         self.copies = CopyEngine(self.device)
@@ -459,7 +460,7 @@ class Streamer:
                     m._forward_hooks.pop(post, None)
             self._active.append(use)
         if use.pushed:
-            torch._C._autograd._push_saved_tensors_default_hooks(*self._hooks_over_current())
+            tp.push_saved_hooks(*self._hooks_over_current())
 
     def _exit(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         with self._lock:
@@ -467,7 +468,7 @@ class Streamer:
             if use is None:
                 return
             if use.pushed:
-                torch._C._autograd._pop_saved_tensors_default_hooks()
+                tp.pop_saved_hooks()
             for m, n, p in use.saved:
                 m._parameters[n] = p
             use.saved = []
@@ -482,7 +483,7 @@ class Streamer:
     def _hooks_over_current(self) -> tuple[Any, Any]:
         """Pack/unpack hooks that turn this streamer's weights into tokens and hand every other tensor
         to the hooks that were in force (a supermem.pool, say)."""
-        outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        outer = tp.top_saved_hooks(False)
         outer_pack, outer_unpack = outer if outer else (None, None)
 
         def pack(t: torch.Tensor) -> Any:
@@ -629,7 +630,7 @@ class Streamer:
             self._counters["grads_to_host"] += len(pairs)
             if not self._callback_queued:
                 self._callback_queued = True
-                torch.autograd.Variable._execution_engine.queue_callback(self.sync)
+                tp.execution_engine.queue_callback(self.sync)
 
     def sync(self) -> None:
         """Waits for the gradients on their way to the host and puts them in `.grad` (autograd calls this

@@ -22,7 +22,8 @@ import torch
 
 import supermem
 from supermem.bench.models import PRESETS, Trainer
-from supermem.tensor_pool import Pool, plan_run, profile
+from supermem.policies import Planned
+from supermem.tensor_pool import Pool, profile
 from supermem.units import parse_bytes
 
 GiB = 2**30
@@ -31,7 +32,7 @@ captured: dict = {}
 
 def spy() -> None:
     """Keeps the profile and plan the pool makes, and what kind of recipe each unit is."""
-    recomputable, make_plan = profile.Recorder.recomputable, plan_run.make_plan
+    recomputable, solve = profile.Recorder.recomputable, Planned.solve
 
     def recomputable_spy(self, recipe, *a, **k):
         self.__dict__.setdefault("kinds", {})[id(recipe)] = type(recipe).__name__
@@ -44,15 +45,15 @@ def spy() -> None:
         p.kinds = {k: kinds.get(key, "?") for k, key in enumerate(self.units)}
         return p
 
-    def make_plan_spy(p, budget):
-        plan = make_plan(p, budget)
+    def solve_spy(self, p, budget):
+        plan = solve(self, p, budget)
         captured["profile"], captured["plan"] = p, plan
         return plan
 
     profile_orig = profile.Recorder.profile
     profile.Recorder.recomputable = recomputable_spy
     profile.Recorder.profile = profile_spy
-    plan_run.make_plan = make_plan_spy
+    Planned.solve = solve_spy
 
 
 HOOKED = ("_pack", "_unpack", "_add_resident", "_fit_budget", "_planned_pack", "_prefetch_before")

@@ -28,10 +28,10 @@ from tiny_gpt import tiny_gpt24_step
 from torch.utils._pytree import TreeSpec, tree_map, tree_unflatten
 
 import supermem
-from supermem.tensor_pool import op_replay, region, treatments
+from supermem.tensor_pool import cast, op_replay, region
 from supermem.tensor_pool.entry import Entry, Kept, State
 
-KINDS = {"region": region.Region, "op": op_replay.OpReplay, "cast": treatments.Cast}
+KINDS = {"region": region.Region, "op": op_replay.OpReplay, "cast": cast.Cast}
 BARE_PASSES = 5  # passes over the captured bare work; the fastest counts
 
 

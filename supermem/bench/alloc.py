@@ -16,7 +16,7 @@ from . import runner, table
 
 SIZES = (512, 4096, 65536, 1 << 20, 3 * (1 << 20) + 17, 1 << 24)
 TARGET_RATIO = 1.0
-REFERENCE = "reference (DESIGN.md, H200, not this run): native 1.75 us per pair"
+REFERENCE = "reference (docs/design.md#baselines, H200, not this run): native 1.75 us per pair"
 
 
 def measure(spec: dict) -> dict:

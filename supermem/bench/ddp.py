@@ -22,7 +22,8 @@ from pathlib import Path
 from ..errors import UsageError
 from ..units import format_bytes
 
-# Model sizes: the anchor of DESIGN.md (GPT-24 d1024 b8 T1024) and, with --quick, seconds on a CPU.
+# Model sizes: the reference GPT-24 of docs/design.md#reference-models (GPT-24 d1024 b8 T1024) and, with
+# --quick, seconds on a CPU.
 FULL = [
     "--layers",
     "24",

@@ -7,10 +7,10 @@ gloo tests).
         [--oom-rank R] [--device cuda|cpu]
 
 An unchanged training script: supermem, when on, is switched on by SUPERMEM / SUPERMEM_CONF in the
-environment, as a user would. Deterministic settings (DESIGN.md's) so that runs can be compared bit for
-bit. Each rank writes OUT_DIR/rank{R}.json: the loss of every step, step times, peak allocated bytes, a
-hash of its parameters (its shard under FSDP2), the allocator that served it, the pool's counters, and
-with --oom-rank R how an allocation larger than the card failed on rank R.
+environment, as a user would. Deterministic settings (docs/design.md#determinism) so that runs can be
+compared bit for bit. Each rank writes OUT_DIR/rank{R}.json: the loss of every step, step times, peak
+allocated bytes, a hash of its parameters (its shard under FSDP2), the allocator that served it, the
+pool's counters, and with --oom-rank R how an allocation larger than the card failed on rank R.
 """
 
 from __future__ import annotations

@@ -31,8 +31,8 @@ from .runner import ROW, child_env, parse_row
 from .table import render
 
 CONFIGS = ("native", "checkpoint", "save_on_cpu", "supermem")
-# Where each search starts, in blocks of stage 3 (an H200 under 12 GiB, DESIGN.md: native 716 layers,
-# checkpoint 1,868, save_on_cpu about 2,540; supermem's target 10,000).
+# Where each search starts, in blocks of stage 3 (an H200 under 12 GiB, docs/design.md#baselines: native
+# 716 layers, checkpoint 1,868, save_on_cpu about 2,540; supermem's target 10,000).
 START_N = {"native": 224, "checkpoint": 608, "save_on_cpu": 832, "supermem": 3319}
 PROBES = {"native": 7, "checkpoint": 7, "save_on_cpu": 6, "supermem": 3}
 
@@ -418,7 +418,8 @@ def run(args: argparse.Namespace) -> dict:
     print(render(columns, rows))
     if not args.quick:
         print(
-            "for reference (DESIGN.md, H200, 12 GiB): native 716 layers, checkpoint 1,868, save_on_cpu ~2,540"
+            "for reference (docs/design.md#baselines, H200, 12 GiB): native 716 layers, checkpoint 1,868, "
+            "save_on_cpu ~2,540"
         )
     sm = next((r for r in rows if r["config"] == "supermem"), None)
     if sm and sm.get("layers") and not args.quick:

@@ -4,8 +4,8 @@ imported only when a preset of it is built).
 GPT and ResNet can checkpoint each block (`model.checkpoint_blocks = True`) or the first N (`= N`), the
 pure-PyTorch memory savers the benchmarks compare against; the Llama checkpoints the way its users do,
 by `model.gradient_checkpointing_enable()`. `PRESETS` names the sizes the benchmarks and golden tests
-use; the full GPT and ResNet are the anchors of DESIGN.md (GPT-24 d1024 b8 T1024 bf16; ResNet-152 b64
-224px fp32).
+use; the full GPT and ResNet are the reference models of docs/design.md#reference-models (GPT-24 d1024 b8
+T1024 bf16; ResNet-152 b64 224px fp32).
 """
 
 from __future__ import annotations

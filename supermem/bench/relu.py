@@ -92,7 +92,7 @@ def measure(device, dtype, size_bytes: int, density: float, iters: int) -> list[
     import torch
 
     from ..compress import relu_pack, relu_unpack
-    from ..tensor_pool.treatments import ROOM_MARGIN, ROOM_SLACK
+    from ..tensor_pool.treatments.compress import ROOM_MARGIN, ROOM_SLACK
 
     n = size_bytes // (torch.finfo(dtype).bits // 8)
     g = torch.Generator(device=device).manual_seed(0)
@@ -138,6 +138,8 @@ def _time(fn, device, iters: int) -> float:
     """Seconds per call: GPU time from CUDA events on CUDA, wall time on CPU."""
     import torch
 
+    from .. import torch_private as tp
+
     fn()  # warm up: kernels loaded, allocator cache filled
     if device.type != "cuda":
         t0 = time.perf_counter()
@@ -146,7 +148,7 @@ def _time(fn, device, iters: int) -> float:
         return (time.perf_counter() - t0) / iters
     torch.cuda.synchronize(device)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda._sleep(SLEEP_CYCLES)
+    tp.cuda_sleep(SLEEP_CYCLES)
     start.record()
     for _ in range(iters):
         fn()

@@ -37,7 +37,7 @@ BLOCK_MODELS = ("gpt", "resnet")  # the bench's own models: model.blocks, checkp
 HF_MODELS = ("hf-llama",)  # transformers' models: checkpointed by gradient_checkpointing_enable()
 MODELS = BLOCK_MODELS + HF_MODELS
 STEP_TARGET = 1.01
-# DESIGN.md, H200, torch 2.11 (the anchors script): step ms, peak allocated GiB. Not this run.
+# docs/design.md#baselines, H200, torch 2.11 (the anchors script): step ms, peak allocated GiB. Not this run.
 REFERENCE = {
     "gpt": {"native": (61.1, 15.93), "checkpoint": (78.9, 9.36), "save_on_cpu": (516.8, 8.47)},
     "resnet": {"native": (69.1, 11.25), "checkpoint": (113.7, 4.47), "save_on_cpu": (747.9, 1.65)},
@@ -317,10 +317,10 @@ def _prepare(model, spec: dict):
         raise ValueError(f"{saver} checkpoints model.blocks; {type(model).__name__} has none")
     if saver == "compile":
         import torch
-        import torch._functorch.config
 
-        # read when the backward graph is partitioned, at the first step
-        torch._functorch.config.activation_memory_budget = spec["memory_budget"]
+        from .. import torch_private as tp
+
+        tp.set_compile_memory_budget(spec["memory_budget"])  # read when the backward graph is partitioned
         return torch.compile(model)
     return model
 
@@ -589,7 +589,7 @@ def _print_tables(model: str, rows: list[dict], args: argparse.Namespace) -> Non
     ref = REFERENCE.get(model)
     if ref and not args.quick:
         print(
-            "reference (DESIGN.md, H200, not this run): "
+            "reference (docs/design.md#baselines, H200, not this run): "
             + ", ".join(f"{k} {v[0]} ms / {v[1]} GiB" for k, v in ref.items())
         )
     _print_targets(label, native, rows)

@@ -19,14 +19,12 @@ from typing import Any
 
 import torch
 
+from .. import torch_private as tp
+
 _SDPA = tuple(
     n for n in ("flash", "mem_efficient", "math", "cudnn") if hasattr(torch.backends.cuda, f"enable_{n}_sdp")
 )
-# (torch._C's getters where they exist: torch.backends.cuda's wrap them in a Python call each)
-_SDPA_GET = tuple(
-    getattr(torch._C, f"_get_{n}_sdp_enabled", None) or getattr(torch.backends.cuda, f"{n}_sdp_enabled")
-    for n in _SDPA
-)
+_SDPA_GET = tuple(tp.sdp_enabled_getter(n) for n in _SDPA)
 _SDPA_SET = tuple(getattr(torch.backends.cuda, f"enable_{n}_sdp") for n in _SDPA)
 
 
@@ -158,14 +156,14 @@ class _Replay:
                 _cuda_generator(c.device).set_state(c.rng_cuda)
             self._enter_autocast(c)
             self.sdpa = switch_sdpa(c.sdpa)
-            torch._C._set_grad_enabled(True)
+            tp.set_grad_enabled(True)
         except BaseException:
             self.__exit__(None, None, None)
             raise
         return self
 
     def _enter_autocast(self, c: CallState) -> None:
-        mode = torch._C._is_torch_function_mode_enabled()
+        mode = tp.torch_function_mode_enabled()
         for dt, enabled, dtype in c.autocast:
             now, now_dtype = torch.is_autocast_enabled(dt), torch.get_autocast_dtype(dt)
             if not enabled and not now and dtype == now_dtype:
@@ -183,7 +181,7 @@ class _Replay:
 
     def __exit__(self, *exc: Any) -> None:
         undo_state(self.undo)
-        torch._C._set_grad_enabled(self.grad)
+        tp.set_grad_enabled(self.grad)
         put_back_sdpa(self.sdpa)
         for x in reversed(self.autocast):
             if isinstance(x, torch.autocast):

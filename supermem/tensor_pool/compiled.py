@@ -23,8 +23,10 @@ import threading
 
 import torch
 
+from .. import torch_private as tp
+
 _APPLY = torch.autograd.function.Function.apply.__func__.__code__
-_AOT_MODULE = "torch._functorch._aot_autograd"  # where CompiledFunction classes are made
+_AOT_MODULE = tp.AOT_MODULE  # where CompiledFunction classes are made
 _OWN = __name__.split(".")[0] + "."  # the pool's own frames, between the hook and its caller
 
 MESSAGE = (

@@ -21,10 +21,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .. import torch_private as tp
+
 if TYPE_CHECKING:
-    from .pool import Pool
+    from .port import PoolInternals, TreatmentLike
     from .step import Step
-    from .treatments import Treatment
 
 
 class State(enum.Enum):
@@ -61,7 +62,7 @@ class Entry:
         "made_by",
     )
 
-    def __init__(self, pool: Pool, seq: int, tensor: torch.Tensor, key: tuple, step: Step):
+    def __init__(self, pool: PoolInternals, seq: int, tensor: torch.Tensor, key: tuple, step: Step):
         self._pool = weakref.ref(pool)
         self.seq = seq  # pack order, over all steps
         self.shape = tensor.shape
@@ -70,7 +71,7 @@ class Entry:
         self.dtype = tensor.dtype
         self.nbytes = self.extent * tensor.element_size()
         self.tensor: torch.Tensor | None = _graphless(tensor)
-        self.treatment: Treatment | None = None  # what holds it while not resident
+        self.treatment: TreatmentLike | None = None  # what holds it while not resident
         self.payload: Any = None  # the treatment's (a host block, compressed bytes, ...)
         self.event: torch.cuda.Event | None = None  # end of the copy in flight (either direction)
         self.state = State.RESIDENT
@@ -154,7 +155,9 @@ class PlanKept(Kept):
 
     __slots__ = ("_pool", "ordinal", "nbytes", "step", "key", "source", "__weakref__")
 
-    def __init__(self, pool: Pool, tensor: torch.Tensor, ordinal: int, nbytes: int, step: Step, key: tuple):
+    def __init__(
+        self, pool: PoolInternals, tensor: torch.Tensor, ordinal: int, nbytes: int, step: Step, key: tuple
+    ):
         super().__init__(tensor)
         self._pool = weakref.ref(pool)
         self.ordinal = ordinal
@@ -204,10 +207,7 @@ _EMPTY: dict[tuple, torch.Tensor] = {}  # one storage-less tensor per (dtype, de
 
 
 def _set_version(t: torch.Tensor, version: int) -> None:
-    try:
-        torch._C._autograd._unsafe_set_version_counter((t,), (version,))
-    except TypeError:  # older PyTorch: one tensor, one int
-        torch._C._autograd._unsafe_set_version_counter(t, version)
+    tp.set_versions((t,), (version,))
 
 
 def movable(t: torch.Tensor) -> bool:
@@ -217,7 +217,7 @@ def movable(t: torch.Tensor) -> bool:
         return False
     if t.layout is not torch.strided or t.is_nested or t.is_meta or t.is_quantized or t.is_mkldnn:
         return False
-    return not torch._C._functorch.is_functorch_wrapped_tensor(t)
+    return not tp.is_functorch_wrapped(t)
 
 
 def alive_anyway(t: torch.Tensor) -> bool:

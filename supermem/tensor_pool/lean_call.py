@@ -23,12 +23,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .cast import autocast_copy_of
 from .entry import Kept, _check, movable, storage_extent
 from .op_replay import _run, _Unsupported, chain_of
-from .treatments import autocast_copy_of
 
 if TYPE_CHECKING:
-    from .pool import Pool
+    from .port import PoolInternals
 
 
 class Dropped:
@@ -69,7 +69,7 @@ class LeanCall:
 
     __slots__ = ("pool", "drops", "reads", "n", "tags", "made", "dropped", "dropped_bytes")
 
-    def __init__(self, pool: Pool, drops: dict[int, int], reads: frozenset[int]):
+    def __init__(self, pool: PoolInternals, drops: dict[int, int], reads: frozenset[int]):
         self.pool = pool
         self.drops = drops
         self.reads = reads

@@ -4,15 +4,16 @@ A light call's backward runs the call again with grad on and differentiates it: 
 is the step's slow side. ResNet-152 at checkpoint's peak, 45 of its 50 blocks run light: the planned
 step and reentrant checkpointing took 107-153 ms, step to step, where native took 80 and the plan
 predicted 113; the host was busy for about the whole step (native's: 58 ms). So where the plan runs
-at least MIN_CALLS modules of one structure light, their backward is captured once (checkpoint_graphs:
-a device copy of the block, its weights copied in before each replay) and replayed.
+at least costs.LIGHT_GRAPHS_MIN_CALLS modules of one structure light, their backward is captured
+once (checkpoint_graphs: a device copy of the block, its weights copied in before each replay) and
+replayed.
 
 Which: a call of one tensor in and one out, autocast off (a capture would hold autocast's weight
 casts), parameters on the device and not streamed, no RNG drawn (refused, as binomial refuses). The
 structures whose static tensors (input, output gradient, input gradient, weights and their gradients)
-fit MAX_SHARE of the budget, most calls per byte first; the graphs' intermediates share one memory
-pool. A capture that fails (out of memory under the budget, an op that cannot be captured) leaves
-that structure eager, said once.
+fit costs.LIGHT_GRAPHS_MAX_SHARE of the budget, most calls per byte first; the graphs'
+intermediates share one memory pool. A capture that fails (out of memory under the budget, an op
+that cannot be captured) leaves that structure eager, said once.
 """
 
 from __future__ import annotations
@@ -23,18 +24,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .. import costs
 from ..checkpoint_graphs import ChainGraphs
 
 if TYPE_CHECKING:
-    from .region import _Light
-
-MAX_SHARE = 0.05  # of the budget (of the device without one): the graphed structures' static tensors
-# Modules of one structure run light before their backward is graphed. On H100s, ResNet-152 with 7 a
-# step (at 75% of its peak) gained nothing (1.21x and 1.25x native against 1.22x eager), and the
-# graphs' static tensors (162 or 312 MB), which the plan does not hold, took the step over its budget:
-# the shape was planned again 0.15 and 0.30 GiB lower. With 22 and 35 (50%, checkpoint's peak) the
-# graphs gained 0.08-0.36x.
-MIN_CALLS = 16
+    from .port import LightCall
 
 
 class LightGraphs:
@@ -44,13 +38,13 @@ class LightGraphs:
         self.pool = weakref.ref(pool)
         self.graphs = ChainGraphs(pool.device, slots=1, forward=False)
         budget = pool.budget_bytes
-        self.cap = MAX_SHARE * (budget if budget is not None else pool._device_total)
+        self.cap = costs.LIGHT_GRAPHS_MAX_SHARE * (budget if budget is not None else pool._device_total)
         self.seen: dict[int, set[int]] = {}  # structure (_Block.sig) -> ids of the modules run light
         self.static: dict[int, int] = {}  # structure -> a slot's static bytes
         self.chosen: set[int] | None = None  # the structures graphed (None: to choose again)
         self.failed: set[int] = set()
 
-    def note(self, light: _Light, x: torch.Tensor) -> None:
+    def note(self, light: LightCall, x: torch.Tensor) -> None:
         """A light call ran (forward): its structure counts toward being graphed."""
         info = self.graphs._block(light.module)
         if info is None or info.unit is not None:
@@ -61,7 +55,7 @@ class LightGraphs:
             self.static[info.sig] = 3 * x.numel() * x.element_size() + 2 * info.nbytes
             self.chosen = None
 
-    def backward(self, light: _Light, x: torch.Tensor, grad: torch.Tensor, params: tuple) -> list | None:
+    def backward(self, light: LightCall, x: torch.Tensor, grad: torch.Tensor, params: tuple) -> list | None:
         """The gradients of the call's input and of `params` by a replay, or None (eager)."""
         info = self.graphs._block(light.module)
         if info is None or not x.is_cuda:
@@ -92,12 +86,16 @@ class LightGraphs:
         return [gx, *(got.get(id(p)) for p in params)]
 
     def _chosen(self) -> set[int]:
-        """The structures with at least MIN_CALLS modules run light, most calls per static byte first,
-        while their static bytes fit the cap."""
+        """The structures with at least costs.LIGHT_GRAPHS_MIN_CALLS modules run light, most calls per
+        static byte first, while their static bytes fit the cap."""
         if self.chosen is None:
             self.chosen, used = set(), 0
             ranked = sorted(
-                (sig for sig, ids in self.seen.items() if len(ids) >= MIN_CALLS and sig not in self.failed),
+                (
+                    sig
+                    for sig, ids in self.seen.items()
+                    if len(ids) >= costs.LIGHT_GRAPHS_MIN_CALLS and sig not in self.failed
+                ),
                 key=lambda sig: -len(self.seen[sig]) / self.static[sig],
             )
             for sig in ranked:

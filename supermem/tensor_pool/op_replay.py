@@ -48,7 +48,7 @@ from .entry import Entry, State, _check, bitwise_equal
 from .region import _read_timer, _start_timer, _stop_timer
 
 if TYPE_CHECKING:
-    from .pool import Pool
+    from .port import PoolInternals
 
 MAX_OPS = 4  # nodes in one chain (BatchNorm + BatchNorm + add + ReLU: a ResNet downsample block's output)
 COST_SAMPLES = 3  # runs timed per site; the fastest prices it
@@ -138,10 +138,10 @@ class _Site:
     def same_params(self, params: list[torch.Tensor]) -> bool:
         return len(params) == len(self.params) and all(r() is p for r, p in zip(self.params, params))
 
-    def timer(self, pool: Pool) -> Any:
+    def timer(self, pool: PoolInternals) -> Any:
         return _start_timer(pool) if self.samples + len(self.pending) < COST_SAMPLES else None
 
-    def timed(self, timer: Any, pool: Pool) -> None:
+    def timed(self, timer: Any, pool: PoolInternals) -> None:
         if timer is not None:
             self.pending.append(_stop_timer(timer, pool))
 
@@ -178,7 +178,7 @@ class OpReplay:
     def group(self) -> OpReplay:
         return self
 
-    def cost_s(self, pool: Pool) -> float | None:
+    def cost_s(self, pool: PoolInternals) -> float | None:
         return self.site.cost_s()
 
     def input_entries(self) -> list[Entry]:
@@ -196,7 +196,7 @@ class OpReplay:
                 return False
         return not any(_away_by_op(r()) for r in e.readers or ())
 
-    def rebuild(self, pool: Pool, e: Entry) -> None:
+    def rebuild(self, pool: PoolInternals, e: Entry) -> None:
         # A replay's allocations may call the pool's pressure handler: its input entries are not to be
         # taken meanwhile (that frees nothing while the replay holds them, and costs another rebuild later).
         in_use = pool._in_use
@@ -218,13 +218,13 @@ class OpReplay:
             for x in self.held:
                 in_use.remove(x)
         pool._counters["replays"] += 1
-        pool._arrived(e, base.as_strided(e.shape, e.stride, self.offset), None)
+        pool.arrived(e, base.as_strided(e.shape, e.stride, self.offset), None)
 
 
 class OpReplays:
     """The pool's op replay: tags entries on their nodes, makes recipes, keeps the verified sites."""
 
-    def __init__(self, pool: Pool):
+    def __init__(self, pool: PoolInternals):
         self._pool = weakref.ref(pool)
         self._sites: dict[tuple, _Site] = {}
 
@@ -276,7 +276,7 @@ class OpReplays:
         return site
 
     def _verify(
-        self, pool: Pool, base: torch.Tensor, prog: list, leaves: list, params: list, eps: Any
+        self, pool: PoolInternals, base: torch.Tensor, prog: list, leaves: list, params: list, eps: Any
     ) -> _Site:
         site = _Site(params)
         variants = [v for name, _, _, _ in prog for v in [OPS[name].variants] if v != (None,)]
@@ -423,5 +423,5 @@ def _away_by_op(x: Entry | None) -> bool:
         and x.state in (State.LEAVING, State.AWAY)
         and isinstance(x.recipe, OpReplay)
         and x.treatment is not None
-        and x.treatment.name == "recompute"
+        and x.treatment.rebuilds
     )

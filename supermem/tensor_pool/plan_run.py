@@ -12,22 +12,23 @@ these methods use (the plan, the cache, the recorder, the counters) is the Pool'
 from __future__ import annotations
 
 import time
-import warnings
 import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.utils._pytree import tree_map
 
+from .. import torch_private as tp
 from ..compress import packed_nbytes_of
+from ..log import warn
 from ..units import format_bytes
+from .cast import Cast
 from .entry import Entry, PlanKept, State, dedup_key, storage_extent
+from .labels import label
 from .lean_call import LeanCall
 from .op_replay import OpReplay
-from .planner import Plan, make_plan
+from .planner import Plan
 from .profile import EventCounter, Profile
 from .step import NO_EARLY_CALL
-from .treatments import Cast
 
 if TYPE_CHECKING:
     from .step import Step
@@ -37,7 +38,7 @@ MAX_REPLANS = 3  # per shape: a plan that keeps missing stays (the reactive fall
 MAX_PLANS = 64  # plans cached, one per shape signature
 
 
-_top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+_top_hooks = tp.top_saved_hooks
 
 
 class Resting:
@@ -151,8 +152,8 @@ class PlanRunner:
             # an op replay's cost by its site (measured later; the recipe itself holds this step's entries)
             cost = e.recipe.site.cost_s if isinstance(e.recipe, OpReplay) else e.recipe.cost_s(self)
             self._plan_recipe(e.recipe, [e], cost, offloadable=not isinstance(e.recipe, Cast))
-        compress = self.treatments.get("compress")
-        if rec.full and compress is not None and compress.compressible(e):
+        compress = self._by_kind.get("compress")
+        if rec.full and compress is not None and compress.takes(e):
             # Each ReLU output priced by its own nonzeros: the share packed so far, one number for all,
             # undercounts the denser ones (after a residual add), and on this repository's CPU a
             # ResNet-152's (at width 4) first plan with packs rose 7.6% over its budget and was made
@@ -163,16 +164,12 @@ class PlanRunner:
         if not self._plan_matches(e):
             return
         self._by_ordinal[e.ordinal] = weakref.ref(e)
-        how = self._plan.treatment.get(e.ordinal)
-        if how == "offload" and "offload" in self.treatments:
-            self._leave(e, self.treatments["offload"])
-        elif how == "recompute" and "recompute" in self.treatments:
-            if e.recipe is not None and e.recipe.ready:
-                self._leave(e, self.treatments["recompute"])
-            else:
+        how = self._by_kind.get(self._plan.treatment.get(e.ordinal))
+        if how is not None:
+            if how.rebuilds and (e.recipe is None or not e.recipe.ready):
                 self._plan_pending.append(weakref.ref(e))  # its call has not returned yet
-        elif how == "compress" and compress is not None and compress.compressible(e):
-            self._leave(e, compress)
+            elif how.takes(e):
+                self._leave(e, how)
         self._plan_events(event)
 
     def _lean_pack(self, t: torch.Tensor) -> Any:
@@ -348,7 +345,7 @@ class PlanRunner:
         for o in plan.prefetch_at.get(event, ()):
             x = self._planned_entry(o)
             if x is not None and x.state in (State.LEAVING, State.AWAY) and x.treatment.prefetch:
-                x.treatment.come_back(self, x)
+                self._come_back(x)
                 self._counters["prefetches"] += 1
                 self._prefetched_bytes += x.nbytes
 
@@ -380,7 +377,7 @@ class PlanRunner:
             return
         if not rec.regions_on:
             return
-        offload, compress = self.treatments.get("offload"), self.treatments.get("compress")
+        offload, compress = self._by_kind.get("offload"), self._by_kind.get("compress")
         if offload:
             offload.probe(self)
         profile = rec.profile(
@@ -418,10 +415,11 @@ class PlanRunner:
     def _plan_from(self, profile: Profile) -> None:
         """The plan of `profile`'s shape, below the budget by what its plans overshot; cached."""
         sig = profile.signature
-        self._plan = make_plan(profile, max(0, self.budget_bytes - self._plan_aim.get(sig, 0)))
+        with label("plan"):
+            self._plan = self.policy.solve(profile, max(0, self.budget_bytes - self._plan_aim.get(sig, 0)))
         if not self._plan.feasible and sig not in self._said_infeasible:
             self._said_infeasible.add(sig)
-            warnings.warn(infeasible_message(self._plan, profile, self.budget_bytes), stacklevel=2)
+            warn(infeasible_message(self._plan, profile, self.budget_bytes))
         self._plans[sig] = self._plan
         if len(self._plans) > MAX_PLANS:  # shapes that keep changing: the oldest plan goes
             oldest = next(iter(self._plans))
@@ -496,7 +494,7 @@ def _recipe_inputs(recipe: Any) -> list[Entry]:
     if get is not None:
         return [x for x in get() if isinstance(x, Entry)]
     out: list[Entry] = []
-    tree_map(
+    tp.tree_map(
         lambda x: out.append(x.packed) if isinstance(getattr(x, "packed", None), Entry) else None,
         getattr(recipe, "args", None),
     )

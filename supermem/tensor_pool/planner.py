@@ -16,7 +16,7 @@ step loses:
   late as lets each land before it is needed (its first use, or the replay of a recomputed unit that
   reads it), never before backward, never before the copy out landed, never where the curve is over
   the budget (a prefetch must not raise the peak); what does not land by then is exposed. Copies
-  beside compute slow it by COPY_INTERFERENCE of their seconds, each way, or cost the host its seconds
+  beside compute slow it by costs.COPY_INTERFERENCE of their seconds, each way, or cost the host its seconds
   to issue one (Profile.host_copy_s), whichever is more. On CPU copies are synchronous: both ways
   exposed.
 - a unit's measured seconds are the larger of its device seconds and its rebuild's own host seconds
@@ -26,7 +26,7 @@ step loses:
   that call, none an output of it: a GELU's output, BatchNorm + ReLU, a weight's autocast copy) costs
   its lean price (Profile.unit_lean_s) while nothing else treats the call's saves: the call then runs
   lean (lean_call.py, Plan.drops), and treating the unit does not cost the call's kept saves the
-  pool's price, but a lean call's hooks on each of them (LEAN_KEPT_SHARE of it), once per call.
+  pool's price, but a lean call's hooks on each of them (costs.LEAN_KEPT_SHARE of it), once per call.
 
 The greedy: while the simulated curve is over the budget somewhere, take its highest point and, among
 the treatments that lower it, apply the one with the least added seconds per byte freed there, added
@@ -44,32 +44,10 @@ import bisect
 import time
 from dataclasses import dataclass, field
 
+from .. import costs
 from .profile import Profile, Saved
 
-# What a copy running beside compute costs the step, as a share of the copy's own seconds. DESIGN.md's
-# first H100 run measured 8%; bench train on an H100 (GPT-24 at 75% of native's peak, planned) measured
-# about 35%: 2.52 GiB out and back per step (100 ms of copies at 54 GB/s, 17 ms of it waited for) cost
-# about 50 ms more than recomputing the same bytes would have (cost_aware, same run). Plain copies beside
-# the same step cost it far less (tools/copy_interference.py, H100: 0.5 and 1 GiB out during the forward,
-# and back during the backward, 0.03-0.06 of their seconds): the rest is the pool's own work around its
-# copies. Planned at 0.05 instead (H100, one process, each plan's steps interleaved with native's),
-# ResNet-152 offloaded more and lost: at 75% 1.21x against 1.13x, at 50% 1.95x against 1.34x; GPT-24
-# at 75% and 60% made the same plans.
-COPY_INTERFERENCE = 0.35
-# The share of the backward's device seconds the host is free (GPU): a region's replay there is priced
-# by its kernels' seconds until the host seconds of the replays pass that slack. Its timed replay, the
-# larger of its kernels and its launches, overprices a block replayed in backward, whose launches run
-# ahead of the backward's kernels: on an H100 (reentrant checkpoint of every block, against native)
-# ResNet-152's 51 blocks were priced at 64 ms and cost 25-37 ms (their forward's kernels: 28), GPT-24's
-# 24 at 30 ms and cost 16-21 (kernels: 19-21).
-BACKWARD_HOST_FREE = 0.5
 EXACT_TRIES = 4  # candidates simulated per decision, cheapest lower bound first (late copies: 1)
-# What each save of a call run lean (lean_call.py) costs the host, its pack and unpack hooks, as a share
-# of a kept save's through the pool (Profile.kept_s); a bypassed call's saves cost none. On an H100 a plan
-# running 24 GPT-24 blocks lean to drop their GELU outputs was priced at +2.5 ms without it and took
-# +12.2 (1.17x native at 13.67 GiB, where checkpointing the first 6 blocks took 1.08x at 13.52): ~15
-# saves a block, ~27 us each against kept_s's 53.
-LEAN_KEPT_SHARE = 0.5
 
 
 @dataclass
@@ -203,7 +181,7 @@ class _Index:
         self.device_s: dict[int, float] = {}
         self.slack_s = 0.0
         if not p.sync_copies and p.backward_event < len(p.times_s):
-            self.slack_s = BACKWARD_HOST_FREE * (p.step_s - p.times_s[p.backward_event])
+            self.slack_s = costs.BACKWARD_HOST_FREE * (p.step_s - p.times_s[p.backward_event])
             for u, start in p.unit_start.items():
                 inside = range(start + 1, p.unit_end.get(u, start) + 1)
                 saves = [self.by[o].save for o in inside if o in self.by]
@@ -300,7 +278,9 @@ def simulate(
     added += max(device_s, host_s - ix.slack_s)
     if p.kept_s:  # calls no longer run with the pool's hooks off: their kept saves cost the host
         added += p.kept_s * sum(ix.call_saves[c] for c in broken - units)
-        added += LEAN_KEPT_SHARE * p.kept_s * sum(ix.call_saves[c] for c in _lean_calls(ix, units, broken))
+        added += (
+            costs.LEAN_KEPT_SHARE * p.kept_s * sum(ix.call_saves[c] for c in _lean_calls(ix, units, broken))
+        )
     for o in compressed:  # packed from its save to its first use (or a rebuild that reads it)
         s = by[o]
         a, b = s.save + 1, min(_need(ix, s, back), s.end)
@@ -329,7 +309,7 @@ def simulate(
             added += wait_s
             land[o] = d
             late = True
-        added += max(COPY_INTERFERENCE * c, p.host_copy_s)
+        added += max(costs.COPY_INTERFERENCE * c, p.host_copy_s)
     need = {o: _need(ix, by[o], back) for o in offloads}
     # Prefetches, as late as lets each land in time, one after another on the H2D stream.
     fetch: dict[int, int] = {}
@@ -370,7 +350,7 @@ def simulate(
             h2d_free = max(times[fetch[o]], h2d_free) + by[o].nbytes / p.link_bytes_per_s
             if need[o] < n:
                 added += max(0.0, h2d_free - times[need[o]])
-            added += max(COPY_INTERFERENCE * by[o].nbytes / p.link_bytes_per_s, p.host_copy_s)
+            added += max(costs.COPY_INTERFERENCE * by[o].nbytes / p.link_bytes_per_s, p.host_copy_s)
     return Simulated(curve, land, land_s, fetch, need, added, late)
 
 
@@ -524,7 +504,7 @@ def _best_choice(
                 cost += p.kept_s * sum(ix.call_saves[c] for c in ix.touches[u] - broken)
             c = ix.inner.get(u)
             if p.kept_s and c is not None and c not in broken and c not in lean:  # the call turns lean
-                cost += LEAN_KEPT_SHARE * p.kept_s * ix.call_saves[c]
+                cost += costs.LEAN_KEPT_SHARE * p.kept_s * ix.call_saves[c]
             cands.append((cost / freed, "recompute", u))
     taken = {s.ordinal for u in units for s in ix.members[u]}
     queue = sorted((ix.by[o].save, sim.land_s[o], p.times_s[deadline[o]]) for o in offloads if o in deadline)
@@ -560,7 +540,7 @@ def _best_choice(
             wait_s = max(p.times_s[s.save], free_s) + c - p.times_s[peak]
             if (wait_s > 0 or c > spare[k]) and not late:
                 continue  # its copy, or one queued behind it, cannot land before the point it must lower
-            cost = 2 * max(COPY_INTERFERENCE * c, p.host_copy_s) + max(0.0, wait_s) + lost
+            cost = 2 * max(costs.COPY_INTERFERENCE * c, p.host_copy_s) + max(0.0, wait_s) + lost
         cands.append((cost / s.nbytes, "offload", s.ordinal))
     cands.sort(key=lambda c: c[0])
     best, best_score, tries = None, float("inf"), 0

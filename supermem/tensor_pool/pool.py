@@ -20,34 +20,36 @@ from __future__ import annotations
 
 import bisect
 import collections
+import contextlib
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import psutil
 import torch
 
+from .. import costs
 from ..errors import ConfigError
 from ..policies import Choice, make_policy
+from ..transfer.copy import CopyEngine
+from ..transfer.host import shared_host_pool
 from ..units import format_bytes, parse_bytes
+from .cast import Cast, autocast_copy_of
 from .compiled import CompiledGraphs
-from .copy import CopyEngine
 from .entry import Entry, Kept, PlanKept, State, alive_anyway, check_version, dedup_key, movable
-from .host import shared_host_pool
+from .labels import label, recording
 from .op_replay import OpReplays
 from .plan_run import PlanRunner, Resting
 from .planner import Plan
 from .profile import EventCounter, Recorder
 from .region import Regions
 from .step import NO_EARLY_CALL, Step
-from .treatments import Cast, Offload, Recompute, Treatment, autocast_copy_of, checked_treatments
+from .treatments import Offload, Recompute, Treatment, checked_treatments
 
 PREFETCH_SCAN = 64  # entries looked at, going back from the one just used, for prefetch
 CANDIDATES = 32  # least recently used entries priced per decision (the stalest score best anyway)
-CPU_COPY_BYTES_PER_S = 5e9  # host memcpy
-GPU_MEMORY_BYTES_PER_S = 2e12  # device copies (H200: 4.2 TB/s read+write)
 
 
 class Pool(PlanRunner):
@@ -60,7 +62,8 @@ class Pool(PlanRunner):
         or recompute, whichever frees bytes at the least exposed cost; "planned": profile the first
         step of each shape, plan every saved tensor's treatment, run the plan after). Default: planned
         when a budget is given (faster than cost_aware at 7 of the 10 budgets of an H100 sweep, and at
-        every one of 60-90% of native's peak: README), else cost_aware.
+        every one of 60-90% of native's peak: docs/measurements.md#planned-against-cost_aware), else
+        cost_aware.
     host_limit: pinned host bytes the pool may use (int, size string or percentage of host RAM).
     min_bytes: smaller saved tensors stay where they are (default 1 MiB on GPU, 0 on CPU).
     treatments: the ways out, objects or names ("offload", "recompute", "compress", "compress:full";
@@ -105,7 +108,7 @@ class Pool(PlanRunner):
             raise ConfigError(f"bad pool option min_bytes={min_bytes!r}: give an int >= 0 (bytes)")
         self.graphs = graphs
         self._light_graphs: Any = None  # LightGraphs, made at the first light call on CUDA
-        self.planning = self.policy.name == "planned"
+        self.planning = self.policy.plans
         self._plans: dict[tuple[int, ...], Plan] = {}  # by shape signature (bytes per saved tensor)
         self._plan: Plan | None = None  # the plan this step runs (or the last one made)
         self._plan_ok = False  # this step matches the plan so far
@@ -136,6 +139,14 @@ class Pool(PlanRunner):
         self._step_peak = 0
         chosen = checked_treatments(treatments) if treatments is not None else ()
         self.treatments = {t.name: t for t in chosen or (Offload(), Recompute())}
+        self._by_kind: dict[str, Treatment] = {}  # what the plan uses for each kind: the first given
+        for t in self.treatments.values():
+            self._by_kind.setdefault(t.kind, t)
+        # the treatment that rebuilds from recipes, where the policy may use it: regions are profiled
+        # and op recipes made only then
+        self._rebuilder = next(
+            (t for t in self.treatments.values() if t.rebuilds and t.kind in self.policy.kinds), None
+        )
         self._settlers = [t for t in self.treatments.values() if type(t).settle is not Treatment.settle]
         host_bytes = _size(
             "host_limit", "50%" if host_limit is None else host_limit, psutil.virtual_memory().total
@@ -147,9 +158,10 @@ class Pool(PlanRunner):
         self.regions = Regions(self)
         self.op_replays = OpReplays(self)
         # op recipes are made only where the policy may recompute (their first run verifies them)
-        self._op_recipes = "recompute" in self.policy.treatments and "recompute" in self.treatments
+        self._op_recipes = self._rebuilder is not None
         self.compiled = CompiledGraphs()  # torch.compile'd graphs' saved tensors: left to the compiler
         self._lock = threading.RLock()
+        self.closed = False  # close() was called (supermem.pool(...) then makes a new one)
         self._entries: dict[int, weakref.ref[Entry]] = {}  # live entries by pack order
         self._seqs: list[int] = []  # pack order, with dead seqs compacted away now and then
         self._lru: dict[int, weakref.ref[Entry]] = {}  # resident entries, least recently used first
@@ -192,12 +204,12 @@ class Pool(PlanRunner):
                 "graph_replays",
                 "rest_steps",
                 "rest_wakes",
+                "offloaded_bytes",
+                "dropped_bytes",
             ),
             0,
         )
-        self._offloaded_bytes = 0
         self._prefetched_bytes = 0
-        self._dropped_bytes = 0
         self._peak_resident_bytes = 0
         self._local = threading.local()  # per thread: the stack of entered hook contexts
         self.always_active = False  # SUPERMEM_CONF's pool: hooks pushed for every thread's backward
@@ -256,7 +268,7 @@ class Pool(PlanRunner):
     def _start(self) -> None:
         self._register_pressure_handler()
         self._keep_budget()
-        if "recompute" in self.policy.treatments and "recompute" in self.treatments:
+        if self._rebuilder is not None:
             self.regions.start_profiling()
 
     def _active_here(self) -> bool:
@@ -306,7 +318,12 @@ class Pool(PlanRunner):
             rec.resume()
 
     def _pack(self, t: torch.Tensor) -> Any:
-        return t if self._passthrough else self._own(self._pack_saved, t)
+        if self._passthrough:
+            return t
+        if recording():  # (checked here: a range, even an empty one, costs every saved tensor)
+            with label("pack"):
+                return self._own(self._pack_saved, t)
+        return self._own(self._pack_saved, t)
 
     def _pack_saved(self, t: torch.Tensor) -> Any:
         if self.compiled.saved_by_graph(t):
@@ -419,6 +436,9 @@ class Pool(PlanRunner):
             return e
 
     def _unpack(self, packed: Any) -> torch.Tensor:
+        if recording():
+            with label("unpack"):
+                return self._own(self._unpack_saved, packed)
         return self._own(self._unpack_saved, packed)
 
     def _unpack_saved(self, packed: Any) -> torch.Tensor:
@@ -606,7 +626,7 @@ class Pool(PlanRunner):
                 if x is None or x.recipe is None or x.state is not State.RESIDENT:
                     continue
                 if x.recipe.ready:
-                    self._leave(x, self.treatments["recompute"])
+                    self._leave(x, self._by_kind["recompute"])
                 else:
                     still.append(ref)
             self._plan_pending = still
@@ -615,7 +635,7 @@ class Pool(PlanRunner):
     def _choices(self, limit: int | None = None) -> list[Choice]:
         """The policy's ways to free bytes now, over the `limit` least recently used resident entries
         that one of its treatments can take (entries none can take do not use up the window)."""
-        ways = [t for name in self.policy.treatments if (t := self.treatments.get(name)) is not None]
+        ways = [t for t in self.treatments.values() if t.kind in self.policy.kinds]
 
         def takeable(e: Entry) -> bool:
             return not any(e is x for x in self._in_use) and any(t.applies(e) for t in ways)
@@ -630,8 +650,9 @@ class Pool(PlanRunner):
         """Takes a resident entry off the device by treatment `t`; False when `t` cannot."""
         if e.treatment is not None and e.treatment is not t:
             e.treatment.forget(self, e)
-        if not t.leave(self, e):
-            return False
+        with label(t.name):
+            if not t.leave(self, e):
+                return False
         e.treatment = t
         self._drop_resident(e)
         if t.prefetch:
@@ -642,17 +663,10 @@ class Pool(PlanRunner):
         self._left = True
         return True
 
-    def _arrived(self, e: Entry, tensor: torch.Tensor, event: Any) -> None:
-        """A treatment brought `e` back into `tensor` (ready after `event`, if any)."""
-        self._device_bytes -= e.treatment.device_bytes(e)
-        self._away_to_fetch.discard(e.seq)
-        if self._rec is not None and e.step is self._step:
-            self._rec.left(e.ordinal, e.treatment.device_bytes(e) - e.nbytes)
-        e.tensor = tensor
-        e.event = event
-        e.state = State.RETURNING if event is not None else State.RESIDENT
-        self._add_resident(e)
-        self._touch(e)
+    def _come_back(self, e: Entry) -> None:
+        """Starts bringing `e` back by its treatment."""
+        with label(e.treatment.name, ".restore"):
+            e.treatment.come_back(self, e)
 
     def _materialize(self, e: Entry) -> torch.Tensor:
         self._in_use.append(e)  # a replay's allocations may call the pressure handler: not this one
@@ -663,9 +677,9 @@ class Pool(PlanRunner):
                 sampled = self._host_bound_now()
                 self._frames.append(0.0)
                 try:
-                    e.treatment.come_back(self, e)
+                    self._come_back(e)
                 finally:
-                    rebuilt = e.treatment.name == "recompute" and e.recipe is not None
+                    rebuilt = e.treatment.rebuilds and e.recipe is not None
                     self._frame_end(t0, type(e.recipe).__name__ if rebuilt and sampled else None)
             if e.state is State.RETURNING:
                 e.treatment.ready(self, e)
@@ -718,7 +732,7 @@ class Pool(PlanRunner):
             if x.nbytes > room:
                 break
             room -= x.nbytes
-            x.treatment.come_back(self, x)
+            self._come_back(x)
             self._counters["prefetches"] += 1
             self._prefetched_bytes += x.nbytes
 
@@ -924,10 +938,53 @@ class Pool(PlanRunner):
 
     # ------------------------------------------------------------------ costs (for the policy)
 
-    def _device_bytes_per_s(self) -> float:
-        return GPU_MEMORY_BYTES_PER_S if self.cuda else CPU_COPY_BYTES_PER_S
+    # ------------------------------------------------------------------ the port (port.py)
 
-    def _device_index(self) -> int:
+    def arrived(self, e: Entry, tensor: torch.Tensor, event: Any) -> None:
+        """A treatment brought `e` back into `tensor` (ready after `event`, if any)."""
+        self._device_bytes -= e.treatment.device_bytes(e)
+        self._away_to_fetch.discard(e.seq)
+        if self._rec is not None and e.step is self._step:
+            self._rec.left(e.ordinal, e.treatment.device_bytes(e) - e.nbytes)
+        e.tensor = tensor
+        e.event = event
+        e.state = State.RETURNING if event is not None else State.RESIDENT
+        self._add_resident(e)
+        self._touch(e)
+
+    def count(self, name: str, n: int = 1) -> None:
+        """Adds `n` to the counter `name`: stats() shows it, reset_stats() zeroes it."""
+        self._counters[name] = self._counters.get(name, 0) + n
+
+    @contextlib.contextmanager
+    def using(self, e: Entry) -> Iterator[None]:
+        """While it lasts, `e` is being worked on: the pool's pressure handler, called from inside
+        (an allocation of the work), does not choose it."""
+        self._in_use.append(e)
+        try:
+            yield
+        finally:
+            self._in_use.remove(e)
+
+    def copy_window(self) -> tuple[float, float, int] | None:
+        """Where copies out can hide behind this step's forward: (seconds since the step began, the
+        last step's forward seconds, bytes this step copied out so far); None where none hides (on
+        CPU copies are synchronous; urgent: the allocator waits for the bytes; no forward measured)."""
+        step = self._step
+        if not self.cuda or step is None or not self._last_forward_s or self._urgent:
+            return None
+        return time.perf_counter() - step.started_s, self._last_forward_s, step.offloaded
+
+    def payload_resized(self, e: Entry, delta: int) -> None:
+        """The payload `e`'s treatment keeps on the device while `e` is away grew by `delta` bytes."""
+        self._device_bytes += delta
+
+    @property
+    def device_bytes_per_s(self) -> float:
+        return costs.GPU_MEMORY_BYTES_PER_S if self.cuda else costs.CPU_COPY_BYTES_PER_S
+
+    @property
+    def device_index(self) -> int:
         return self.device.index if self.cuda else -1
 
     # ------------------------------------------------------------------ inspection
@@ -981,9 +1038,7 @@ class Pool(PlanRunner):
                 "largest_entry_bytes": self._largest_entry,
                 "budget_bytes": self.budget_bytes,
                 "margin_bytes": self._margin,
-                "offloaded_bytes": self._offloaded_bytes,
                 "prefetched_bytes": self._prefetched_bytes,
-                "dropped_bytes": self._dropped_bytes,
                 "regions": len(self.regions.modules),
                 "light_split_misses": self.regions.split_misses,
                 "compiled_kept_bytes": self.compiled.kept_bytes,
@@ -1014,16 +1069,14 @@ class Pool(PlanRunner):
         there make a new pool). Between steps, with no backward of its pending; the pool is not to be
         entered again."""
         self.regions.close()
-        from . import _forget  # the factory's cache lives in the package, which imports this module
-
-        _forget(self)
+        self.closed = True
 
     def reset_stats(self) -> None:
         with self._lock:
             self.copies.collect(block=True)
             self.copies.stats = type(self.copies.stats)()
             self._counters = dict.fromkeys(self._counters, 0)
-            self._offloaded_bytes = self._prefetched_bytes = self._dropped_bytes = 0
+            self._prefetched_bytes = 0
             self._peak_resident_bytes = self._device_bytes + self._kept_bytes
 
 

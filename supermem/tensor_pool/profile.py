@@ -37,10 +37,9 @@ from typing import Any
 
 import torch
 
-# What a save the plan keeps costs the host through the pool (its save, unpack and release), as a share
-# of what making an entry took in the recorded step (Profile.entry_s): tiny GPT-24 on this CPU 6.5 +
-# 1.8 + 1.25 us against 7.8
-KEPT_SHARE = 1.2
+from .. import costs
+from .. import torch_private as tp
+
 # A profiled step's segment's kernels wait behind a spin kernel this many times the most host seconds
 # of the last SPIN_WINDOW segments (within these bounds), so that they are timed running back to back
 # (Recorder.resume): on an H100, GPT-24 and ResNet-152 with a 2 ms spin, the segments' device seconds
@@ -49,10 +48,6 @@ KEPT_SHARE = 1.2
 SPIN_AHEAD = 3.0
 SPIN_WINDOW = 32
 SPIN_MIN_S, SPIN_MAX_S = 100e-6, 2e-3
-# What a drop and its rebuild cost the host in a lean call (lean_call.py), as a share of what they cost
-# through the pool (an entry, a pool rebuild): tiny GPT-24 on this CPU, a plan's drops run either way,
-# 41 and 60 us a drop against 78 and 104 (kernels included)
-LEAN_SHARE = 0.5
 
 
 @dataclass(slots=True)
@@ -119,7 +114,7 @@ class Profile:
     compress_s_per_byte: float = 0.0  # a pack and its unpack (Compress.price)
     compress_wait_s: float = 0.0  # what a pack waits for its count (Compress.price: an exact one on a GPU)
     compress_host_s: float = 0.0  # host seconds of a pack, its unpack and trim (Compress.price, on a GPU)
-    link_bytes_per_s: float = 25e9
+    link_bytes_per_s: float = costs.GPU_LINK_BYTES_PER_S
     sync_copies: bool = False  # CPU: copies block the step
     backward_event: int = 0  # the first unpack
     step_s: float = 0.0
@@ -185,7 +180,7 @@ class SegmentClock:
             return
         if self.synced and not torch.cuda.is_current_stream_capturing():
             torch.cuda.current_stream().synchronize()
-            torch.cuda._sleep(int(self.spin_s * _spin_cycles_per_s()))
+            tp.cuda_sleep(int(self.spin_s * _spin_cycles_per_s()))
             self.seg_start = torch.cuda.Event(enable_timing=True)
             self.seg_start.record()
         self.resumed_s = time.perf_counter()
@@ -426,7 +421,7 @@ class Recorder:
         plus, but for a region (a plan runs those light: Plan.light), what making an entry
         of each member costs the host in the forward (the median this step took to make one): a
         planned step's forward is host-bound on the H100 hosts, ~55 us an entry against a GELU's
-        0.05 ms replay. A non-region unit's price in a lean call (unit_lean_s) counts LEAN_SHARE of
+        0.05 ms replay. A non-region unit's price in a lean call (unit_lean_s) counts costs.LEAN_SHARE of
         both host costs. `host_copy_s`: host seconds to issue one copy."""
         n = self.events
         entry_s = statistics.median_high(self.entry_s) if self.entry_s else 0.0
@@ -452,7 +447,7 @@ class Recorder:
             compress_wait_s=compress_price[2] if compress_price else 0.0,
             compress_host_s=compress_price[3] if compress_price else 0.0,
             entry_s=entry_s,
-            kept_s=KEPT_SHARE * entry_s,
+            kept_s=costs.KEPT_SHARE * entry_s,
             resaved={o: set(at) for o, at in self.resaved.items()},
             no_bypass=set(self.no_bypass),
             no_light=set(self.no_light),
@@ -475,7 +470,7 @@ class Recorder:
             host = host_s(kind) if host_s is not None else 0.0
             if kind != "Region":
                 members_s = len(set(ordinals)) * entry_s
-                p.unit_lean_s[k] = max(cost, LEAN_SHARE * host) + LEAN_SHARE * members_s
+                p.unit_lean_s[k] = max(cost, costs.LEAN_SHARE * host) + costs.LEAN_SHARE * members_s
                 cost = max(cost, host) + members_s
             else:
                 cost = max(cost, host)
@@ -498,9 +493,9 @@ def _spin_cycles_per_s() -> float:
     """torch.cuda._sleep's cycles per second on this device, measured once (its kernel loaded first)."""
     if not _cycles_per_s:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(1)
+        tp.cuda_sleep(1)
         start.record()
-        torch.cuda._sleep(10**6)
+        tp.cuda_sleep(10**6)
         end.record()
         end.synchronize()
         _cycles_per_s.append(10**6 / max(start.elapsed_time(end) / 1e3, 1e-6))

@@ -37,17 +37,17 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.nn.modules import module as _nn
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from .. import torch_private as tp
 from .call_state import CallState
 from .entry import Entry, State, _set_version, bitwise_equal
 from .light_graphs import LightGraphs, light_graphs_of
 
 # the saved-tensor hooks on top of this thread's stack (Plan.bypass takes the pool's off around a call)
-_top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+_top_hooks = tp.top_saved_hooks
 
 if TYPE_CHECKING:
-    from .pool import Pool
+    from .port import PoolInternals
 
 MAX_SHARE = 0.25  # a call saving more than this share of a step's bytes is split into its children
 COST_SAMPLES = 3  # calls timed per kind of call (each with a timed replay); the least prices it
@@ -141,7 +141,7 @@ def _tensors(tree: Any) -> list[torch.Tensor]:
                 break
         else:
             return out
-    return [x for x in tree_flatten(tree)[0] if isinstance(x, torch.Tensor)]
+    return [x for x in tp.tree_flatten(tree)[0] if isinstance(x, torch.Tensor)]
 
 
 class Region:
@@ -162,7 +162,7 @@ class Region:
         "__weakref__",
     )
 
-    def __init__(self, module: torch.nn.Module, args: tuple, kwargs: dict, pool: Pool, timed: bool):
+    def __init__(self, module: torch.nn.Module, args: tuple, kwargs: dict, pool: PoolInternals, timed: bool):
         self.module = module
         self.inputs = [(x, x._version) for x in _tensors((args, kwargs))]
         self.input_ptrs = {_storage_ptr(x) for x, _ in self.inputs}
@@ -191,7 +191,7 @@ class Region:
         if mine and packed.recipe is None:
             packed.recipe = self  # not ready: it stays until the call returns and the policy can weigh both
 
-    def finish(self, pool: Pool) -> bool:
+    def finish(self, pool: PoolInternals) -> bool:
         """The call returned: True if it can be replayed (then its own entries take it as recipe)."""
         own, made, slots = [], [], []
         for k, ref in enumerate(self.slots):
@@ -210,7 +210,7 @@ class Region:
                 return False
         self.inputs = []  # the raw inputs go; the pool keeps them as entries from here
         # Flat, with the tree's spec: a replay fills the inputs in and rebuilds the tree in one step.
-        leaves, spec = tree_flatten(self.args)
+        leaves, spec = tp.tree_flatten(self.args)
         args = ([_Input(pool, x) if isinstance(x, torch.Tensor) else x for x in leaves], spec)
         if not own:
             # (its recording made its inputs entries here, saves of the step, a first block's batch:
@@ -221,13 +221,13 @@ class Region:
         self.ready = True
         return True
 
-    def cost_s(self, pool: Pool) -> float | None:
+    def cost_s(self, pool: PoolInternals) -> float | None:
         return pool.regions.cost_s(self.module)
 
     def droppable(self, e: Entry) -> bool:
         return True  # an op replay reading it rebuilds it first: one region replay, bounded
 
-    def rebuild(self, pool: Pool, e: Entry) -> None:
+    def rebuild(self, pool: PoolInternals, e: Entry) -> None:
         """Replays the call; every entry it made that is away comes back: its own (dropped or
         compressed), and those another recipe would rebuild (an op replay's, a weight cast's: the
         replay computes them anyway, and each rebuild of its own costs the host a call), except those
@@ -238,12 +238,12 @@ class Region:
             for k, ref in self.made
             if (x := ref()) is not None
             and x.state is State.AWAY
-            and (x.recipe is self or (x.treatment.name == "recompute" and not any(x is y for y in in_use)))
+            and (x.recipe is self or (x.treatment.rebuilds and not any(x is y for y in in_use)))
         }
         if not want:
             return
         args, kwargs = self.replay_args(pool)
-        arrived = pool._arrived
+        arrived = pool.arrived
         k = -1  # the slot of the tensor being saved
 
         def pack(t: torch.Tensor) -> None:
@@ -278,12 +278,12 @@ class Region:
                 "call did; its forward is not deterministic in what it saves"
             )
 
-    def replay_args(self, pool: Pool) -> tuple[tuple, dict]:
+    def replay_args(self, pool: PoolInternals) -> tuple[tuple, dict]:
         """The call's arguments again, its tensors brought back (or rebuilt) by the pool."""
         leaves, spec = self.args
-        return tree_unflatten([x.get(pool) if isinstance(x, _Input) else x for x in leaves], spec)
+        return tp.tree_unflatten([x.get(pool) if isinstance(x, _Input) else x for x in leaves], spec)
 
-    def verify(self, pool: Pool, call: tuple, check: bool = True) -> str | None:
+    def verify(self, pool: PoolInternals, call: tuple, check: bool = True) -> str | None:
         """Calls the module again at once on `call`, the (args, kwargs) it got, as a rebuild would, and
         matches each tensor it saves against the call's own save at that place, bitwise where the pool
         still holds it: None if the replay is the call, else what differs. Not `check`: a replay only
@@ -302,11 +302,11 @@ class Region:
                     why = f"its replay saved another tensor #{k} ({tuple(t.shape)} {t.dtype})"
             return None
 
-        leaves, spec = tree_flatten(call)
+        leaves, spec = tp.tree_flatten(call)
         leaves = [
             x.detach().requires_grad_(x.requires_grad) if isinstance(x, torch.Tensor) else x for x in leaves
         ]
-        args, kwargs = tree_unflatten(leaves, spec)
+        args, kwargs = tp.tree_unflatten(leaves, spec)
         try:
             with (
                 _Replaying(self.state, self.module, not check),
@@ -372,7 +372,7 @@ def _none(*_: Any) -> None:
     return None
 
 
-_BN_FORWARD = torch.nn.modules.batchnorm._BatchNorm.forward
+_BN_FORWARD = tp.BatchNorm.forward
 
 
 def _saved_buffers(module: torch.nn.Module, quiet_bn: bool) -> tuple[list, list]:
@@ -442,7 +442,7 @@ class _Alive:
 
     __slots__ = ("pool", "nbytes")
 
-    def __init__(self, pool: Pool, nbytes: int = 0):
+    def __init__(self, pool: PoolInternals, nbytes: int = 0):
         """`nbytes`: what the call's graph holds that the plan keeps (a bypassed call's saves), in the
         pool's count of kept bytes meanwhile (on a CPU, the step's peak is that count)."""
         self.pool = weakref.ref(pool)
@@ -469,7 +469,7 @@ class _Alive:
         self.release()
 
 
-def _pool_hooks(pool: Pool, args: tuple) -> tuple | None:
+def _pool_hooks(pool: PoolInternals, args: tuple) -> tuple | None:
     """The saved-tensor hooks on top of this thread's stack if they are the pool's (a call with the
     pool's hooks off, Plan.bypass, pops them; not the user's own, pushed inside the pool's) and the
     call has an input made in the graph (its hook tells when backward is through the call); else None."""
@@ -524,7 +524,7 @@ class _Light:
         if not kwargs and all(isinstance(x, torch.Tensor) for x in args):
             leaves, self.spec = list(args), None  # (tensors alone: no pytree, ~8 us a flatten)
         else:
-            leaves, self.spec = tree_flatten((args, kwargs))
+            leaves, self.spec = tp.tree_flatten((args, kwargs))
         self.places = [k for k, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
         self.leaves = [None if isinstance(x, torch.Tensor) else x for x in leaves]
         outs, out_spec = _flatten(output)
@@ -560,7 +560,7 @@ class _Light:
                 pool._passthrough = False
         for k, x in zip(self.out_places, attached):
             outs[k] = x
-        return outs[0] if out_spec is None else tree_unflatten(outs, out_spec)
+        return outs[0] if out_spec is None else tp.tree_unflatten(outs, out_spec)
 
     def again(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         """The call once more, with grad on, under its state, the module's buffers put back after; the
@@ -568,7 +568,7 @@ class _Light:
         leaves = list(self.leaves)
         for k, x in zip(self.places, inputs):
             leaves[k] = x
-        args, kwargs = (tuple(leaves), {}) if self.spec is None else tree_unflatten(leaves, self.spec)
+        args, kwargs = (tuple(leaves), {}) if self.spec is None else tp.tree_unflatten(leaves, self.spec)
         tracker = self.tracker()
         with (
             _Replaying(self.state, self.module, True),
@@ -581,7 +581,7 @@ class _Light:
 
 def _flatten(tree: Any) -> tuple[list, Any]:
     """tree_flatten, but a lone tensor costs no pytree walk (its spec: None)."""
-    return ([tree], None) if isinstance(tree, torch.Tensor) else tree_flatten(tree)
+    return ([tree], None) if isinstance(tree, torch.Tensor) else tp.tree_flatten(tree)
 
 
 def _submodules(module: torch.nn.Module) -> list[torch.nn.Module]:
@@ -705,14 +705,14 @@ class _PerUse:
         return out
 
 
-_RAW_APPLY = torch._C._FunctionBase.__dict__["apply"].__get__(None, _LightFn)
+_RAW_APPLY = tp.FUNCTION_APPLY.__get__(None, _LightFn)
 
 
 def _light_apply(*args: Any) -> tuple:
     """_LightFn.apply without its Python wrapper where no functorch transform is active: the wrapper
     looks at each argument (with a block's 9 parameters 19.5 against 9.4 us on this repository's CPU;
     on an H100's host the apply took 80 us of a light call's ~235, in a forward the host bounds)."""
-    if torch._C._are_functorch_transforms_active():
+    if tp.functorch_transforms_active():
         return _LightFn.apply(*args)
     return _RAW_APPLY(*args)
 
@@ -723,11 +723,11 @@ class _Input:
 
     __slots__ = ("packed", "requires_grad")
 
-    def __init__(self, pool: Pool, x: torch.Tensor):
+    def __init__(self, pool: PoolInternals, x: torch.Tensor):
         self.packed = pool._pack_tensor(x, saved=False)
         self.requires_grad = x.requires_grad
 
-    def get(self, pool: Pool) -> torch.Tensor:
+    def get(self, pool: PoolInternals) -> torch.Tensor:
         return pool._unpack_input(self.packed).detach().requires_grad_(self.requires_grad)
 
 
@@ -792,7 +792,7 @@ def choose_regions(roots: list[_Call], refused: Any = None) -> set[torch.nn.Modu
 class Regions:
     """The pool's region tracker: profiles the first step, then hooks the chosen modules."""
 
-    def __init__(self, pool: Pool):
+    def __init__(self, pool: PoolInternals):
         self._pool = weakref.ref(pool)
         self.phase = "off"  # off -> profiling (first step) -> on
         self._local = threading.local()  # stack of open calls/regions; replaying flag
@@ -890,13 +890,10 @@ class Regions:
             or ids[1] not in module._forward_hooks
             or module._backward_hooks
             or module._backward_pre_hooks
-            or _nn._global_forward_pre_hooks
-            or _nn._global_forward_hooks
-            or _nn._global_backward_pre_hooks
-            or _nn._global_backward_hooks
+            or any(tp.global_module_hooks())
             or getattr(module, "_compiled_call_impl", None) is not None
             or type(module).__call__ is not torch.nn.Module.__call__
-            or torch._C._get_tracing_state()
+            or tp.jit_tracing_state()
         ):
             return module(*args, **kwargs)
         return module.forward(*args, **kwargs)
@@ -919,7 +916,7 @@ class Regions:
         st = getattr(self._local, "stack", None)
         return st[-1] if st else None
 
-    def _capturing(self, pool: Pool) -> bool:
+    def _capturing(self, pool: PoolInternals) -> bool:
         return (
             torch.is_grad_enabled() and pool._active_here() and not getattr(self._local, "replaying", False)
         )
@@ -968,7 +965,7 @@ class Regions:
             self.refused[module] = why
             _refusal_warning(module, why)
 
-    def _pre_call(self, module: torch.nn.Module, args: tuple, kwargs: dict, pool: Pool) -> None:
+    def _pre_call(self, module: torch.nn.Module, args: tuple, kwargs: dict, pool: PoolInternals) -> None:
         if not self._capturing(pool) or getattr(self._local, "unseen", None):
             return  # (inside a call the pool does not see: under checkpoint or with its hooks off)
         # (a refused module's calls are captured all the same, never ready: a plan's ordinals count
@@ -989,9 +986,9 @@ class Regions:
             if light:
                 self._light(module, args, kwargs, pool, end)
             else:
-                torch._C._autograd._pop_saved_tensors_default_hooks()  # Plan.bypass: autograd keeps them
+                tp.pop_saved_hooks()  # Plan.bypass: autograd keeps them
                 if lean is not None:  # but for those the plan drops (Plan.drops)
-                    torch._C._autograd._push_saved_tensors_default_hooks(lean.pack, lean.unpack)
+                    tp.push_saved_hooks(lean.pack, lean.unpack)
                 self._local.__dict__.setdefault("unseen", []).append((module, hooks, end, lean))
             return
         if hooks is None and pool._rec is not None and pool._rec.full:
@@ -1005,7 +1002,9 @@ class Regions:
         region.start = start
         self._stack().append(region)
 
-    def _light(self, module: torch.nn.Module, args: tuple, kwargs: dict, pool: Pool, end: int) -> None:
+    def _light(
+        self, module: torch.nn.Module, args: tuple, kwargs: dict, pool: PoolInternals, end: int
+    ) -> None:
         """The call runs with grad off (Plan.light): autograd builds no graph in it and saves nothing;
         at its end `_Light` gives its outputs one node, whose backward calls it again with grad on and
         backpropagates through that call (reentrant checkpointing). Non-reentrant checkpointing, which
@@ -1017,7 +1016,7 @@ class Regions:
         light.call = (args, kwargs)
         light.uses = self.uses.get(module)
         self._local.__dict__.setdefault("unseen", []).append((module, light, end, None))
-        torch._C._set_grad_enabled(False)
+        tp.set_grad_enabled(False)
 
     def _post(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         """The call's output, or what replaces it (a call run with grad off: its outputs with a node)."""
@@ -1034,13 +1033,13 @@ class Regions:
             _, call, end, lean = unseen.pop()  # call: a _Light, or the pool's hooks (bypassed)
             bypassed = isinstance(call, tuple)
             if lean is not None:
-                torch._C._autograd._pop_saved_tensors_default_hooks()
+                tp.pop_saved_hooks()
                 lean.close()
             pool = self._pool()
             if bypassed:  # the pool's hooks back on
-                torch._C._autograd._push_saved_tensors_default_hooks(*call)
+                tp.push_saved_hooks(*call)
             else:
-                torch._C._set_grad_enabled(True)
+                tp.set_grad_enabled(True)
                 if output is not None:  # (None: the call raised)
                     output = call.attach(self, module, *call.call, output, pool)
                 call.call = None
@@ -1083,7 +1082,9 @@ class Regions:
                 pool._rec.no_light.add(region.start)
             pool._region_done(region, _tensors(output))
 
-    def _time_replay(self, region: Region, call: tuple, pool: Pool, verify: bool, timed: bool) -> str | None:
+    def _time_replay(
+        self, region: Region, call: tuple, pool: PoolInternals, verify: bool, timed: bool
+    ) -> str | None:
         """Runs the call once more, timed from an idle stream: a sample of what a replay costs, the
         larger of its kernels and its own host work. The call itself ran in a step the pool records,
         whose host pace its CUDA events measure: GPT-24's blocks were priced at 7.2 ms each on an H100
@@ -1122,7 +1123,7 @@ class Regions:
         return c[0] if c[1] else None
 
 
-def _start_timer(pool: Pool) -> Any:
+def _start_timer(pool: PoolInternals) -> Any:
     """GPU: CUDA events on the compute stream (copies run on side streams). CPU: the host clock, less
     the time the pool itself spent inside the call (its synchronous copies are not the module's)."""
     if pool.cuda:
@@ -1132,7 +1133,7 @@ def _start_timer(pool: Pool) -> Any:
     return ("cpu", time.perf_counter() + pool._busy_s, None)
 
 
-def _stop_timer(timer: Any, pool: Pool) -> Any:
+def _stop_timer(timer: Any, pool: PoolInternals) -> Any:
     kind, start, _ = timer
     if kind == "cuda":
         end = torch.cuda.Event(enable_timing=True)
@@ -1171,14 +1172,13 @@ def _hook(register: Any, method: Any, **kwargs: Any) -> Any:
 
 def _tracing() -> bool:
     """Dynamo is tracing (what a garbage collection run inside a compile sees)."""
-    return torch.compiler.is_compiling() or torch._guards.TracingContext.try_get() is not None
+    return torch.compiler.is_compiling() or tp.dynamo_tracing()
 
 
 def _unhook(hook_ids: list[int], modules: list[torch.nn.Module]) -> None:
     """Hooks `hook_ids` out of torch's global forward hook dicts and those of `modules` (ids are unique
     over all of torch's hook handles)."""
-    dicts = [_nn._global_forward_pre_hooks, _nn._global_forward_hooks]
-    dicts.append(_nn._global_forward_hooks_always_called)
+    dicts = tp.global_forward_hook_dicts()
     for m in modules:
         dicts += [m._forward_pre_hooks, m._forward_pre_hooks_with_kwargs, m._forward_hooks]
         dicts += [m._forward_hooks_with_kwargs, m._forward_hooks_always_called]

@@ -261,8 +261,10 @@ def stack_mode(table: StackTable, obs: Observations):
     """A TorchDispatchMode that observes the storage of every op output with the Python stack that
     made it (category left unknown). Costs ~10-20 us per op: off unless stacks are asked for."""
     import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils._pytree import tree_leaves
+
+    from .. import torch_private as tp
+
+    TorchDispatchMode, tree_leaves = tp.torch_dispatch_mode(), tp.tree_leaves
 
     class _StackMode(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):

@@ -197,10 +197,10 @@ class Context:
             self._backward_begins()
 
     def _backward_begins(self) -> None:
-        from torch.autograd import Variable
+        from .. import torch_private as tp
 
         try:  # raises outside a backward (a saved tensor read by hand)
-            Variable._execution_engine.queue_callback(self._backward_ends)
+            tp.execution_engine.queue_callback(self._backward_ends)
         except RuntimeError:
             return
         self._set_phase(BACKWARD, time.monotonic_ns())

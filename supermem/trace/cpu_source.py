@@ -60,11 +60,11 @@ class ProfiledCPU:
     def _stop(self) -> None:
         if self._prof is None:
             return
-        import torch
+        from .. import torch_private as tp
 
         prof, self._prof = self._prof, None
         prof.__exit__(None, None, None)
-        allocation = torch._C._profiler._EventType.Allocation
+        allocation = tp.allocation_event_type()
         out = []
         todo = list(prof.profiler.kineto_results.experimental_event_tree())
         while todo:

@@ -314,9 +314,7 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 def test_the_package_has_no_import_circles():
     import supermem
 
-    cycles = _cycles(_import_graph(Path(supermem.__file__).parent))
-    # Inside the tensor pool, entry <-> pool is one idea split over two files (not activation's concern).
-    assert [c for c in cycles if not all(m.startswith("supermem.tensor_pool.") for m in c)] == []
+    assert _cycles(_import_graph(Path(supermem.__file__).parent)) == []
 
 
 def test_import_torch_with_the_switch_on_loads_only_supermem_modules_beyond_plain_torch():

@@ -282,8 +282,8 @@ def test_compression_is_priced_from_measured_pack_and_unpack_times():
 
 
 def test_cost_aware_offers_compression_lru_does_not():
-    assert "compress" in make_policy("cost_aware").treatments
-    assert "compress" not in make_policy("lru").treatments
+    assert "compress" in make_policy("cost_aware").kinds
+    assert "compress" not in make_policy("lru").kinds
     pool = Pool(budget=0, policy="lru", host_limit="64MiB", treatments=(Offload(), Compress(room="guess")))
     train("mlp", pool, steps=1)
     assert pool.stats().get("compressions", 0) == 0 and pool.stats()["offloads"] > 0
@@ -355,7 +355,7 @@ def test_pool_class_takes_treatment_names_too():
 def pressure_inside_packs(monkeypatch, pool, times=1):
     """Makes the first `times` packs call the pool's pressure handler, as an allocation of the payload
     would on a GPU whose memory is full; returns the list of what those calls freed."""
-    from supermem.tensor_pool import treatments
+    from supermem.tensor_pool.treatments import compress as treatments
 
     freed = []
     pack = treatments.relu_pack
@@ -435,7 +435,7 @@ def test_fitting_the_budget_counts_a_compressed_entry_as_freeing_only_what_packi
 
 def record_rooms(monkeypatch):
     """The values room of every pack the pool makes (None: an exact pack, which syncs on a GPU)."""
-    from supermem.tensor_pool import treatments
+    from supermem.tensor_pool.treatments import compress as treatments
 
     rooms = []
     pack = treatments.relu_pack
@@ -487,7 +487,7 @@ def test_a_room_too_small_brings_the_kept_original_back(monkeypatch):
     """When the guessed room is short (the tensor got denser), the entry is resident again with its
     original, kept until the count was known: nothing is lost, nothing waits, and it may be packed
     again later, with room for the count it learned."""
-    from supermem.tensor_pool import treatments
+    from supermem.tensor_pool.treatments import compress as treatments
 
     monkeypatch.setattr(treatments, "ROOM_MARGIN", 0.5)
     monkeypatch.setattr(treatments, "ROOM_SLACK", 0)
@@ -503,7 +503,7 @@ def test_a_room_too_small_brings_the_kept_original_back(monkeypatch):
 def test_settling_lets_the_originals_go_and_keeps_the_accounting():
     """Once a guessed pack's count is known, the entry holds only its packed payload (the original
     goes) and the pool's device bytes still add up (Pool.check) before and after."""
-    from supermem.tensor_pool.treatments import _Unsettled
+    from supermem.tensor_pool.treatments.compress import _Unsettled
 
     pool = Pool(budget=None, policy="cost_aware", host_limit="64MiB", treatments=(Compress(room="guess"),))
     seen = []
@@ -528,7 +528,7 @@ def test_full_room_packs_drop_the_original_at_once_and_trim_once_their_count_is_
     misses; the original goes at once (the entry holds no tensor). Once the count is back (settle), the
     values move into a buffer of their exact size and the pool's device bytes drop by the room
     (Pool.check adds them up before and after). Training is bitwise."""
-    from supermem.tensor_pool.treatments import _Unsettled
+    from supermem.tensor_pool.treatments.compress import _Unsettled
 
     pool = Pool(budget="1GiB", policy="cost_aware", host_limit="64MiB", treatments=(Compress(room="full"),))
     seen = []  # per step: (unsettled packs, the pool's device bytes, the same after settle)
@@ -558,7 +558,7 @@ def test_a_trim_whose_allocation_comes_to_the_pressure_handler_settles_nothing_t
     """Trimming a full-room pack allocates its exact buffer; on a GPU that allocation may come to the
     pressure handler, which settles packs (waiting): the nested call must leave the pack being trimmed
     (and the others) to the call in progress, or it is trimmed twice and counted twice."""
-    from supermem.tensor_pool import treatments
+    from supermem.tensor_pool.treatments import compress as treatments
 
     pool = Pool(budget="1GiB", policy="cost_aware", host_limit="64MiB", treatments=(Compress(room="full"),))
     c = pool.treatments["compress"]
@@ -585,7 +585,7 @@ def test_a_trim_whose_allocation_comes_to_the_pressure_handler_settles_nothing_t
 def test_a_trim_with_no_room_for_its_copy_keeps_the_full_room(monkeypatch):
     """Out of memory for the exact buffer, a full-room pack stays whole in its room (it holds every
     nonzero): nothing raises from settle, training stays bitwise, the accounting holds."""
-    from supermem.tensor_pool import treatments
+    from supermem.tensor_pool.treatments import compress as treatments
 
     def no_room(packed, nnz):
         raise torch.OutOfMemoryError("no room for the trim")
@@ -613,7 +613,7 @@ def test_a_choice_frees_what_the_payload_will_not_take():
     """Once a saved tensor was packed, compressing it again is offered as freeing its bytes less the
     payload it will take: the bitmap, room for last step's nonzeros plus the margin, the offsets
     (counted here from the tensor itself, per place in the step)."""
-    from supermem.tensor_pool import treatments
+    from supermem.tensor_pool.treatments import compress as treatments
 
     c = Compress(room="guess")
     nnz_by_ordinal, offered = {}, {}
@@ -672,7 +672,7 @@ def test_the_pool_settles_kept_originals_before_it_measures(how):
     """Fitting the budget and the pressure handler first let every guessed pack whose count is known
     drop its kept original (on a GPU the allocator counts it until then), even when nothing else
     needs to leave."""
-    from supermem.tensor_pool.treatments import _Unsettled
+    from supermem.tensor_pool.treatments.compress import _Unsettled
 
     pool = Pool(budget=None, policy="cost_aware", host_limit="64MiB", treatments=(Compress(room="guess"),))
     seen = []
@@ -697,7 +697,7 @@ def test_a_kept_tensor_saved_after_the_last_pack_lets_it_settle():
     """The last packs of a forward keep their originals until their count is known. The tensors saved
     after them (the head and the loss: small, kept where they are) still let finished packs settle,
     so the originals do not stay through the step's peak, which comes at the loss."""
-    from supermem.tensor_pool.treatments import _Unsettled
+    from supermem.tensor_pool.treatments.compress import _Unsettled
 
     pool = Pool(budget=None, policy="cost_aware", host_limit="64MiB", treatments=(Compress(room="guess"),))
     pool.min_bytes = 1 << 12  # the last Linear's input (32 x 64 fp32, 8 KiB) is an entry; smaller ones stay
@@ -767,11 +767,13 @@ def test_the_recorded_step_prices_each_relu_output_by_its_own_density(monkeypatc
     again lower (a ResNet-152 at width 4 on this CPU: 7.6% over)."""
     import copy
 
-    from supermem.tensor_pool import plan_run
+    from supermem.policies import Planned
 
     profiles = []
-    real = plan_run.make_plan
-    monkeypatch.setattr(plan_run, "make_plan", lambda p, b: profiles.append(copy.deepcopy(p)) or real(p, b))
+    real = Planned.solve
+    monkeypatch.setattr(
+        Planned, "solve", lambda self, p, b: profiles.append(copy.deepcopy(p)) or real(self, p, b)
+    )
     batch = lambda g: (torch.randn(128, 64, generator=g), None)  # noqa: E731
     ref = train_steps(DenseThenSparse, batch, steps=5)
     probe = Pool(budget="1GiB", policy="planned", treatments=(Compress(),))
@@ -792,11 +794,14 @@ def test_the_plan_prices_what_a_pack_waits_for_its_count_and_its_host_seconds(mo
     (Profile.compress_host_s): where they are long, the plan rebuilds instead of packing."""
     import copy
 
-    from supermem.tensor_pool import plan_run, planner
+    from supermem.policies import Planned
+    from supermem.tensor_pool import planner
 
     profiles = []
-    real = plan_run.make_plan
-    monkeypatch.setattr(plan_run, "make_plan", lambda p, b: profiles.append(copy.deepcopy(p)) or real(p, b))
+    real = Planned.solve
+    monkeypatch.setattr(
+        Planned, "solve", lambda self, p, b: profiles.append(copy.deepcopy(p)) or real(self, p, b)
+    )
     probe = Pool(budget="1GiB", policy="planned", treatments=(Compress(), Recompute()))
     train("bottleneck", probe, steps=3)
     p = profiles[-1]

@@ -172,8 +172,8 @@ def test_env_and_options_override():
 def test_the_env_pool_takes_graphs(monkeypatch, text, graphs):
     from supermem import tensor_pool
 
-    monkeypatch.setattr(tensor_pool, "_global", {})
-    monkeypatch.setattr(tensor_pool, "_pools", {})
+    monkeypatch.setattr(tensor_pool.factory, "_global", {})
+    monkeypatch.setattr(tensor_pool.factory, "_pools", {})
     cfg = config.from_env({"SUPERMEM_CONF": f"pool:planned,budget:64MiB{text}"})
     assert tensor_pool.env_pool(cfg).graphs is graphs
 

@@ -7,8 +7,8 @@ import gc
 import pytest
 import torch
 
-from supermem.tensor_pool import host
-from supermem.tensor_pool.host import HostPool, shared_host_pool
+from supermem.transfer import host
+from supermem.transfer.host import HostPool, shared_host_pool
 
 MiB = 1 << 20
 COPY_STREAM = 7

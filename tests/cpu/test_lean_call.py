@@ -123,12 +123,13 @@ def test_a_plan_whose_calls_cannot_run_lean_is_priced_as_run_through_the_pool(mo
     of a profile with no lean prices at all."""
     import copy
 
-    from supermem.tensor_pool import plan_run, planner
+    from supermem.policies import Planned
+    from supermem.tensor_pool import planner
 
     profiles = []
-    real = plan_run.make_plan
+    real = Planned.solve
     monkeypatch.setattr(
-        plan_run, "make_plan", lambda p, budget: profiles.append(copy.deepcopy(p)) or real(p, budget)
+        Planned, "solve", lambda self, p, budget: profiles.append(copy.deepcopy(p)) or real(self, p, budget)
     )
     pool, budget = planned_at("gelu", 0.6)
     train_steps(build("gelu"), batch, pool, 3)

@@ -39,3 +39,28 @@ def test_supermem_log_sets_the_level_and_sends_supermem_records_to_stderr_once(c
             assert capsys.readouterr().err.splitlines() == shown, env
     finally:
         log.configure({})
+
+
+def test_a_warning_from_a_hook_torch_calls_points_at_the_users_line():
+    """The pool's warnings are raised in its saved-tensor hooks, which torch's modules and autograd
+    call from inside the user's forward: past torch's frames too, the user's line."""
+    import torch
+    import torch.nn as nn
+
+    from supermem.tensor_pool import Pool
+
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 64)) for _ in "abcd"])
+    x = torch.randn(32, 64)
+    pool = Pool(budget=1 << 10, policy="planned", min_bytes=0)  # below any plan: the planner says so
+    lines = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            with pool:
+                lines.append(inspect.currentframe().f_lineno + 1)
+                loss = model(x).square().mean()
+                loss.backward()
+    said = [w for w in caught if "no plan keeps this step" in str(w.message)]
+    assert said and all((w.filename, w.lineno) == (__file__, lines[0]) for w in said), [
+        (w.filename, w.lineno) for w in said
+    ]

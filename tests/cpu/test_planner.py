@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 from small_models import ResNet, hide_entry_unpacks, same, train_steps
 
+from supermem import costs
 from supermem.tensor_pool import Pool
 from supermem.tensor_pool.planner import make_plan
 from supermem.tensor_pool.profile import Profile, Saved
@@ -27,10 +28,11 @@ GiB = 1 << 30
 
 
 def gpt24_profile(link_bytes_per_s=55e9, spike_bytes=int(3.07 * GiB), block_cost_s=None) -> Profile:
-    """GPT-24 as DESIGN.md measured it on an H100: 24 blocks of saved tensors (fc1 64 MiB, GELU 64,
-    qkv 48, two fp32 residuals 32 each, two LayerNorm outputs 16 each, attention 16, autocast weight
-    copies 24), the head and loss 1.65 GiB, 3.09 GiB fixed, forward 19.9 ms, backward 46 ms, and the
-    loss's +3.07 GiB at backward's start. Each block is a recompute unit at 1.9 ms per GiB."""
+    """GPT-24 as docs/design.md#gpt-24s-memory-and-what-each-treatment-costs has it (an H100): 24 blocks of
+    saved tensors (fc1 64 MiB, GELU 64, qkv 48, two fp32 residuals 32 each, two LayerNorm outputs 16 each,
+    attention 16, autocast weight copies 24), the head and loss 1.65 GiB, 3.09 GiB fixed, forward 19.9 ms,
+    backward 46 ms, and the loss's +3.07 GiB at backward's start. Each block is a recompute unit at 1.9 ms
+    per GiB."""
     block = [64, 64, 48, 32, 32, 16, 16, 16]
     saved: list[Saved] = []
     sizes = [m * MiB for _ in range(24) for m in block + [24]] + [int(1.65 * GiB)]
@@ -213,7 +215,7 @@ def _train(pool, batches, seed=0):
 
 def test_planned_is_the_default_with_a_budget_and_cost_aware_without():
     """A plan needs a budget to plan under; with one, planned was faster than cost_aware at 7 of the 10
-    budgets of an H100 sweep (README)."""
+    budgets of an H100 sweep (docs/measurements.md#planned-against-cost_aware)."""
     from supermem import config
     from supermem.tensor_pool import pool as make_pool
 
@@ -914,7 +916,7 @@ def test_an_offload_whose_return_cannot_hide_is_recomputed_instead():
     prefetch may not start before that point (it would raise the peak): the copy back (1 s) is exposed.
     Recomputing A's unit (0.9 s) is cheaper than that, though dearer than the copies' slowdown of compute
     alone (twice COPY_INTERFERENCE of 1 s)."""
-    from supermem.tensor_pool.planner import COPY_INTERFERENCE
+    from supermem.costs import COPY_INTERFERENCE
 
     assert 2 * COPY_INTERFERENCE < 0.9
     p = _small_profile(
@@ -931,7 +933,7 @@ def test_a_copy_is_priced_at_its_host_seconds_where_they_exceed_its_slowdown_of_
     """A copy hides (1 s out, long before the point; back well before its use): it costs its slowdown
     of compute, 2 x COPY_INTERFERENCE x 1 s, less than recomputing tensor 1 (1 s). Where issuing a
     copy costs the host 1 s (a host-bound step is that much longer, each way), recompute is cheaper."""
-    from supermem.tensor_pool.planner import COPY_INTERFERENCE
+    from supermem.costs import COPY_INTERFERENCE
 
     assert 2 * COPY_INTERFERENCE < 1.0
     chosen = []
@@ -1024,11 +1026,10 @@ def test_treating_one_save_of_a_block_is_priced_at_the_kept_saves_its_call_no_lo
 
 def test_a_call_run_lean_is_priced_at_the_hooks_on_each_of_its_saves(monkeypatch):
     """A call run lean (lean_call.py) drops an inner unit's saves itself, but each of its saves goes
-    through its pack and unpack hooks (planner.LEAN_KEPT_SHARE of Profile.kept_s each). Unpriced, the
+    through its pack and unpack hooks (costs.LEAN_KEPT_SHARE of Profile.kept_s each). Unpriced, the
     plan here lean-drops most blocks' weight casts (on an H100 the same mispricing lean-dropped GPT-24's
     GELU outputs at 90%: 1.17x, where checkpointing 6 blocks took 1.08x); priced, it replays more whole
     blocks instead and runs no call lean."""
-    from supermem.tensor_pool import planner
 
     def plan():
         p = gpt24_profile(block_cost_s=1.5e-3)  # 4.4 ms per GiB; a cast lean: 1.2 ms per GiB, hooks aside
@@ -1040,7 +1041,7 @@ def test_a_call_run_lean_is_priced_at_the_hooks_on_each_of_its_saves(monkeypatch
         p.kept_s = 30e-6  # 9 saves a block: 0.135 ms of hooks to run one lean
         return make_plan(p, int(native_peak(p) * 0.9))
 
-    monkeypatch.setattr(planner, "LEAN_KEPT_SHARE", 0.0)
+    monkeypatch.setattr(costs, "LEAN_KEPT_SHARE", 0.0)
     unpriced = plan()
     assert len(unpriced.drops) >= 12, (unpriced.drops, unpriced.light)
     monkeypatch.undo()
@@ -1091,7 +1092,7 @@ def test_prefetches_share_one_link():
     each copy back takes 1 s: one hides, two in a row do not (0.5 s exposed). Recomputing one costs 1 s,
     more than a hidden copy's slowdown of compute, less than that and the exposed half second: the plan
     offloads one and recomputes the other."""
-    from supermem.tensor_pool.planner import COPY_INTERFERENCE
+    from supermem.costs import COPY_INTERFERENCE
 
     p = _small_profile(
         [1, 1, 0],
@@ -1195,8 +1196,9 @@ def test_an_offloaded_input_of_a_replayed_unit_is_prefetched_for_the_replay():
 
 
 def test_gpt24_prefers_recompute_to_copies_that_slow_compute_both_ways():
-    """DESIGN.md's GPT-24: a block rebuilds at 1.9 ms per GiB; a copy at 55 GB/s (19.5 ms per GiB) slows
-    compute by at least 8% of its time each way (3.1 ms per GiB both): at 75% the plan recomputes only."""
+    """The GPT-24 of docs/design.md#gpt-24s-memory-and-what-each-treatment-costs: a block rebuilds at 1.9 ms
+    per GiB; a copy at 55 GB/s (19.5 ms per GiB) slows compute by at least 8% of its time each way (3.1 ms
+    per GiB both): at 75% the plan recomputes only."""
     p = gpt24_profile()
     plan = make_plan(p, int(0.75 * native_peak(p)))
     assert plan.feasible and "offload" not in plan.treatment.values(), plan.counts()
@@ -1207,17 +1209,16 @@ def test_the_profile_names_what_each_region_replay_reads(monkeypatch):
     """Each layer of the MLP is a region; its replay reads the layer's input (the Linear saves it), an
     entry of the step that is no member of the region: the profile's unit_inputs name it, so the plan
     keeps it on the device (or brings it back) for the replay."""
-    import sys
+    from supermem.policies import Planned
 
-    mod = sys.modules["supermem.tensor_pool.plan_run"]
     profiles = []
-    real = mod.make_plan
+    real = Planned.solve
 
-    def capture(p, budget):
+    def capture(self, p, budget):
         profiles.append(p)
-        return real(p, budget)
+        return real(self, p, budget)
 
-    monkeypatch.setattr(mod, "make_plan", capture)
+    monkeypatch.setattr(Planned, "solve", capture)
     from supermem.tensor_pool.op_replay import OpReplays
 
     monkeypatch.setattr(OpReplays, "recipe_for", lambda *_: None)  # regions only (GELU's are op replays)
@@ -1313,12 +1314,11 @@ def test_the_models_own_rise_between_two_events_is_a_transient_even_where_a_pres
 def test_a_slow_pool_leaves_the_profiled_steps_seconds_as_they_are(monkeypatch):
     """Live: with every save through the pool 10 ms slower in the profiled step, its profile's step
     seconds stay below the step's wall less those 10 ms a save (they are the pool's, not the model's)."""
-    from supermem.tensor_pool import plan_run
 
     g = torch.Generator().manual_seed(1)
     pool = Pool(budget=20 << 10, policy="planned", host_limit="64MiB")
     profiles, slowed, walls = [], [0], []
-    real_pack, real_plan, real_ended = pool._pack_saved, plan_run.make_plan, pool._step_ended
+    real_pack, real_plan, real_ended = pool._pack_saved, pool.policy.solve, pool._step_ended
 
     def pack(t):
         if pool._rec is not None and pool._rec.full and pool._rec.regions_on:
@@ -1336,7 +1336,7 @@ def test_a_slow_pool_leaves_the_profiled_steps_seconds_as_they_are(monkeypatch):
 
     monkeypatch.setattr(pool, "_pack_saved", pack)
     monkeypatch.setattr(pool, "_step_ended", step_ended)
-    monkeypatch.setattr(plan_run, "make_plan", make_plan)
+    monkeypatch.setattr(pool.policy, "solve", make_plan)
     _train(pool, [torch.randn(32, 64, generator=g) for _ in range(4)])
     (p, n), *_ = profiles
     wall = walls[1]  # step 1 finds regions, step 2 is profiled
@@ -1347,7 +1347,7 @@ def test_compute_waits_once_for_copies_queued_before_a_point():
     """Three 1 s copies queued at t=0 must all have landed before the point at 0.5 s, and nothing else
     lowers it: compute waits there until the last lands, 3 s in all (not 1 + 2 + 3 s, a wait per copy);
     the copies back hide in backward; each copy slows compute by COPY_INTERFERENCE of its seconds."""
-    from supermem.tensor_pool.planner import COPY_INTERFERENCE
+    from supermem.costs import COPY_INTERFERENCE
 
     saved = [Saved(k + 1, MiB, save=k, use=7 - k, end=8 - k) for k in range(3)]
     times = [0.0, 0.0, 0.0, 0.5, 1.0, 10.0, 20.0, 30.0]
@@ -1409,18 +1409,17 @@ def test_an_allocation_that_came_to_the_pressure_handler_is_a_point_the_plan_hol
     """The loss's temporaries fall between two saves: the pool sees them only when the allocator asks it
     for room. The step that is profiled calls the pressure handler there (as the soft limit would); the
     profile must carry that demand at the event before it, and the plan must hold it under the budget."""
-    import sys
+    from supermem.policies import Planned
 
-    mod = sys.modules["supermem.tensor_pool.plan_run"]
     profiles, plans = [], []
-    real = mod.make_plan
+    real = Planned.solve
 
-    def capture(p, budget):
+    def capture(self, p, budget):
         profiles.append(p)
-        plans.append(real(p, budget))
+        plans.append(real(self, p, budget))
         return plans[-1]
 
-    monkeypatch.setattr(mod, "make_plan", capture)
+    monkeypatch.setattr(Planned, "solve", capture)
     g = torch.Generator().manual_seed(1)
     batches = [torch.randn(32, 64, generator=g) for _ in range(3)]
     pool = Pool(budget=40 << 10, policy="planned", host_limit="64MiB")
@@ -1610,21 +1609,20 @@ def test_blocks_replayed_in_backward_cost_their_kernels_until_the_host_slack_is_
     launches run ahead of the backward's kernels, so the replays cost their kernels' seconds (the
     block's forward on the profile's timeline) until their launches pass the host's free share of the
     backward (BACKWARD_HOST_FREE): max(kernels, launches - slack). On a CPU, their timed seconds."""
-    from supermem.tensor_pool import planner
     from supermem.tensor_pool.planner import simulate
 
     p = gpt24_profile(block_cost_s=2e-3)
     for blk in range(24):
         p.unit_start[blk], p.unit_end[blk] = 9 * blk, 9 * blk + 9
     kernels = 19.9e-3 * 9 / (24 * 9 + 1)  # a block's 9 saves of the forward's 217 events
-    slack = planner.BACKWARD_HOST_FREE * (p.step_s - p.times_s[p.backward_event])  # (its first event: ~46 ms)
+    slack = costs.BACKWARD_HOST_FREE * (p.step_s - p.times_s[p.backward_event])  # (its first event: ~46 ms)
     few, all_ = set(range(6)), set(range(24))
     assert simulate(p, set(), few, 0).added_s == pytest.approx(6 * kernels)
     assert simulate(p, set(), all_, 0).added_s == pytest.approx(24 * 2e-3 - slack)
-    monkeypatch.setattr(planner, "BACKWARD_HOST_FREE", 0.0)
+    monkeypatch.setattr(costs, "BACKWARD_HOST_FREE", 0.0)
     assert simulate(p, set(), few, 0).added_s == pytest.approx(6 * 2e-3)
     p.sync_copies = True  # CPU: no slack, whatever the share
-    monkeypatch.setattr(planner, "BACKWARD_HOST_FREE", 0.5)
+    monkeypatch.setattr(costs, "BACKWARD_HOST_FREE", 0.5)
     assert simulate(p, set(), all_, 0).added_s == pytest.approx(24 * 2e-3 + 0)
 
 

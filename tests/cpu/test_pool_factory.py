@@ -21,7 +21,7 @@ def test_one_pool_however_the_options_are_spelled():
         assert supermem.pool(budget="4MiB") is not by_bytes
         assert supermem.pool(policy="cost_aware") is supermem.pool()  # cost_aware: no budget's default
     finally:
-        for p in {*tensor_pool._pools.values()}:
+        for p in {*tensor_pool.factory._pools.values()}:
             if p.budget_bytes in (3 << 20, 4 << 20):
                 p.close()
 
@@ -51,9 +51,8 @@ def test_close_takes_the_hooks_off_and_the_factory_forgets_it():
     assert hooks() > 0  # the regions a planned pool chose from its first step
     p.close()
     assert hooks() == 0
-    assert p not in tensor_pool._pools.values()
     fresh = supermem.pool(budget="6MiB")
-    assert fresh is not p
+    assert fresh is not p and p not in tensor_pool.factory._pools.values()
     with fresh:  # profiling: the global hooks are on until the backward
         assert hooks() > 0
         fresh.close()

@@ -182,9 +182,10 @@ def test_watching_a_tensor_never_shows_another_thread_a_change():
     from supermem.tensor_pool.entry import version_watcher
 
     t = torch.randn(8, 8)
-    done, seen = threading.Event(), set()
+    reading, done, seen = threading.Event(), threading.Event(), set()
 
     def watch():
+        reading.wait()
         for _ in range(2000):
             version_watcher(t)
         done.set()
@@ -193,6 +194,7 @@ def test_watching_a_tensor_never_shows_another_thread_a_change():
     w.start()
     while not done.is_set():
         seen.add(t._version)
+        reading.set()
     w.join()
     assert seen == {0}
     t.add_(1)

@@ -422,7 +422,7 @@ def test_replay_of_a_call_with_nested_and_keyword_arguments(policy, monkeypatch)
 
 def test_a_weight_copy_rebuilt_in_a_create_graph_backward_holds_no_graph():
     """A backward with create_graph runs with grad on: an autocast weight copy is cast again detached."""
-    from supermem.tensor_pool.treatments import Cast
+    from supermem.tensor_pool.cast import Cast
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16))
@@ -944,10 +944,12 @@ def test_a_block_on_the_batch_itself_is_never_planned_to_run_with_the_pools_hook
     each planned step captures it too (Plan.captures) and keeps the plan's ordinals. Before, a
     planned step that bypassed it ran it through the pool all the same, or one that kept it made no
     such entry, and the step left the plan (test_lean_call's gelu-True, under load)."""
-    from supermem.tensor_pool import plan_run
+    from supermem.policies import Planned
 
-    made, make_plan = [], plan_run.make_plan
-    monkeypatch.setattr(plan_run, "make_plan", lambda p, b: made.append((p, make_plan(p, b))) or made[-1][1])
+    made, solve = [], Planned.solve
+    monkeypatch.setattr(
+        Planned, "solve", lambda self, p, b: made.append((p, solve(self, p, b))) or made[-1][1]
+    )
     build = lambda: nn.Sequential(*[_Block("dropout") for _ in range(6)])  # noqa: E731
     batch = lambda g: (torch.randn(32, 64, generator=g), None)  # noqa: E731
     pool = Pool(budget="1GiB", policy="planned")

@@ -5,7 +5,7 @@ the loss of every step, the last step's gradients and the final weights (the gol
 
 --conf swaps supermem's allocator in first (`supermem.install(CONF)`; "" for the defaults); without
 it the run is native. Prints one `@@JSON {...}` line: which allocator served the run, and its peaks.
-The determinism settings are those DESIGN.md measured as bitwise reproducible run to run.
+The determinism settings are those docs/design.md#determinism gives as bitwise reproducible run to run.
 """
 
 import argparse

@@ -215,10 +215,10 @@ def train_pooled(model, pool, x, y, steps):
 def uncapped(monkeypatch):
     """Graphs whatever structure repeats: this net's tensors are large against its budgets, and it
     has 9 alike blocks (the pool graphs from 16)."""
-    from supermem.tensor_pool import light_graphs
+    from supermem import costs
 
-    monkeypatch.setattr(light_graphs, "MAX_SHARE", 1.0)
-    monkeypatch.setattr(light_graphs, "MIN_CALLS", 4)
+    monkeypatch.setattr(costs, "LIGHT_GRAPHS_MAX_SHARE", 1.0)
+    monkeypatch.setattr(costs, "LIGHT_GRAPHS_MIN_CALLS", 4)
 
 
 def test_a_pools_light_calls_replay_their_backward_bitwise(uncapped):

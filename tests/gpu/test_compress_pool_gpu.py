@@ -18,7 +18,7 @@ MiB = 1 << 20
 
 @pytest.fixture(autouse=True)
 def deterministic():
-    """Plain training must repeat bitwise, or comparing with it tests noise (DESIGN.md)."""
+    """Plain training must repeat bitwise, or comparing with it tests noise (docs/design.md#determinism)."""
     saved = (
         torch.backends.cudnn.deterministic,
         torch.backends.cudnn.benchmark,

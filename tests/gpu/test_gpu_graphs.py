@@ -1,7 +1,8 @@
 """CUDA graphs under supermem: capture and replay are correct, graph memory is private (eager tensors
 never land in it while the graph lives), it is released when the graph is deleted, pools can be
 shared, and torch.compile(mode="reduce-overhead") works or fails with a supermem message without
-leaving PyTorch broken (the naive plug-in broke SDPA, bf16 matmul and compile afterwards: DESIGN.md).
+leaving PyTorch broken (the naive plug-in broke SDPA, bf16 matmul and compile afterwards:
+docs/design.md#what-a-pluggable-allocator-must-provide).
 """
 
 import copy

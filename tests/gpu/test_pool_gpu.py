@@ -317,15 +317,16 @@ def test_planned_profile_counts_attentions_qkv_storage_once(monkeypatch):
     the storage once (the allocator, which the budget reads, does), and the plan copies or packs none
     of them alone (that would free nothing). Training stays bitwise."""
     from supermem.bench.models import GPT
-    from supermem.tensor_pool import Pool, plan_run
+    from supermem.policies import Planned
+    from supermem.tensor_pool import Pool
 
-    profiles, make_plan = [], plan_run.make_plan
+    profiles, solve = [], Planned.solve
 
-    def spy(p, budget):
+    def spy(self, p, budget):
         profiles.append(p)
-        return make_plan(p, budget)
+        return solve(self, p, budget)
 
-    monkeypatch.setattr(plan_run, "make_plan", spy)
+    monkeypatch.setattr(Planned, "solve", spy)
     g = torch.Generator().manual_seed(0)
     idx = torch.randint(0, 2048, (8, 129), generator=g).cuda()
     batch = (idx[:, :-1].contiguous(), idx[:, 1:].contiguous())
@@ -343,7 +344,7 @@ def test_planned_profile_counts_attentions_qkv_storage_once(monkeypatch):
     assert not treatments & {"offload", "compress"}, treatments
     # the plan priced copies at a measured rate (its copies', or the probe's), not the default: 25 GB/s
     # is half an H100's link
-    from supermem.tensor_pool.treatments import GPU_LINK_BYTES_PER_S
+    from supermem.costs import GPU_LINK_BYTES_PER_S
 
     rate = profiles[0].link_bytes_per_s
     assert rate != GPU_LINK_BYTES_PER_S and 1e9 < rate < 1e12, rate

@@ -11,8 +11,8 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 @pytest.fixture(autouse=True)
 def deterministic():
-    """Plain training must repeat bitwise, or comparing with it tests noise (DESIGN.md): cuDNN's
-    default weight-gradient kernels for ResNet-18's convolutions do not."""
+    """Plain training must repeat bitwise, or comparing with it tests noise (docs/design.md#determinism):
+    cuDNN's default weight-gradient kernels for ResNet-18's convolutions do not."""
     b = torch.backends
     saved = (b.cudnn.deterministic, b.cudnn.benchmark, b.cudnn.allow_tf32, b.cuda.matmul.allow_tf32)
     b.cudnn.deterministic, b.cudnn.benchmark = True, False

@@ -288,7 +288,7 @@ def test_close_gives_every_host_block_back():
 def test_the_streamer_and_the_tensor_pool_share_one_host_pool(monkeypatch):
     """One host budget per device: the pool's offloads and the streamer's weights come from one host
     pool, whose limit is the larger host_limit (not one pool each, pinning the sum)."""
-    from supermem.tensor_pool import host
+    from supermem.transfer import host
 
     monkeypatch.setattr(host, "_shared", {})  # no host pool made yet in this process
     torch.manual_seed(5)
@@ -491,7 +491,7 @@ def test_a_units_inner_hooks_are_muted_during_its_call_and_back_after():
 
 
 def test_a_unit_calls_gradients_go_to_the_host_in_one_batch(monkeypatch):
-    from supermem.tensor_pool.copy import CopyEngine
+    from supermem.transfer.copy import CopyEngine
 
     batches = []
     monkeypatch.setattr(CopyEngine, "to_host", lambda *a: pytest.fail("one copy per gradient"))

@@ -1,0 +1,159 @@
+"""Every private PyTorch name supermem uses, in one module.
+
+Each is here with what supermem needs it for, so that a PyTorch release that moves one breaks here,
+once, and the rest of the code reads in public words. What PyTorch documents (torch.autograd.graph's
+saved_tensors_hooks, torch.cuda.memory's public functions) is used directly elsewhere.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# ---------------------------------------------------------------- while torch itself is importing
+# (supermem's autoload hook runs inside `import torch`: these import it when called, so that they work
+# from a module that is itself importing torch below)
+
+
+def has_custom_allocator_hooks() -> bool:
+    """This PyTorch can take a pluggable allocator (a CUDA build)."""
+    import torch
+
+    return hasattr(torch._C, "_cuda_customAllocator")
+
+
+def replace_c_function(name: str, fn: Any) -> None:
+    """Replaces torch._C's `name` (where this PyTorch has it): PyTorch's own allocator queries that a
+    pluggable allocator does not answer (memory.py looks them up per call)."""
+    import torch
+
+    if hasattr(torch._C, name):
+        setattr(torch._C, name, fn)
+
+
+def cuda_lazy_call(fn: Any) -> None:
+    """Runs `fn` at CUDA's initialisation in this process (at once if it happened)."""
+    import torch
+
+    torch.cuda._lazy_call(fn)
+
+
+def push_saved_hooks_importing(pack: Any, unpack: Any) -> None:
+    """push_saved_hooks, for callers that may run while torch is importing."""
+    import torch
+
+    torch._C._autograd._push_saved_tensors_default_hooks(pack, unpack)
+
+
+import torch  # noqa: E402  (below the functions above, which must exist while torch is importing)
+from torch.nn.modules import module as _module  # noqa: E402
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten  # noqa: E402, F401
+
+# ---------------------------------------------------------------- autograd
+
+# The saved-tensor hooks' stack, which torch.autograd.graph.saved_tensors_hooks pushes and pops as a
+# context manager: the pool pushes and pops around one call without making a context object per call,
+# and reads the top to see whose hooks are on (None where this PyTorch has no such getter).
+push_saved_hooks = torch._C._autograd._push_saved_tensors_default_hooks
+pop_saved_hooks = torch._C._autograd._pop_saved_tensors_default_hooks
+top_saved_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+
+# Grad mode without a context object (a region call switches it twice per call).
+set_grad_enabled = torch._C._set_grad_enabled
+# Whether a __torch_function__ mode is on (a call's state, to run it again as it was).
+torch_function_mode_enabled = torch._C._is_torch_function_mode_enabled
+# autograd.Function.apply without the functorch check of its Python wrapper (a light call's node).
+FUNCTION_APPLY = torch._C._FunctionBase.__dict__["apply"]
+# One kernel copying a list of tensors into another (a block's weights into a graph's slot).
+foreach_copy_ = torch._foreach_copy_
+# The engine, to run a callback when the current backward ends.
+execution_engine = torch.autograd.Variable._execution_engine
+
+
+def set_versions(tensors: list[torch.Tensor] | tuple, versions: list[int] | tuple) -> None:
+    """Sets autograd's version counters (a replay that wrote into a saved buffer puts them back)."""
+    try:
+        torch._C._autograd._unsafe_set_version_counter(tuple(tensors), tuple(versions))
+    except TypeError:  # older PyTorch: one tensor, one int
+        for t, v in zip(tensors, versions):
+            torch._C._autograd._unsafe_set_version_counter(t, v)
+
+
+# ---------------------------------------------------------------- transforms and tracing
+
+is_functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+functorch_transforms_active = torch._C._are_functorch_transforms_active
+jit_tracing_state = torch._C._get_tracing_state
+AOT_MODULE = "torch._functorch._aot_autograd"  # where compiled graphs' autograd.Functions are made
+
+
+def dynamo_tracing() -> bool:
+    """Inside a torch.compile trace (fake tensors: nothing to pool)."""
+    import torch._guards
+
+    return torch._guards.TracingContext.try_get() is not None
+
+
+def set_compile_memory_budget(share: float) -> None:
+    """torch.compile's activation memory budget (its partitioner recomputes to stay under it)."""
+    import torch._functorch.config
+
+    torch._functorch.config.activation_memory_budget = share
+
+
+# ---------------------------------------------------------------- modules
+
+BatchNorm = torch.nn.modules.batchnorm._BatchNorm  # the base of BatchNorm1d/2d/3d (its running stats)
+
+
+def global_module_hooks() -> list[dict]:
+    """The dicts of hooks registered on every module (register_module_forward_hook and friends)."""
+    return [
+        _module._global_forward_pre_hooks,
+        _module._global_forward_hooks,
+        _module._global_backward_pre_hooks,
+        _module._global_backward_hooks,
+    ]
+
+
+def global_forward_hook_dicts() -> list[dict]:
+    """The forward hook dicts register_module_forward(_pre)_hook fill, always_called's included."""
+    return [
+        _module._global_forward_pre_hooks,
+        _module._global_forward_hooks,
+        _module._global_forward_hooks_always_called,
+    ]
+
+
+# ---------------------------------------------------------------- CUDA
+
+
+def sdp_enabled_getter(name: str) -> Any:
+    """The C getter of an SDPA backend's switch where there is one (torch.backends.cuda's wraps it in
+    one more Python call), else the public one."""
+    return getattr(torch._C, f"_get_{name}_sdp_enabled", None) or getattr(
+        torch.backends.cuda, f"{name}_sdp_enabled"
+    )
+
+
+def cuda_sleep(cycles: int) -> None:
+    """A kernel that spins `cycles` GPU clock cycles (timing: kernels queued behind it run back to back)."""
+    torch.cuda._sleep(cycles)
+
+
+# ---------------------------------------------------------------- profiler
+
+
+def profiler_recording() -> bool:
+    """Whether torch.profiler records now."""
+    return torch.autograd.profiler._is_profiler_enabled
+
+
+def allocation_event_type() -> Any:
+    """The profiler's event type of a memory allocation (its events on CPU tensors)."""
+    return torch._C._profiler._EventType.Allocation
+
+
+def torch_dispatch_mode() -> type:
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    return TorchDispatchMode

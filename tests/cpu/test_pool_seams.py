@@ -1,0 +1,98 @@
+"""The pool's seams. Treatments: one added in its own file (stash_treatment.py) and registered is made
+by name, chosen by the policies whose kinds include its kind, and carried out by the plan, with
+training bitwise plain PyTorch's; nothing else in the pool names it. Solvers: a planning policy
+brings its own (Policy.solve), and the pool plans with it."""
+
+import pytest
+import torch
+import torch.nn as nn
+from stash_treatment import Stash
+
+from supermem.tensor_pool import Pool
+from supermem.tensor_pool.treatments import Treatment, make_treatments, register
+
+
+def _train(pool, steps=5):
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        *[nn.Sequential(nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 64)) for _ in range(4)]
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    x = torch.randn(32, 64, generator=torch.Generator().manual_seed(1))
+    out = []
+    for _ in range(steps):
+        opt.zero_grad(set_to_none=True)
+        with pool if pool is not None else torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+            loss = model(x).square().mean()
+            loss.backward()
+        out += [loss.detach()] + [p.grad.clone() for p in model.parameters()]
+        opt.step()
+    return out
+
+
+def _half_peak():
+    probe = Pool(policy="lru", min_bytes=0)
+    _train(probe, steps=2)
+    return probe.stats()["peak_resident_bytes"] // 2
+
+
+def test_a_registered_treatment_is_made_by_name_and_listed_when_a_name_is_wrong():
+    (t,) = make_treatments(["stash"])
+    assert type(t) is Stash
+    with pytest.raises(ValueError, match="stash"):
+        make_treatments(["stach"])
+
+
+def test_a_second_class_under_a_registered_name_is_refused():
+    class Other(Treatment):
+        name = "stash"
+
+    with pytest.raises(ValueError, match="registered already"):
+        register(Other)
+
+
+@pytest.mark.parametrize("policy", ["lru", "cost_aware", "planned"])
+def test_the_pool_uses_a_new_treatment_of_the_offload_kind_and_training_is_unchanged(policy):
+    ref = _train(None)
+    pool = Pool(budget=_half_peak(), policy=policy, min_bytes=0, treatments=("stash",))
+    (stash,) = pool.treatments.values()
+    got = _train(pool)
+    assert all(torch.equal(a, b) for a, b in zip(got, ref)) and len(got) == len(ref)
+    assert stash.left > 0 and stash.back > 0, (stash.left, stash.back)
+    assert pool.stats()["offloads"] == 0  # (Offload's own counter: it never ran)
+    pool.check()
+
+
+def test_the_plan_carries_out_its_offloads_by_the_treatment_of_that_kind():
+    pool = Pool(budget=_half_peak(), policy="planned", min_bytes=0, treatments=("stash",))
+    stash = pool.treatments["stash"]
+    _train(pool, steps=3)  # (the first step profiles; the plan runs from the second)
+    planned = pool.stats()["plan"]["offload"]
+    before = stash.left
+    _train(pool, steps=1)
+    assert planned > 0 and stash.left - before >= planned, (planned, stash.left - before)
+
+
+def test_a_planning_policy_brings_its_own_solver(monkeypatch):
+    from supermem.policies import POLICIES, Planned
+
+    asked = []
+
+    class Cautious(Planned):
+        """The greedy, aiming at half the budget it is given."""
+
+        name = "cautious"
+
+        def solve(self, profile, budget):
+            asked.append(budget)
+            return super().solve(profile, budget // 2)
+
+    monkeypatch.setitem(POLICIES, "cautious", Cautious)
+    budget = _half_peak()
+    pool = Pool(budget=budget, policy="cautious", min_bytes=0)
+    ref = _train(None)
+    got = _train(pool)
+    assert all(torch.equal(a, b) for a, b in zip(got, ref)) and len(got) == len(ref)
+    assert asked and asked[0] == budget, asked
+    plan = pool.stats()["plan"]
+    assert plan["budget_bytes"] == budget // 2 and plan["measured_peak_bytes"] <= budget // 2, plan
