@@ -1,4 +1,4 @@
-"""CUDA graph replays of light calls' backward (Plan.light; region.py's _LightFn).
+"""CUDA graph replays of light calls' backward (Plan.light; light.py's _LightFn).
 
 A light call's backward runs the call again with grad on and differentiates it: on an H100 host that
 is the step's slow side. ResNet-152 at checkpoint's peak, 45 of its 50 blocks run light: the planned

@@ -200,7 +200,7 @@ class PlanRunner:
         grad off (Plan.light: True) or with the pool's hooks off (Plan.bypass: False), with the step's
         saves at its end, and the LeanCall whose hooks it runs under (Plan.drops; else None); None:
         captured as a Region, if at all. `light_ok`, `bypass_ok`: whether the call can go either way
-        (region.py)."""
+        (regions.py)."""
         plan = self._plan
         if (
             plan is None

@@ -577,7 +577,7 @@ def _lost(p: Profile, ix: _Index, ordinal: int, broken: set[int]) -> float:
 
 def light(p: Profile, plan: Plan, units: set[int], ix: _Index) -> dict[int, int]:
     """The region calls the plan replays that can run with grad off instead (reentrant checkpointing,
-    region.py's _LightFn): autograd saves nothing in the call, the pool makes no entry (on a host-bound
+    light.py's _LightFn): autograd saves nothing in the call, the pool makes no entry (on a host-bound
     step entries cost more than the replay; tiny GPT-24 on this CPU, the pool at 50% +22 ms,
     checkpointing half its blocks +8.6 ms), and the step's ordinals skip the call's.
     A call qualifies when it can go unseen (_unseen), its inputs' uses in the call are known

@@ -44,7 +44,7 @@ from .op_replay import OpReplays
 from .plan_run import PlanRunner, Resting
 from .planner import Plan
 from .profile import EventCounter, Recorder
-from .region import Regions
+from .regions import Regions
 from .step import NO_EARLY_CALL, Step
 from .treatments import Offload, Recompute, Treatment, checked_treatments
 
@@ -173,7 +173,7 @@ class Pool(PlanRunner):
         self._device_bytes = 0  # held by entries: resident tensors and away payloads on the device
         self._kept_bytes = 0  # held by the plan's PlanKept tensors (no entries)
         self._kept_live = 0  # PlanKept tensors alive
-        self._unseen_live = 0  # calls the pool did not see (region.py: _Alive) whose saves autograd holds
+        self._unseen_live = 0  # calls the pool did not see (light.py: _Alive) whose saves autograd holds
         self._passthrough = False  # saves not the step's (checkpoint's own of its inputs): left alone
         self._margin = 0  # learned: how far a step's peak rises above the most the pool saw (bytes)
         self._seen_peak = 0  # the most device memory the pool saw in use during this step

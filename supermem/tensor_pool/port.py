@@ -21,7 +21,7 @@ class PoolPort(Protocol):
     graphs: bool
     copies: Any  # transfer.copy.CopyEngine: the device-host copy streams
     host: Any  # the pool's share of the pinned host pool (transfer.host)
-    regions: Any  # region.Regions
+    regions: Any  # regions.Regions
     op_replays: Any  # op_replay.OpReplays
 
     @property
@@ -48,7 +48,8 @@ class PoolPort(Protocol):
 
 
 class PoolInternals(PoolPort, Protocol):
-    """The members regions (region.py), op and lean replays, light-call graphs and entries still use."""
+    """The members regions and light calls (regions.py, region.py, light.py), op and lean replays,
+    light-call graphs and entries still use."""
 
     _counters: dict[str, int]
     _in_use: list
@@ -93,7 +94,7 @@ class TreatmentLike(Protocol):
 
 
 class LightCall(Protocol):
-    """What light-call graphs read of a light call (region.py's _Light)."""
+    """What light-call graphs read of a light call (light.py's _Light)."""
 
     module: torch.nn.Module
     state: Any

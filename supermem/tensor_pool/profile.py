@@ -94,7 +94,7 @@ class Profile:
     # Ordinal -> where each later save was: the region call open then (its start), or None
     resaved: dict[int, set[int | None]] = field(default_factory=dict)
     # region calls (as call_outputs) with no input made in the graph, or under saved-tensor hooks not
-    # the pool's: never run with the pool's hooks off (region._pool_hooks: nothing would tell when
+    # the pool's: never run with the pool's hooks off (light._pool_hooks: nothing would tell when
     # backward is through the call). A model's first block on its batch: planned so, it ran through
     # the pool all the same, and the step left the plan there.
     no_bypass: set[int] = field(default_factory=set)

@@ -794,7 +794,7 @@ def test_backward_through_a_bypassed_call_ends_its_step(monkeypatch, through):
     through the call, marks the step's backward. Here that is all that marks it (the entries' and left
     alone tensors' unpacks are hidden) and each step's graph is kept (retain_graph): the next step's
     first save starts a new step, no plan miss. Without the hook's mark (`through` False) it does not."""
-    from supermem.tensor_pool.region import _Alive
+    from supermem.tensor_pool.light import _Alive
 
     pool = Pool(budget="1GiB", policy="planned")
     began = pool._backward_began
@@ -859,7 +859,7 @@ def test_a_call_run_with_grad_off_gives_first_and_second_order_gradients_of_the_
     (that graph sums in another order). Before, the replay's detached inputs cut the graph: the
     input's second-order gradient was 3e-3 off."""
     from supermem.tensor_pool.call_state import CallState
-    from supermem.tensor_pool.region import _Light
+    from supermem.tensor_pool.light import _Light
 
     class Tracker:  # (let go at once: the replay calls the module itself)
         pass
@@ -910,7 +910,7 @@ def test_a_call_run_with_grad_off_given_one_tensor_twice_gives_its_gradient_once
     """f(x, x) run with grad off: x's gradient through the node is plain PyTorch's, with and without
     create_graph (where the node runs on x itself: one tensor at two places, counted once)."""
     from supermem.tensor_pool.call_state import CallState
-    from supermem.tensor_pool.region import _Light
+    from supermem.tensor_pool.light import _Light
 
     class Twice(nn.Module):
         def __init__(self):
@@ -938,7 +938,7 @@ def test_a_call_run_with_grad_off_given_one_tensor_twice_gives_its_gradient_once
 
 def test_a_block_on_the_batch_itself_is_never_planned_to_run_with_the_pools_hooks_off(monkeypatch):
     """The first block's input is the batch, made outside the graph: run with the pool's hooks off,
-    nothing would tell when backward is through it (region._pool_hooks), so it runs through the pool.
+    nothing would tell when backward is through it (light._pool_hooks), so it runs through the pool.
     The recording marks it (Profile.no_bypass) and the plan leaves it out of Plan.bypass. Its capture
     made the batch an entry of the step (the block saves only casts of it: Profile.capture_made), so
     each planned step captures it too (Plan.captures) and keeps the plan's ordinals. Before, a
