@@ -27,14 +27,14 @@ from supermem.tensor_pool import Pool
 
 STEPS = 10
 PIECES = (  # (module, class or None, attribute)
-    ("region", "Regions", "_pre_call"),
-    ("region", "Regions", "_post_call"),
-    ("region", "Regions", "_light"),
-    ("region", "_Light", "attach"),
-    ("region", None, "_light_apply"),
-    ("region", None, "_params"),
-    ("region", None, "_pool_hooks"),
-    ("region", "_Alive", "__init__"),
+    ("regions", "Regions", "_pre_call"),
+    ("regions", "Regions", "_post_call"),
+    ("regions", "Regions", "_light"),
+    ("light", "_Light", "attach"),
+    ("light", None, "_light_apply"),
+    ("light", None, "_params"),
+    ("regions", None, "_pool_hooks"),  # (where it is called: regions.py imports it from light.py)
+    ("light", "_Alive", "__init__"),
     ("call_state", "CallState", "__init__"),
     ("light_graphs", "LightGraphs", "note"),
     ("pool", "Pool", "_pack"),

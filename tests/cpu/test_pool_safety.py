@@ -82,7 +82,7 @@ def test_a_pool_that_dies_in_a_reference_cycle_takes_its_module_hooks_along(monk
     global hooks on every module call in the process, or its region hooks on the model. A collection
     can also run while dynamo traces, whose guards read those dicts: a pool collected then leaves its
     hooks on, and each takes itself off at its next call outside a trace."""
-    from supermem.tensor_pool import region
+    from supermem.tensor_pool import regions
 
     gc.collect()
     hooks = _global_module_hooks()
@@ -99,7 +99,7 @@ def test_a_pool_that_dies_in_a_reference_cycle_takes_its_module_hooks_along(monk
     freed = weakref.ref(pool)
     del pool, model
     if traced:
-        monkeypatch.setattr(region, "_tracing", lambda: True)
+        monkeypatch.setattr(regions, "_tracing", lambda: True)
     gc.collect()
     monkeypatch.undo()
     assert freed() is None

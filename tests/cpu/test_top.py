@@ -285,20 +285,20 @@ PLANTED = ["mode 777", "symlink", "file", "other owner"]
 
 
 @pytest.mark.parametrize("kind", PLANTED)
-def test_a_planted_socket_directory_turns_the_server_off_with_one_warning(kind, fresh_server, capsys):
+def test_a_planted_socket_directory_turns_the_server_off_with_one_warning(kind, fresh_server, caplog):
     _plant(kind, fresh_server)
     assert control.start_server() is None and control.start_server() is None
-    err = capsys.readouterr().err
-    assert err.count("supermem: `supermem top` is off") == 1, err
-    assert str(fresh_server) in err and "Traceback" not in err
+    said = [r.getMessage() for r in caplog.records if r.name == "supermem" and r.levelname == "WARNING"]
+    assert len(said) == 1 and said[0].startswith("supermem: `supermem top` is off"), said
+    assert str(fresh_server) in said[0] and "Traceback" not in caplog.text
 
 
-def test_a_socket_path_too_long_for_af_unix_turns_the_server_off(fresh_server, monkeypatch, capsys):
+def test_a_socket_path_too_long_for_af_unix_turns_the_server_off(fresh_server, monkeypatch, caplog):
     deep = fresh_server.parent / ("d" * 200)
     deep.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(deep))
     assert control.start_server() is None
-    assert "supermem: `supermem top` is off" in capsys.readouterr().err
+    assert "supermem: `supermem top` is off" in caplog.text
 
 
 @pytest.mark.parametrize("kind", [*PLANTED, "long TMPDIR"])
