@@ -2,5 +2,6 @@
 
 from .pool import Pool  # noqa: I001  (first: the factory's function `pool` is the package's name, not the module)
 from .factory import env_pool, global_pool, pool
+from .stats import PlanStats, PoolStats
 
-__all__ = ["Pool", "env_pool", "global_pool", "pool"]
+__all__ = ["PlanStats", "Pool", "PoolStats", "env_pool", "global_pool", "pool"]

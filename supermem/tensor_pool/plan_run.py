@@ -28,6 +28,7 @@ from .lean_call import LeanCall
 from .op_replay import OpReplay
 from .planner import Plan
 from .profile import EventCounter, Profile
+from .stats import PlanStats
 from .step import NO_EARLY_CALL
 
 if TYPE_CHECKING:
@@ -444,7 +445,7 @@ class PlanRunner:
         self._counters["replans"] += 1
         self._plan_from(self._profiles[sig])
 
-    def _plan_stats(self) -> dict | None:
+    def _plan_stats(self) -> PlanStats | None:
         """The current plan's predictions beside the last step's measurements (planned policy)."""
         p = self._plan
         if p is None:

@@ -45,6 +45,7 @@ from .plan_run import PlanRunner, Resting
 from .planner import Plan
 from .profile import EventCounter, Recorder
 from .regions import Regions
+from .stats import PoolStats
 from .step import NO_EARLY_CALL, Step
 from .treatments import Offload, Recompute, Treatment, checked_treatments
 
@@ -1009,7 +1010,7 @@ class Pool(PlanRunner):
             assert set(self._lru) <= set(self._entries), "LRU names dead entries"
             self.host.allocator.check()
 
-    def stats(self) -> dict:
+    def stats(self) -> PoolStats:
         """Bytes by state and by treatment, totals moved, achieved copy rates (GB/s) and the share of
         copy time that compute did not wait for (hidden_fraction). Reads finished copy timings; does
         not sync."""

@@ -43,3 +43,45 @@ def test_a_misspelled_keyword_to_supermem_pool_is_a_type_error(tmp_path):
     assert len(errors) == 2, r.stdout + r.stderr
     assert ':3: error: Unexpected keyword argument "polcy"' in errors[0], errors
     assert ':4: error: Unexpected keyword argument "limit" for "install"' in errors[1], errors
+
+
+def test_stats_has_the_keys_its_type_declares():
+    import torch
+
+    from supermem.tensor_pool import Pool, PoolStats
+    from supermem.tensor_pool.stats import PlanStats
+    from supermem.tensor_pool.treatments import Compress
+
+    required, optional = PoolStats.__required_keys__, PoolStats.__optional_keys__
+    pool = Pool(budget=1 << 10, policy="planned", min_bytes=0)
+    x = torch.randn(32, 64, requires_grad=True)
+    for _ in range(3):
+        with pool:
+            torch.relu(x @ x.T).sum().backward()
+    s = pool.stats()
+    assert set(s) == required, set(s) ^ required
+    assert s["plan"] is not None and set(s["plan"]) == PlanStats.__required_keys__
+    packs = Pool(budget=0, policy="cost_aware", min_bytes=0, treatments=(Compress(),))
+    with packs:
+        torch.relu(x @ x.T).sum().backward()
+    assert set(packs.stats()) == required | optional
+
+
+def test_a_misspelled_stats_key_is_a_type_error(tmp_path):
+    pytest.importorskip("mypy")
+    snippet = tmp_path / "user.py"
+    snippet.write_text(
+        "import supermem\n"
+        'p = supermem.pool(budget="8GiB")\n'
+        'ok: int = p.stats()["offloads"]\n'
+        'bad = p.stats()["ofloads"]\n'
+    )
+    r = subprocess.run(
+        [sys.executable, "-m", "mypy", "--no-error-summary", str(snippet)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=600,
+    )
+    errors = [line for line in r.stdout.splitlines() if ": error:" in line]
+    assert len(errors) == 1 and ':4: error: TypedDict "PoolStats" has no key "ofloads"' in errors[0], r.stdout
