@@ -30,7 +30,7 @@ from typing import Any
 import psutil
 import torch
 
-from .. import costs
+from .. import costs, events
 from ..errors import ConfigError
 from ..policies import Choice, make_policy
 from ..transfer.copy import CopyEngine
@@ -654,6 +654,10 @@ class Pool(PlanRunner):
         with label(t.name):
             if not t.leave(self, e):
                 return False
+        if t.events is not None:
+            events.emit(
+                t.events[0], e.nbytes, e.tensor.data_ptr(), self.device_index, e.seq, "activation", t.name
+            )
         e.treatment = t
         self._drop_resident(e)
         if t.prefetch:
@@ -943,6 +947,10 @@ class Pool(PlanRunner):
 
     def arrived(self, e: Entry, tensor: torch.Tensor, event: Any) -> None:
         """A treatment brought `e` back into `tensor` (ready after `event`, if any)."""
+        if e.treatment.events is not None:
+            events.emit(
+                e.treatment.events[1], e.nbytes, tensor.data_ptr(), self.device_index, e.seq, "activation"
+            )
         self._device_bytes -= e.treatment.device_bytes(e)
         self._away_to_fetch.discard(e.seq)
         if self._rec is not None and e.step is self._step:

@@ -130,23 +130,30 @@ def step_peaks(trace: Trace, lt: Lifetimes, s: Series, modules: list[str], t0: i
     return steps
 
 
+AWAY_ACTIONS = {"offload": "offloaded", "drop": "recomputed", "compress": "compressed"}  # -> how
+BACK_ACTIONS = ("prefetch", "restore", "recompute", "decompress")
+
+
 def off_device(trace: Trace, index: int, device: int) -> dict[str, int]:
-    """Bytes the pool held off the device just after trace event `index`, by the action that moved
-    them (an offload not yet prefetched back, per pool entry)."""
+    """Bytes the pool held off the device just after trace event `index`, by how: offloaded (not yet
+    prefetched back), recomputed (dropped, not yet rebuilt), compressed (packed, not yet unpacked; the
+    tensor's bytes, its smaller payload still on the device), per pool entry (the events' tag)."""
     c = trace.cols
-    acts = {a: trace.actions.index(a) for a in ("offload", "prefetch", "restore") if a in trace.actions}
-    if "offload" not in acts or index < 0:
+    away_ids = {trace.actions.index(a): how for a, how in AWAY_ACTIONS.items() if a in trace.actions}
+    back_ids = [trace.actions.index(a) for a in BACK_ACTIONS if a in trace.actions]
+    if not away_ids or index < 0:
         return {}
     sel = np.flatnonzero(
-        np.isin(c["action"][: index + 1], list(acts.values())) & (c["device"][: index + 1] == device)
+        np.isin(c["action"][: index + 1], [*away_ids, *back_ids]) & (c["device"][: index + 1] == device)
     )
-    away: dict[int, int] = {}
-    off = acts["offload"]
+    away: dict[int, tuple[str, int]] = {}
     for i in sel.tolist():
-        tag = int(c["tag"][i])
-        if c["action"][i] == off:
-            away[tag] = int(c["size"][i])
+        tag, how = int(c["tag"][i]), away_ids.get(int(c["action"][i]))
+        if how is not None:
+            away[tag] = (how, int(c["size"][i]))
         else:
             away.pop(tag, None)
-    total = sum(away.values())
-    return {"offloaded": total} if total else {}
+    out: dict[str, int] = {}
+    for how, nbytes in away.values():
+        out[how] = out.get(how, 0) + nbytes
+    return out

@@ -28,6 +28,9 @@ class Treatment:
     kind = "offload"
     rebuilds = False
     prefetch = False
+    # the trace's actions for an entry leaving and coming back by this treatment, which the pool emits
+    # (supermem.events); None: the treatment emits its own (Offload's copies carry their addresses)
+    events: tuple[str, str] | None = None
 
     @classmethod
     def from_spec(cls, arg: str) -> Treatment:

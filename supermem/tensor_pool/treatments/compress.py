@@ -59,6 +59,7 @@ class Compress(Treatment):
 
     name = "compress"
     kind = "compress"
+    events = ("compress", "decompress")
 
     @classmethod
     def from_spec(cls, arg: str) -> Compress:

@@ -19,6 +19,7 @@ class Recompute(Treatment):
     name = "recompute"
     kind = "recompute"
     rebuilds = True
+    events = ("drop", "recompute")
 
     def applies(self, e: Entry) -> bool:
         return e.recipe is not None and e.recipe.ready and e.recipe.droppable(e)
