@@ -31,10 +31,10 @@ test: build lint
 	$(BIN)/pytest -q
 
 sanitize: $(VENV)/.deps   # the allocator suites under ASan + UBSan (also run by .ci/run)
-	PYTHON=$(BIN)/python tools/sanitize.sh
+	PYTHON=$(BIN)/python tools/ci/sanitize.sh
 
 tsan: $(VENV)/.deps   # the threaded suites (threads, fork, OOM handlers) under ThreadSanitizer (also run by .ci/run)
-	PYTHON=$(BIN)/python tools/tsan.sh
+	PYTHON=$(BIN)/python tools/ci/tsan.sh
 
 clean:
 	rm -rf build $(VENV) supermem/_C*.so

@@ -17,7 +17,7 @@ GPU_MEMORY_BYTES_PER_S = 2e12  # device-to-device copies (H200: 4.2 TB/s read+wr
 # prices it. A first H100 run measured 8% (docs/design.md#copy-interference); bench train on an H100 (GPT-24
 # at 75% of native's peak, planned) measured about 35%: 2.52 GiB out and back per step (100 ms of copies at
 # 54 GB/s, 17 ms of it waited for) cost about 50 ms more than recomputing the same bytes would have
-# (cost_aware, same run). Plain copies beside the same step cost it far less (tools/copy_interference.py,
+# (cost_aware, same run). Plain copies beside the same step cost it far less (tools/diag/copy_interference.py,
 # H100: 0.5 and 1 GiB out during the forward, and back during the backward, 0.03-0.06 of their seconds): the
 # rest is the pool's own work around its copies. Planned at 0.05 instead (H100, one process, each plan's
 # steps interleaved with native's), ResNet-152 offloaded more and lost: at 75% 1.21x against 1.13x, at 50%

@@ -211,7 +211,7 @@ PRESETS: dict[str, Preset] = {
         "resnet14_w8_b2_32px", lambda: ResNet((1, 1, 1, 1), width=8, classes=10), _images(2, 32, 10), False
     ),
     # the full models' depth at toy width: a CPU step is all host, so the pool's own host cost per
-    # call and per save shows against native's (tools/hook_costs.py, tools/pool_step.py on a CPU)
+    # call and per save shows against native's (tools/diag/hook_costs.py, tools/diag/pool_step.py on a CPU)
     "gpt-host": Preset(
         "gpt24_d32_b1_t16",
         lambda: GPT(layers=24, d=32, heads=2, vocab=256, ctx=16),
@@ -269,7 +269,7 @@ class Trainer:
 
     def step(self, ctx: Any = None, mark: Callable[[], None] | None = None) -> float:
         """`mark`: called at the step's start (after the device sync), after the loss, after backward
-        and after the optimizer (phase timing: tools/step_phases.py)."""
+        and after the optimizer (phase timing: tools/diag/step_phases.py)."""
         cuda = self.device.type == "cuda"
         mark = mark or _nothing
         if cuda:

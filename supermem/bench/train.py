@@ -594,7 +594,7 @@ def _print_tables(model: str, rows: list[dict], args: argparse.Namespace) -> Non
         )
     _print_targets(label, native, rows)
     _print_hf_targets(label, rows, "GiB", GiB)
-    if len(savers) > 1:  # one line per model for summaries (tools/gpu_check.sh greps "savers ")
+    if len(savers) > 1:  # one line per model for summaries (tools/ci/gpu_check.sh greps "savers ")
         parts = [
             f"{r['config']} {_fmt(r.get('step_x'), '.2f')}x {_fmt(_peak_gib(r), '.2f')}GiB" for r in savers
         ]

@@ -1,4 +1,4 @@
-"""`supermem replay TRACE --capacity 8GiB --policy planned` (also `tools/replay`): would this run fit
+"""`supermem replay TRACE --capacity 8GiB --policy planned` (also `tools/diag/replay`): would this run fit
 on a device of that size? Prints predicted peak reserved, fragmentation and OOMs."""
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def main(args: argparse.Namespace) -> int:
 
 
 def run(argv: list[str] | None = None) -> int:
-    """Entry point of tools/replay: the same arguments as `supermem replay`."""
+    """Entry point of tools/diag/replay: the same arguments as `supermem replay`."""
     p = argparse.ArgumentParser(prog="replay", description=__doc__.split("\n\n")[0])
     add_arguments(p)
     args = p.parse_args(argv)

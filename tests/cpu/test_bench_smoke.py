@@ -23,7 +23,7 @@ def _bench(tmp_path, *args):
     return r.stdout, json.loads(out.read_text())
 
 
-TOOLS = os.path.join(os.path.dirname(__file__), "..", "..", "tools")
+TOOLS = os.path.join(os.path.dirname(__file__), "..", "..", "tools", "diag")
 
 
 def _tool(name, *args, env=None):
@@ -101,7 +101,7 @@ def test_bench_train_sweep_quick_cpu(tmp_path):
 
 
 def test_the_tools_trainer_steps_inside_the_saver_and_trains_the_same():
-    """tools/plan_diag.py and tools/pool_overhead.py time `Trainer.step(ctx)`: the saver must hold
+    """tools/diag/plan_diag.py and tools/diag/pool_overhead.py time `Trainer.step(ctx)`: the saver must hold
     forward and backward (the pool packs what autograd saves), and the step must train as plain code does."""
     import torch
 
@@ -120,7 +120,7 @@ def test_the_tools_trainer_steps_inside_the_saver_and_trains_the_same():
 
 
 def test_rebuild_overhead_tool_sees_every_recipe_kind():
-    """tools/rebuild_overhead.py: every recipe kind rebuilds in the tiny GPT's recompute-only pool, each
+    """tools/diag/rebuild_overhead.py: every recipe kind rebuilds in the tiny GPT's recompute-only pool, each
     has a self and a bare time, and the rebuilds' self times (nested ones counted once) fit in the step."""
     lines = _tool("rebuild_overhead.py", "--steps", "2").splitlines()
     pool_ms = float(lines[0].split("pool ")[-1].split(" ms")[0])
@@ -132,8 +132,8 @@ def test_rebuild_overhead_tool_sees_every_recipe_kind():
 
 
 def test_a_profile_plan_diag_keeps_is_planned_again_offline_the_same(tmp_path):
-    """tools/plan_diag.py DUMP= keeps the profile the pool planned from; tools/replan.py, planning from it
-    at the same budget, makes the plan the pool made (the planner is deterministic)."""
+    """tools/diag/plan_diag.py DUMP= keeps the profile the pool planned from; tools/diag/replan.py,
+    planning from it at the same budget, makes the plan the pool made (the planner is deterministic)."""
     dump = str(tmp_path / "gpt.pkl")
     diag = _tool("plan_diag.py", "gpt-quick", "0.3", "3", env={**os.environ, "DUMP": dump})
     made = next(line for line in diag.splitlines() if line.startswith("plan: "))
@@ -145,7 +145,7 @@ def test_a_profile_plan_diag_keeps_is_planned_again_offline_the_same(tmp_path):
 
 
 def test_step_phases_prints_each_rows_phases_beside_native_and_checkpointing():
-    """tools/step_phases.py: native, the planned pool at a budget, checkpointing the first blocks and
+    """tools/diag/step_phases.py: native, the planned pool at a budget, checkpointing the first blocks and
     native again, each with its host time per phase (on a GPU also the GPU's), in one process."""
     out = _tool("step_phases.py", "gpt-quick", "0.6")
     rows = {line[:16].strip(): line for line in out.splitlines() if " wall " in line}
@@ -158,7 +158,7 @@ def test_step_phases_prints_each_rows_phases_beside_native_and_checkpointing():
 
 
 def test_hook_costs_times_the_pools_pieces_inside_planned_steps():
-    """tools/hook_costs.py: native's and the planned pool's steps, then each wrapped piece of the pool's
+    """tools/diag/hook_costs.py: native's and the planned pool's steps, then each wrapped piece of the pool's
     host work that ran, with its calls a step and positive times; a piece nested in another (the light
     call's node in its post-hook) takes no more a call than its caller."""
     out = _tool("hook_costs.py", "resnet-quick", "0.3")

@@ -1,6 +1,6 @@
 """A process whose second thread is in the allocator (through its bindings and a Python pressure
 handler) as the interpreter exits ends cleanly: before, it aborted ("terminate called without an active
-exception" or "FATAL: exception not rethrown") in 30 runs of 30. tools/exit_loop.py runs it 200 times."""
+exception" or "FATAL: exception not rethrown") in 30 runs of 30. tools/ci/exit_loop.py runs it 200 times."""
 
 import os
 import runpy
@@ -10,7 +10,9 @@ from pathlib import Path
 
 import pytest
 
-SIM_CHILD = runpy.run_path(str(Path(__file__).resolve().parents[2] / "tools" / "exit_loop.py"))["SIM_CHILD"]
+SIM_CHILD = runpy.run_path(str(Path(__file__).resolve().parents[2] / "tools" / "ci" / "exit_loop.py"))[
+    "SIM_CHILD"
+]
 
 
 @pytest.mark.parametrize("run", range(3))

@@ -1,4 +1,4 @@
-"""`supermem replay` / tools/replay: the what-would-fit advisor."""
+"""`supermem replay` / tools/diag/replay: the what-would-fit advisor."""
 
 import json
 import subprocess
@@ -73,7 +73,7 @@ def test_cli_and_tools_replay_agree(run, capsys):
     text = capsys.readouterr().out
     assert "OOMs                        0  -> fits" in text
     r = subprocess.run(
-        [sys.executable, str(REPO / "tools" / "replay"), *args], capture_output=True, text=True
+        [sys.executable, str(REPO / "tools" / "diag" / "replay"), *args], capture_output=True, text=True
     )
     assert r.returncode == 0, r.stderr
     assert r.stdout == text

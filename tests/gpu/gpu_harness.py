@@ -42,7 +42,7 @@ def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SUPERMEM")}
     env["PYTHONUNBUFFERED"] = "1"
     env.update(extra or {})
-    # tools/gpu_sanitize.sh: options every swapped child gets too (passthrough:true for memcheck).
+    # tools/ci/gpu_sanitize.sh: options every swapped child gets too (passthrough:true for memcheck).
     forced = os.environ.get("SUPERMEM_TEST_EXTRA_CONF")
     if forced:
         env["SUPERMEM_TEST_EXTRA_CONF"] = forced  # gpu_child.py adds it to its --conf

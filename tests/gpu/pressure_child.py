@@ -1,5 +1,5 @@
 """A tensor pool that offloads under supermem's allocator's pressure, then an OOM caught, then a step
-that goes on: tests/gpu/test_pool_gpu.py's pressure test, and what tools/exit_loop.py --mode gpu runs
+that goes on: tests/gpu/test_pool_gpu.py's pressure test, and what tools/ci/exit_loop.py --mode gpu runs
 200 times (an abort at exit was seen after it).
 
     python tests/gpu/pressure_child.py POLICY

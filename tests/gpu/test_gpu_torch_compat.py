@@ -20,7 +20,7 @@ from gpu_harness import NATIVE_DRY_RUN, needs_cuda, run_python
 
 pytestmark = [
     *needs_cuda,
-    # tools/gpu_sanitize.sh forces passthrough:true (no cache): native's counters then cannot match.
+    # tools/ci/gpu_sanitize.sh forces passthrough:true (no cache): native's counters then cannot match.
     pytest.mark.skipif(bool(os.environ.get("SUPERMEM_TEST_EXTRA_CONF")), reason="compares native semantics"),
 ]
 

@@ -4,7 +4,7 @@ native's step, the pool's with no budget (every saved tensor packed, nothing mov
 planned and cost_aware policies at 75% of the bytes saved. On an H100 the real GPT-24 step's host is
 the slower side under the pool, so this number bounds how close to native a pool step can get.
 
-    python3 tools/pool_overhead.py [--profile POLICY]   # POLICY: none, planned or cost_aware
+    python3 tools/diag/pool_overhead.py [--profile POLICY]   # POLICY: none, planned or cost_aware
 """
 
 import argparse

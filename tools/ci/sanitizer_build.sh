@@ -1,9 +1,9 @@
-# Sourced by tools/sanitize.sh and tools/tsan.sh: builds supermem._C with -fsanitize=SANITIZERS in a
+# Sourced by tools/ci/sanitize.sh and tools/ci/tsan.sh: builds supermem._C with -fsanitize=SANITIZERS in a
 # scratch copy of the tracked tree (removed on exit), cds there and points PYTHONPATH at it.
 #   source "$(dirname "$0")/sanitizer_build.sh" SANITIZERS [VAR=value ...]   (VAR=value: build environment)
 # Sets root, py and work. Once the runtime is preloaded, check_sanitized_build makes sure the tests import
 # this build, not the project's own.
-root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 py=${PYTHON:-$root/.venv/bin/python}
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT

@@ -3,7 +3,7 @@ step with N MiB copied device -> pinned host on a side stream from its start (an
 forward), and with them copied back after the loss (a prefetch during the backward). Interleaved, medians
 of 12 steps; the link's rate from the copies alone. The planner's COPY_INTERFERENCE cites it.
 
-    python3 tools/copy_interference.py gpt [512,1024]
+    python3 tools/diag/copy_interference.py gpt [512,1024]
 """
 
 import statistics

@@ -2,8 +2,8 @@
 # Builds several commits side by side and runs one command against each, in one GPU call, so their
 # timings share a card: the way to find which commit moved a number.
 #
-#   tools/ab_commits.sh "python3 $PWD/tools/pool_step.py gpt 0.75" e691e00 b8a6b4a HEAD
-#   AB_ROUNDS=3 STEPS=12 tools/ab_commits.sh ...   # interleaved repeats, more timed steps each
+#   tools/diag/ab_commits.sh "python3 $PWD/tools/pool_step.py gpt 0.75" e691e00 b8a6b4a HEAD
+#   AB_ROUNDS=3 STEPS=12 tools/diag/ab_commits.sh ...   # interleaved repeats, more timed steps each
 #
 # Each commit is exported (git archive) to $AB_DIR/<commit> and built in place with build_ext (no
 # pip install, so the builds run in parallel and nothing installed is touched); the command runs in

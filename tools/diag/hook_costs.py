@@ -4,8 +4,8 @@ wrapped by a timer (about 1 us each) for a few steps; per piece its calls a step
 microseconds a call, and its milliseconds a step. Nested pieces count in their callers too. Native's
 and the unwrapped planned pool's steps are printed beside, host time per phase.
 
-    python3 tools/hook_costs.py resnet 4.48GiB      # GPU: ResNet-152 at checkpoint's peak
-    python3 tools/hook_costs.py resnet-quick 0.3    # a CPU: a share of the pool's untreated peak
+    python3 tools/diag/hook_costs.py resnet 4.48GiB      # GPU: ResNet-152 at checkpoint's peak
+    python3 tools/diag/hook_costs.py resnet-quick 0.3    # a CPU: a share of the pool's untreated peak
 
 On an H100 (session 17, before 86ce636; ResNet-152 at 4.48 GiB, 46 light calls a step), median us a
 call: pre-hook 60 (CallState 35), post-hook 175 (the node 80, the parameters 22, LightGraphs.note 18,

@@ -4,12 +4,12 @@
 # would hide). Child processes are followed (--target-processes all) and swapped children get
 # passthrough:true too (SUPERMEM_TEST_EXTRA_CONF, see tests/gpu/gpu_harness.py). Bounded by BUDGET_S.
 #
-#   tools/gpu_sanitize.sh [pytest args]      (default: all of tests/gpu)
-#   BUDGET_S=360 PYTHON=python3 tools/gpu_sanitize.sh -k stats
+#   tools/ci/gpu_sanitize.sh [pytest args]      (default: all of tests/gpu)
+#   BUDGET_S=360 PYTHON=python3 tools/ci/gpu_sanitize.sh -k stats
 # Exit status: pytest's (a memcheck error makes the process exit 99, which fails its test), or 124 when
 # the budget ran out. Memcheck's reports: $OUT/memcheck.<pid>.log (else a temp dir).
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 py=${PYTHON:-python3}
 budget_s=${BUDGET_S:-360}
 logs=${OUT:-$(mktemp -d /tmp/gpu_sanitize.XXXXXX)}

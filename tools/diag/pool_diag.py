@@ -1,7 +1,7 @@
 """Where a pool step's peak falls: per step and phase (forward, loss, backward) the peak allocated bytes,
 with the pool's own view (target, margin, resident bytes, what left). GPU only.
 
-    SUPERMEM=1 python3 tools/pool_diag.py gpt cost_aware 0.75 [steps]
+    SUPERMEM=1 python3 tools/diag/pool_diag.py gpt cost_aware 0.75 [steps]
 """
 
 import contextlib

@@ -2,11 +2,11 @@
 recompute, by kind, with their measured cost per byte), the plan (what it treats, by kind, and the
 seconds it expects each to add) and the steps that ran it. GPU or CPU.
 
-    python3 tools/plan_diag.py gpt 0.75 [steps]
-    python3 tools/plan_diag.py resnet 4.48GiB          # a budget in bytes, not a share of native's peak
-    TREATMENTS=offload,recompute,compress:full python3 tools/plan_diag.py resnet 4.48GiB
-    DUMP=gpt.pkl python3 tools/plan_diag.py gpt 0.75   # also keeps the profile: tools/replan.py plans
-                                                      # from it again, offline, at other budgets
+    python3 tools/diag/plan_diag.py gpt 0.75 [steps]
+    python3 tools/diag/plan_diag.py resnet 4.48GiB          # a budget in bytes, not a share of native's peak
+    TREATMENTS=offload,recompute,compress:full python3 tools/diag/plan_diag.py resnet 4.48GiB
+    DUMP=gpt.pkl python3 tools/diag/plan_diag.py gpt 0.75   # also keeps the profile: tools/diag/replan.py
+                                                      # plans from it again, offline, at other budgets
 """
 
 import collections

@@ -11,7 +11,7 @@
 
 Runs are interleaved; each figure is the fastest of --repeats runs (the least disturbed by the rest of the
 machine), with the median beside it where it matters.
-    python tools/bench_trace_overhead.py [--repeats 5]
+    python tools/diag/bench_trace_overhead.py [--repeats 5]
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 

@@ -6,7 +6,7 @@
 # Works on a copy of the tracked tree (removed on exit), as a clean clone has it. About 3-4 minutes on
 # 2 cores, almost all of it the extension's build.
 set -euo pipefail
-root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 mkdir "$work/src"

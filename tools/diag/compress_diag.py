@@ -3,8 +3,8 @@ variant per process. Per step: time, what left the device and how; at the end th
 (region forward seconds, compress seconds per byte, the link rate) and the host seconds the pool spent
 deciding. GPU only (supermem's allocator, so the budget is its soft limit and pressure calls happen).
 
-    python3 tools/compress_diag.py offload+recompute+compress [budget_gib] [steps]
-    python3 tools/compress_diag.py offload+recompute+compress+guess   # Compress(room="guess"): no sync
+    python3 tools/diag/compress_diag.py offload+recompute+compress [budget_gib] [steps]
+    python3 tools/diag/compress_diag.py offload+recompute+compress+guess   # Compress(room="guess"): no sync
 """
 
 import sys

@@ -1,8 +1,8 @@
-"""Plans again, offline, from a profile `tools/plan_diag.py` kept (DUMP=path): the planner's choices,
+"""Plans again, offline, from a profile `tools/diag/plan_diag.py` kept (DUMP=path): the planner's choices,
 predicted added seconds and peak at other budgets, without a GPU. For work on the planner against a
 real card's profile (its unit costs, link rate and timeline), not a simulated one.
 
-    python3 tools/replan.py gpt.pkl 0.9 0.75 0.6 0.5     # budgets: fractions of native's peak
+    python3 tools/diag/replan.py gpt.pkl 0.9 0.75 0.6 0.5     # budgets: fractions of native's peak
 """
 
 import collections

@@ -7,7 +7,7 @@ the cast. Self less bare is the rebuild's overhead. Tiny GPT-24 (the step is the
 under the pool); the step times of native PyTorch and of the pool are printed beside it, best of
 --steps each, measured without the probes.
 
-    python3 tools/rebuild_overhead.py [--steps 10] [--policy planned|cost_aware] [--profile]
+    python3 tools/diag/rebuild_overhead.py [--steps 10] [--policy planned|cost_aware] [--profile]
 
 On a 2-core CPU shared with other jobs (planned policy, four alternating runs, means), self us per call
 before / after the rebuild-host branch: region 454 / 382 (bare 256 / 253), op 38.7 / 28.8 (bare 15.7 /

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The allocator core under AddressSanitizer + UndefinedBehaviorSanitizer: builds supermem._C with
 # -fsanitize=address,undefined in a scratch copy of the tree and runs the allocator suites there.
-#   tools/sanitize.sh [pytest args]        (default: the conformance, fuzz, thread, OOM and input tests)
+#   tools/ci/sanitize.sh [pytest args]        (default: the conformance, fuzz, thread, OOM and input tests)
 # Needs the project's .venv (make build). Leak checking is off: Python itself "leaks" at exit.
 set -euo pipefail
 source "$(dirname "$0")/sanitizer_build.sh" address,undefined

@@ -1,5 +1,5 @@
 """GPU diagnosis: where a pooled third-party model's training leaves native's bits. Per step: loss
-equal, which gradients differ (first names). python3 tools/diag_light.py MODEL SHARE [variant...]"""
+equal, which gradients differ (first names). python3 tools/diag/diag_light.py MODEL SHARE [variant...]"""
 
 import sys
 import warnings

@@ -3,8 +3,8 @@ or 134 through a shell). The abort it hunts is "terminate called without an acti
 thread that asks for the GIL once the interpreter is finalizing is ended by pthread_exit (Python
 3.11-3.13), and that unwinding through a destructor or a noexcept frame is std::terminate.
 
-    python tools/exit_loop.py --mode sim -n 200            # CPU: the simulated device
-    python tools/exit_loop.py --mode gpu -n 200 --jobs 4   # a GPU: supermem's allocator and a pool
+    python tools/ci/exit_loop.py --mode sim -n 200            # CPU: the simulated device
+    python tools/ci/exit_loop.py --mode gpu -n 200 --jobs 4   # a GPU: supermem's allocator and a pool
 
 sim: an allocator on a simulated device with a Python pressure handler that "offloads" (frees what it
     holds); the main thread fills it, catches an OOM, and exits while a second thread allocates under
@@ -73,7 +73,7 @@ print("exit")
 """
 
 # gpu: the pressure test's own child, under cost_aware
-GPU_CHILD = os.path.join(os.path.dirname(__file__), "..", "tests", "gpu", "pressure_child.py")
+GPU_CHILD = os.path.join(os.path.dirname(__file__), "..", "..", "tests", "gpu", "pressure_child.py")
 CHILDREN = {"sim": ["-c", SIM_CHILD], "gpu": [GPU_CHILD, "cost_aware"]}
 ABORTS = (-6, 134)  # SIGABRT, and as a shell reports it
 

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The GPU check in one call: build supermem, run tests/gpu, run the benchmarks, print a short summary.
 #
-#   tools/gpu_check.sh                      # everything, about 9 minutes on an H100
-#   STAGES=tests tools/gpu_check.sh         # any of install,tests,alloc,train,savers,sweep,relu,soak,depth
-#   BENCH=alloc tools/gpu_check.sh          # benchmarks: alloc,train,savers (default) or none
-#   PYTEST_ARGS="-k stats" TRAIN_ARGS="--model gpt" BUDGETS=1.0,0.75,0.6,0.5 tools/gpu_check.sh
+#   tools/ci/gpu_check.sh                      # everything, about 9 minutes on an H100
+#   STAGES=tests tools/ci/gpu_check.sh         # any of install,tests,alloc,train,savers,sweep,relu,soak,depth
+#   BENCH=alloc tools/ci/gpu_check.sh          # benchmarks: alloc,train,savers (default) or none
+#   PYTEST_ARGS="-k stats" TRAIN_ARGS="--model gpt" BUDGETS=1.0,0.75,0.6,0.5 tools/ci/gpu_check.sh
 #
 # Benchmarks: alloc (torch.empty+del, native vs supermem), train (GPT-24 and ResNet-152 steps, native
 # vs supermem's allocator, 2 processes each), savers (checkpoint, save_on_cpu and supermem.pool at
@@ -13,7 +13,7 @@
 # T_INSTALL T_TESTS T_ALLOC T_TRAIN T_SAVERS) and the whole run a deadline (DEADLINE, default 540 s),
 # so the summary prints before a 10-minute limit; a stage that would start with < 30 s left is skipped.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 
 PY=${PYTHON:-python3}
 LOGS=${OUT:-$(mktemp -d /tmp/gpu_check.XXXXXX)}
@@ -115,7 +115,7 @@ if wanted relu; then
 fi
 
 if wanted soak; then
-  stage soak "${T_SOAK:-120}" "$PY" tools/soak.py
+  stage soak "${T_SOAK:-120}" "$PY" tools/ci/soak.py
   while IFS= read -r line; do SUMMARY+=("         $line"); done < <(grep -E '^soak: ' "$LOGS/soak.log" 2>/dev/null)
 fi
 

@@ -1,12 +1,12 @@
 """One model's training step with and without the tensor pool, in one process: native step time, the
 pool's step times at a budget (a fraction of native's peak on a GPU, of the bytes saved for backward on
-CPU) and the pool's counters. Small and self-contained, so tools/ab_commits.sh can run it against
+CPU) and the pool's counters. Small and self-contained, so tools/diag/ab_commits.sh can run it against
 several commits on one card.
 
-    python3 tools/pool_step.py gpt 0.75 [policy]        # GPU: supermem's allocator installed here
-    python3 tools/pool_step.py gpt 1 hooks              # identity saved-tensor hooks: the floor of any
+    python3 tools/diag/pool_step.py gpt 0.75 [policy]        # GPU: supermem's allocator installed here
+    python3 tools/diag/pool_step.py gpt 1 hooks              # identity saved-tensor hooks: the floor of any
                                                         # pool that runs Python per saved tensor
-    STEPS=12 python3 tools/pool_step.py ...             # more timed steps (default 4): the host-bound
+    STEPS=12 python3 tools/diag/pool_step.py ...             # more timed steps (default 4): the host-bound
                                                         # step varies by 20-30% from one to the next
 """
 

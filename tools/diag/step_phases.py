@@ -4,7 +4,7 @@ planned pool at each budget (a fraction of native's peak), checkpointing the fir
 native again: all in one process, so the rows share the host's speed of the moment. A phase whose host
 time is about its GPU time is host-bound: the host's work there is the step's.
 
-    python3 tools/step_phases.py gpt 0.75 0.6     # GPU: GPT-24; gpt-quick or resnet-quick on a CPU
+    python3 tools/diag/step_phases.py gpt 0.75 0.6     # GPU: GPT-24; gpt-quick or resnet-quick on a CPU
 
 What it found on an H100 (session 8): a planned GPT-24 step's forward is host-bound (native: host 11 ms,
 GPU 21; keeping everything: host 28; at 75%: host 42), its backward GPU-bound.

@@ -3,7 +3,7 @@ steps with phases (synchronised), the allocators' and the streamer's counters pe
 the pool, and one step under torch.profiler (op table, CUDA runtime calls that block, with the Python
 stacks that made them, and the GPU's busy time against the step's wall time).
 
-    python tools/depth_profile.py '{"n": 600}'     # keys as supermem.bench.depth's trial spec
+    python tools/diag/depth_profile.py '{"n": 600}'     # keys as supermem.bench.depth's trial spec
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
 500 and 1000. Fails (exit 1) if, after warm-up (step 100), host RSS or device memory grows by more than a
 small margin: a leak of pinned buffers, pool entries, events or segments shows here and nowhere else.
 
-    python tools/soak.py [--steps 1000] [--rss-margin-mib 64] [--device-margin-mib 8]
+    python tools/ci/soak.py [--steps 1000] [--rss-margin-mib 64] [--device-margin-mib 8]
 """
 
 from __future__ import annotations
