@@ -130,14 +130,14 @@ def _device(
     cat_vals = category_values(trace, lt, s, pos)
     order = [c for c in CATEGORIES if c in cat_vals] + [c for c in cat_vals if c not in CATEGORIES]
     shown = [c for c in order if cat_vals[c].any()]
-    rest = []
+    rest: list[str] = []
     if len(shown) > MAX_SERIES:  # keep the largest, sum the others
         largest = set(sorted(shown, key=lambda c: -int(cat_vals[c].max()))[: MAX_SERIES - 1])
         rest = [c for c in shown if c not in largest]
         shown = [c for c in shown if c in largest]
     by_category = {c: cat_vals[c].tolist() for c in shown}
     if rest:
-        by_category[OTHER_CATEGORIES] = sum(cat_vals[c] for c in rest).tolist()
+        by_category[OTHER_CATEGORIES] = np.sum([cat_vals[c] for c in rest], axis=0).tolist()
     active = np.where(pos >= 0, s.active[np.maximum(pos, 0)], s.initial_active) if len(s.active) else None
     if active is None:
         active = np.full(width, s.initial_active)
@@ -180,7 +180,7 @@ def _device(
     owners = breakdown.owners_of(trace, lt, live, modules)
     listed = owners[: breakdown.MAX_OWNERS]
     others = owners[breakdown.MAX_OWNERS :]
-    rest = live[max_blocks:]
+    rest_blocks = live[max_blocks:]
 
     c = trace.cols
     sel = pool_mask & ((c["device"] == dev) | ((c["device"] < 0) & first))
@@ -202,12 +202,12 @@ def _device(
             copy_rate[label] = (per_bin / bin_s).tolist()
     if len(pool_bytes) > MAX_SERIES:
         copies = [a for a in (*D2H_ACTIONS, *H2D_ACTIONS) if a in pool_bytes]
-        others = [a for a in sorted(pool_counts, key=lambda a: -pool_counts[a]) if a not in copies]
-        keep = set(copies + others[: MAX_SERIES - 1 - len(copies)])
-        rest = [a for a in pool_bytes if a not in keep]
-        merged = np.sum([pool_bytes.pop(a) for a in rest], axis=0)
+        by_count = [a for a in sorted(pool_counts, key=lambda a: -pool_counts[a]) if a not in copies]
+        keep = set(copies + by_count[: MAX_SERIES - 1 - len(copies)])
+        summed = [a for a in pool_bytes if a not in keep]
+        merged = np.sum([pool_bytes.pop(a) for a in summed], axis=0)
         pool_bytes[OTHER_ACTIONS] = merged.tolist()
-        pool_counts[OTHER_ACTIONS] = sum(pool_counts.pop(a) for a in rest)
+        pool_counts[OTHER_ACTIONS] = sum(pool_counts.pop(a) for a in summed)
 
     ooms = []
     dev_idx = s.index
@@ -245,8 +245,8 @@ def _device(
         max_idle_reserved_bytes=idle,
         peak_by_category=dict(sorted(peak_by_category.items(), key=lambda kv: -kv[1])),
         peak_blocks=blocks,
-        peak_other_blocks=len(rest),
-        peak_other_bytes=int(lt.size[rest].sum()),
+        peak_other_blocks=len(rest_blocks),
+        peak_other_bytes=int(lt.size[rest_blocks].sum()),
         peak_num_blocks=len(live),
         ooms=ooms,
         pool_bytes=pool_bytes,

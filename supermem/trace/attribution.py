@@ -231,7 +231,7 @@ class StackTable:
     def capture(self, op_name: str = "", skip: int = 1) -> int:
         """Id of the current Python stack (frames in torch and supermem omitted), innermost first,
         with `op_name` as an innermost pseudo-frame."""
-        f = sys._getframe(skip)
+        f: Any = sys._getframe(skip)
         key: list[Any] = [op_name]
         while f is not None and len(key) <= self.max_depth:
             code = f.f_code
@@ -264,9 +264,10 @@ def stack_mode(table: StackTable, obs: Observations):
 
     from .. import torch_private as tp
 
-    TorchDispatchMode, tree_leaves = tp.torch_dispatch_mode(), tp.tree_leaves
+    dispatch_mode: Any = tp.torch_dispatch_mode()
+    tree_leaves = tp.tree_leaves
 
-    class _StackMode(TorchDispatchMode):
+    class _StackMode(dispatch_mode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
             sid = -1

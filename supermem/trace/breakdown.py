@@ -27,7 +27,9 @@ def owners_of(trace: Trace, lt: Lifetimes, live: np.ndarray, modules: list[str])
         row = acc.setdefault(key, [0, 0])
         row[0] += int(lt.size[i])
         row[1] += 1
-    rows = [{"category": c, "module": m, "bytes": b, "blocks": n} for (c, m), (b, n) in acc.items()]
+    rows: list[dict[str, Any]] = [
+        {"category": c, "module": m, "bytes": b, "blocks": n} for (c, m), (b, n) in acc.items()
+    ]
     rows.sort(key=lambda r: (-r["bytes"], r["category"], r["module"]))
     return rows
 

@@ -77,7 +77,7 @@ class Context:
         self.steps = 0
         self._hooks: list[Any] = []
         self._saved_hooks: Any = None
-        self._compiling = None
+        self._compiling: Any = None
 
     # ---------------------------------------------------------------- lifecycle
 

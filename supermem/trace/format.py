@@ -63,7 +63,7 @@ def write(trace: Trace, path: str | os.PathLike) -> int:
     """Writes `trace` to `path` atomically (a temporary file, then rename). Returns bytes written."""
     sections: list[tuple[str, bytes, dict[str, Any]]] = []
     for name, dtype in COLUMNS.items():
-        col = np.ascontiguousarray(trace.cols[name], dtype=dtype)
+        col: np.ndarray = np.ascontiguousarray(trace.cols[name], dtype=dtype)
         encoding = "raw"
         if name == "time_ns" and len(col):
             col = np.diff(col, prepend=np.int64(0))  # first value absolute, then deltas
@@ -215,12 +215,14 @@ def _parse(data: bytes) -> Trace:
     def section(name: str) -> bytes:
         s = sections.get(name)
         validate.need(s is not None, f"section {name!r} is missing")
+        assert s is not None
         return _inflate(name, body[s["offset"] : s["offset"] + s["length"]], s)
 
     cols = {}
     for name, dtype in COLUMNS.items():
         s = sections.get(name)
         validate.need(s is not None, f"column {name!r} is missing")
+        assert s is not None
         dt = np.dtype(dtype)
         validate.need(
             s.get("dtype") == dt.str, f"column {name!r}: dtype {s.get('dtype')!r}, expected {dt.str!r}"

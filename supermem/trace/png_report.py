@@ -98,8 +98,8 @@ def _panel(c: Canvas, rep: Report, d: DeviceReport, y_top: int) -> None:
     if d.pool_bytes:
         c.text(8, ys + 2, "POOL")
         for x in range(x0, x1):
-            for name, vals in d.pool_bytes.items():
-                if any(vals[j] > 0 for j in bins(x)):
+            for name, per_bin in d.pool_bytes.items():
+                if any(per_bin[j] > 0 for j in bins(x)):
                     col = (
                         (225, 87, 89)
                         if name == "offload"

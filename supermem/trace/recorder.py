@@ -176,7 +176,7 @@ class Recorder:
         self.scanner = attribution.ModelScanner(self.obs, _as_list(model), _as_list(optimizer), find_models)
         self.context = ctx.Context(self.obs, capacity_events, activations=activations) if context else None
         self.stack_table = attribution.StackTable() if stacks else None
-        self._stack_mode = None
+        self._stack_mode: Any = None
         self._lock = threading.RLock()
         self.started_ns = 0
         self.started_unix_s = 0.0

@@ -27,7 +27,7 @@ from .table import Trace
 from .timeline import lifetimes, series
 
 # The one policy registry (supermem/policies.py); each policy's key(start, end) orders evictions here.
-POLICIES = {"none": None, **_REGISTRY}
+POLICIES: dict[str, Any] = {"none": None, **_REGISTRY}
 MAX_CAPACITY_BYTES = 1 << 62  # the simulated device's capacity is an int64
 
 

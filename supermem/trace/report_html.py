@@ -466,6 +466,6 @@ def write_report_files(
     png_path = check_output(html_path.with_suffix(".png"), inputs=[trace_path]) if png else None
     rep = analyze(load(trace_path), source=trace_path.name)
     out: dict[str, Any] = {"report": rep, "html": write_report(rep, html_path)}
-    if png:
+    if png_path is not None:
         out["png"] = write_png(rep, png_path)
     return out

@@ -64,7 +64,7 @@ Frame = tuple[str, int, str]  # (filename, line, function name)
 
 
 def empty_columns(n: int = 0) -> dict[str, np.ndarray]:
-    cols = {name: np.zeros(n, dtype) for name, dtype in COLUMNS.items()}
+    cols: dict[str, np.ndarray] = {name: np.zeros(n, dtype) for name, dtype in COLUMNS.items()}
     cols["category"][:] = UNKNOWN_CATEGORY
     cols["stack"][:] = -1
     cols["detail"][:] = -1

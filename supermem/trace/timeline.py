@@ -44,7 +44,7 @@ class Lifetimes:
 
 def live_snapshot_blocks(trace: Trace, device: int) -> list[dict]:
     """Blocks live in the device's final snapshot."""
-    out = []
+    out: list[dict] = []
     for seg in trace.device(device)["segments"] if device in trace.device_indices() else []:
         out.extend(b for b in seg.get("blocks", []) if b.get("state") in _LIVE_STATES)
     return out

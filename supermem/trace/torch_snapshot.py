@@ -219,7 +219,7 @@ class _PlainUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
     def _skip_frame(self) -> None:
         self.read(8)
 
-    dispatch[pickle.FRAME[0]] = _skip_frame
+    dispatch[pickle.FRAME[0]] = _skip_frame  # type: ignore[assignment]
 
     def find_class(self, module: str, name: str) -> Any:
         raise TraceFormatError(
@@ -234,7 +234,8 @@ class _PlainUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
     def load(self) -> Any:
         f = self._stream
         self.read, self.readline, self.readinto = f.read, f.readline, f.readinto
-        self.metastack, self.stack = [], []
+        self.metastack: list[Any] = []
+        self.stack: list[Any] = []
         self.append = self.stack.append
         self.proto = 0
         read, dispatch = self.read, self.dispatch
@@ -243,7 +244,7 @@ class _PlainUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
                 key = read(1)
                 if not key:
                     raise EOFError("pickle data was truncated")
-                dispatch[key[0]](self)
+                dispatch[key[0]](self)  # type: ignore[arg-type]
         except pickle._Stop as stop:  # type: ignore[attr-defined]
             return stop.value
 

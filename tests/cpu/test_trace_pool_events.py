@@ -72,3 +72,26 @@ def test_off_device_counts_each_way_until_the_entry_is_back():
     assert off_device(trace, 3, 0) == {"offloaded": 100, "compressed": 30}
     assert off_device(trace, 4, 0) == {"compressed": 30}
     assert off_device(trace, 4, 1) == {}
+
+
+def test_a_report_with_more_pool_actions_than_series_keeps_its_peak_counts(tmp_path):
+    """More kinds of pool action than the plot has series (the pool names offload, prefetch, drop,
+    recompute, compress, decompress...): they are summed into one series, and the peak's unlisted
+    blocks are still the peak's (the summing once reused the names holding them)."""
+    from trace_workload import Workload, make_allocator
+
+    import supermem
+    from supermem.trace.analysis import MAX_SERIES, OTHER_ACTIONS, analyze
+    from supermem.trace.loader import load
+
+    alloc = make_allocator()
+    w = Workload(alloc, layers=6, seed=1)
+    with supermem.trace(tmp_path / "run.smtrace", allocators=[alloc], model=w.model, optimizer=w.opt):
+        w.run(1)
+        for k in range(MAX_SERIES + 3):
+            events.emit(f"pool_action_{k}", 4096, 0, 0, k + 1, "activation")
+    trace = load(tmp_path / "run.smtrace")
+    (d,) = analyze(trace, max_blocks=2).devices
+    assert len(d.pool_bytes) == MAX_SERIES and OTHER_ACTIONS in d.pool_bytes
+    assert d.peak_other_blocks == d.peak_num_blocks - len(d.peak_blocks) > 0
+    assert d.peak_other_bytes == d.peak_bytes - sum(b["size"] for b in d.peak_blocks)
