@@ -22,15 +22,11 @@ def test_pool_factory_signature_is_pools():
     ]
 
 
-def test_a_misspelled_keyword_to_supermem_pool_is_a_type_error(tmp_path):
+def _mypy_errors(tmp_path, code: str) -> tuple[list[str], str]:
+    """mypy's error lines on a user's file holding `code`, and all it printed."""
     pytest.importorskip("mypy")
     snippet = tmp_path / "user.py"
-    snippet.write_text(
-        "import supermem\n"
-        'good = supermem.pool(budget="8GiB", policy="lru")\n'
-        'bad = supermem.pool(budget="8GiB", polcy="lru")\n'
-        "supermem.install(limit=1)\n"
-    )
+    snippet.write_text(code)
     # cwd: the project's mypy cache (make lint fills it), so torch is not analysed again
     r = subprocess.run(
         [sys.executable, "-m", "mypy", "--no-error-summary", str(snippet)],
@@ -39,8 +35,18 @@ def test_a_misspelled_keyword_to_supermem_pool_is_a_type_error(tmp_path):
         cwd=ROOT,
         timeout=600,
     )
-    errors = [line for line in r.stdout.splitlines() if ": error:" in line]
-    assert len(errors) == 2, r.stdout + r.stderr
+    return [line for line in r.stdout.splitlines() if ": error:" in line], r.stdout + r.stderr
+
+
+def test_a_misspelled_keyword_to_supermem_pool_is_a_type_error(tmp_path):
+    errors, said = _mypy_errors(
+        tmp_path,
+        "import supermem\n"
+        'good = supermem.pool(budget="8GiB", policy="lru")\n'
+        'bad = supermem.pool(budget="8GiB", polcy="lru")\n'
+        "supermem.install(limit=1)\n",
+    )
+    assert len(errors) == 2, said
     assert ':3: error: Unexpected keyword argument "polcy"' in errors[0], errors
     assert ':4: error: Unexpected keyword argument "limit" for "install"' in errors[1], errors
 
@@ -68,20 +74,11 @@ def test_stats_has_the_keys_its_type_declares():
 
 
 def test_a_misspelled_stats_key_is_a_type_error(tmp_path):
-    pytest.importorskip("mypy")
-    snippet = tmp_path / "user.py"
-    snippet.write_text(
+    errors, said = _mypy_errors(
+        tmp_path,
         "import supermem\n"
         'p = supermem.pool(budget="8GiB")\n'
         'ok: int = p.stats()["offloads"]\n'
-        'bad = p.stats()["ofloads"]\n'
+        'bad = p.stats()["ofloads"]\n',
     )
-    r = subprocess.run(
-        [sys.executable, "-m", "mypy", "--no-error-summary", str(snippet)],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=600,
-    )
-    errors = [line for line in r.stdout.splitlines() if ": error:" in line]
-    assert len(errors) == 1 and ':4: error: TypedDict "PoolStats" has no key "ofloads"' in errors[0], r.stdout
+    assert len(errors) == 1 and ':4: error: TypedDict "PoolStats" has no key "ofloads"' in errors[0], said
