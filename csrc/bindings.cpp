@@ -8,6 +8,7 @@
 #include <chrono>
 #include <exception>
 #include <optional>
+#include <stdexcept>
 #include <thread>
 #include <type_traits>
 

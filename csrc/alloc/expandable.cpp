@@ -12,6 +12,7 @@
 // Stream-ordered reuse is unchanged: a segment belongs to one stream, a block is free only once the
 // events of the other streams that used it completed, and unmapping waits for the device.
 #include <algorithm>
+#include <stdexcept>
 
 #include "caching.h"
 

@@ -144,7 +144,7 @@ def check_cuda_graphs_capture_replay_and_release():
         g.replay()
         torch.testing.assert_close(y, _chain(new, w), rtol=1e-4, atol=1e-4)
         assert all(bool((t == 255).all()) for t in junk), f"replay {i} overwrote an eager tensor"
-    del g, y, junk
+    del g, y, junk, new
     _release()
     left = torch.cuda.memory_reserved() - res0
     assert left <= 4 * MiB, f"{left} B of the deleted graph's pool is still mapped"
