@@ -335,13 +335,18 @@ def consumers(inputs: list[torch.Tensor], outputs: list[torch.Tensor], limit: in
     autograd, which adds each use as it comes, (r + a) + b (a Llama's RMSNorm, whose input the residual
     add reads too, trained 1 ulp off from step 6). So the node takes such an input once per use and
     hands back each use's gradient in its own slot (_LightFn): autograd adds them in plain order."""
+    # The inputs' nodes are held through the walk: a C++ node's Python object lives only while something
+    # holds it (torch 2.11; 2.13 keeps it), and one made again later may sit at another address, so a
+    # key by id() of an object let go would not match (a Llama's norms read 0 uses on an H200: their
+    # gradients were summed in the call, 1 ulp off plain from the first light step).
+    fns = [x.grad_fn for x in inputs]
     at: dict[Any, int] = {}
-    for j, x in enumerate(inputs):
-        key = (id(x.grad_fn), x.output_nr) if x.grad_fn is not None else id(x)
+    for j, (x, fn) in enumerate(zip(inputs, fns)):
+        key = (id(fn), x.output_nr) if fn is not None else id(x)
         if key in at:
             return None
         at[key] = j
-    stop = {id(x.grad_fn) for x in inputs if x.grad_fn is not None}
+    stop = {id(fn) for fn in fns if fn is not None}
     found: list[list] = [[] for _ in inputs]
     stack = [o.grad_fn for o in outputs if o.grad_fn is not None]
     seen: dict[int, Any] = {}
