@@ -104,7 +104,7 @@ class CostAware(Policy):
 class Planned(CostAware):
     """Live: profile the first step of each shape, then plan keep / offload / recompute for every saved
     tensor so the step stays under the budget at every point for the least added time
-    (tensor_pool/planner.py); until a plan exists, and as a fallback, it acts as cost_aware. Replay
+    (tensor_pool/planner/); until a plan exists, and as a fallback, it acts as cost_aware. Replay
     (block lifetimes only, the future known): Belady's optimal eviction, the block needed furthest
     ahead leaves first."""
 
@@ -114,7 +114,7 @@ class Planned(CostAware):
     doc = "plan each saved tensor's treatment from a profiled step (replay: Belady)"
 
     def solve(self, profile: Any, budget: int) -> Any:
-        """The greedy (tensor_pool/planner.py)."""
+        """The greedy (tensor_pool/planner/greedy.py)."""
         from .tensor_pool.planner import make_plan  # (the pool's package imports this module)
 
         return make_plan(profile, budget)

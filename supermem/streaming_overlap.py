@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-Streamer = _Param = Any  # streaming.py imports this module: named, not imported (no circle)
+Streamer = _Param = Any  # streaming/streamer.py imports this module: named, not imported (no circle)
 BATCH_UNITS = 64  # units per optimizer call of the worker (and per wake-up of its thread)
 
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-# streaming.py imports this module: its Streamer and _Unit are named here, not imported (no circle)
+# streaming/streamer.py imports this module: its Streamer and _Unit are named here, not imported (no circle)
 Streamer = _Unit = Any
 
 

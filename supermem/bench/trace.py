@@ -22,7 +22,7 @@ def measure(spec: dict) -> dict:
     import supermem
 
     from .models import PRESETS, loss_fn
-    from .train import _timed
+    from .train_worker import _timed
 
     device = torch.device(spec["device"])
     cuda = device.type == "cuda"

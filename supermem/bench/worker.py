@@ -29,11 +29,14 @@ def _environment(cuda: bool) -> dict:
 def measure(spec: dict) -> dict:
     import torch
 
-    from . import alloc, frag, trace, train
+    from . import alloc, frag, trace, train_worker
 
-    fn = {"alloc": alloc.measure, "train": train.measure, "trace": trace.measure, "frag": frag.measure}[
-        spec["bench"]
-    ]
+    fn = {
+        "alloc": alloc.measure,
+        "train": train_worker.measure,
+        "trace": trace.measure,
+        "frag": frag.measure,
+    }[spec["bench"]]
     cuda = spec["device"] == "cuda"
     row: dict = {}
     try:

@@ -3,7 +3,7 @@
 The floor no treatment goes under: parameters + gradients + optimizer state (the most of them live at
 once) + the largest block nothing can move (a temporary, a gradient flowing back, an input: the pool
 treats only what autograd saves). Above it, the trace's last full step becomes a profile for the
-pool's planner (tensor_pool/planner.py, its pure make_plan): each activation block is a saved tensor,
+pool's planner (tensor_pool/planner/, its pure make_plan): each activation block is a saved tensor,
 saved at its alloc and used at its free (its last use in backward: the trace holds no unpack times),
 the step's curve is the trace's active bytes at those events, and what rises above the curve between
 them (the loss's spike) is the transient the planner puts at backward's start. The plan says which

@@ -842,6 +842,6 @@ def test_a_plan_that_packs_competes_with_the_plan_without_packs(monkeypatch, pac
             plan.treatment[1] = "compress"
         return plan
 
-    monkeypatch.setattr(planner, "_greedy", greedy)
+    monkeypatch.setattr(planner.greedy, "_greedy", greedy)
     plan = planner.make_plan(Profile([], [], [], []), 10)
     assert plan.counts()["compress"] == (1 if chosen == "packing" else 0)

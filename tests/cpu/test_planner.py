@@ -1,4 +1,4 @@
-"""The planner (tensor_pool/planner.py) on synthetic profiles, and the planned policy in a live pool.
+"""The planner (tensor_pool/planner/) on synthetic profiles, and the planned policy in a live pool.
 
 Synthetic profiles are checked by this file's own simulator (`resident_curve`), written from the
 plan's contract, not from the planner's code: resident bytes at every event under the plan's
