@@ -35,9 +35,15 @@ def run(pool, size, steps, only=None):
 
     torch.manual_seed(0)
     d, layers, seq, batch, vocab = (1024, 12, 1024, 4, 32768) if size == "real" else (256, 4, 256, 2, 2048)
-    cfg = t.LlamaConfig(hidden_size=d, intermediate_size=d * 11 // 4, num_hidden_layers=layers,
-                        num_attention_heads=d // 32, num_key_value_heads=d // 128, vocab_size=vocab,
-                        max_position_embeddings=2048)
+    cfg = t.LlamaConfig(
+        hidden_size=d,
+        intermediate_size=d * 11 // 4,
+        num_hidden_layers=layers,
+        num_attention_heads=d // 32,
+        num_key_value_heads=d // 128,
+        vocab_size=vocab,
+        max_position_embeddings=2048,
+    )
     m = t.LlamaForCausalLM(cfg).to(DEV).train()
     ids = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(1)).to(DEV)
     opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
@@ -87,12 +93,18 @@ def main():
             only = v[5:].split(",") if v.startswith("only=") else None
             got = run(pool, size, 4, only)
             st = pool.stats()
-            print(f"== {size} {share:.0%} {v}: light {st['light_calls']} bypassed {st['bypassed_calls']} "
-                  f"recomputes {st['recomputes']} misses {st['light_split_misses']}; {dict(seen)}", flush=True)
+            print(
+                f"== {size} {share:.0%} {v}: light {st['light_calls']} bypassed {st['bypassed_calls']} "
+                f"recomputes {st['recomputes']} misses {st['light_split_misses']}; {dict(seen)}",
+                flush=True,
+            )
             for k, (a, g) in enumerate(zip(ref, got)):
                 bad = [n for (n, x), (_, y) in zip(a, g) if not torch.equal(x, y)]
                 good = [n for n, _ in a if n not in bad]
-                print(f"  step {k}: {len(bad)}/{len(a)} differ; equal (last-run first) {good[::-1][:8]}", flush=True)
+                print(
+                    f"  step {k}: {len(bad)}/{len(a)} differ; equal (last-run first) {good[::-1][:8]}",
+                    flush=True,
+                )
 
 
 main()
