@@ -1,9 +1,10 @@
 """The third-party corpus on a GPU at realistic sizes (tests/corpus.py: transformers, timm, torchvision),
-as a user runs it: plain training twice (it must repeat: deterministic kernels, math attention), then
-under every live policy at 90%, 60% and 40% of native's peak. fp32: every loss, gradient, weight and
-optimizer state bitwise native's. The peak within the budget (x1.03), or the planner's one warning
-naming the floor the step cannot go below. Each row is printed (model, policy, share: bitwise, peak /
-budget, step time x native) for the closing table; SUPERMEM_CORPUS=name,name picks models."""
+as a user runs it (tools/ci/gpu_corpus.sh sets SUPERMEM=1: supermem's allocator): plain training twice
+(it must repeat: deterministic kernels, math attention), then under every live policy at 90%, 60% and
+40% of native's peak. fp32: every loss, gradient, weight and optimizer state bitwise native's. The peak
+within the budget (x1.03), or the planner's one warning naming the floor the step cannot go below. Each
+row is printed (model, policy, share: bitwise, peak / budget, step time x native) for the closing table;
+SUPERMEM_CORPUS=name,name picks models."""
 
 import os
 import time
