@@ -206,7 +206,7 @@ class Streamer:
     def _hooks_over_current(self) -> tuple[Any, Any]:
         """Pack/unpack hooks that turn this streamer's weights into tokens and hand every other tensor
         to the hooks that were in force (a supermem.pool, say)."""
-        outer = tp.top_saved_hooks(False)
+        outer = tp.saved_hooks_in_force()
         outer_pack, outer_unpack = outer if outer else (None, None)
 
         def pack(t: torch.Tensor) -> Any:

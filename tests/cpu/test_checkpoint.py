@@ -176,6 +176,15 @@ def test_held_boundaries_go_through_saved_tensor_hooks():
     assert x.grad is not None
 
 
+def test_runs_where_pytorch_cannot_read_the_saved_tensor_hooks(monkeypatch):
+    """A PyTorch without the hooks' getter (torch_private.top_saved_hooks None): the boundaries are held
+    as they are, the step still bitwise that of plain training (it raised 'NoneType' not callable)."""
+    from supermem import torch_private as tp
+
+    monkeypatch.setattr(tp, "top_saved_hooks", None)
+    assert_same_step(9, 2)
+
+
 def test_composes_with_the_pool():
     x0 = torch.randn(8, 16)
     plain = step(make(12), x0.clone().requires_grad_(), lambda m, x: m(x))
