@@ -177,8 +177,8 @@ class ChainGraphs:
         if not isinstance(block, torch.nn.Module):
             return None
         info = self.blocks.get(id(block))
-        if info is not None and info.ref() is block:
-            return info
+        if info is not None and info.ref() is block and (info.unit is None or info.unit.flat is not None):
+            return info  # (else its streamer was closed since: the block is found again, unstreamed)
         info = _Block(block)
         if info.unit is None and any(p.device != self.device for p in info.params):
             return None  # parameters elsewhere, not streamed as one unit: eager
