@@ -25,8 +25,8 @@ training BatchNorm's running stats, which plain autograd lets pass (no op saved 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, cast
 
 import torch
 
@@ -101,8 +101,8 @@ def _blocks(blocks: Sequence[Block] | Block, steps: int | None) -> list[Block]:
         return [blocks] * steps
     if callable(blocks) and not isinstance(blocks, (torch.nn.Sequential, torch.nn.ModuleList)):
         raise UsageError("binomial: a single block needs steps=n (or pass a sequence of blocks)")
-    try:
-        chain = list(blocks)
+    try:  # (a Sequential or ModuleList is a Block that iterates its blocks; each is checked below)
+        chain = list(cast("Iterable[Block]", blocks))
     except TypeError:  # None, a number: not iterable
         what = type(blocks).__name__
         raise UsageError(f"binomial: blocks must be a sequence of callables, got {what}") from None
@@ -194,7 +194,7 @@ class _Held:
     supermem.pool may offload it) and released as soon as the backward has used it."""
 
     def __init__(self, x: torch.Tensor, state: _State):
-        hooks = tp.top_saved_hooks(False)
+        hooks = tp.saved_hooks_in_force()
         self.unpack = hooks[1] if hooks else None
         self.payload = hooks[0](x) if hooks else x
         self.state = state

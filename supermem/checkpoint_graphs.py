@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import copy
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -38,6 +38,10 @@ from . import torch_private as tp
 from .errors import UsageError
 from .log import warn
 from .streaming import ALIGN, streamed_unit
+
+if TYPE_CHECKING:
+    from .streaming.streamer import Streamer
+    from .streaming.units import _Param, _Unit
 
 MIN_BLOCKS = 4  # a structure is graphed only when a chain repeats it this often: captures cost ~0.1 s
 SLOTS = 2  # one replays while the next block's weights land in the other
@@ -76,18 +80,22 @@ class _Block:
 
     def __init__(self, block: torch.nn.Module):
         self.ref = weakref.ref(block)
-        self.params = [p for _, p in block.named_parameters()]
+        self.params: list[torch.Tensor] = [p for _, p in block.named_parameters()]
         self.buffers = [b for _, b in block.named_buffers()]
-        self.unit = self.streamer = self.slots = None
+        # under supermem.stream, all three or none: the streamer, the block's unit of its own, its slots
+        self.streamer: Streamer | None = None
+        self.unit: _Unit | None = None
+        self.slots: list[_Param] | None = None
+        self.offsets: list[int] = []
         found = streamed_unit(block)
         if found is not None:
-            self.streamer, self.unit = found
-            by_id = {id(s.param): s for s in self.unit.params}
-            self.slots = [by_id[id(p)] for p in self.params]
+            self.streamer, unit = found
+            by_id = {id(s.param): s for s in unit.params}
+            self.unit, self.slots = unit, [by_id[id(p)] for p in self.params]
             self.offsets = [s.offset for s in self.slots]
-            self.nbytes = self.unit.nbytes
+            self.nbytes = unit.nbytes
         else:
-            self.offsets, offset = [], 0
+            offset = 0
             for p in self.params:
                 offset = -(-offset // ALIGN) * ALIGN
                 self.offsets.append(offset)
@@ -108,7 +116,8 @@ class _Block:
 
 
 class _Slot:
-    """A device copy of a kind's block with static tensors, and its two graphs."""
+    """A device copy of a kind's block with static tensors, and its two graphs: made (and warmed up)
+    by ChainGraphs._slot, its graphs captured by ChainGraphs._record; in a kind, a slot has both."""
 
     __slots__ = (
         "module",
@@ -130,6 +139,30 @@ class _Slot:
         "unused",
     )
 
+    module: torch.nn.Module  # the copy, without hooks
+    flat: torch.Tensor  # its parameters' bytes (uint8), laid out as the block's _Block.offsets
+    params: list[torch.Tensor]  # its parameters: views of `flat`
+    grouped: list[list[torch.Tensor]]  # its buffers, grouped as the block's _Block.grouped
+    x: torch.Tensor  # the static input
+    gy: torch.Tensor  # the static output gradient
+    out: torch.Tensor | None  # the forward graph's static output (None: no forward graph)
+    gx: torch.Tensor  # the backward graph's input gradient
+    gflat: torch.Tensor  # the backward graph's parameter gradients, laid out as `flat`
+    forward: torch.cuda.CUDAGraph | None  # no grad (None where the graphs capture no forward)
+    backward: torch.cuda.CUDAGraph  # forward and backward
+    unused: set[int]  # indexes of parameters the backward gave no gradient
+    holding: _Block | None  # the block whose weights it holds, or is loading
+    epoch: int  # the chain call (ChainGraphs.epoch) that loaded them
+    ready: Any  # the load's end event (None: loaded, or loaded on the compute stream)
+    done: torch.cuda.Event | None  # the last replay's end (a load into `flat` waits for it)
+    last: int  # ChainGraphs.clock at its last take (the least recent is loaded next)
+
+    def __init__(
+        self, module: torch.nn.Module, flat: torch.Tensor, params: list[torch.Tensor], x: torch.Tensor
+    ):
+        self.module, self.flat, self.params, self.x = module, flat, params, x
+        self.holding, self.epoch, self.ready, self.done, self.last = None, 0, None, None, 0
+
 
 class _Kind:
     """Blocks of one structure on one input layout: their slots."""
@@ -141,8 +174,9 @@ class _Kind:
         self.wrt: list[int] = []  # the parameters that get a gradient, by index
 
     @property
-    def out(self) -> torch.Tensor:
-        """A replay's output (static: shape, strides and dtype of what forward returns)."""
+    def out(self) -> torch.Tensor | None:
+        """A replay's output (static: shape, strides and dtype of what forward returns; None where the
+        graphs capture no forward)."""
         return self.slots[0].out
 
 
@@ -177,8 +211,8 @@ class ChainGraphs:
         if not isinstance(block, torch.nn.Module):
             return None
         info = self.blocks.get(id(block))
-        if info is not None and info.ref() is block:
-            return info
+        if info is not None and info.ref() is block and (info.unit is None or info.unit.flat is not None):
+            return info  # (else its streamer was closed since: the block is found again, unstreamed)
         info = _Block(block)
         if info.unit is None and any(p.device != self.device for p in info.params):
             return None  # parameters elsewhere, not streamed as one unit: eager
@@ -236,24 +270,23 @@ class ChainGraphs:
 
     def _slot(self, block: torch.nn.Module, info: _Block, x: torch.Tensor, kind: _Kind) -> _Slot:
         """A device copy of `block` (parameters in one flat buffer, no hooks), warmed up eagerly."""
-        s = _Slot()
-        s.flat = torch.empty(max(info.nbytes, 1), dtype=torch.uint8, device=self.device)
+        flat = torch.empty(max(info.nbytes, 1), dtype=torch.uint8, device=self.device)
         memo: dict[int, Any] = {}
-        s.params = []
-        for p, view in zip(info.params, _views(s.flat, info)):
+        params: list[torch.Tensor] = []
+        for p, view in zip(info.params, _views(flat, info)):
             memo[id(p)] = torch.nn.Parameter(view, requires_grad=p.requires_grad)
-            s.params.append(memo[id(p)])
+            params.append(memo[id(p)])
         for m in block.modules():  # the streamer's hooks (and any other) stay with the block
             for name in _HOOK_DICTS:
                 d = getattr(m, name, None)
                 if d is not None:
                     memo[id(d)] = type(d)()
-        s.module = copy.deepcopy(block, memo)
-        buffers = [b for _, b in s.module.named_buffers()]
+        module = copy.deepcopy(block, memo)
+        x_static = torch.empty_like(x).copy_(x)  # warm-ups on real values: no NaNs from stale memory
+        s = _Slot(module, flat, params, x_static)
+        buffers = [b for _, b in module.named_buffers()]
         index = {id(b): i for i, b in enumerate(info.buffers)}
         s.grouped = [[buffers[index[id(b)]] for b in group] for group in info.grouped]
-        s.x = torch.empty_like(x).copy_(x)  # warm-ups on real values: no NaNs from stale memory
-        s.holding, s.epoch, s.ready, s.done, s.last = None, 0, None, None, 0
         self._load(s, info)
         if s.ready is not None:
             torch.cuda.current_stream(self.device).wait_event(s.ready)
@@ -301,9 +334,14 @@ class ChainGraphs:
 
     def _load(self, s: _Slot, info: _Block) -> None:
         """Starts bringing `info`'s parameters into slot `s` (s.ready: the copy's end, on a side stream)."""
-        if info.unit is not None:
+        unit, streamer = info.unit, info.streamer
+        if unit is not None and streamer is not None:
+            if unit.flat is None:
+                raise UsageError(
+                    "binomial(graphs=True): a block's streamer was closed during the chain's call"
+                )
             n = info.nbytes
-            s.ready = info.streamer.copies.into_device(info.unit.flat.tensor[:n], s.flat[:n], after=s.done)
+            s.ready = streamer.copies.into_device(unit.flat.tensor[:n], s.flat[:n], after=s.done)
         else:
             if s.params:  # (a block without parameters: a foreach copy of nothing is an error)
                 with torch.no_grad():
@@ -311,8 +349,7 @@ class ChainGraphs:
             s.ready = None
         s.holding, s.epoch = info, self.epoch
 
-    def _take(self, kind: _Kind, block: torch.nn.Module, wait: bool = True) -> _Slot:
-        info = self.blocks[id(block)]
+    def _take(self, kind: _Kind, info: _Block, wait: bool = True) -> _Slot:
         s = next((s for s in kind.slots if s.holding is info and s.epoch == self.epoch), None)
         if s is None:
             s = min(kind.slots, key=lambda s: s.last)
@@ -326,7 +363,7 @@ class ChainGraphs:
 
     def prefetch(self, kind: _Kind, block: torch.nn.Module) -> None:
         """Starts loading `block`'s weights into a free slot of `kind` (the next replay is likely it)."""
-        self._take(kind, block, wait=False)
+        self._take(kind, self.blocks[id(block)], wait=False)
 
     def _buffers_in(self, s: _Slot, info: _Block) -> None:
         for mine, theirs in zip(s.grouped, info.grouped):
@@ -334,13 +371,16 @@ class ChainGraphs:
 
     def forward(self, kind: _Kind, block: torch.nn.Module, x: torch.Tensor, counts: bool) -> torch.Tensor:
         """`block(x)` by replay, without grad; `counts`: the forward whose buffer updates are kept."""
-        s = self._take(kind, block)
-        info = s.holding
+        info = self.blocks[id(block)]
+        s = self._take(kind, info)
+        graph, static_out = s.forward, s.out
+        if graph is None or static_out is None:
+            raise RuntimeError("supermem: ChainGraphs.forward on graphs made without forward graphs")
         with torch.no_grad():
             self._buffers_in(s, info)
             s.x.copy_(x)
-            s.forward.replay()
-            out = s.out.clone()
+            graph.replay()
+            out = static_out.clone()
             if counts:
                 for mine, theirs in zip(s.grouped, info.grouped):
                     tp.foreach_copy_(theirs, mine)
@@ -353,8 +393,8 @@ class ChainGraphs:
         """Block `block`'s backward at input `x` for output gradient `grad`, by replay: the input's
         gradient, and (parameter, gradient) pairs for parameters not streamed (a streamed one's
         gradient is on its way to the host)."""
-        s = self._take(kind, block)
-        info = s.holding
+        info = self.blocks[id(block)]
+        s = self._take(kind, info)
         with torch.no_grad():
             self._buffers_in(s, info)
             s.x.copy_(x)
@@ -365,8 +405,9 @@ class ChainGraphs:
         self._replayed(s)
         every = _views(grads, info)
         views = [every[i] for i in kind.wrt]
-        if info.unit is not None:
-            info.streamer._grads_ready([(info.slots[i], v) for i, v in zip(kind.wrt, views)])
+        streamer, slots = info.streamer, info.slots
+        if streamer is not None and slots is not None:
+            streamer._grads_ready([(slots[i], v) for i, v in zip(kind.wrt, views)])
             return gx, []
         return gx, [(info.params[i], v) for i, v in zip(kind.wrt, views)]
 

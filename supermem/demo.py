@@ -146,7 +146,7 @@ def train(device: torch.device, steps: int, pool: Pool | None, ckpt: bool = Fals
     s = pool.stats() if pool is not None else None
     if device.type == "cuda":
         peak = torch.cuda.max_memory_allocated()
-    elif pool is not None:
+    elif s is not None:  # (a pool)
         peak = s["peak_resident_bytes"]
     else:
         counter = Pool(budget=None, device=device)  # counts saved activations, moves nothing
@@ -170,7 +170,7 @@ class _NoSavedTensorHooks:
 
     def __enter__(self) -> None:
         self.taken = []
-        while (top := tp.top_saved_hooks(False)) is not None:
+        while (top := tp.saved_hooks_in_force()) is not None:
             tp.pop_saved_hooks()
             self.taken.append(top)
 

@@ -7,6 +7,7 @@ saved_tensors_hooks, torch.cuda.memory's public functions) is used directly else
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 # ---------------------------------------------------------------- while torch itself is importing
@@ -56,6 +57,14 @@ from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflat
 push_saved_hooks = torch._C._autograd._push_saved_tensors_default_hooks
 pop_saved_hooks = torch._C._autograd._pop_saved_tensors_default_hooks
 top_saved_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+
+
+def saved_hooks_in_force() -> tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]] | None:
+    """The (pack, unpack) on top of the saved-tensor hooks' stack, or None: none are on, or this
+    PyTorch has no getter (callers then act as if none were on). One call more than top_saved_hooks,
+    for callers off the per-call path."""
+    return top_saved_hooks(False) if top_saved_hooks is not None else None
+
 
 # Grad mode without a context object (a region call switches it twice per call).
 set_grad_enabled = torch._C._set_grad_enabled

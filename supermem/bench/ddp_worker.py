@@ -75,13 +75,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.wrap == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
-        wrapped = DistributedDataParallel(model, device_ids=[local] if cuda else None)
+        wrapped: torch.nn.Module = DistributedDataParallel(model, device_ids=[local] if cuda else None)
     else:
         from torch.distributed.fsdp import fully_shard
 
         for block in model.blocks:
             fully_shard(block)
-        wrapped = fully_shard(model)
+        fully_shard(model)  # in place: the same object, its class now also an FSDPModule
+        wrapped = model
     opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(1 + rank)  # each rank its own data
     losses, times_s, oom = [], [], None

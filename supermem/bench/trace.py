@@ -48,7 +48,7 @@ def measure(spec: dict) -> dict:
     for r in range(spec["rounds"]):
         plain += [_timed(step, cuda) for _ in range(spec["steps"])]
         last = r == spec["rounds"] - 1
-        rec = supermem.trace(
+        rec = supermem.trace.record(  # (what supermem.trace(...) calls)
             str(out / "run.smtrace"), model=model, optimizer=opt, report=spec["report"] and last
         )
         with rec:

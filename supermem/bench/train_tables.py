@@ -179,13 +179,20 @@ def _print_targets(label: str, native: dict, rows: list[dict]) -> None:
             lru.get("peak_alloc_bytes"),
         )
         # Both hold the budget (the allocator's soft limit), so "lower" means no higher: within 1%.
-        ok = None not in (x, lx, peak, lpeak) and x < lx and peak <= 1.01 * lpeak
+        ok = (
+            x is not None
+            and lx is not None
+            and peak is not None
+            and lpeak is not None
+            and x < lx
+            and peak <= 1.01 * lpeak
+        )
         print(
             f"target {label} {r['config']}: {_fmt(x, '.2f')}x {_fmt(_peak_gib(r), '.2f')}GiB vs lru "
             f"{_fmt(lx, '.2f')}x {_fmt(_peak_gib(lru), '.2f')}GiB (faster, peak no higher): {_met(ok, x)}"
         )
         budget = r.get("budget_bytes")
-        ok = None not in (peak, budget) and peak <= 1.05 * budget
+        ok = peak is not None and budget is not None and peak <= 1.05 * budget
         print(f"target {label} {r['config']} peak within 5% of budget: {_met(ok, peak)}")
     for r in rows:
         if r["config"] != "supermem":

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import sys
 import traceback
+from typing import Any
 
 from .runner import ROW
 
@@ -19,7 +20,7 @@ def _environment(cuda: bool) -> dict:
 
     import torch
 
-    env = {"torch": torch.__version__, "python": platform.python_version()}
+    env: dict[str, Any] = {"torch": torch.__version__, "python": platform.python_version()}
     if cuda:
         p = torch.cuda.get_device_properties(0)
         env.update(gpu=p.name, gpu_gib=round(p.total_memory / 2**30, 1), cuda=torch.version.cuda)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["StepPool"]
+__all__ = ["StepPool", "StepPoolCallback"]
 
 
 class StepPool:
@@ -50,3 +50,25 @@ class StepPool:
         if self.inside:
             self.inside = False
             self._pool.__exit__(None, None, None)
+
+
+class StepPoolCallback:
+    """The part a framework's callback class shares (listed before the framework's base, whose own
+    __init__ it replaces): the constructor over a StepPool, and `pool`. The framework's hooks call
+    self.steps.begin(device) and self.steps.end()."""
+
+    def __init__(
+        self,
+        budget: int | float | str | None = None,
+        policy: str | None = None,
+        host_limit: int | float | str | None = "50%",
+        *,
+        pool: Any = None,
+        **options: Any,
+    ):
+        self.steps = StepPool(pool, budget=budget, policy=policy, host_limit=host_limit, **options)
+
+    @property
+    def pool(self) -> Any:
+        """The pool (made at the first step: None before it, unless given)."""
+        return self.steps._pool

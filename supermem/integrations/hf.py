@@ -14,28 +14,12 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from . import StepPool
+from . import StepPoolCallback
 
 
-class PoolCallback(TrainerCallback):
+class PoolCallback(StepPoolCallback, TrainerCallback):
     """Each training step (all its micro-batches, and the optimizer step) under `pool`, or under
     `supermem.pool(budget, policy, host_limit, **options)` on Trainer's device (args.device)."""
-
-    def __init__(
-        self,
-        budget: int | float | str | None = None,
-        policy: str | None = None,
-        host_limit: int | float | str | None = "50%",
-        *,
-        pool: Any = None,
-        **options: Any,
-    ):
-        self.steps = StepPool(pool, budget=budget, policy=policy, host_limit=host_limit, **options)
-
-    @property
-    def pool(self) -> Any:
-        """The pool (made at the first step: None before it, unless given)."""
-        return self.steps._pool
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.steps.begin(args.device)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import importlib.util
 from typing import Any
 
-from . import StepPool
+from . import StepPoolCallback
 
 if importlib.util.find_spec("lightning") is not None:
     from lightning.pytorch import Callback
@@ -22,25 +22,9 @@ else:
     from pytorch_lightning import Callback
 
 
-class PoolCallback(Callback):
+class PoolCallback(StepPoolCallback, Callback):
     """Each training batch (forward, backward, optimizer step) under `pool`, or under
     `supermem.pool(budget, policy, host_limit, **options)` on the LightningModule's device."""
-
-    def __init__(
-        self,
-        budget: int | float | str | None = None,
-        policy: str | None = None,
-        host_limit: int | float | str | None = "50%",
-        *,
-        pool: Any = None,
-        **options: Any,
-    ):
-        self.steps = StepPool(pool, budget=budget, policy=policy, host_limit=host_limit, **options)
-
-    @property
-    def pool(self) -> Any:
-        """The pool (made at the first batch: None before it, unless given)."""
-        return self.steps._pool
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         self.steps.begin(pl_module.device)

@@ -38,6 +38,7 @@ import torch
 from .live import streamed_unit as streamed_unit
 from .streamer import Streamer as Streamer
 from .units import ALIGN as ALIGN
+from .units import STREAMER_ATTR
 
 
 def stream(
@@ -95,7 +96,7 @@ def activate_from_config(cfg: Any) -> None:
             return
         for h in handles:  # safe here: PyTorch iterates over a copy of the global hooks
             h.remove()
-        if getattr(module, "_supermem_streamer", None) is None:  # else streamed by hand already
+        if getattr(module, STREAMER_ATTR, None) is None:  # else streamed by hand already
             streamer = Streamer(module, device, host_limit=cfg.host_limit)
             # this call already passed the module's own pre-hooks: run the ones streaming just added
             streamer._step_start(module, args)

@@ -16,7 +16,7 @@ from ..errors import UsageError
 from ..units import parse_bytes
 from .layout import plan_units
 from .live import _install_optimizer_hook, _live
-from .units import _Box, _Fetch, _Param, _Token, _Unit, _Use
+from .units import STREAMER_ATTR, _Box, _Fetch, _Param, _Token, _Unit, _Use
 
 if TYPE_CHECKING:
     from ..streaming_overlap import Overlap
@@ -38,7 +38,7 @@ class Streamer:
     ):
         if not isinstance(model, torch.nn.Module):
             raise UsageError(f"stream: model must be an nn.Module, got {type(model).__name__}")
-        if getattr(model, "_supermem_streamer", None) is not None:
+        if getattr(model, STREAMER_ATTR, None) is not None:
             raise UsageError("stream: this model is already streamed")
         for name, value in (("prefetch", prefetch), ("unit_bytes", unit_bytes)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -107,7 +107,7 @@ class Streamer:
                 p.grad = grad
             raise
         self._moved = []
-        model._supermem_streamer = self
+        setattr(model, STREAMER_ATTR, self)
         # first, before the root's own fetch: a step starts before anything of it is fetched
         self._handles.append(model.register_forward_pre_hook(self._step_start, prepend=True))
         _live.add(self)
@@ -206,7 +206,7 @@ class Streamer:
     def _hooks_over_current(self) -> tuple[Any, Any]:
         """Pack/unpack hooks that turn this streamer's weights into tokens and hand every other tensor
         to the hooks that were in force (a supermem.pool, say)."""
-        outer = tp.top_saved_hooks(False)
+        outer = tp.saved_hooks_in_force()
         outer_pack, outer_unpack = outer if outer else (None, None)
 
         def pack(t: torch.Tensor) -> Any:
@@ -248,7 +248,7 @@ class Streamer:
             use.unpacked += 1
             if first:
                 self._acquire(use.unit)
-            out = unit.copy.view(token.dtype).as_strided(token.size, token.stride, token.offset)
+            out = unit.held_copy().view(token.dtype).as_strided(token.size, token.stride, token.offset)
             if use.unpacked % use.tokens == 0:
                 self._release(use.unit)
         return out
@@ -268,7 +268,7 @@ class Streamer:
         elif position is not None:
             self._prefetch_from(position)
         compute = torch.cuda.current_stream(self.device) if self.cuda else None
-        stream = compute.cuda_stream if self.cuda else 0
+        stream = compute.cuda_stream if compute is not None else 0
         for u in (unit, *unit.deps):
             if u.copy is not None and u.used_on != stream:  # once per copy and stream is enough
                 self.copies.use(u.copy, u.ready, compute)
@@ -329,15 +329,17 @@ class Streamer:
                 from ..streaming_step import restore_grads
 
                 restore_grads(self)
-            pairs, landing = [], []
+            pairs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (device gradient, host destination)
+            landing: list[tuple[_Param, torch.Tensor, HostBlock | None]] = []
+            scratch: HostBlock | None
             for slot, grad in ready:
                 items = self._pending.get(slot)
                 p = slot.param
                 if not items and p.grad is None:
-                    if slot.grad_block is None:
-                        slot.grad_block = self._take(slot.nbytes)
-                        slot.grad_view = slot.grad_block.tensor[: slot.nbytes].view(p.dtype).view(p.shape)
                     dst, scratch = slot.grad_view, None
+                    if dst is None:  # (grad_block and grad_view are set, and cleared, together)
+                        slot.grad_block = block = self._take(slot.nbytes)
+                        dst = slot.grad_view = block.tensor[: slot.nbytes].view(p.dtype).view(p.shape)
                 else:
                     scratch = self._take(slot.nbytes)
                     dst = scratch.tensor[: slot.nbytes].view(p.dtype).view(p.shape)
@@ -441,7 +443,7 @@ class Streamer:
             if state.get(key) is view:
                 state[key] = view.clone()
         self._state_views = []
-        self.model._supermem_streamer = None
+        setattr(self.model, STREAMER_ATTR, None)
         _live.discard(self)
 
     def __enter__(self) -> Streamer:

@@ -13,6 +13,9 @@ if TYPE_CHECKING:
 
 Streamer = Any  # streamer.py imports this module: named, not imported (no circle)
 
+# The attribute a streamed model holds its Streamer in (None once closed).
+STREAMER_ATTR = "_supermem_streamer"
+
 ALIGN = 512  # bytes between parameters in a flat buffer, as PyTorch's allocator: kernels choose alike
 
 
@@ -38,7 +41,7 @@ class _Param:
         unit, p = self.owner, self.param
         typed = unit.typed.get(p.dtype)
         if typed is None:
-            typed = unit.typed[p.dtype] = unit.copy.view(p.dtype)
+            typed = unit.typed[p.dtype] = unit.held_copy().view(p.dtype)
         return typed.as_strided(self.shape, self.stride, self.offset // p.element_size())
 
 
@@ -89,6 +92,12 @@ class _Unit:
 
     def host_version(self) -> tuple[int, ...]:
         return tuple(p.param._version for p in self.params)
+
+    def held_copy(self) -> torch.Tensor:
+        """The device copy, read only while the unit is held (a call or a backward acquired it)."""
+        if self.copy is None:
+            raise RuntimeError(f"supermem.stream: a {type(self.module).__name__} unit read while not held")
+        return self.copy
 
 
 class _Use:

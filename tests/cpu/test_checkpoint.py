@@ -96,6 +96,21 @@ def test_graphs_off_cuda_run_eagerly():
         assert torch.equal(a, b)
 
 
+def test_graphs_find_a_block_again_once_its_streamer_is_closed(monkeypatch):
+    """A block graphed while streamed, its streamer closed since: the chain's graphs must not keep its
+    streamed unit (whose host block is gone: a replay read None's tensor), but see it unstreamed."""
+    from supermem.checkpoint_graphs import ChainGraphs
+
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)  # (no CUDA: _block needs none)
+    block = nn.Linear(8, 8)
+    streamer = supermem.stream(block, "cpu")
+    graphs = ChainGraphs(torch.device("cpu"))
+    assert graphs._block(block).unit is not None
+    streamer.close()
+    again = graphs._block(block)
+    assert again is not None and again.unit is None and again.streamer is None
+
+
 def test_one_block_applied_n_times():
     torch.manual_seed(0)
     cell = nn.Sequential(nn.Linear(8, 8), nn.Tanh())
@@ -174,6 +189,15 @@ def test_held_boundaries_go_through_saved_tensor_hooks():
     assert len(packed) == 1 + 4  # the input and the four boundaries
     y.sum().backward()
     assert x.grad is not None
+
+
+def test_runs_where_pytorch_cannot_read_the_saved_tensor_hooks(monkeypatch):
+    """A PyTorch without the hooks' getter (torch_private.top_saved_hooks None): the boundaries are held
+    as they are, the step still bitwise that of plain training (it raised 'NoneType' not callable)."""
+    from supermem import torch_private as tp
+
+    monkeypatch.setattr(tp, "top_saved_hooks", None)
+    assert_same_step(9, 2)
 
 
 def test_composes_with_the_pool():

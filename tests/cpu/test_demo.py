@@ -114,3 +114,15 @@ def test_a_row_shows_the_spread_and_says_no_copies_when_nothing_was_copied():
     untimed = demo.row("pool", {**run, "pool": pool_stats(offloaded_bytes=8 << 20)}, 2)
     assert untimed.split()[-2:] == ["-", "-"]  # copies whose timings had not come back
     assert "spread" in demo.HEADER
+
+
+def test_taking_the_hooks_off_where_pytorch_cannot_read_them(monkeypatch):
+    """A PyTorch without the hooks' getter (torch_private.top_saved_hooks None): nothing is taken off,
+    nothing put back (it raised 'NoneType' not callable)."""
+    from supermem import demo
+    from supermem import torch_private as tp
+
+    monkeypatch.setattr(tp, "top_saved_hooks", None)
+    with demo._NoSavedTensorHooks() as off:
+        pass
+    assert off is None

@@ -130,6 +130,15 @@ def test_streamed_training_is_bitwise_plain(kind, make, shape, unit_bytes):
     assert_streamed_training_is_plain(kind, make, shape, unit_bytes, "host")
 
 
+def test_streams_where_pytorch_cannot_read_the_saved_tensor_hooks(monkeypatch):
+    """A PyTorch without the hooks' getter (torch_private.top_saved_hooks None): streamed training is
+    still bitwise plain (it raised 'NoneType' not callable at the first call under grad)."""
+    from supermem import torch_private as tp
+
+    monkeypatch.setattr(tp, "top_saved_hooks", None)
+    assert_streamed_training_is_plain("sgd", Tied, (9, 12), 0, "host")
+
+
 def test_streaming_binomial_and_pool_together_equal_plain():
     torch.manual_seed(1)
     model = Chain(n=9, checkpoints=2)
