@@ -27,7 +27,7 @@ from .labels import label
 from .lean_call import LeanCall
 from .op_replay import OpReplay
 from .planner import Plan
-from .profile import EventCounter, Profile
+from .profile import EventCounter, Profile, Recorder
 from .stats import PlanStats
 from .step import NO_EARLY_CALL
 
@@ -91,16 +91,16 @@ class PlanRunner:
         if not plan.idle or not calls or not self._plan_ok or self._rec is None or self._rec.full:
             return False
         with self._lock:
-            s = self._step
+            s = self.clock.step
             if (
                 len(self._plans) != 1
                 or s is None
                 or s.ordinals != len(plan.signature)
-                or not self._between_steps()
+                or not self.clock.between()
             ):
                 return False
-            self._current_step()  # the step ends here: measured, judged against the budget
-            if self._plan is not plan or not self._plan_ok or self._last_peak_bytes > self.budget_bytes:
+            self.clock.current()  # the step ends here: measured, judged against the budget
+            if self._plan is not plan or not self._plan_ok or self.budget.last_peak_bytes > self.budget_bytes:
                 return False
             self._resting = True  # (this step counts in "steps", the next ones in "rest_steps")
             self._rest_calls, self._rest_k = calls, 0
@@ -119,7 +119,7 @@ class PlanRunner:
         takes those at its making (Regions.early_calls)."""
         if not self.planning:
             return
-        if self._between_steps():
+        if self.clock.between():
             self.regions.early_calls.append(call)
         elif self._rec is not None and self._rec.full:
             self._rec.calls.append(call)
@@ -147,7 +147,7 @@ class PlanRunner:
         # (a storage counts once where the budget reads the allocator; the pool's own count on CPU
         # counts each save whole)
         storage = e.tensor if rec.full and self.cuda else None
-        event = rec.packed(e.ordinal, e.nbytes, self._used_bytes(), storage)
+        event = rec.packed(e.ordinal, e.nbytes, self.budget.used_bytes(), storage)
         # a recipe made at pack (a weight copy, an op's replay), for the plan a recording step makes
         if rec.full and e.recipe is not None and e.recipe.ready:
             # an op replay's cost by its site (measured later; the recipe itself holds this step's entries)
@@ -179,7 +179,7 @@ class PlanRunner:
         keeps (PlanKept). None for anything else and at a step's first save: the full path
         (Pool._pack_tensor) decides, by the same rules. A planned step's forward is host-bound on the
         H100 hosts: the full path's ~25 us a save added 16 ms to GPT-24's 21 ms forward."""
-        if self._between_steps():
+        if self.clock.between():
             return None  # this save starts a step
         left = self._left_alone(t)
         if left is not None:
@@ -187,12 +187,12 @@ class PlanRunner:
                 with self._lock:
                     self._settle()
             return left
-        step = self._step
+        step = self.clock.step
         if step.ordinals + 1 not in self._plan.lean:
             return None
         key = dedup_key(t)
         with self._lock:
-            if key in self._dedup:
+            if key in self.ledger.dedup:
                 return None  # saved twice: one entry (the full path)
             return self._plan_kept(t, key, step)
 
@@ -210,10 +210,10 @@ class PlanRunner:
         ):
             return None
         with self._lock:
-            if start == 0 and self._between_steps():
-                self._current_step()  # the call opens the step: it begins now, not at its first save
+            if start == 0 and self.clock.between():
+                self.clock.current()  # the call opens the step: it begins now, not at its first save
             plan = self._plan
-            if not self._plan_ok or self._rec.full or self._step.ordinals != start:
+            if not self._plan_ok or self._rec.full or self.clock.step.ordinals != start:
                 return None
             if light_ok and start in plan.light:
                 return True, plan.light[start], None
@@ -233,7 +233,7 @@ class PlanRunner:
         recorded ordinal, so that save finds it (Plan.outputs). Its bytes count here for a call run
         light (which saves nothing itself); a bypassed call's count them already."""
         with self._lock:
-            step = self._step
+            step = self.clock.step
             for ordinal, k in self._plan.outputs.get(step.ordinals, ()):
                 t = outputs[k] if k < len(outputs) else None
                 if t is None or not self._plan_expects(ordinal, storage_extent(t) * t.element_size()):
@@ -243,12 +243,12 @@ class PlanRunner:
 
     def _unseen_bytes(self, end: int) -> int:
         """The plan's bytes of the saves from the step's count now to `end`."""
-        return sum(self._plan.signature[self._step.ordinals : end])
+        return sum(self._plan.signature[self.clock.step.ordinals : end])
 
     def _unseen_done(self, end: int, light: bool, lean: LeanCall | None) -> None:
         """A call the pool did not see returned: the step's saves skip to the plan's count at its end."""
         with self._lock:
-            self._step.ordinals = end
+            self.clock.step.ordinals = end
             self._counters["light_calls" if light else "bypassed_calls"] += 1
             if lean is not None:
                 self._counters["lean_calls"] += 1
@@ -264,16 +264,16 @@ class PlanRunner:
         step.ordinals = ordinal
         kept = self._new_kept(t, ordinal, nbytes, step, key)
         self._counters["packed"] += 1
-        self._plan_events(self._rec.packed(ordinal, nbytes, self._used_bytes()))
+        self._plan_events(self._rec.packed(ordinal, nbytes, self.budget.used_bytes()))
         return kept
 
     def _new_kept(self, t: Any, ordinal: int, nbytes: int, step: Step, key: tuple) -> PlanKept:
         """A PlanKept of `t` under `ordinal`, found by its next save, its `nbytes` in the kept count."""
         kept = PlanKept(self, t, ordinal, nbytes, step, key)
-        self._dedup[key] = weakref.ref(kept)
-        self._kept_bytes += nbytes
-        self._kept_live += 1
-        self._note_peak()
+        self.ledger.dedup[key] = weakref.ref(kept)
+        self.ledger.kept_bytes += nbytes
+        self.ledger.kept_live += 1
+        self.ledger.note_peak()
         return kept
 
     def _unpack_kept(self, k: PlanKept) -> Any:
@@ -287,8 +287,8 @@ class PlanRunner:
     def _release_kept(self, k: PlanKept) -> None:
         try:
             with self._lock:
-                self._kept_bytes -= k.nbytes
-                self._kept_live -= 1
+                self.ledger.kept_bytes -= k.nbytes
+                self.ledger.kept_live -= 1
                 self._forget(k)
         except Exception:  # noqa: BLE001  (interpreter shutdown)
             pass
@@ -308,7 +308,7 @@ class PlanRunner:
         of recipe needs to be weighed by the planner: at the pack of a recipe ready then (done here, in
         `_planned_pack`), or wherever it becomes ready later. `start`: a region's, its step's saves
         before its call (a plan-running step captures the regions it replays by it)."""
-        step, rec = self._step, self._rec
+        step, rec = self.clock.step, self._rec
         if rec is None or not rec.full:
             return
         own = [x.ordinal for x in entries if x.step is step]
@@ -354,12 +354,28 @@ class PlanRunner:
         ref = self._by_ordinal.get(ordinal)
         return ref() if ref is not None else None
 
+    def _step_opened(self) -> None:
+        """A step opened (StepClock.current): under the planned policy, what records it or counts its
+        events."""
+        if self.planning and self.budget_bytes is not None:
+            self._plan_ok = self._plan is not None
+            if self._plan_ok and not self._record_full:
+                # a plan runs: its events only (and its first step's tail timed)
+                self._rec = EventCounter(self._plan.event_of, self._tail_from(), self.cuda)
+            else:
+                self._rec = Recorder(self.cuda, timed=not self._plan_ok, watermark=self.budget.marks())
+                self._rec.calls = self.regions.early_calls  # (made before the step's first save)
+            self.regions.early_calls = []
+            self._rec.regions_on = self.regions.phase != "profiling"  # ("off": a pool without them)
+            self._by_ordinal = {}
+            self._plan_pending = []
+
     def _step_ended(self, s: Step) -> None:
         """Measures the step; plans from it if it ran without a plan of its shape."""
         self._last_step_s = time.perf_counter() - s.started_s
         if not self.cuda:
-            self._last_peak_bytes = self._step_peak
-        self._step_peak = 0
+            self.budget.last_peak_bytes = self.ledger.step_peak
+        self.ledger.step_peak = 0
         rec, self._rec = self._rec, None
         if rec is None or rec.backward_event is None:
             return
@@ -382,7 +398,7 @@ class PlanRunner:
         if offload:
             offload.probe(self)
         profile = rec.profile(
-            self._last_spike,
+            self.budget.last_spike,
             offload.rate(self) if offload else 1.0,
             sync_copies=not self.cuda,
             host_s=self._host_cost_s,
@@ -434,7 +450,7 @@ class PlanRunner:
         profile, below the budget by the overshoot, a few times at most. Not profiled again: a
         profiled step runs the reactive fallback (GPT-24 at 60% on an H100: 270 ms a step against 90
         planned), and its profile, timed anew, need not bring the plan any nearer."""
-        over = self._last_peak_bytes - self.budget_bytes
+        over = self.budget.last_peak_bytes - self.budget_bytes
         sig = plan.signature
         if not plan.feasible or over <= REPLAN_TOLERANCE * self.budget_bytes:
             return
@@ -455,7 +471,7 @@ class PlanRunner:
             "feasible": p.feasible,
             "budget_bytes": p.budget_bytes,
             "predicted_peak_bytes": p.predicted_peak_bytes,
-            "measured_peak_bytes": self._last_peak_bytes,
+            "measured_peak_bytes": self.budget.last_peak_bytes,
             "predicted_step_s": p.predicted_step_s,
             "measured_step_s": self._last_step_s,
             "plan_s": p.plan_s,
