@@ -256,13 +256,13 @@ class Budget:
             pool._wake()  # (it holds nothing: the step goes over, its next one is the pool's)
         with pool._lock:  # the frames belong to the thread holding it (a rebuild's, maybe)
             t0 = time.perf_counter()
-            pool._frames.append(0.0)  # not a rebuild's own time, when one's allocation called it
+            pool.rebuild_times.frames.append(0.0)  # not a rebuild's own time, when one's allocation called it
             try:
                 # (the pool's work inside the model's allocation: GPT-24's loss at 60% of its peak on
                 # an H100 timed 18 ms in a profiled step with it, where its kernels take about 3)
                 return pool._own(self.free_under_pressure, need_bytes)
             finally:
-                pool._frame_end(t0)
+                pool.rebuild_times.frame_end(t0)
 
     def free_under_pressure(self, need_bytes: int) -> int:
         """The pressure handler's work; the caller holds the lock."""

@@ -401,7 +401,7 @@ class PlanRunner:
             self.budget.last_spike,
             offload.rate(self) if offload else 1.0,
             sync_copies=not self.cuda,
-            host_s=self._host_cost_s,
+            host_s=self.rebuild_times.cost_s,
             host_copy_s=self.copies.issue_s(),
             compress_price=compress.price(self) if compress else None,
         )

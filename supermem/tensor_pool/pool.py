@@ -18,7 +18,6 @@ tensors the pool keeps.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import threading
 import time
@@ -45,9 +44,12 @@ from .op_replay import OpReplays
 from .plan_run import PlanRunner, Resting
 from .planner import Plan
 from .profile import EventCounter, Recorder
+from .rebuild_times import RebuildTimes
 from .regions import Regions
-from .stats import PoolStats
+from .stats import COUNTERS, PoolStats
 from .step import StepClock
+from .top import serve_to_top
+from .top import top_view as _top_view  # noqa: F401  (read here by tests)
 from .treatments import Offload, Recompute, Treatment, checked_treatments
 
 
@@ -172,41 +174,12 @@ class Pool(PlanRunner):
         self.closed = False  # close() was called (supermem.pool(...) then makes a new one)
         self._passthrough = False  # saves not the step's (checkpoint's own of its inputs): left alone
         self._busy_s = 0.0  # minus the seconds spent fitting the budget (CPU region timing)
-        self._counters = dict.fromkeys(
-            (
-                "packed",
-                "offloads",
-                "dropped",
-                "recomputes",
-                "prefetches",
-                "sync_restores",
-                "host_full",
-                "pressure_calls",
-                "backpressure_waits",
-                "plans",
-                "replans",
-                "plan_misses",
-                "light_calls",
-                "bypassed_calls",
-                "lean_calls",
-                "lean_drops",
-                "replays",
-                "graph_replays",
-                "rest_steps",
-                "rest_wakes",
-                "offloaded_bytes",
-                "dropped_bytes",
-            ),
-            0,
-        )
+        self._counters = dict.fromkeys(COUNTERS, 0)
         self._prefetched_bytes = 0
         self._local = threading.local()  # per thread: the stack of entered hook contexts
         self.always_active = False  # SUPERMEM_CONF's pool: hooks pushed for every thread's backward
-        # Host seconds of each kind of rebuild (its own: nested rebuilds and pressure calls left out),
-        # the last ones: where the host is the slower side, a rebuild costs the step these.
-        self._host_s: dict[str, collections.deque[float]] = {}
-        self._frames: list[float] = []  # per rebuild or pressure call running: its inner ones' seconds
-        _serve_to_top(self)
+        self.rebuild_times = RebuildTimes()  # host seconds of each kind of rebuild, its own
+        serve_to_top(self)
 
     _entries = _Part("ledger", "entries")
     _device_bytes = _Part("ledger", "device_bytes")
@@ -226,6 +199,10 @@ class Pool(PlanRunner):
     _pressure_registered = _Part("budget", "pressure_registered")
     _margin = _Part("budget", "margin")
     _last_peak_bytes = _Part("budget", "last_peak_bytes")
+    _frames = _Part("rebuild_times", "frames")
+    _frame_end = _Part("rebuild_times", "frame_end")
+    _host_cost_s = _Part("rebuild_times", "cost_s")
+    _host_s = _Part("rebuild_times", "samples")
 
     # ------------------------------------------------------------------ activation
 
@@ -520,12 +497,12 @@ class Pool(PlanRunner):
                 self._counters["sync_restores"] += 1
                 t0 = time.perf_counter()
                 sampled = self._host_bound_now()
-                self._frames.append(0.0)
+                self.rebuild_times.frames.append(0.0)
                 try:
                     self._come_back(e)
                 finally:
                     rebuilt = e.treatment.rebuilds and e.recipe is not None
-                    self._frame_end(t0, type(e.recipe).__name__ if rebuilt and sampled else None)
+                    self.rebuild_times.frame_end(t0, type(e.recipe).__name__ if rebuilt and sampled else None)
             if e.state is State.RETURNING:
                 e.treatment.ready(self, e)
             return e.tensor
@@ -543,23 +520,6 @@ class Pool(PlanRunner):
         if self._rec is None or not self._rec.full:
             return False
         return torch.cuda.current_stream(self.device).query()
-
-    def _frame_end(self, t0: float, kind: str | None = None) -> None:
-        """A rebuild or pressure call that began at `t0` ended: its seconds count as its outer one's
-        inner time; a rebuild's own seconds are a sample of its kind's host cost."""
-        s = time.perf_counter() - t0
-        inner = self._frames.pop()
-        if self._frames:
-            self._frames[-1] += s
-        if kind is not None:
-            self._host_s.setdefault(kind, collections.deque(maxlen=64)).append(s - inner)
-
-    def _host_cost_s(self, kind: str) -> float:
-        """Host seconds of one rebuild of `kind`: the least of the last ones (0 before one ran). The
-        least, as for device seconds: a first call of a shape pays one-time costs (GPT-24's first
-        block replay on an H100: 123 ms, 84 of them cuDNN building its attention plan; the next: 2)."""
-        samples = self._host_s.get(kind)
-        return min(samples) if samples else 0.0
 
     # ------------------------------------------------------------------ bookkeeping
 
@@ -704,46 +664,6 @@ class Pool(PlanRunner):
             self._counters = dict.fromkeys(self._counters, 0)
             self._prefetched_bytes = 0
             self.ledger.peak_resident_bytes = self.ledger.device_bytes + self.ledger.kept_bytes
-
-
-_live_pools: weakref.WeakSet[Pool] = weakref.WeakSet()
-
-
-def _serve_to_top(pool: Pool) -> None:
-    """Lists the pool in the control server's "pool" section (what `supermem top` shows)."""
-    from .. import config, control
-
-    _live_pools.add(pool)
-    if config.current().control:
-        control.start_server()
-        control.register_provider("pool", _top_view)
-
-
-def _top_view() -> dict[str, Any]:
-    entries: dict[str, int] = {}
-    nbytes: dict[str, int] = {}
-    host = host_limit = d2h = h2d = 0
-    plans = []
-    for p in list(_live_pools):
-        s = p.stats()
-        if s["plan"] is not None:
-            plans.append(s["plan"])
-        for state, n in s["entries_by_state"].items():
-            entries[state] = entries.get(state, 0) + n
-            nbytes[state] = nbytes.get(state, 0) + s[f"{state}_bytes"]
-        d2h += s["d2h_gbps"] * 1e9
-        h2d += s["h2d_gbps"] * 1e9
-    for h in {id(p.host.pool): p.host.pool for p in list(_live_pools)}.values():  # shared: once each
-        host, host_limit = host + h.reserved_bytes, host_limit + h.limit_bytes
-    link = {"d2h_bytes_per_s": d2h, "h2d_bytes_per_s": h2d}
-    return {
-        "entries_by_state": entries,
-        "bytes_by_state": nbytes,
-        "host_bytes": host,
-        "host_limit_bytes": host_limit,
-        "link": link,
-        "plans": plans,  # each planned pool's predictions beside its last step's measurements
-    }
 
 
 def _checked(name: str, parse: Any, value: Any) -> Any:
