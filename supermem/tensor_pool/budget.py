@@ -136,7 +136,7 @@ class Budget:
         OOM. On CPU: the budget (or no bound)."""
         pool = self._pool()
         if pool.budget_bytes is not None:
-            if pool._plan_ok:
+            if pool.plans.plan_ok:
                 return pool.budget_bytes  # the plan made room for the step's transients already
             return max(0, pool.budget_bytes - self.margin)
         if not pool.cuda:
@@ -252,8 +252,8 @@ class Budget:
         pool = self._pool()
         if pool.cuda and torch.cuda.is_current_stream_capturing():
             return 0
-        if pool._resting:
-            pool._wake()  # (it holds nothing: the step goes over, its next one is the pool's)
+        if pool.plans.resting:
+            pool.plans.wake()  # (it holds nothing: the step goes over, its next one is the pool's)
         with pool._lock:  # the frames belong to the thread holding it (a rebuild's, maybe)
             t0 = time.perf_counter()
             pool.rebuild_times.frames.append(0.0)  # not a rebuild's own time, when one's allocation called it
@@ -270,10 +270,10 @@ class Budget:
         pool._counters["pressure_calls"] += 1
         pool.clock.left = True
         before = self.used_bytes()
-        if pool._rec is not None:  # the plan's curve must hold this point too
+        if pool.plans.rec is not None:  # the plan's curve must hold this point too
             # the soft limit asks for the excess over it; a failed allocation, for its size
             soft = self.soft is not None and self.soft.in_soft_limit_call
-            pool._rec.pressed((self.soft.soft_limit_bytes if soft else before) + need_bytes)
+            pool.plans.rec.pressed((self.soft.soft_limit_bytes if soft else before) + need_bytes)
         for t in pool.treatments.values():
             t.settle(pool, wait=True)  # e.g. originals kept until their pack is known to fit
         # The stalest CANDIDATES first (used last in backward; pricing all ~1000 entries at each of

@@ -42,8 +42,6 @@ from .labels import label, recording
 from .ledger import Ledger
 from .op_replay import OpReplays
 from .plan_run import PlanRunner, Resting
-from .planner import Plan
-from .profile import EventCounter, Recorder
 from .rebuild_times import RebuildTimes
 from .regions import Regions
 from .stats import COUNTERS, PoolStats
@@ -68,7 +66,7 @@ class _Part:
         setattr(getattr(pool, self.part), self.name, value)
 
 
-class Pool(PlanRunner):
+class Pool:
     """Keeps saved activations under `budget` by offloading them to pinned host memory and by
     recomputing them, bringing them back for backward.
 
@@ -125,25 +123,7 @@ class Pool(PlanRunner):
         self.graphs = graphs
         self._light_graphs: Any = None  # LightGraphs, made at the first light call on CUDA
         self.planning = self.policy.plans
-        self._plans: dict[tuple[int, ...], Plan] = {}  # by shape signature (bytes per saved tensor)
-        self._plan: Plan | None = None  # the plan this step runs (or the last one made)
-        self._plan_ok = False  # this step matches the plan so far
-        self._rec: Recorder | EventCounter | None = None  # this step's timeline (planned policy)
-        self._record_full = False  # a step left its plan's shape: record in full until one is planned
-        self._by_ordinal: dict[int, weakref.ref[Entry]] = {}  # this step's entries, for the plan
-        self._plan_pending: list[weakref.ref[Entry]] = []  # planned for recompute, their call still running
-        self._plan_aim: dict[tuple[int, ...], int] = {}  # by signature: plan this far below the budget
-        self._replans: dict[tuple[int, ...], int] = {}  # by signature: plans that overshot
-        self._said_infeasible: set[tuple[int, ...]] = set()  # signatures whose budget no plan met (said once)
-        self._profiles: dict[tuple[int, ...], Any] = {}  # by signature: the profile its plans come from
-        # A plan that moves nothing: the steps entered through the pool run without its hooks (_rests)
-        self._resting = False
-        self._rest_never = False  # woken once: it rests no more
-        self._rest_calls: tuple = ()  # the resting plan's recorded calls
-        self._rest_k = 0  # the resting step's region calls so far
-        self._rest_params: list[weakref.ref] = []  # the model's parameters, and whether each needs grad
-        self._rest_grads: tuple[bool, ...] = ()
-        self._last_step_s = 0.0  # the last step's measured duration (host clock)
+        self.plans = PlanRunner(self)  # the planned policy's part: plans, the step's recorder, resting
         chosen = checked_treatments(treatments) if treatments is not None else ()
         self.treatments = {t.name: t for t in chosen or (Offload(), Recompute())}
         self._by_kind: dict[str, Treatment] = {}  # what the plan uses for each kind: the first given
@@ -181,6 +161,23 @@ class Pool(PlanRunner):
         self.rebuild_times = RebuildTimes()  # host seconds of each kind of rebuild, its own
         serve_to_top(self)
 
+    _rec = _Part("plans", "rec")
+    _plan = _Part("plans", "plan")
+    _plan_ok = _Part("plans", "plan_ok")
+    _plans = _Part("plans", "cached")
+    _profiles = _Part("plans", "profiles")
+    _resting = _Part("plans", "resting")
+    _rest_never = _Part("plans", "rest_never")
+    _rests = _Part("plans", "rests")
+    _rest_call = _Part("plans", "rest_call")
+    _note_call = _Part("plans", "note_call")
+    _plan_captures = _Part("plans", "captures")
+    _unseen_call = _Part("plans", "unseen_call")
+    _unseen_outputs = _Part("plans", "unseen_outputs")
+    _unseen_bytes = _Part("plans", "unseen_bytes")
+    _unseen_done = _Part("plans", "unseen_done")
+    _release_kept = _Part("plans", "release_kept")
+    _step_ended = _Part("plans", "step_ended")
     _entries = _Part("ledger", "entries")
     _device_bytes = _Part("ledger", "device_bytes")
     _kept_bytes = _Part("ledger", "kept_bytes")
@@ -212,7 +209,7 @@ class Pool(PlanRunner):
         self._start()
         self.budget.watch(+1)  # (first: the watermark since the last exit is not the step's, nor _rests')
         stack = self._local.__dict__.setdefault("stack", [])
-        if self._rests(outermost=not stack):
+        if self.plans.rests(outermost=not stack):
             stack.append(Resting())
         else:
             hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
@@ -223,7 +220,7 @@ class Pool(PlanRunner):
     def __exit__(self, *exc: Any) -> None:
         stack = self._local.stack
         stack.pop().__exit__(*exc)
-        if stack and isinstance(stack[-1], Resting) and not self._resting:  # woken inside: the hooks
+        if stack and isinstance(stack[-1], Resting) and not self.plans.resting:  # woken inside: the hooks
             stack[-1].wake(self)  # stay on in the context around
         self.budget.watch(-1)
 
@@ -248,7 +245,7 @@ class Pool(PlanRunner):
     def _own(self, fn: Any, *args: Any) -> Any:
         """`fn(*args)`, the pool's own work: a step being recorded takes its pace without it
         (Recorder.pause)."""
-        rec = self._rec
+        rec = self.plans.rec
         if rec is None or not rec.timing:
             return fn(*args)
         rec.pause()
@@ -268,8 +265,8 @@ class Pool(PlanRunner):
     def _pack_saved(self, t: torch.Tensor) -> Any:
         if self.compiled.saved_by_graph(t):
             return Kept(t)  # moving it would cost time and save nothing: compiled.py
-        if self._plan_ok and self.regions.top() is None:
-            packed = self._lean_pack(t)  # plan_run.py: a running plan's common saves, fast
+        if self.plans.plan_ok and self.regions.top() is None:
+            packed = self.plans.lean_pack(t)  # plan_run.py: a running plan's common saves, fast
             if packed is not None:
                 return packed
         packed = self._pack_tensor(t)
@@ -336,15 +333,15 @@ class Pool(PlanRunner):
                     self.ledger.touch(same)
                 if (
                     saved
-                    and self._rec is not None
-                    and self._rec.full
+                    and self.plans.rec is not None
+                    and self.plans.rec.full
                     and not self._saved_in_open_region(same)
                 ):
                     at = getattr(self.regions.top(), "start", None)
-                    self._rec.resaved.setdefault(same.ordinal, set()).add(at)
+                    self.plans.rec.resaved.setdefault(same.ordinal, set()).add(at)
                 return same
-            if self._plan_ok and step.ordinals + 1 in self._plan.lean:
-                kept = self._plan_kept(t, key, step)
+            if self.plans.plan_ok and step.ordinals + 1 in self.plans.plan.lean:
+                kept = self.plans.keep(t, key, step)
                 if kept is not None:
                     return kept
             seq = self.ledger.tick
@@ -360,12 +357,12 @@ class Pool(PlanRunner):
             self._counters["packed"] += 1
             self.budget.arm()
             self.ledger.add(e)
-            if self._rec is not None:
-                if self._rec.full:  # what an entry costs the host to make (its units' price: profile.py)
-                    self._rec.entry_s.append(time.perf_counter() - t0)
-                self._planned_pack(e)
-                if not saved and self._rec.full:  # a region's input, an entry only for its replay
-                    self._rec.capture_made.add(e.ordinal)
+            if self.plans.rec is not None:
+                if self.plans.rec.full:  # what an entry costs the host to make (its units' price: profile.py)
+                    self.plans.rec.entry_s.append(time.perf_counter() - t0)
+                self.plans.planned_pack(e)
+                if not saved and self.plans.rec.full:  # a region's input, an entry only for its replay
+                    self.plans.rec.capture_made.add(e.ordinal)
             return e
 
     def _unpack(self, packed: Any) -> torch.Tensor:
@@ -376,7 +373,7 @@ class Pool(PlanRunner):
 
     def _unpack_saved(self, packed: Any) -> torch.Tensor:
         if type(packed) is PlanKept:
-            return self._unpack_kept(packed)
+            return self.plans.unpack_kept(packed)
         if type(packed) is Kept:
             self._backward_began()
             if self.regions.phase == "profiling":  # backward began, and maybe no entry was saved at all
@@ -392,9 +389,9 @@ class Pool(PlanRunner):
             event = self._used(packed)
             t = self._materialize(packed)
             self.ledger.touch(packed)
-            if self._plan_ok:
+            if self.plans.plan_ok:
                 if event is not None:
-                    self._plan_events(event)
+                    self.plans.run_events(event)
             else:
                 self.budget.prefetch_before(packed)
             return t
@@ -404,16 +401,16 @@ class Pool(PlanRunner):
         event of the step being recorded or run by a plan (None for a later use)."""
         if x.step.backward_s is None:
             x.step.unpacked()
-        if self._rec is None or x.step is not self.clock.step:
+        if self.plans.rec is None or x.step is not self.clock.step:
             return None
-        return self._rec.used(x.ordinal, self.budget.used_bytes())
+        return self.plans.rec.used(x.ordinal, self.budget.used_bytes())
 
     def _forget(self, x: Entry | PlanKept) -> None:
         """`x` died (under the lock): its dedup key goes (unless a newer save holds it) and the step
         being recorded notes its end."""
         self.ledger.forget(x)
-        if self._rec is not None and x.step is self.clock.step:
-            self._rec.died(x.ordinal)
+        if self.plans.rec is not None and x.step is self.clock.step:
+            self.plans.rec.died(x.ordinal)
 
     def _unpack_input(self, packed: Any) -> Any:
         """A region's input for its replay (materialized; recursively replayed if it was dropped)."""
@@ -442,21 +439,21 @@ class Pool(PlanRunner):
             self._region_done_locked(region, outputs)
 
     def _region_done_locked(self, region: Any, outputs: list | None) -> None:
-        if self._rec is not None and self._rec.full and region is not None:
-            self._rec.call_outputs[region.start] = self._own_outputs(region.start, outputs or [])
-            self._rec.call_slots[region.start] = region.places
+        if self.plans.rec is not None and self.plans.rec.full and region is not None:
+            self.plans.rec.call_outputs[region.start] = self._own_outputs(region.start, outputs or [])
+            self.plans.rec.call_slots[region.start] = region.places
             own = [
                 x
                 for ref in region.slots
                 if ref is not None and (x := ref()) is not None and x.recipe is region
             ]
             regions, module = self.regions, region.module
-            self._plan_recipe(
+            self.plans.note_recipe(
                 region, own, lambda: regions.cost_s(module), start=region.start, end=self.clock.step.ordinals
             )
-        if self._plan_pending:
+        if self.plans.pending:
             still = []
-            for ref in self._plan_pending:
+            for ref in self.plans.pending:
                 x = ref()
                 if x is None or x.recipe is None or x.state is not State.RESIDENT:
                     continue
@@ -464,7 +461,7 @@ class Pool(PlanRunner):
                     self._leave(x, self._by_kind["recompute"])
                 else:
                     still.append(ref)
-            self._plan_pending = still
+            self.plans.pending = still
         self.budget.fit()
 
     def _leave(self, e: Entry, t: Treatment) -> bool:
@@ -480,8 +477,8 @@ class Pool(PlanRunner):
             )
         e.treatment = t
         self.ledger.left(e, t, t.device_bytes(e))
-        if self._rec is not None and e.step is self.clock.step:
-            self._rec.left(e.ordinal, e.nbytes - t.device_bytes(e))
+        if self.plans.rec is not None and e.step is self.clock.step:
+            self.plans.rec.left(e.ordinal, e.nbytes - t.device_bytes(e))
         self.clock.left = True
         return True
 
@@ -517,7 +514,7 @@ class Pool(PlanRunner):
         block replay was priced at 100 ms so on an H100, and the plan never replayed a block."""
         if not self.cuda:
             return True
-        if self._rec is None or not self._rec.full:
+        if self.plans.rec is None or not self.plans.rec.full:
             return False
         return torch.cuda.current_stream(self.device).query()
 
@@ -529,8 +526,8 @@ class Pool(PlanRunner):
             with self._lock:
                 payload = self.ledger.release(e)
                 self._forget(e)
-                if payload is not None and self._rec is not None and e.step is self.clock.step:
-                    self._rec.left(e.ordinal, payload - e.nbytes)
+                if payload is not None and self.plans.rec is not None and e.step is self.clock.step:
+                    self.plans.rec.left(e.ordinal, payload - e.nbytes)
                 if e.treatment is not None:
                     e.treatment.forget(self, e)
         except Exception:  # noqa: BLE001  (interpreter shutdown: CUDA or modules may be gone)
@@ -547,8 +544,8 @@ class Pool(PlanRunner):
                 e.treatment.events[1], e.nbytes, tensor.data_ptr(), self.device_index, e.seq, "activation"
             )
         payload = e.treatment.device_bytes(e)
-        if self._rec is not None and e.step is self.clock.step:
-            self._rec.left(e.ordinal, payload - e.nbytes)
+        if self.plans.rec is not None and e.step is self.clock.step:
+            self.plans.rec.left(e.ordinal, payload - e.nbytes)
         self.budget.arm()
         self.ledger.came_back(e, payload, tensor, event)
 
@@ -636,7 +633,7 @@ class Pool(PlanRunner):
                 "copy_seconds": copy_seconds,
                 "wait_seconds": c.wait_seconds,
                 "hidden_fraction": max(0.0, 1 - c.wait_seconds / copy_seconds) if copy_seconds else 1.0,
-                "plan": self._plan_stats(),
+                "plan": self.plans.stats(),
             }
 
     def synchronize(self) -> None:

@@ -46,7 +46,7 @@ class Step:
         self.ordinals = 0
         self.saved_bytes = 0
         self.offloaded = 0  # bytes sent to host in this step's forward
-        # outputs of calls the pool did not see, for their next save (PlanRunner._unseen_outputs)
+        # outputs of calls the pool did not see, for their next save (PlanRunner.unseen_outputs)
         self.held: list = []
         # the plan that decided the step's first call, where a region call came before the step opened
         # (a call at the very start of the forward: the step opens inside it, and may plan the shape
@@ -100,13 +100,13 @@ class StepClock:
             pool.budget.learn_margin()  # a new step begins: the last one's peak is known
             pool.copies.collect()  # finished copy timings: the link rate the policy prices copies at
             if s is not None:
-                pool._step_ended(s)
+                pool.plans.step_ended(s)
             self.capture = self.needed_last_step()
             self.left = False
             self.steps += 1
             s = self.step = Step(self.steps, pool.cuda)
             s.early_plan, self.early_plan = self.early_plan, NO_EARLY_CALL
-            pool._step_opened()
+            pool.plans.step_opened()
         return s
 
     def between(self) -> bool:
@@ -137,20 +137,21 @@ class StepClock:
         calls the plan replays or runs unseen, known by that count: capturing the rest cost ~40 us
         each on a CPU for nothing, on the host that bounds a planned step."""
         pool = self._pool
+        plans = pool.plans
         s = self.step
         if self.between():
-            self.early_plan = pool._plan  # what decides this call (the step opens later: Step.early_plan)
+            self.early_plan = plans.plan  # what decides this call (the step opens later: Step.early_plan)
             if not self.needed_last_step():
                 return None
-            if pool._record_full or pool._plan is None or not pool.planning:
+            if plans.record_full or plans.plan is None or not pool.planning:
                 return 0
             # the step's shape is not known yet: captured if a plan of any shape may replay it
-            plans = pool._plans.values()
-            return 0 if any(not p.feasible or p.captured(0) for p in plans) else None
+            cached = plans.cached.values()
+            return 0 if any(not p.feasible or p.captured(0) for p in cached) else None
         else:
             if not self.capture:
                 return None
-            start, plan = s.ordinals, pool._plan if pool._plan_ok and not pool._rec.full else None
+            start, plan = s.ordinals, plans.plan if plans.plan_ok and not plans.rec.full else None
         if plan is None or not pool.planning or not plan.feasible:
             return start
         return start if plan.captured(start) else None
