@@ -66,7 +66,12 @@ def time_hooks() -> None:
     """Host seconds spent in the pool's hooks (outermost calls only) and in Python's garbage collector."""
     from supermem.tensor_pool import Pool, budget, ledger, plan_run
 
-    owners = {"Pool": Pool, "Ledger": ledger.Ledger, "Budget": budget.Budget, "PlanRunner": plan_run.PlanRunner}
+    owners = {
+        "Pool": Pool,
+        "Ledger": ledger.Ledger,
+        "Budget": budget.Budget,
+        "PlanRunner": plan_run.PlanRunner,
+    }
     for owner, name in HOOKED:
         fn = getattr(owners[owner], name)
 
