@@ -60,7 +60,8 @@ class Budget:
             self.alloc = device_allocator(pool.device.index)
         return self.alloc
 
-    def register_pressure_handler(self, handler: Callable[[int], int]) -> None:
+    def register_pressure_handler(self) -> None:
+        """The pool's pressure handler (Pool._on_pressure, held weakly) joins its device's allocator."""
         pool = self._pool()
         if self.pressure_registered or not pool.cuda:
             return
@@ -71,7 +72,7 @@ class Budget:
 
             # its own device's allocator only: under DDP each rank's pool, and in one process one pool
             # per device, offloads only where memory is short
-            _C.plugin_add_pressure_handler(handler, pool.device.index)
+            _C.plugin_add_pressure_handler(_weak_method(pool._on_pressure), pool.device.index)
             self.pressure_registered = True
 
     def keep(self) -> None:
@@ -252,8 +253,8 @@ class Budget:
         pool = self._pool()
         if pool.cuda and torch.cuda.is_current_stream_capturing():
             return 0
-        if pool.plans.resting:
-            pool.plans.wake()  # (it holds nothing: the step goes over, its next one is the pool's)
+        if pool.rest.resting:
+            pool.rest.wake()  # (it holds nothing: the step goes over, its next one is the pool's)
         with pool._lock:  # the frames belong to the thread holding it (a rebuild's, maybe)
             t0 = time.perf_counter()
             pool.rebuild_times.frames.append(0.0)  # not a rebuild's own time, when one's allocation called it
@@ -319,3 +320,14 @@ def _drop_soft_limit(alloc: Any, budget: int) -> None:
             alloc.soft_limit_bytes = 0
     except Exception:  # noqa: BLE001  (interpreter shutdown)
         pass
+
+
+def _weak_method(method: Any) -> Any:
+    """A callable that does not keep the pool alive (the allocator holds it for the process)."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args: Any) -> Any:
+        m = ref()
+        return m(*args) if m is not None else 0
+
+    return call

@@ -147,6 +147,23 @@ class Ledger:
                     break
         return out
 
+    def by_state(self, treatments: Any) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
+        """Bytes and entries by state, and bytes off the device by the name of the treatment holding
+        them (one key per name in `treatments` at least). A leaving entry whose copy landed is away."""
+        nbytes = {s.value: 0 for s in State}
+        count = {s.value: 0 for s in State}
+        away = {name: 0 for name in treatments}
+        for ref in self.entries.values():
+            e = ref()
+            if e is not None:
+                if e.state is State.LEAVING and (e.event is None or e.event.query()):
+                    e.state = State.AWAY
+                nbytes[e.state.value] += e.nbytes
+                count[e.state.value] += 1
+                if e.state is not State.RESIDENT and e.treatment is not None:
+                    away[e.treatment.name] = away.get(e.treatment.name, 0) + e.nbytes
+        return nbytes, count, away
+
     def check(self, port: Any) -> None:
         """Walks the entries (the caller holds the pool's lock); AssertionError if the books or a
         treatment's invariant (asked through `port`, the pool) are off."""

@@ -6,7 +6,7 @@ later step of that shape gets the plan's treatment for its ordinal, and the even
 to that point run: backpressure (the compute stream waits for a copy before a spike) and prefetches.
 A step whose saves leave the plan's shape finds a cached plan of the new shape or is recorded again;
 a planned step that still rose over the budget is planned again from its profile, lower. The runner
-holds the plans, the cache, the step's recorder and the resting state; the entries, the budget, the step
+holds the plans, the cache and the step's recorder; the entries, the budget, the step
 clock and the counters it reaches through the pool that owns it.
 """
 
@@ -40,34 +40,9 @@ MAX_REPLANS = 3  # per shape: a plan that keeps missing stays (the reactive fall
 MAX_PLANS = 64  # plans cached, one per shape signature
 
 
-_top_hooks = tp.top_saved_hooks
-
-
-class Resting:
-    """A context of the pool entered while it rests: no hooks on, unless it is woken inside (wake)."""
-
-    __slots__ = ("top", "hooks")
-
-    def __init__(self) -> None:
-        self.top = _top_hooks(False) if _top_hooks is not None else None  # what a wake pushes on
-        self.hooks: Any = None
-
-    def wake(self, pool: Any) -> None:
-        """The pool's hooks on from here, unless other hooks were pushed since the entry (they would be
-        popped first, with the pool's above them): then from the next step."""
-        if self.hooks is None and _top_hooks is not None and _top_hooks(False) == self.top:
-            hooks = torch.autograd.graph.saved_tensors_hooks(pool._pack, pool._unpack)
-            hooks.__enter__()  # (it may raise: under disable_saved_tensors_hooks)
-            self.hooks = hooks
-
-    def __exit__(self, *exc: Any) -> None:
-        if self.hooks is not None:
-            self.hooks.__exit__(*exc)
-
-
 class PlanRunner:
-    """The planned policy's part of the pool (Pool.plans): the plans by shape, the step's recorder
-    and the resting state; it holds the pool weakly (the pool owns it) and reaches it for the rest."""
+    """The planned policy's part of the pool (Pool.plans): the plans by shape and the step's recorder;
+    it holds the pool weakly (the pool owns it) and reaches it for the rest."""
 
     def __init__(self, pool: Any) -> None:
         self._pool = weakref.ref(pool)
@@ -82,61 +57,7 @@ class PlanRunner:
         self.replans: dict[tuple[int, ...], int] = {}  # by signature: plans that overshot
         self.said_infeasible: set[tuple[int, ...]] = set()  # signatures whose budget no plan met (said once)
         self.profiles: dict[tuple[int, ...], Any] = {}  # by signature: the profile its plans come from
-        # A plan that moves nothing: the steps entered through the pool run without its hooks (rests)
-        self.resting = False
-        self.rest_never = False  # woken once: it rests no more
-        self.rest_calls: tuple = ()  # the resting plan's recorded calls
-        self.rest_k = 0  # the resting step's region calls so far
-        self.rest_params: list[weakref.ref] = []  # the model's parameters, and whether each needs grad
-        self.rest_grads: tuple[bool, ...] = ()
         self.last_step_s = 0.0  # the last step's measured duration (host clock)
-
-    def rests(self, outermost: bool) -> bool:
-        """At the entry of the pool's context: whether the step runs without the pool's hooks, as if
-        the pool were not there. So it does once a step ran a plan that moves nothing (Plan.idle) whole
-        and within the budget, while the pool has seen one shape only. Without hooks it sees no save,
-        so it watches what would change them: each region call must be the recorded step's call of
-        that place in the step (module, argument shapes, dtypes and requires_grad: Regions._pre), and
-        the model's parameters must need grad as they did; else, or at the allocator's pressure, it
-        wakes for good. Running such a plan still cost the host ~100 us a region call (on an H200
-        GPT-24 at 90% of its peak: 1.07x native)."""
-        pool = self._pool()
-        if self.resting:
-            if outermost:
-                if self.grad_flags() != self.rest_grads:
-                    self.wake()  # (a frozen layer thawed: saves the plan never saw)
-                    return False
-                self.rest_k = 0
-                pool._counters["rest_steps"] += 1
-            return True
-        plan = self.plan
-        if not outermost or self.rest_never or not pool.planning or pool.always_active or plan is None:
-            return False
-        calls = getattr(self.profiles.get(plan.signature), "calls", None)
-        if not plan.idle or not calls or not self.plan_ok or self.rec is None or self.rec.full:
-            return False
-        with pool._lock:
-            s = pool.clock.step
-            if (
-                len(self.cached) != 1
-                or s is None
-                or s.ordinals != len(plan.signature)
-                or not pool.clock.between()
-            ):
-                return False
-            pool.clock.current()  # the step ends here: measured, judged against the budget
-            if self.plan is not plan or not self.plan_ok or pool.budget.last_peak_bytes > pool.budget_bytes:
-                return False
-            self.resting = True  # (this step counts in "steps", the next ones in "rest_steps")
-            self.rest_calls, self.rest_k = calls, 0
-            self.rest_params = [
-                weakref.ref(w) for r in pool.regions.roots if (m := r()) for w in m.parameters()
-            ]
-            self.rest_grads = self.grad_flags()
-        return True
-
-    def grad_flags(self) -> tuple[bool, ...]:
-        return tuple(w is not None and w.requires_grad for w in (r() for r in self.rest_params))
 
     def note_call(self, call: tuple) -> None:
         """A region call captured: (id(module), kind), in the recorded step's sequence that a resting
@@ -149,24 +70,6 @@ class PlanRunner:
             pool.regions.early_calls.append(call)
         elif self.rec is not None and self.rec.full:
             self.rec.calls.append(call)
-
-    def rest_call(self, call: tuple) -> None:
-        """A region call with grad on, inside the resting pool: the step's k-th must be the recorded
-        step's k-th, or its saves are not the plan's (a shape, the number of calls, a part of the
-        model that now needs grad): it wakes."""
-        k, self.rest_k = self.rest_k, self.rest_k + 1
-        if k >= len(self.rest_calls) or self.rest_calls[k] != call:
-            self.wake()
-
-    def wake(self) -> None:
-        """The pool rests no more; this thread's context, if it rests, has its hooks on from here."""
-        pool = self._pool()
-        self.resting, self.rest_never = False, True
-        self.rest_params = []
-        pool._counters["rest_wakes"] += 1
-        stack = getattr(pool._local, "stack", None)
-        if stack and isinstance(stack[-1], Resting):
-            stack[-1].wake(pool)
 
     def planned_pack(self, e: Entry) -> None:
         """Records the pack; runs the plan's treatment for it and whatever the plan set for this event."""
@@ -329,6 +232,45 @@ class PlanRunner:
                 pool._forget(k)
         except Exception:  # noqa: BLE001  (interpreter shutdown)
             pass
+
+    def region_done(self, region: Any, outputs: list | None) -> None:
+        """A region's call returned (under the lock): a recorded step notes its outputs, places and
+        recipe; entries the plan drops whose call was still running leave now."""
+        pool = self._pool()
+        if self.rec is not None and self.rec.full and region is not None:
+            self.rec.call_outputs[region.start] = self.own_outputs(region.start, outputs or [])
+            self.rec.call_slots[region.start] = region.places
+            own = [
+                x
+                for ref in region.slots
+                if ref is not None and (x := ref()) is not None and x.recipe is region
+            ]
+            regions, module = pool.regions, region.module
+            self.note_recipe(
+                region, own, lambda: regions.cost_s(module), start=region.start, end=pool.clock.step.ordinals
+            )
+        if self.pending:
+            still = []
+            for ref in self.pending:
+                x = ref()
+                if x is None or x.recipe is None or x.state is not State.RESIDENT:
+                    continue
+                if x.recipe.ready:
+                    pool._leave(x, pool._by_kind["recompute"])
+                else:
+                    still.append(ref)
+            self.pending = still
+
+    def own_outputs(self, start: int, outputs: list) -> tuple[tuple[int, int], ...]:
+        """(ordinal, index among `outputs`) of each output tensor the call starting after `start` saves
+        saved itself (Profile.call_outputs)."""
+        ledger = self._pool().ledger
+        out = []
+        for k, t in enumerate(outputs):
+            e = ledger.saved(dedup_key(t))
+            if e is not None and e.source() is t and getattr(e, "ordinal", 0) > start:
+                out.append((e.ordinal, k))
+        return tuple(out)
 
     def note_recipe(
         self,
@@ -524,7 +466,7 @@ class PlanRunner:
             "untreated_peak_bytes": p.untreated_peak_bytes,
             "untreated_step_s": p.untreated_step_s,
             "plans_cached": len(self.cached),
-            "resting": self.resting,  # its steps run without the pool (_rests), unmeasured
+            "resting": pool.rest.resting,  # its steps run without the pool (rest.py), unmeasured
         }
 
 

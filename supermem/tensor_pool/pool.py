@@ -21,19 +21,15 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-import weakref
 from collections.abc import Iterator
 from typing import Any
 
-import psutil
 import torch
 
 from .. import costs, events
-from ..errors import ConfigError
-from ..policies import make_policy
 from ..transfer.copy import CopyEngine
 from ..transfer.host import shared_host_pool
-from ..units import format_bytes, parse_bytes
+from ..units import format_bytes
 from .budget import CANDIDATES, Budget  # noqa: F401  (CANDIDATES: read here by tests)
 from .cast import Cast, autocast_copy_of
 from .compiled import CompiledGraphs
@@ -41,9 +37,11 @@ from .entry import Entry, Kept, PlanKept, State, alive_anyway, check_version, de
 from .labels import label, recording
 from .ledger import Ledger
 from .op_replay import OpReplays
-from .plan_run import PlanRunner, Resting
+from .options import budget_bytes_of, check_graphs_and_min_bytes, device_of, host_bytes_of, policy_of
+from .plan_run import PlanRunner
 from .rebuild_times import RebuildTimes
 from .regions import Regions
+from .rest import Rest, Resting
 from .stats import COUNTERS, PoolStats
 from .step import StepClock
 from .top import serve_to_top
@@ -64,6 +62,10 @@ class _Part:
 
     def __set__(self, pool: Any, value: Any) -> None:
         setattr(getattr(pool, self.part), self.name, value)
+
+
+def _parts(part: str, names: str) -> tuple[_Part, ...]:
+    return tuple(_Part(part, name) for name in names.split())
 
 
 class Pool:
@@ -97,33 +99,18 @@ class Pool:
         treatments: tuple[Treatment | str, ...] | str | None = None,
         graphs: bool = True,
     ):
-        if device is None:
-            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
-        self.device = torch.device(device)
+        self.device = device_of(device)
         self.cuda = self.device.type == "cuda"
-        if self.device.type != "cpu" and not (self.cuda and torch.cuda.is_available()):
-            raise ConfigError(f"bad pool option device={device!r}: give cpu, or cuda where PyTorch has CUDA")
-        if self.cuda and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
         total = torch.cuda.get_device_properties(self.device).total_memory if self.cuda else None
         self._device_total = total
-        if budget is not None and total is None and _is_fraction(budget):
-            raise ConfigError(
-                f"bad pool option budget={budget!r}: a fraction or percentage needs a device total, and "
-                f"{self.device} has no device memory to take it of; give bytes (e.g. 64MiB)"
-            )
-        self.budget_bytes = None if budget is None else _size("budget", budget, total)
-        if policy is None:  # a plan needs a budget to plan under
-            policy = "planned" if budget is not None else "cost_aware"
-        self.policy = _checked("policy", make_policy, policy)
-        if not isinstance(graphs, bool):
-            raise ConfigError(f"bad pool option graphs={graphs!r}: give True or False")
-        if min_bytes is not None and (type(min_bytes) is not int or min_bytes < 0):
-            raise ConfigError(f"bad pool option min_bytes={min_bytes!r}: give an int >= 0 (bytes)")
+        self.budget_bytes = budget_bytes_of(budget, total, self.device)
+        self.policy = policy_of(policy, budget)
+        check_graphs_and_min_bytes(graphs, min_bytes)
         self.graphs = graphs
         self._light_graphs: Any = None  # LightGraphs, made at the first light call on CUDA
         self.planning = self.policy.plans
-        self.plans = PlanRunner(self)  # the planned policy's part: plans, the step's recorder, resting
+        self.rest = Rest(self)  # a plan that moves nothing: its steps run without the hooks
+        self.plans = PlanRunner(self)  # the planned policy's part: plans by shape, the step's recorder
         chosen = checked_treatments(treatments) if treatments is not None else ()
         self.treatments = {t.name: t for t in chosen or (Offload(), Recompute())}
         self._by_kind: dict[str, Treatment] = {}  # what the plan uses for each kind: the first given
@@ -135,9 +122,7 @@ class Pool:
             (t for t in self.treatments.values() if t.rebuilds and t.kind in self.policy.kinds), None
         )
         self._settlers = [t for t in self.treatments.values() if type(t).settle is not Treatment.settle]
-        host_bytes = _size(
-            "host_limit", "50%" if host_limit is None else host_limit, psutil.virtual_memory().total
-        )
+        host_bytes = host_bytes_of(host_limit)
         self.host = shared_host_pool(self.device, host_bytes)  # one per device, shared with the streamer
         self.copies = CopyEngine(self.device)
         self.host.copy_streams.update(self.copies.stream_ids)
@@ -161,45 +146,21 @@ class Pool:
         self.rebuild_times = RebuildTimes()  # host seconds of each kind of rebuild, its own
         serve_to_top(self)
 
-    _rec = _Part("plans", "rec")
-    _plan = _Part("plans", "plan")
-    _plan_ok = _Part("plans", "plan_ok")
-    _plans = _Part("plans", "cached")
-    _profiles = _Part("plans", "profiles")
-    _resting = _Part("plans", "resting")
-    _rest_never = _Part("plans", "rest_never")
-    _rests = _Part("plans", "rests")
-    _rest_call = _Part("plans", "rest_call")
-    _note_call = _Part("plans", "note_call")
-    _plan_captures = _Part("plans", "captures")
-    _unseen_call = _Part("plans", "unseen_call")
-    _unseen_outputs = _Part("plans", "unseen_outputs")
-    _unseen_bytes = _Part("plans", "unseen_bytes")
-    _unseen_done = _Part("plans", "unseen_done")
-    _release_kept = _Part("plans", "release_kept")
-    _step_ended = _Part("plans", "step_ended")
-    _entries = _Part("ledger", "entries")
-    _device_bytes = _Part("ledger", "device_bytes")
-    _kept_bytes = _Part("ledger", "kept_bytes")
-    _unseen_live = _Part("ledger", "unseen_live")
-    _in_use = _Part("ledger", "in_use")
-    _step_peak = _Part("ledger", "step_peak")
-    _resident_entries = _Part("ledger", "resident_entries")
-    _note_peak = _Part("ledger", "note_peak")
-    _step = _Part("clock", "step")
-    _between_steps = _Part("clock", "between")
-    _fit_budget = _Part("budget", "fit")
-    _target = _Part("budget", "target")
-    _used_bytes = _Part("budget", "used_bytes")
-    _soft = _Part("budget", "soft")
-    _alloc = _Part("budget", "alloc")
+    # The parts' members under their old names, which the package and the tests still use (_Part)
+    _rec, _plan, _plan_ok, _plans, _profiles = _parts("plans", "rec plan plan_ok cached profiles")
+    _note_call, _plan_captures, _release_kept = _parts("plans", "note_call captures release_kept")
+    _unseen_call, _unseen_outputs = _parts("plans", "unseen_call unseen_outputs")
+    _unseen_bytes, _unseen_done, _step_ended = _parts("plans", "unseen_bytes unseen_done step_ended")
+    _resting, _rest_never, _rests, _rest_call = _parts("rest", "resting never enter call")
+    _entries, _device_bytes, _kept_bytes, _in_use = _parts("ledger", "entries device_bytes kept_bytes in_use")
+    _unseen_live, _step_peak = _parts("ledger", "unseen_live step_peak")
+    _resident_entries, _note_peak = _parts("ledger", "resident_entries note_peak")
+    _step, _between_steps = _parts("clock", "step between")
+    _fit_budget, _target, _used_bytes = _parts("budget", "fit target used_bytes")
+    _margin, _last_peak_bytes, _soft, _alloc = _parts("budget", "margin last_peak_bytes soft alloc")
     _pressure_registered = _Part("budget", "pressure_registered")
-    _margin = _Part("budget", "margin")
-    _last_peak_bytes = _Part("budget", "last_peak_bytes")
-    _frames = _Part("rebuild_times", "frames")
-    _frame_end = _Part("rebuild_times", "frame_end")
-    _host_cost_s = _Part("rebuild_times", "cost_s")
-    _host_s = _Part("rebuild_times", "samples")
+    _register_pressure_handler = _Part("budget", "register_pressure_handler")
+    _frames, _frame_end, _host_cost_s, _host_s = _parts("rebuild_times", "frames frame_end cost_s samples")
 
     # ------------------------------------------------------------------ activation
 
@@ -209,7 +170,7 @@ class Pool:
         self._start()
         self.budget.watch(+1)  # (first: the watermark since the last exit is not the step's, nor _rests')
         stack = self._local.__dict__.setdefault("stack", [])
-        if self.plans.rests(outermost=not stack):
+        if self.rest.enter(outermost=not stack):
             stack.append(Resting())
         else:
             hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
@@ -220,21 +181,18 @@ class Pool:
     def __exit__(self, *exc: Any) -> None:
         stack = self._local.stack
         stack.pop().__exit__(*exc)
-        if stack and isinstance(stack[-1], Resting) and not self.plans.resting:  # woken inside: the hooks
+        if stack and isinstance(stack[-1], Resting) and not self.rest.resting:  # woken inside: the hooks
             stack[-1].wake(self)  # stay on in the context around
         self.budget.watch(-1)
 
     def _start(self) -> None:
-        self._register_pressure_handler()
+        self.budget.register_pressure_handler()
         self.budget.keep()
         if self._rebuilder is not None:
             self.regions.start_profiling()
 
     def _active_here(self) -> bool:
         return self.always_active or bool(getattr(self._local, "stack", None))
-
-    def _register_pressure_handler(self) -> None:
-        self.budget.register_pressure_handler(_weak_method(self._on_pressure))
 
     def _on_pressure(self, need_bytes: int) -> int:
         """The allocator's pressure handler (Budget.on_pressure), weakly held by it."""
@@ -301,16 +259,6 @@ class Pool:
         ):
             return Kept(t)
         return None
-
-    def _own_outputs(self, start: int, outputs: list) -> tuple[tuple[int, int], ...]:
-        """(ordinal, index among `outputs`) of each output tensor the call starting after `start` saves
-        saved itself (Profile.call_outputs)."""
-        out = []
-        for k, t in enumerate(outputs):
-            e = self.ledger.saved(dedup_key(t))
-            if e is not None and e.source() is t and getattr(e, "ordinal", 0) > start:
-                out.append((e.ordinal, k))
-        return tuple(out)
 
     def _saved_in_open_region(self, e: Any) -> bool:
         """Whether `e` was first saved inside the region call open now (saved again, by that call)."""
@@ -436,33 +384,8 @@ class Pool:
         # by its weak references while its __del__ waits for the lock (found with two threads training
         # through one pool: an entry left with its tensor gone, 'NoneType' has no attribute 'data_ptr').
         with self._lock:
-            self._region_done_locked(region, outputs)
-
-    def _region_done_locked(self, region: Any, outputs: list | None) -> None:
-        if self.plans.rec is not None and self.plans.rec.full and region is not None:
-            self.plans.rec.call_outputs[region.start] = self._own_outputs(region.start, outputs or [])
-            self.plans.rec.call_slots[region.start] = region.places
-            own = [
-                x
-                for ref in region.slots
-                if ref is not None and (x := ref()) is not None and x.recipe is region
-            ]
-            regions, module = self.regions, region.module
-            self.plans.note_recipe(
-                region, own, lambda: regions.cost_s(module), start=region.start, end=self.clock.step.ordinals
-            )
-        if self.plans.pending:
-            still = []
-            for ref in self.plans.pending:
-                x = ref()
-                if x is None or x.recipe is None or x.state is not State.RESIDENT:
-                    continue
-                if x.recipe.ready:
-                    self._leave(x, self._by_kind["recompute"])
-                else:
-                    still.append(ref)
-            self.plans.pending = still
-        self.budget.fit()
+            self.plans.region_done(region, outputs)
+            self.budget.fit()
 
     def _leave(self, e: Entry, t: Treatment) -> bool:
         """Takes a resident entry off the device by treatment `t`; False when `t` cannot."""
@@ -533,8 +456,6 @@ class Pool:
         except Exception:  # noqa: BLE001  (interpreter shutdown: CUDA or modules may be gone)
             pass
 
-    # ------------------------------------------------------------------ costs (for the policy)
-
     # ------------------------------------------------------------------ the port (port.py)
 
     def arrived(self, e: Entry, tensor: torch.Tensor, event: Any) -> None:
@@ -597,18 +518,7 @@ class Pool:
         copy time that compute did not wait for (hidden_fraction). Reads finished copy timings; does
         not sync."""
         with self._lock:
-            by_state = {s.value: 0 for s in State}
-            count = {s.value: 0 for s in State}
-            away = {name: 0 for name in self.treatments}
-            for ref in self.ledger.entries.values():
-                e = ref()
-                if e is not None:
-                    if e.state is State.LEAVING and (e.event is None or e.event.query()):
-                        e.state = State.AWAY
-                    by_state[e.state.value] += e.nbytes
-                    count[e.state.value] += 1
-                    if e.state is not State.RESIDENT and e.treatment is not None:
-                        away[e.treatment.name] = away.get(e.treatment.name, 0) + e.nbytes
+            by_state, count, away = self.ledger.by_state(self.treatments)
             c = self.copies.collect()
             copy_seconds = c.d2h_seconds + c.h2d_seconds
             return {
@@ -661,31 +571,3 @@ class Pool:
             self._counters = dict.fromkeys(self._counters, 0)
             self._prefetched_bytes = 0
             self.ledger.peak_resident_bytes = self.ledger.device_bytes + self.ledger.kept_bytes
-
-
-def _checked(name: str, parse: Any, value: Any) -> Any:
-    try:
-        return parse(value)
-    except ValueError as e:
-        raise ConfigError(f"bad pool option {name}={value!r}: {e}") from None
-
-
-def _is_fraction(value: Any) -> bool:
-    return (isinstance(value, float) and 0 < value <= 1) or (
-        isinstance(value, str) and value.strip().endswith("%")
-    )
-
-
-def _size(name: str, value: Any, total: int | None) -> int:
-    return _checked(name, lambda v: parse_bytes(v, total), value)
-
-
-def _weak_method(method: Any) -> Any:
-    """A callable that does not keep the pool alive (the allocator holds it for the process)."""
-    ref = weakref.WeakMethod(method)
-
-    def call(*args: Any) -> Any:
-        m = ref()
-        return m(*args) if m is not None else 0
-
-    return call
