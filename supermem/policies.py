@@ -52,7 +52,7 @@ class Policy:
         chosen: list[Choice] = []
         taken: set[int] = set()
         total = 0
-        usable = [c for c in choices if c.nbytes > 0]  # (the pool asks only its kinds: Pool._choices)
+        usable = [c for c in choices if c.nbytes > 0]  # (the pool asks only its kinds: Budget.choices)
         for c in sorted(usable, key=lambda c: self.score(c, now)):
             if total >= need_bytes:
                 break

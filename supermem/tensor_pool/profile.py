@@ -191,7 +191,7 @@ class EventCounter:
     event numbers, which this finds by the save and the first use of each ordinal (`event_of`), not
     by counting: the saves inside a call the plan checkpoints are not seen. What a Recorder keeps
     besides is for making a plan, and this step runs one (a step that leaves the plan's shape makes
-    the next steps record in full: PlanRunner._step_ended). With `tail_from` (the profile's last event)
+    the next steps record in full: PlanRunner.step_ended). With `tail_from` (the profile's last event)
     it times the step's tail from there to the next step's first save, as a Recorder times a segment
     (`tail()`: Profile.tail_s)."""
 

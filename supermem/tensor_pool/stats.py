@@ -4,6 +4,32 @@ from __future__ import annotations
 
 from typing import TypedDict
 
+# Pool.stats()'s counters, zeroed by reset_stats()
+COUNTERS = (
+    "packed",
+    "offloads",
+    "dropped",
+    "recomputes",
+    "prefetches",
+    "sync_restores",
+    "host_full",
+    "pressure_calls",
+    "backpressure_waits",
+    "plans",
+    "replans",
+    "plan_misses",
+    "light_calls",
+    "bypassed_calls",
+    "lean_calls",
+    "lean_drops",
+    "replays",
+    "graph_replays",
+    "rest_steps",
+    "rest_wakes",
+    "offloaded_bytes",
+    "dropped_bytes",
+)
+
 
 class PlanStats(TypedDict):
     """The running plan's predictions beside the last step's measurements (planned policy)."""

@@ -38,8 +38,8 @@ PIECES = (  # (module, class or None, attribute)
     ("call_state", "CallState", "__init__"),
     ("light_graphs", "LightGraphs", "note"),
     ("pool", "Pool", "_pack"),
-    ("pool", "Pool", "_unseen_call"),
-    ("pool", "Pool", "_unseen_outputs"),
+    ("plan_run", "PlanRunner", "unseen_call"),
+    ("plan_run", "PlanRunner", "unseen_outputs"),
     ("pool", "Pool", "_region_start"),
 )
 

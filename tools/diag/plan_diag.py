@@ -56,17 +56,24 @@ def spy() -> None:
     Planned.solve = solve_spy
 
 
-HOOKED = ("_pack", "_unpack", "_add_resident", "_fit_budget", "_planned_pack", "_prefetch_before")
-HOOKED += ("_on_pressure",)
+# (the pool's class or the part holding the method, its name)
+HOOKED = (("Pool", "_pack"), ("Pool", "_unpack"), ("Ledger", "add_resident"), ("Budget", "fit"))
+HOOKED += (("PlanRunner", "planned_pack"), ("Budget", "prefetch_before"), ("Pool", "_on_pressure"))
 host_s: dict = collections.defaultdict(float)
 
 
 def time_hooks() -> None:
     """Host seconds spent in the pool's hooks (outermost calls only) and in Python's garbage collector."""
-    from supermem.tensor_pool import Pool
+    from supermem.tensor_pool import Pool, budget, ledger, plan_run
 
-    for name in HOOKED:
-        fn = getattr(Pool, name)
+    owners = {
+        "Pool": Pool,
+        "Ledger": ledger.Ledger,
+        "Budget": budget.Budget,
+        "PlanRunner": plan_run.PlanRunner,
+    }
+    for owner, name in HOOKED:
+        fn = getattr(owners[owner], name)
 
         def timed(self, *a, _fn=fn, _name=name, **k):
             depth = self.__dict__.setdefault("_diag_depth", collections.Counter())
@@ -79,7 +86,7 @@ def time_hooks() -> None:
                 if not depth[_name]:
                     host_s[_name] += time.perf_counter() - t0
 
-        setattr(Pool, name, timed)
+        setattr(owners[owner], name, timed)
     start = [0.0]
 
     def gc_timer(phase, info):

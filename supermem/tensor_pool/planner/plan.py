@@ -45,7 +45,7 @@ class Plan:
 
     @property
     def idle(self) -> bool:
-        """It moves nothing: every save kept, no call replayed, nothing waited for (PlanRunner._rests)."""
+        """It moves nothing: every save kept, no call replayed, nothing waited for (PlanRunner.rests)."""
         moves = self.treatment or self.light or self.drops or self.wait_at or self.prefetch_at
         return self.feasible and not moves
 
