@@ -22,7 +22,9 @@ from typing import Any
 
 import torch
 
+from ..log import warn
 from ..policies import Choice
+from ..units import format_bytes
 from .entry import Entry, State
 
 PREFETCH_SCAN = 64  # entries looked at, going back from the one just used, for prefetch
@@ -48,6 +50,8 @@ class Budget:
         self.soft: Any = None  # the allocator keeping the budget as its soft limit (supermem's, on CUDA)
         self.alloc: Any = None  # supermem's allocator of the device, once it exists
         self.urgent = False  # pricing for the pressure handler: every byte is needed now
+        self.high_before: int | None = None  # PyTorch's allocator: its peak before the pool's first step
+        self.said_over = False
 
     # ------------------------------------------------------------------ the allocator
 
@@ -164,6 +168,38 @@ class Budget:
                 self.last_spike = max(0, peak - self.seen_peak)
                 self.margin = min(pool.budget_bytes, self.last_spike)
         self.seen_peak = 0
+        if pool.cuda and pool.budget_bytes is not None and not self.said_over:
+            self._say_if_over(pool, alloc)
+
+    def _say_if_over(self, pool: Any, alloc: Any) -> None:
+        """Once per pool: the device went over the budget (x1.03) under the pool where the planner had
+        not said that no plan fits (its own warning names the floor). With PyTorch's allocator the
+        peak is its max_memory_allocated, counted from the pool's first step (before it, the peak may
+        be the user's own)."""
+        if alloc is not None:
+            peak = self.last_peak_bytes
+        else:
+            peak = torch.cuda.max_memory_allocated(pool.device)
+            if self.high_before is None:
+                self.high_before = peak
+                return
+            if peak <= self.high_before:
+                return
+        if peak <= pool.budget_bytes * 1.03 or pool.plans.said_infeasible:
+            return
+        self.said_over = True
+        why = (
+            " With PyTorch's allocator the pool keeps to the budget where autograd saves a tensor;"
+            " memory taken between saves (the loss, kernels' workspaces) can go over it. SUPERMEM=1"
+            " (supermem's allocator) lets the pool act on every allocation."
+            if alloc is None
+            else " The pool could not move enough saved tensors in time."
+        )
+        warn(
+            f"supermem pool: the device reached {format_bytes(peak)} under the pool, over its budget of"
+            f" {format_bytes(pool.budget_bytes)}.{why} What the pool does not move (weights, gradients,"
+            " optimizer state, tensors in use) counts against the budget too."
+        )
 
     def marks(self) -> Callable[[], tuple[int, int]] | None:
         """With supermem's allocator and a budget: a call that returns the device's bytes allocated now

@@ -2,7 +2,11 @@
 allocated bytes over it asks the pressure handlers for the excess first (with the lock released), then
 goes ahead whatever they freed; a handler that had too little is not asked again until re-armed."""
 
+import types
+import warnings
+
 import pytest
+import torch
 from alloc_spec import MiB, rounded
 from test_oom import run_with_deadline
 
@@ -131,3 +135,45 @@ def test_two_pools_used_in_turn_each_step_under_its_own_budget(alloc):
 
     gc.collect()
     assert alloc.soft_limit_bytes == 0  # the last pool's end leaves no limit behind
+
+
+class _CudaPoolStub:
+    """What Budget reads of a CUDA pool with a budget, on a machine without one."""
+
+    cuda, device, budget_bytes = True, torch.device("cuda", 0), 100 << 20
+
+    def __init__(self, said_infeasible=()):
+        self.plans = types.SimpleNamespace(said_infeasible=set(said_infeasible))
+
+
+@pytest.mark.parametrize("allocator", ["pytorch", "supermem"])
+def test_a_step_over_the_budget_is_said_once_unless_the_planner_named_the_floor(monkeypatch, allocator):
+    """On a GPU the pool holds the budget where it can act (every save; with supermem's allocator,
+    every allocation); a step that still went over it, the planner not having said no plan fits, is
+    said once, with why. PyTorch's allocator: its peak counts from the pool's first step."""
+    from supermem.tensor_pool.budget import Budget
+
+    high = [0]
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: high[0])
+    watermark = types.SimpleNamespace(take_watermark=lambda: high[0])
+    monkeypatch.setattr(Budget, "allocator", lambda self: watermark if allocator == "supermem" else None)
+
+    def steps(pool, peaks, before=0):
+        """learn_margin at each step's start, after a step that peaked at `peaks[k]`: PyTorch's
+        allocator's peak is the most since `before` (the user's own, before the pool's first step)."""
+        budget, high[0] = Budget(pool), before
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            for peak in peaks:
+                high[0] = max(high[0], peak) if allocator == "pytorch" else peak
+                budget.learn_margin()
+        return [str(w.message) for w in said]
+
+    MiB = 1 << 20
+    assert steps(_CudaPoolStub(), [90 * MiB, 102 * MiB, 100 * MiB]) == []  # within the budget x1.03
+    if allocator == "pytorch":  # the user's peak before the pool's first step is not the pool's
+        assert steps(_CudaPoolStub(), [90 * MiB, 150 * MiB, 102 * MiB], before=150 * MiB) == []
+    said = steps(_CudaPoolStub(), [90 * MiB, 95 * MiB, 180 * MiB, 200 * MiB])
+    assert len(said) == 1 and "180.00 MiB" in said[0] and "budget of 100.00 MiB" in said[0], said
+    assert ("SUPERMEM=1" in said[0]) == (allocator == "pytorch"), said
+    assert steps(_CudaPoolStub(said_infeasible=[(1,)]), [90 * MiB, 180 * MiB]) == []
