@@ -169,7 +169,7 @@ class PlanKept(Kept):
     def __del__(self) -> None:
         pool = self._pool()
         if pool is not None:
-            pool._release_kept(self)
+            pool.plans.release_kept(self)
 
 
 def check_version(e: Entry) -> None:

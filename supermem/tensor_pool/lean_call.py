@@ -108,7 +108,7 @@ class LeanCall:
         if same is not None:
             return same if same.source() is t else None
         pool = self.pool
-        sig = pool._plan.signature
+        sig = pool.plans.plan.signature
         nbytes = storage_extent(t) * t.element_size()
         if type(t) is not torch.Tensor or ordinal > len(sig) or sig[ordinal - 1] != nbytes:
             return None

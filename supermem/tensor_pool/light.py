@@ -32,16 +32,16 @@ class _Alive:
         self.pool = weakref.ref(pool)
         self.nbytes = nbytes
         with pool._lock:
-            pool._unseen_live += 1
-            pool._kept_bytes += nbytes
-            pool._note_peak()
+            pool.ledger.unseen_live += 1
+            pool.ledger.kept_bytes += nbytes
+            pool.ledger.note_peak()
 
     def release(self, *_: Any) -> None:
         pool, self.pool = self.pool(), _none
         if pool is not None:  # (autograd's thread may free the graph)
             with pool._lock:
-                pool._unseen_live -= 1
-                pool._kept_bytes -= self.nbytes
+                pool.ledger.unseen_live -= 1
+                pool.ledger.kept_bytes -= self.nbytes
 
     __del__ = release
 
@@ -49,7 +49,7 @@ class _Alive:
         """The hook on a bypassed call's input: backward is through the call."""
         pool = self.pool()
         if pool is not None:
-            pool._backward_began()
+            pool.clock.backward_began()
         self.release()
 
 

@@ -199,7 +199,7 @@ class OpReplay:
     def rebuild(self, pool: PoolInternals, e: Entry) -> None:
         # A replay's allocations may call the pool's pressure handler: its input entries are not to be
         # taken meanwhile (that frees nothing while the replay holds them, and costs another rebuild later).
-        in_use = pool._in_use
+        in_use = pool.ledger.in_use
         in_use += self.held
         try:
             inputs = []
@@ -285,7 +285,7 @@ class OpReplays:
         if variants == [("eps",)]:
             variants = [(eps,)]
         held = [x for x in leaves if isinstance(x, Entry)]
-        pool._in_use += held  # as in a rebuild
+        pool.ledger.in_use += held  # as in a rebuild
         try:
             # An input already taken off the device comes back for this once (its host copy is kept).
             inputs = [pool._unpack_input(x) if isinstance(x, Entry) else x for x in leaves]
@@ -301,7 +301,7 @@ class OpReplays:
                     break
         finally:
             for x in held:
-                pool._in_use.remove(x)
+                pool.ledger.in_use.remove(x)
         return site
 
 

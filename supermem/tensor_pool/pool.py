@@ -323,7 +323,7 @@ class Pool:
         if type(packed) is PlanKept:
             return self.plans.unpack_kept(packed)
         if type(packed) is Kept:
-            self._backward_began()
+            self.clock.backward_began()
             if self.regions.phase == "profiling":  # backward began, and maybe no entry was saved at all
                 with self._lock:
                     self.regions.end_profiling()
@@ -368,12 +368,6 @@ class Pool:
         if isinstance(packed, Kept):
             return packed.unpack()
         return packed
-
-    def _backward_began(self) -> None:
-        self.clock.backward_began()  # (a method of its own: light.py calls it, and tests replace it)
-
-    def _region_start(self) -> int | None:
-        return self.clock.region_start()
 
     # ------------------------------------------------------------------ moving entries
 

@@ -171,7 +171,7 @@ class Region:
         self.made: tuple[tuple[int, weakref.ref[Entry]], ...] = ()
         self.ready = False
         self.timing: Any = _start_timer(pool) if timed else None
-        self.start = 0  # its step's saves before the call (Pool._region_start)
+        self.start = 0  # its step's saves before the call (StepClock.region_start)
         self.places: dict[int, int] = {}  # the number of a save in the call -> the ordinal it saved
 
     @property
@@ -203,7 +203,7 @@ class Region:
         if changed or not own:
             for e in own:
                 e.recipe = None
-            if changed or self.start not in pool._plan_captures():
+            if changed or self.start not in pool.plans.captures():
                 return False
         self.inputs = []  # the raw inputs go; the pool keeps them as entries from here
         # Flat, with the tree's spec: a replay fills the inputs in and rebuilds the tree in one step.
@@ -229,7 +229,7 @@ class Region:
         compressed), and those another recipe would rebuild (an op replay's, a weight cast's: the
         replay computes them anyway, and each rebuild of its own costs the host a call), except those
         being rebuilt now (an op replay that reads one of this region's)."""
-        in_use = pool._in_use
+        in_use = pool.ledger.in_use
         want = {
             k: x
             for k, ref in self.made

@@ -261,9 +261,9 @@ class Regions:
         pool = self._pool()
         if pool is None:
             return
-        if pool._resting:  # (PlanRunner._rests) a call unlike the recorded step's wakes it
+        if pool.rest.resting:  # (Rest: rest.py) a call unlike the recorded step's wakes it
             if self._capturing(pool):
-                pool._rest_call((id(module), _kind(module, args, kwargs)))
+                pool.rest.call((id(module), _kind(module, args, kwargs)))
             return
         pool._own(self._pre_call, module, args, kwargs, pool)
 
@@ -280,15 +280,15 @@ class Regions:
         # the inputs a capture keeps)
         if module not in self.refused and (held := held_state((args, kwargs))) is not None:
             self.refuse(module, _takes_state(held))
-        start = pool._region_start()
+        start = pool.clock.region_start()
         if start is None:
             return
         light_ok = self.uses.get(module, ()) is not None and module not in self.refused
-        unseen, hooks = pool._unseen_call(start, light_ok, False), None  # (run light: no hooks to know)
+        unseen, hooks = pool.plans.unseen_call(start, light_ok, False), None  # (run light: no hooks to know)
         if unseen is None:
             hooks = _pool_hooks(pool, args)
             if hooks is not None:
-                unseen = pool._unseen_call(start, False, True)
+                unseen = pool.plans.unseen_call(start, False, True)
         if unseen is not None:
             light, end, lean = unseen
             if light:
@@ -299,10 +299,10 @@ class Regions:
                     tp.push_saved_hooks(lean.pack, lean.unpack)
                 self._local.__dict__.setdefault("unseen", []).append((module, hooks, end, lean))
             return
-        if hooks is None and pool._rec is not None and pool._rec.full:
-            pool._rec.no_bypass.add(start)  # (nothing would tell when backward is through it)
+        if hooks is None and pool.plans.rec is not None and pool.plans.rec.full:
+            pool.plans.rec.no_bypass.add(start)  # (nothing would tell when backward is through it)
         kind = self._kind[id(module)] = _kind(module, args, kwargs)
-        pool._note_call((id(module), kind))
+        pool.plans.note_call((id(module), kind))
         cost = self._costs.setdefault(kind, [0.0, 0, [], 0])
         timed = cost[3] < COST_SAMPLES
         cost[3] += timed
@@ -329,7 +329,12 @@ class Regions:
     def _post(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         """The call's output, or what replaces it (a call run with grad off: its outputs with a node)."""
         pool = self._pool()
-        if pool is not None and pool._resting and not getattr(self._local, "unseen", None) and not self.top():
+        if (
+            pool is not None
+            and pool.rest.resting
+            and not getattr(self._local, "unseen", None)
+            and not self.top()
+        ):
             return None  # (resting: nothing to undo, unless the call began before the rest did)
         if pool is None:
             return self._post_call(module, args, kwargs, output)  # (the hooks a call popped go back still)
@@ -352,13 +357,13 @@ class Regions:
                     output = call.attach(self, module, *call.call, output, pool)
                 call.call = None
             if pool is not None:
-                pool._unseen_outputs(_tensors(output), light=not bypassed)
+                pool.plans.unseen_outputs(_tensors(output), light=not bypassed)
                 if bypassed:  # its kept saves count until backward is through the call (or its graph dies)
-                    alive = _Alive(pool, pool._unseen_bytes(end) - (lean.dropped_bytes if lean else 0))
+                    alive = _Alive(pool, pool.plans.unseen_bytes(end) - (lean.dropped_bytes if lean else 0))
                     for x in _tensors(args):
                         if x.grad_fn is not None:  # (a leaf would keep each step's hook)
                             x.register_hook(alive.through)
-                pool._unseen_done(end, not bypassed, lean)
+                pool.plans.unseen_done(end, not bypassed, lean)
             return output
         st = getattr(self._local, "stack", None)
         if not st or not isinstance(st[-1], Region) or st[-1].module is not module:
@@ -386,8 +391,8 @@ class Regions:
                     elif not verified and self.uses.get(module, ()) is not None:  # (unknown stays)
                         uses = consumers(_tensors(call), _tensors(output))
                         self.uses[module] = None if uses is None else tuple(len(u) for u in uses)
-            if self.uses.get(module, ()) is None and pool._rec is not None and pool._rec.full:
-                pool._rec.no_light.add(region.start)
+            if self.uses.get(module, ()) is None and pool.plans.rec is not None and pool.plans.rec.full:
+                pool.plans.rec.no_light.add(region.start)
             pool._region_done(region, _tensors(output))
 
     def _time_replay(

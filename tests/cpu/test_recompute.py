@@ -798,14 +798,14 @@ def test_backward_through_a_bypassed_call_ends_its_step(monkeypatch, through):
     from supermem.tensor_pool.light import _Alive
 
     pool = Pool(budget="1GiB", policy="planned")
-    began = pool._backward_began
+    began = pool.clock.backward_began
 
     def only_through():
         if sys._getframe(1).f_code.co_name == "through":
             began()
 
     hide_entry_unpacks(pool, monkeypatch)
-    monkeypatch.setattr(pool, "_backward_began", only_through)
+    monkeypatch.setattr(pool.clock, "backward_began", only_through)
     if not through:
         monkeypatch.setattr(_Alive, "through", lambda self, grad: self.release())
     torch.manual_seed(0)

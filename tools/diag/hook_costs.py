@@ -40,7 +40,7 @@ PIECES = (  # (module, class or None, attribute)
     ("pool", "Pool", "_pack"),
     ("plan_run", "PlanRunner", "unseen_call"),
     ("plan_run", "PlanRunner", "unseen_outputs"),
-    ("pool", "Pool", "_region_start"),
+    ("step", "StepClock", "region_start"),
 )
 
 on = False
