@@ -25,7 +25,7 @@ demo: build
 lint: $(VENV)/.deps
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/mypy   # the package (pyproject's [tool.mypy]); its cache makes tests/cpu/test_typing.py quick
+	$(BIN)/mypy   # the package (pyproject's [tool.mypy]); its cache makes tests/cpu/package/test_typing.py quick
 
 test: build lint
 	$(BIN)/pytest -q

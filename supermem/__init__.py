@@ -38,7 +38,7 @@ if TYPE_CHECKING:  # the real names for type checkers; at run time they load on 
 
 class PoolFactory(Protocol):
     """supermem.pool's signature: tensor_pool.pool passes its keywords on to Pool(...) as **kwargs, which
-    a type checker would take whatever they are (tests/cpu/test_typing.py keeps the two equal)."""
+    a type checker would take whatever they are (tests/cpu/package/test_typing.py keeps the two equal)."""
 
     def __call__(
         self,

@@ -5,7 +5,7 @@ PyTorch keeps saved-tensor hooks in the thread-local state and copies that state
 threads. gloo does it for every collective (ProcessGroupGloo::AsyncWork keeps an at::ThreadLocalState) and
 frees the work, copy included, on its run-loop thread when the caller has dropped its handle; dropping the
 hooks there takes the GIL (c10::SafePyObject). With the pool's hooks on for the whole process that goes
-wrong in two ways (tests/cpu/test_distributed.py reproduces both):
+wrong in two ways (tests/cpu/package/test_distributed.py reproduces both):
 - DDP's Reducer owns its process group and frees it holding the GIL (at the end of a main() after
   destroy_process_group, or in the garbage collector); ~ProcessGroupGloo joins the run-loop threads, one of
   which waits for that GIL: a deadlock.

@@ -1,5 +1,5 @@
-"""Test cases for the ReLU compression tests (tests/cpu/test_compress.py, tests/gpu/test_compress_gpu.py):
-sizes, densities, special values, and bitwise comparison helpers."""
+"""Test cases for the ReLU compression tests (tests/cpu/compress/test_compress.py,
+tests/gpu/test_compress_gpu.py): sizes, densities, special values, and bitwise comparison helpers."""
 
 import numpy as np
 import torch

@@ -1,4 +1,4 @@
-"""The autouse fixture of the CPU pool suites (tests/cpu/test_pool.py, test_pool_safety.py): every test
+"""The autouse fixture of the CPU pool suites (tests/cpu/pool/test_pool.py, test_pool_safety.py): every test
 runs under every live policy, which becomes Pool()'s default policy."""
 
 import inspect

@@ -10,7 +10,7 @@ active.
 
 The profiler's times are CLOCK_REALTIME (converted from its approximate clock); they are moved onto
 CLOCK_MONOTONIC, the recording's clock, by the offset between the two read at the start (to within
-a microsecond: tests/cpu/test_trace_owners.py checks that each alloc falls between the calls around it).
+a microsecond: tests/cpu/trace/test_trace_owners.py checks that each alloc falls between the calls around it).
 """
 
 from __future__ import annotations

@@ -253,7 +253,8 @@ def test_bad_supermem_conf_fails_loudly_naming_the_key(tmp_path, conf, key):
 
 
 def test_bad_supermem_conf_stops_at_the_first_cuda_use(tmp_path):
-    """Not at `import torch`: a process that never touches CUDA runs on (tests/cpu/test_activation_cpu.py)."""
+    """Not at `import torch`: a process that never touches CUDA runs on
+    (tests/cpu/package/test_activation_cpu.py)."""
     code = "import torch\nprint('ran', flush=True)\ntorch.ones(1, device='cuda')\nprint('on')\n"
     r = run_python(code, env={"SUPERMEM_CONF": "limt:1GiB"})
     assert r.rc == 2 and r.stdout.split() == ["ran"], r.describe()

@@ -11,6 +11,6 @@ export LD_PRELOAD=$(gcc -print-file-name=libtsan.so)
 export TSAN_OPTIONS="suppressions=$root/tools/ci/tsan.supp halt_on_error=1 exitcode=66 second_deadlock_stack=1 report_signal_unsafe=0"
 export SUPERMEM_TSAN=1  # tests that loop on GIL hand-offs run fewer rounds (each costs ms under TSan)
 check_sanitized_build
-tests=(tests/cpu/test_threads.py tests/cpu/test_fork.py tests/cpu/test_oom.py)
+tests=(tests/cpu/pool/test_threads.py tests/cpu/alloc/test_fork.py tests/cpu/alloc/test_oom.py)
 (($#)) && tests=("$@")
 "$py" -m pytest -q -p no:cacheprovider "${tests[@]}"

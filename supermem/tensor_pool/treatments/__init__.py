@@ -7,7 +7,7 @@ says what the entry costs while away (`device_bytes`, `host_bytes`) and what lea
 (`forget`) and checks its own invariant (`check`). The pool's core only moves entries between states
 and keeps the byte counters. A new treatment is a class in a file of its own, registered (`register`,
 below for the built-in ones), and named in `Pool(treatments=...)`; its `kind` says how the planner and
-the policies price it (Treatment), so nothing else changes (tests/cpu/stash_treatment.py is one).
+the policies price it (Treatment), so nothing else changes (tests/cpu/pool/stash_treatment.py is one).
 """
 
 from __future__ import annotations

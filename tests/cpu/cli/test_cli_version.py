@@ -9,7 +9,7 @@ from pathlib import Path
 import supermem
 from supermem import cli
 
-PYPROJECT = Path(__file__).resolve().parents[2] / "pyproject.toml"
+PYPROJECT = Path(__file__).resolve().parents[3] / "pyproject.toml"
 
 
 def _pyproject_version() -> str:

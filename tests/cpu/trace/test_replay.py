@@ -14,7 +14,7 @@ from supermem.trace.loader import load
 from supermem.trace.replay import min_capacity, replay
 from supermem.trace.torch_snapshot import write_torch_snapshot
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture(scope="module")

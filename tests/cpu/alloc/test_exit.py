@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-SIM_CHILD = runpy.run_path(str(Path(__file__).resolve().parents[2] / "tools" / "ci" / "exit_loop.py"))[
+SIM_CHILD = runpy.run_path(str(Path(__file__).resolve().parents[3] / "tools" / "ci" / "exit_loop.py"))[
     "SIM_CHILD"
 ]
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 pybind11 = pytest.importorskip("pybind11")
 pytestmark = pytest.mark.skipif(shutil.which("cmake") is None, reason="needs cmake")
 

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.skipif(
     not (torch.distributed.is_available() and torch.distributed.is_gloo_available()), reason="no gloo"
 )
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 # A small MLP trained with DDP over gloo; every rank sees other data. Rank 0 writes the losses of both
 # ranks and its final parameters (bitwise, as hex) to argv[1]; with the pool on, also its counters.
@@ -251,7 +251,7 @@ def test_gloo_shuts_down_cleanly_under_the_pool(tmp_path, extra, scenario):
 
 def _rank_trace(tmp_path, monkeypatch, rank, layers):
     """A trace of rank `rank` (of 2): a simulated device on which `layers` layers train 2 steps."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/cpu: trace_workload.py
     from trace_workload import Workload, make_allocator
 
     import supermem.trace

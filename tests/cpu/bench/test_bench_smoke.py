@@ -23,7 +23,7 @@ def _bench(tmp_path, *args):
     return r.stdout, json.loads(out.read_text())
 
 
-TOOLS = os.path.join(os.path.dirname(__file__), "..", "..", "tools", "diag")
+TOOLS = os.path.join(os.path.dirname(__file__), "..", "..", "..", "tools", "diag")
 
 
 def _tool(name, *args, env=None):

@@ -15,7 +15,7 @@ from supermem.trace.cli_trace import child_argv
 from supermem.trace.loader import load
 from supermem.trace.timeline import lifetimes, series
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parents[1]  # tests/cpu: trace_workload.py
 
 SCRIPT = textwrap.dedent(
     """

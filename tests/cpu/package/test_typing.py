@@ -9,7 +9,7 @@ import pytest
 
 import supermem
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_pool_factory_signature_is_pools():
