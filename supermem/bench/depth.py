@@ -112,7 +112,7 @@ def trial(spec: dict) -> dict:
         budget = max(cap - (2 << 30), 1 << 30) if cap else 1 << 30
         pool = supermem.pool(budget=budget if cuda else None, device=device)
     else:
-        streamer = pool = None
+        streamer, pool = None, None
         model.to(device)
         model.mode = ("checkpoint", 0) if config == "checkpoint" else ("plain", 0)
     phase("place")  # streaming set up, or the model moved to the device
@@ -146,9 +146,9 @@ def trial(spec: dict) -> dict:
         phase("optimizer" if last else "step1")
         times.append(time.perf_counter() - t0)
         losses.append(loss.detach())
-    losses = [float(x) for x in losses]
-    row = {"n": spec["n"], "layers": layers(spec["n"]), "step_s": times[-1], "loss": losses[-1]}
-    row["losses"] = losses
+    values = [float(x) for x in losses]
+    row = {"n": spec["n"], "layers": layers(spec["n"]), "step_s": times[-1], "loss": values[-1]}
+    row["losses"] = values
     row["phase_s"] = phase_s
     row["threads"] = torch.get_num_threads()
     if cuda:
@@ -365,6 +365,7 @@ def run(args: argparse.Namespace) -> dict:
     configs = args.configs
     check_names("--configs", configs, CONFIGS)
     cap_bytes = args.cap if cuda else None
+    base: dict[str, Any]
     if args.quick:
         base = {"batch": 2, "px": 32, "width": 8, "classes": 10, "unit_bytes": 1 << 16}  # a unit per block
         start, max_n, probes = dict.fromkeys(CONFIGS, 2), 2, dict.fromkeys(CONFIGS, 1)

@@ -25,10 +25,11 @@ from torch.utils.checkpoint import checkpoint
 def _blocks(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """Runs model.blocks; checkpoints all of them (checkpoint_blocks True) or the first N (an int), by
     torch's default non-reentrant checkpoint or (checkpoint_reentrant) its reentrant one."""
-    ck = model.checkpoint_blocks
-    n = len(model.blocks) if ck is True else int(ck)
+    ck: Any = model.checkpoint_blocks  # True or an int (nn.Module's attributes type as tensor or module)
+    blocks: Any = model.blocks
+    n = len(blocks) if ck is True else int(ck)
     reentrant = getattr(model, "checkpoint_reentrant", False)
-    for i, b in enumerate(model.blocks):
+    for i, b in enumerate(blocks):
         x = checkpoint(b, x, use_reentrant=reentrant) if i < n else b(x)
     return x
 
