@@ -4,7 +4,7 @@
 # Each group's output goes to $OUT/NAME.log; its last lines print at the end. T (default 480) bounds a group.
 set -u
 cd "$(dirname "$0")/../.."
-OUT=${OUT:-$(mktemp -d)}
+export OUT=${OUT:-$(mktemp -d)}  # (the groups may write there too)
 export PYTHONUNBUFFERED=1 CUBLAS_WORKSPACE_CONFIG=:4096:8 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 t0=$SECONDS
 python -m pip install -q --no-build-isolation --no-deps -e . >"$OUT/build.log" 2>&1 || { tail -20 "$OUT/build.log"; exit 1; }
