@@ -2,6 +2,8 @@
 # One device call, several GPUs: an editable build, then one group of commands per GPU, in parallel.
 #   bash tools/ci/gpu_groups.sh "NAME=GPU=COMMAND" ...     e.g. "tests=1=python -m pytest -q tests/gpu/test_pool_gpu.py"
 # Each group's output goes to $OUT/NAME.log; its last lines print at the end. T (default 480) bounds a group.
+# Groups may share a GPU (its memory is large; tests that read the driver's device-wide counters then see
+# the others'): RERUN=1 runs every test that failed (but the corpus') once more, alone, at the end.
 set -u
 cd "$(dirname "$0")/../.."
 export OUT=${OUT:-$(mktemp -d)}  # (the groups may write there too)
@@ -22,3 +24,11 @@ for n in "${names[@]}"; do
   grep -E '^(FAILED|ERROR) ' "$OUT/$n.log" | cut -c1-220 | head -20
   tail -c "${TAIL:-3000}" "$OUT/$n.log"
 done
+if [ "${RERUN:-0}" = 1 ]; then
+  failed=$(grep -hoE '^(FAILED|ERROR) tests/[^ ]+' "$OUT"/*.log | cut -d' ' -f2 | grep -v test_corpus_gpu | sort -u)
+  if [ -n "$failed" ]; then
+    echo "##### rerun alone: $(echo "$failed" | wc -l) tests"
+    # shellcheck disable=SC2086
+    timeout -k 10 "${RERUN_T:-120}" python -m pytest -q -rfE -p no:cacheprovider $failed 2>&1 | tee "$OUT/rerun.log" | tail -25
+  fi
+fi
