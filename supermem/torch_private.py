@@ -78,6 +78,23 @@ foreach_copy_ = torch._foreach_copy_
 execution_engine = torch.autograd.Variable._execution_engine
 
 
+_AD_INPLACE_OR_VIEW = torch._C.DispatchKey.ADInplaceOrView
+
+
+def detach_sharing_version(t: torch.Tensor) -> torch.Tensor:
+    """`t.detach()`, which shares `t`'s version counter, also where the caller runs inside an op below
+    autograd (the allocator's pressure handler runs inside the op that allocates): the sharing is the
+    ADInplaceOrView kernel's, which dispatch skips there, and the detached tensor got a counter of its
+    own (a T5's saved int64 buckets, offloaded under pressure in SDPA, then read version 0 for 1)."""
+    excluded = torch._C._dispatch_tls_local_exclude_set()
+    if not excluded.has(_AD_INPLACE_OR_VIEW):
+        return t.detach()
+    with torch._C._ForceDispatchKeyGuard(
+        torch._C._dispatch_tls_local_include_set(), excluded.remove(_AD_INPLACE_OR_VIEW)
+    ):
+        return t.detach()
+
+
 def set_versions(tensors: list[torch.Tensor] | tuple, versions: list[int] | tuple) -> None:
     """Sets autograd's version counters (a replay that wrote into a saved buffer puts them back)."""
     try:

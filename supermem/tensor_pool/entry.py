@@ -194,7 +194,7 @@ def version_watcher(t: torch.Tensor) -> torch.Tensor:
     swaps in an empty tensor's storage and keeps the counter, unbumped). It lets the pool check a
     saved tensor's version after the pool let go of its memory. Not set_(): that bumps the counter
     for a moment, and another thread checking `t` then reads a change no one made."""
-    w = t.detach()
+    w = tp.detach_sharing_version(t)
     key = (t.dtype, t.device)
     empty = _EMPTY.get(key)
     if empty is None:

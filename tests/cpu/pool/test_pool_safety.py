@@ -201,6 +201,22 @@ def test_watching_a_tensor_never_shows_another_thread_a_change():
     assert version_watcher(t)._version == 1 and version_watcher(t).untyped_storage().nbytes() == 0
 
 
+def test_a_tensor_watched_from_inside_an_op_keeps_its_version():
+    """Under supermem's allocator the pool drops tensors from its pressure handler, which runs inside
+    the op that allocates, below autograd's dispatch: the watcher made there must still share the
+    saved tensor's version counter (a T5's int64 buckets, saved at version 1, read 0: autograd's
+    in-place error mid-training on an H200)."""
+    from supermem.tensor_pool.entry import version_watcher
+
+    t = torch.zeros(4, dtype=torch.int64)
+    t.add_(1)
+    with torch._C._AutoDispatchBelowADInplaceOrView():  # where an op's kernel runs
+        w = version_watcher(t)
+    assert w._version == 1
+    t.add_(1)
+    assert w._version == 2
+
+
 @pytest.mark.parametrize(
     "make",
     [
