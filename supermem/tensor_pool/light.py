@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 class _Alive:
     """Held by the autograd graph of a call the pool did not see (by the rebuild of a call run under
     checkpoint; by a hook on a bypassed call's input, which runs once backward is through the call):
-    the step is not over while one lives (Pool._between_steps), though the pool holds none of the
+    the step is not over while one lives (StepClock.between), though the pool holds none of the
     call's saved tensors."""
 
     __slots__ = ("pool", "nbytes")

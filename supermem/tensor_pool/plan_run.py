@@ -218,10 +218,28 @@ class PlanRunner:
         pool = self._pool()
         t = k.unpack()  # the version check autograd skips under hooks
         with pool._lock:
-            event = pool._used(k)
+            event = self.used(k)
             if event is not None and self.plan_ok:
                 self.run_events(event)
         return t
+
+    def used(self, x: Entry | PlanKept) -> int | None:
+        """Backward unpacked `x` (under the pool's lock): its step's backward began, and its first use
+        is an event of the step being recorded or run by a plan (None for a later use)."""
+        if x.step.backward_s is None:
+            x.step.unpacked()
+        pool = self._pool()
+        if self.rec is None or x.step is not pool.clock.step:
+            return None
+        return self.rec.used(x.ordinal, pool.budget.used_bytes())
+
+    def forget(self, x: Entry | PlanKept) -> None:
+        """`x` died (under the pool's lock): its dedup key goes (unless a newer save holds it) and the
+        step being recorded notes its end."""
+        pool = self._pool()
+        pool.ledger.forget(x)
+        if self.rec is not None and x.step is pool.clock.step:
+            self.rec.died(x.ordinal)
 
     def release_kept(self, k: PlanKept) -> None:
         pool = self._pool()
@@ -229,7 +247,7 @@ class PlanRunner:
             with pool._lock:
                 pool.ledger.kept_bytes -= k.nbytes
                 pool.ledger.kept_live -= 1
-                pool._forget(k)
+                self.forget(k)
         except Exception:  # noqa: BLE001  (interpreter shutdown)
             pass
 

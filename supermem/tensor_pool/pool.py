@@ -49,25 +49,6 @@ from .top import top_view as _top_view  # noqa: F401  (read here by tests)
 from .treatments import Offload, Recompute, Treatment, checked_treatments
 
 
-class _Part:
-    """A member of one of the pool's parts under the pool's old name (`pool._device_bytes` is
-    `pool.ledger.device_bytes`), read and written through: the package (port.py's PoolInternals) and
-    the tests still use those names; each goes once its users name the part."""
-
-    def __init__(self, part: str, name: str) -> None:
-        self.part, self.name = part, name
-
-    def __get__(self, pool: Any, owner: Any = None) -> Any:
-        return self if pool is None else getattr(getattr(pool, self.part), self.name)
-
-    def __set__(self, pool: Any, value: Any) -> None:
-        setattr(getattr(pool, self.part), self.name, value)
-
-
-def _parts(part: str, names: str) -> tuple[_Part, ...]:
-    return tuple(_Part(part, name) for name in names.split())
-
-
 class Pool:
     """Keeps saved activations under `budget` by offloading them to pinned host memory and by
     recomputing them, bringing them back for backward.
@@ -145,22 +126,6 @@ class Pool:
         self.always_active = False  # SUPERMEM_CONF's pool: hooks pushed for every thread's backward
         self.rebuild_times = RebuildTimes()  # host seconds of each kind of rebuild, its own
         serve_to_top(self)
-
-    # The parts' members under their old names, which the package and the tests still use (_Part)
-    _rec, _plan, _plan_ok, _plans, _profiles = _parts("plans", "rec plan plan_ok cached profiles")
-    _note_call, _plan_captures, _release_kept = _parts("plans", "note_call captures release_kept")
-    _unseen_call, _unseen_outputs = _parts("plans", "unseen_call unseen_outputs")
-    _unseen_bytes, _unseen_done, _step_ended = _parts("plans", "unseen_bytes unseen_done step_ended")
-    _resting, _rest_never, _rests, _rest_call = _parts("rest", "resting never enter call")
-    _entries, _device_bytes, _kept_bytes, _in_use = _parts("ledger", "entries device_bytes kept_bytes in_use")
-    _unseen_live, _step_peak = _parts("ledger", "unseen_live step_peak")
-    _resident_entries, _note_peak = _parts("ledger", "resident_entries note_peak")
-    _step, _between_steps = _parts("clock", "step between")
-    _fit_budget, _target, _used_bytes = _parts("budget", "fit target used_bytes")
-    _margin, _last_peak_bytes, _soft, _alloc = _parts("budget", "margin last_peak_bytes soft alloc")
-    _pressure_registered = _Part("budget", "pressure_registered")
-    _register_pressure_handler = _Part("budget", "register_pressure_handler")
-    _frames, _frame_end, _host_cost_s, _host_s = _parts("rebuild_times", "frames frame_end cost_s samples")
 
     # ------------------------------------------------------------------ activation
 
@@ -334,7 +299,7 @@ class Pool:
         with self._lock:
             if self.regions.phase == "profiling":
                 self.regions.end_profiling()
-            event = self._used(packed)
+            event = self.plans.used(packed)
             t = self._materialize(packed)
             self.ledger.touch(packed)
             if self.plans.plan_ok:
@@ -343,22 +308,6 @@ class Pool:
             else:
                 self.budget.prefetch_before(packed)
             return t
-
-    def _used(self, x: Entry | PlanKept) -> int | None:
-        """Backward unpacked `x` (under the lock): its step's backward began, and its first use is an
-        event of the step being recorded or run by a plan (None for a later use)."""
-        if x.step.backward_s is None:
-            x.step.unpacked()
-        if self.plans.rec is None or x.step is not self.clock.step:
-            return None
-        return self.plans.rec.used(x.ordinal, self.budget.used_bytes())
-
-    def _forget(self, x: Entry | PlanKept) -> None:
-        """`x` died (under the lock): its dedup key goes (unless a newer save holds it) and the step
-        being recorded notes its end."""
-        self.ledger.forget(x)
-        if self.plans.rec is not None and x.step is self.clock.step:
-            self.plans.rec.died(x.ordinal)
 
     def _unpack_input(self, packed: Any) -> Any:
         """A region's input for its replay (materialized; recursively replayed if it was dropped)."""
@@ -442,7 +391,7 @@ class Pool:
         try:
             with self._lock:
                 payload = self.ledger.release(e)
-                self._forget(e)
+                self.plans.forget(e)
                 if payload is not None and self.plans.rec is not None and e.step is self.clock.step:
                     self.plans.rec.left(e.ordinal, payload - e.nbytes)
                 if e.treatment is not None:

@@ -75,20 +75,20 @@ def same(a, b):
 def hide_entry_unpacks(pool, monkeypatch):
     """While a plan runs, backward unpacking one of the pool's entries no longer marks its step's
     backward (as when every call of it is unseen): what else marks it is then under test."""
-    used = pool._used
+    used = pool.plans.used
 
     def unnoticed(x):
         began = x.step.backward_s
         out = used(x)
-        if pool._plan_ok:
+        if pool.plans.plan_ok:
             x.step.backward_s = began
         return out
 
-    monkeypatch.setattr(pool, "_used", unnoticed)
+    monkeypatch.setattr(pool.plans, "used", unnoticed)
 
 
 def restless(pool):
-    """The pool runs its plan in every step, never resting (PlanRunner._rests): a plan that keeps
+    """The pool runs its plan in every step, never resting (Rest.enter): a plan that keeps
     everything would step aside after its first step, and what it runs then is under test."""
-    pool._rest_never = True
+    pool.rest.never = True
     return pool

@@ -152,7 +152,7 @@ import json, torch
 from supermem.tensor_pool import Pool
 pools = [Pool(device=f"cuda:{d}") for d in (0, 1)]
 for p in pools:
-    p._register_pressure_handler()
+    p.budget.register_pressure_handler()
 held = []
 try:
     while True:  # fill cuda:1 under its 2 GiB limit: only its pool may be asked to free memory

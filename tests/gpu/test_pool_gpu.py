@@ -340,7 +340,7 @@ def test_planned_profile_counts_attentions_qkv_storage_once(monkeypatch):
     # (math SDPA scales q into a tensor of its own first: k and v are the views it saves, 2 a block)
     assert len(shared) >= 2 * 4, [(s.ordinal, s.nbytes, s.counted) for s in profiles[0].saved]
     assert sum(s.counted for s in shared) <= 0.6 * sum(s.nbytes for s in shared), shared
-    treatments = {pool._plan.treatment.get(s.ordinal) for s in shared}
+    treatments = {pool.plans.plan.treatment.get(s.ordinal) for s in shared}
     assert not treatments & {"offload", "compress"}, treatments
     # the plan priced copies at a measured rate (its copies', or the probe's), not the default: 25 GB/s
     # is half an H100's link

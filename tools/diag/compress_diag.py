@@ -40,8 +40,9 @@ def main() -> None:
     ways = [tm.Compress(room="guess") if n == "compress" and "guess" in variant else n for n in names]
     pool = Pool(budget=int(budget_gib * GiB), policy="cost_aware", treatments=make_treatments(ways))
     host_s: dict[str, float] = {}
-    for name in ("_choices", "_fit_budget", "_on_pressure"):  # bound methods: the allocator holds weak ones
-        real = getattr(pool, name)
+    # bound methods (the allocator holds weak ones): the budget's choosing and fitting, the pressure handler
+    for owner, name in ((pool.budget, "choices"), (pool.budget, "fit"), (pool, "_on_pressure")):
+        real = getattr(owner, name)
 
         def timed(self, *a, _real=real, _name=name, **k):
             t0 = time.perf_counter()
@@ -50,7 +51,7 @@ def main() -> None:
             finally:
                 host_s[_name] = host_s.get(_name, 0.0) + time.perf_counter() - t0
 
-        setattr(pool, name, types.MethodType(timed, pool))
+        setattr(owner, name, types.MethodType(timed, owner))
     for i in range(steps):
         if i == 3:
             host_s.clear()

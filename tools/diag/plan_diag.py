@@ -223,16 +223,16 @@ def main() -> None:
     options = {"treatments": treatments.split(",")} if treatments else {}
     pool = supermem.pool(budget=budget, policy="planned", **options)
     last: list = []  # the last plan-running step's event counter (the bytes in use at its events), plan
-    step_ended = pool._step_ended
+    step_ended = pool.plans.step_ended
 
     def keep_counter(s):
-        rec, plan = pool._rec, pool._plan
+        rec, plan = pool.plans.rec, pool.plans.plan
         step_ended(s)
         if rec is not None and not rec.full:  # each planned step against its plan, as it ends
-            over_curve(rec, plan, pool._last_peak_bytes)
+            over_curve(rec, plan, pool.budget.last_peak_bytes)
             last[:] = [rec, plan]
 
-    pool._step_ended = keep_counter
+    pool.plans.step_ended = keep_counter
     before = allocator_counts(cuda)
     step()
     print(
@@ -283,11 +283,11 @@ def main() -> None:
             rec = captured.get("recorder")  # each event's segment seconds, the tail last
             keep["segs"] = [*rec.segs, rec.clock.seg] if rec is not None else None
             pickle.dump({**keep, "native_peak_bytes": native_peak, "model": name}, f)
-    print(  # the pool prices each kind at its least sample (Pool._host_cost_s)
+    print(  # the pool prices each kind at its least sample (RebuildTimes.cost_s)
         "rebuild host ms by kind, least / median (samples):",
         {
             k: f"{min(v) * 1e3:.3f} / {sorted(v)[len(v) // 2] * 1e3:.3f} ({len(v)})"
-            for k, v in pool._host_s.items()
+            for k, v in pool.rebuild_times.samples.items()
         },
     )
     if os.environ.get("PROFILE"):

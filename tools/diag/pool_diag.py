@@ -45,8 +45,8 @@ def main() -> None:
             torch.cuda.synchronize()
             marks["loss"] = torch.cuda.max_memory_allocated()
             marks["loss_end"] = torch.cuda.memory_allocated()
-            if hasattr(ctx, "_device_bytes"):
-                marks["pool_resident"] = ctx._device_bytes
+            if hasattr(ctx, "ledger"):
+                marks["pool_resident"] = ctx.ledger.device_bytes
             torch.cuda.reset_peak_memory_stats()
             loss.backward()
         torch.cuda.synchronize()
@@ -69,7 +69,7 @@ def main() -> None:
         if pool is not None:
             st = pool.stats()
             s += (
-                f" | target {pool._target() / GiB:5.2f} margin {pool._margin / GiB:5.2f} "
+                f" | target {pool.budget.target() / GiB:5.2f} margin {pool.budget.margin / GiB:5.2f} "
                 f"resident@loss {m.get('pool_resident', 0) / GiB:5.2f} "
                 f"dropped {st.get('dropped_bytes', 0) / GiB:6.2f} "
                 f"off {st.get('offloaded_bytes', 0) / GiB:6.2f} "

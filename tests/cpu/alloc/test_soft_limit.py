@@ -126,7 +126,7 @@ def test_two_pools_used_in_turn_each_step_under_its_own_budget(alloc):
 
     pools = [Pool(budget=budget) for budget in (40 * MiB, 20 * MiB)]
     for pool in pools:  # (a CPU pool has no allocator: this one's is simulated)
-        pool._alloc, pool._pressure_registered = alloc, True
+        pool.budget.alloc, pool.budget.pressure_registered = alloc, True
     for pool in pools + pools[::-1]:
         with pool:
             assert alloc.soft_limit_bytes == pool.budget_bytes

@@ -53,7 +53,7 @@ def train(case, pool=None, steps=3, during=None):
 
 
 def live_entries(pool):
-    return [e for r in pool._entries.values() if (e := r()) is not None]
+    return [e for r in pool.ledger.entries.values() if (e := r()) is not None]
 
 
 def compress_all(pool):
@@ -94,7 +94,7 @@ def test_forced_compression_trains_bitwise_like_plain_pytorch(case, room):
     assert all(n > 0 for n in away), away  # every step kept ReLU outputs packed through backward
     assert s["compressions"] > 0 and s["decompressions"] + s["room_misses"] == s["compressions"], s
     assert 0 < s["compressed_payload_bytes"] < s["compressed_bytes"], s
-    assert s["tracked_bytes"] == 0 and pool._device_bytes == 0
+    assert s["tracked_bytes"] == 0 and pool.ledger.device_bytes == 0
 
 
 def test_the_budget_counts_the_packed_bytes():
@@ -126,7 +126,7 @@ def test_the_budget_counts_the_packed_bytes():
                 device += expect
             else:
                 device += e.nbytes
-        seen["counter"], seen["expect"], seen["tensors"] = p._device_bytes, device, tensors
+        seen["counter"], seen["expect"], seen["tensors"] = p.ledger.device_bytes, device, tensors
 
     train("resnet", pool, steps=1, during=measure)
     assert originals
@@ -140,14 +140,14 @@ def test_a_budget_that_fits_only_compressed_is_kept():
     sizes = {}
 
     def total(p):
-        sizes["plain"] = p._device_bytes
+        sizes["plain"] = p.ledger.device_bytes
 
     train("mlp", plain, steps=1, during=total)
     budget = int(sizes["plain"] * 0.8)
     pool = forced(budget)
 
     def under(p):
-        sizes["compressed"] = p._device_bytes
+        sizes["compressed"] = p.ledger.device_bytes
 
     train("mlp", pool, steps=2, during=under)
     assert sizes["compressed"] <= budget < sizes["plain"], sizes
@@ -413,7 +413,7 @@ def test_pressure_nested_in_a_pressure_call_keeps_the_accounting(monkeypatch):
 
 
 def test_fitting_the_budget_counts_a_compressed_entry_as_freeing_only_what_packing_saves():
-    """One `_fit_budget` call ends under its target when compressing every ReLU output reaches it: a
+    """One `Budget.fit` call ends under its target when compressing every ReLU output reaches it: a
     compressed entry frees its tensor's bytes less its packed payload (from the format's size), not
     the whole tensor (counting the whole tensor stops the call about halfway)."""
     pool = Pool(budget=None, policy="cost_aware", host_limit="64MiB", treatments=(Compress(room="guess"),))
@@ -422,10 +422,10 @@ def test_fitting_the_budget_counts_a_compressed_entry_as_freeing_only_what_packi
     def fit_once(p):
         compress = p.treatments["compress"]
         saving = sum(e.nbytes - packed_bytes(e.tensor) for e in live_entries(p) if compress.applies(e))
-        before = p._used_bytes()
+        before = p.budget.used_bytes()
         p.budget_bytes = before - saving + 1  # reachable only by compressing every one of them
-        p._fit_budget()
-        seen.update(before=before, after=p._used_bytes(), target=p._target(), saving=saving)
+        p.budget.fit()
+        seen.update(before=before, after=p.budget.used_bytes(), target=p.budget.target(), saving=saving)
         p.budget_bytes = None
 
     train("resnet", pool, steps=1, during=fit_once)
@@ -538,13 +538,13 @@ def test_full_room_packs_drop_the_original_at_once_and_trim_once_their_count_is_
         packs = [e for e in live_entries(p) if isinstance(e.payload, _Unsettled)]
         assert all(e.tensor is None and e.payload.original is None for e in packs), packs
         assert all(e.payload.packed.values.numel() == e.payload.packed.numel for e in packs)
-        before = p._device_bytes
+        before = p.ledger.device_bytes
         p.check()
         p.treatments["compress"].settle(p)
         p.check()
         whole = [e.payload for e in packs]
         assert all(isinstance(w, Packed) and w.values.numel() == w.host_nnz for w in whole), whole
-        seen.append((len(packs), before, p._device_bytes))
+        seen.append((len(packs), before, p.ledger.device_bytes))
 
     got = train(case, pool, during=settle_between)
     assert same(train(case), got)
@@ -579,7 +579,7 @@ def test_a_trim_whose_allocation_comes_to_the_pressure_handler_settles_nothing_t
 
     got = train("resnet", pool, during=pack_and_settle)
     assert same(train("resnet"), got) and nested
-    assert pool._device_bytes == 0
+    assert pool.ledger.device_bytes == 0
 
 
 def test_a_trim_with_no_room_for_its_copy_keeps_the_full_room(monkeypatch):
@@ -596,7 +596,7 @@ def test_a_trim_with_no_room_for_its_copy_keeps_the_full_room(monkeypatch):
     assert same(train("resnet"), got)
     s = pool.stats()
     assert s["compressions"] > 0 and s["decompressions"] == s["compressions"], s
-    assert pool._device_bytes == 0
+    assert pool.ledger.device_bytes == 0
 
 
 def test_compress_room_must_be_a_known_mode_by_argument_or_name():
@@ -682,7 +682,7 @@ def test_the_pool_settles_kept_originals_before_it_measures(how):
         kept = [e for e in live_entries(p) if isinstance(e.payload, _Unsettled)]
         if how == "fit":
             p.budget_bytes = 1 << 40  # nothing over it: fitting measures and returns
-            p._fit_budget()
+            p.budget.fit()
             p.budget_bytes = None
         else:
             p._on_pressure(0)

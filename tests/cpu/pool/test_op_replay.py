@@ -69,7 +69,7 @@ def saved_recipes(model, x, autocast=False):
     pool = Pool(budget="1GiB", policy="cost_aware", host_limit="64MiB")
     with pool, torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         out = model(x)
-    entries = [e for r in pool._entries.values() if (e := r()) is not None]
+    entries = [e for r in pool.ledger.entries.values() if (e := r()) is not None]
     return pool, out, {e.recipe.ops: e for e in entries if isinstance(e.recipe, OpReplay)}
 
 
@@ -273,7 +273,7 @@ def test_no_cascades_of_op_replays():
     torch.manual_seed(0)
     model = ResNet((3,), width=4, classes=10)
     pool, out, by_ops = saved_recipes(model, torch.randn(2, 3, 16, 16))
-    entries = [e for r in pool._entries.values() if (e := r()) is not None]
+    entries = [e for r in pool.ledger.entries.values() if (e := r()) is not None]
     adds = [e for e in entries if isinstance(e.recipe, OpReplay) and "AddBackward0" in e.recipe.ops]
     outs = sorted(adds, key=lambda e: e.seq)
     assert len(outs) == 3  # the first block's reads its downsample branch's BatchNorm
@@ -320,7 +320,7 @@ def test_inputs_held_by_another_pool_are_not_used():
         g = F.gelu(model.a(X16))  # gelu saves its input in pool a
     with b:
         out = model.b(g)  # the linear saves gelu's output in pool b
-    entries = [e for r in b._entries.values() if (e := r()) is not None]
+    entries = [e for r in b.ledger.entries.values() if (e := r()) is not None]
     assert entries and not any(isinstance(e.recipe, OpReplay) for e in entries)
     out.sum().backward()
 

@@ -270,10 +270,10 @@ def test_a_running_plan_makes_entries_only_for_what_it_treats_or_a_rebuild_reads
     real = pool._unpack
 
     def unpack(packed):  # backward's first unpack: every save of the step is made, none has died
-        s = pool._step
-        if pool._plan_ok and s.backward_s is None:
-            entries = sum(1 for r in pool._entries.values() if (e := r()) is not None and e.step is s)
-            seen.append((entries, s.ordinals, len(pool._plan.lean)))
+        s = pool.clock.step
+        if pool.plans.plan_ok and s.backward_s is None:
+            entries = sum(1 for r in pool.ledger.entries.values() if (e := r()) is not None and e.step is s)
+            seen.append((entries, s.ordinals, len(pool.plans.plan.lean)))
         return real(packed)
 
     pool._unpack = unpack
@@ -293,9 +293,9 @@ def test_a_plan_that_keeps_everything_runs_each_step_as_one_step():
     batches = [torch.randn(32, 64, generator=g) for _ in range(5)]
     pool = Pool(budget="1GiB", policy="planned")
     plans, _ = _train(pool, batches)
-    stats = pool.stats()  # (the plan moves nothing: once it ran whole, the pool rests: _rests)
+    stats = pool.stats()  # (the plan moves nothing: once it ran whole, the pool rests: Rest.enter)
     assert stats["plans"] == 1 and stats["steps"] + stats["rest_steps"] == len(batches), stats
-    assert plans[-1]["keep"] == len(pool._plan.signature) > 0
+    assert plans[-1]["keep"] == len(pool.plans.plan.signature) > 0
 
 
 def test_a_bypassed_blocks_output_goes_to_the_pool_only_where_the_pool_sees_it_saved_again():
@@ -306,7 +306,7 @@ def test_a_bypassed_blocks_output_goes_to_the_pool_only_where_the_pool_sees_it_s
     batch = lambda g: (torch.randn(8, 3, 16, 16, generator=g), torch.randint(0, 10, (8,), generator=g))  # noqa: E731
     pool = Pool(budget="1GiB", policy="planned", min_bytes=0)
     assert same(train_steps(build, batch, pool, steps=5), train_steps(build, batch, steps=5))
-    plan, stats = pool._plan, pool.stats()
+    plan, stats = pool.plans.plan, pool.stats()
     assert len(plan.bypass) == 4 and not plan.light, (plan.bypass, plan.light)
     assert plan.outputs == {}, plan.outputs
     assert stats["bypassed_calls"] > 0 and stats["plan_misses"] == 0, stats
@@ -370,7 +370,7 @@ def test_a_plan_that_moves_nothing_lets_the_steps_run_without_the_pools_hooks():
 
     got, seen = _resnet_train(pool, [8] * 7, between)
     assert same(got, _resnet_train(None, [8] * 7)[0])
-    assert pool._plan.idle and snaps[-1]["rest_wakes"] == 0 and snaps[-1]["plan"]["resting"]
+    assert pool.plans.plan.idle and snaps[-1]["rest_wakes"] == 0 and snaps[-1]["plan"]["resting"]
     from supermem import top
 
     text = top.render(
@@ -386,7 +386,7 @@ def test_a_plan_that_moves_nothing_lets_the_steps_run_without_the_pools_hooks():
     tight = Pool(budget=int(0.5 * probe.stats()["peak_resident_bytes"]), policy="planned", min_bytes=0)
     del probe
     assert same(_resnet_train(tight, [8] * 6)[0], _resnet_train(None, [8] * 6)[0])
-    assert not tight._plan.idle and tight.stats()["rest_steps"] == 0, tight.stats()
+    assert not tight.plans.plan.idle and tight.stats()["rest_steps"] == 0, tight.stats()
 
 
 def test_a_call_of_another_shape_wakes_the_resting_pool_for_the_rest_of_its_step():
@@ -399,7 +399,7 @@ def test_a_call_of_another_shape_wakes_the_resting_pool_for_the_rest_of_its_step
     got, seen = _resnet_train(pool, sizes)
     assert same(got, _resnet_train(None, sizes)[0])
     stats = pool.stats()
-    assert stats["rest_wakes"] == 1 and stats["plans"] == 2 and not pool._resting, stats
+    assert stats["rest_wakes"] == 1 and stats["plans"] == 2 and not pool.rest.resting, stats
     assert seen[4] is None and seen[5] is not None and seen[5][0] == pool._pack, seen
     assert all(seen[k] is not None for k in range(5, 9)), seen
 
@@ -418,7 +418,7 @@ def test_a_call_begun_before_the_pool_rested_is_undone_at_its_end():
     seen = []
 
     def rest_now(*_):
-        pool._resting = seen.append(top(False)) or True  # (as another thread's _rests would)
+        pool.rest.resting = seen.append(top(False)) or True  # (as another thread's rest.enter would)
 
     def after(*_):
         seen.append(top(False))
@@ -427,7 +427,7 @@ def test_a_call_begun_before_the_pool_rested_is_undone_at_its_end():
     model.fc.register_forward_pre_hook(after)
     with pool:
         model(x).sum().backward()
-    pool._resting = False
+    pool.rest.resting = False
     assert pool.stats()["bypassed_calls"] > 0 and seen[0] is None and seen[-1] is not None, seen
     assert seen[-1][0] == pool._pack
 
@@ -521,7 +521,7 @@ def test_a_wake_in_a_nested_context_keeps_the_hooks_on_in_the_one_around_it():
     for _ in range(4):
         with pool:
             model(x).sum().backward()
-    assert pool._resting
+    assert pool.rest.resting
     top = torch._C._autograd._top_saved_tensors_default_hooks
     with pool:
         with pool:
@@ -539,7 +539,7 @@ def test_the_allocators_pressure_wakes_a_resting_pool():
     snaps: list = []
 
     def between(k, model):
-        snaps.append((pool._resting, pool.stats()["bypassed_calls"]))
+        snaps.append((pool.rest.resting, pool.stats()["bypassed_calls"]))
         if k == 4:
             assert pool._on_pressure(1 << 20) == 0
 
@@ -599,20 +599,20 @@ def test_a_running_plan_captures_only_the_regions_it_replays(monkeypatch, one_th
     made, init = [], region.Region.__init__
 
     def counted(self, *a, **k):
-        made.append(pool._plan_ok)
+        made.append(pool.plans.plan_ok)
         init(self, *a, **k)
 
     monkeypatch.setattr(region.Region, "__init__", counted)
     ran = _plan_runs(pool)
-    per_step, real = [], pool._step_ended
+    per_step, real = [], pool.plans.step_ended
 
     def step_ended(s):
         per_step.append(len(made))
         made.clear()
         real(s)
 
-    pool._step_ended = step_ended
-    unseen = pool._unseen_done
+    pool.plans.step_ended = step_ended
+    unseen = pool.plans.unseen_done
 
     # a call the plan replays run under checkpoint: no Region object either
     def unseen_done(end, light, lean):
@@ -620,10 +620,10 @@ def test_a_running_plan_captures_only_the_regions_it_replays(monkeypatch, one_th
             made.append(None)
         unseen(end, light, lean)
 
-    pool._unseen_done = unseen_done
+    pool.plans.unseen_done = unseen_done
     params = train(pool, batches)
     assert all(torch.equal(a, b) for a, b in zip(ref, params))
-    plan = pool._plan
+    plan = pool.plans.plan
     assert plan.feasible and plan.region_starts and pool.stats()["recomputes"] > 0
     assert pool.stats()["plan"]["measured_peak_bytes"] <= budget
     # From the second planned step: a step's first call (at its start) is counted into the step before
@@ -646,7 +646,7 @@ def test_a_tensor_the_plan_keeps_without_an_entry_is_still_version_checked():
 
     for _ in range(4):
         step(False)
-    assert pool._plan_ok and pool._plan.lean  # the plan runs and keeps h without an entry
+    assert pool.plans.plan_ok and pool.plans.plan.lean  # the plan runs and keeps h without an entry
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         step(True)
 
@@ -723,7 +723,7 @@ def test_a_slow_first_tail_is_timed_again_by_the_plans_first_step():
     assert cold["untreated_step_s"] > 0.2, cold
     assert warm["untreated_step_s"] < cold["untreated_step_s"] - 0.15, (cold, warm)
     assert warm["predicted_step_s"] == pytest.approx(warm["untreated_step_s"] + warm["added_s"])
-    assert pool._profiles[pool._plan.signature].retimed
+    assert pool.plans.profiles[pool.plans.plan.signature].retimed
 
 
 def test_the_tail_clock_starts_when_the_pool_call_around_its_event_returns():
@@ -786,7 +786,7 @@ def test_a_greedy_stuck_behind_a_block_replay_plans_again_without_it():
 
 def _judged(pool, s):
     """Whether the step's peak judges the plan: its first call ran under no older plan (Step.early_plan)."""
-    return s.early_plan is NO_EARLY_CALL or s.early_plan is None or s.early_plan is pool._plan
+    return s.early_plan is NO_EARLY_CALL or s.early_plan is None or s.early_plan is pool.plans.plan
 
 
 class _WideFirst(nn.Module):
@@ -833,16 +833,16 @@ def test_a_step_whose_first_call_an_older_plan_decided_does_not_judge_the_new_pl
     train(probe)
     budget = int(probe.stats()["plan"]["untreated_peak_bytes"] * 0.85)
     pool = Pool(budget=budget, policy="planned", treatments=(Recompute(),))
-    real, seen = pool._step_ended, []
+    real, seen = pool.plans.step_ended, []
 
     def step_ended(s):
-        if pool._plan_ok:
-            seen.append((_judged(pool, s), pool._plan.counts()["recompute"]))
+        if pool.plans.plan_ok:
+            seen.append((_judged(pool, s), pool.plans.plan.counts()["recompute"]))
             if len(seen) <= 2:  # the first two planned steps over the budget
-                pool._step_peak += budget // 5
+                pool.ledger.step_peak += budget // 5
         real(s)
 
-    pool._step_ended = step_ended
+    pool.plans.step_ended = step_ended
     train(pool)
     judged = [j for j, _ in seen]
     assert judged[:2] == [True, False] and all(judged[2:]), seen  # the first plan's first step, the new one's
@@ -861,16 +861,16 @@ def test_a_plan_that_overshoots_is_made_again_lower():
     ref_losses, ref_grads = _train(None, batches)
     budget, spike = 40 << 10, 8 << 10
     pool = Pool(budget=budget, policy="planned", host_limit="64MiB")
-    real = pool._step_ended
+    real = pool.plans.step_ended
     spiked = []
 
     def step_ended(s):
-        if pool._plan_ok and _judged(pool, s) and not spiked:  # the first planned step judged: a spike
+        if pool.plans.plan_ok and _judged(pool, s) and not spiked:  # the first planned step judged: a spike
             spiked.append(s)
-            pool._step_peak += spike
+            pool.ledger.step_peak += spike
         real(s)
 
-    pool._step_ended = step_ended
+    pool.plans.step_ended = step_ended
     ran = _plan_runs(pool)
     plans, grads = _train(pool, batches)
     assert all(torch.equal(a, b) for a, b in zip(ref_grads, grads))
@@ -893,7 +893,7 @@ def test_plan_cache_is_bounded(monkeypatch):
     batches = [torch.randn(n, 64, generator=g) for n in (8, 8, 8, 12, 12, 16, 16, 20, 20)]
     pool = Pool(budget=8 << 10, policy="planned", host_limit="64MiB")
     _train(pool, batches)
-    assert pool.stats()["plans"] >= 3 and len(pool._plans) == 2
+    assert pool.stats()["plans"] >= 3 and len(pool.plans.cached) == 2
 
 
 # ---- the cost model: what an offload cannot hide, and what a replay reads ------------------------------
@@ -1051,7 +1051,7 @@ def test_a_call_run_lean_is_priced_at_the_hooks_on_each_of_its_saves(monkeypatch
 
 
 def test_a_rebuilds_host_seconds_leave_out_the_rebuilds_and_pressure_calls_inside_it(monkeypatch):
-    """Pool._frame_end: an outer rebuild's own host seconds are its time less its inner frames'."""
+    """RebuildTimes.frame_end: an outer rebuild's own host seconds are its time less its inner frames'."""
     import importlib
 
     pool_module = importlib.import_module("supermem.tensor_pool.pool")
@@ -1059,16 +1059,16 @@ def test_a_rebuilds_host_seconds_leave_out_the_rebuilds_and_pressure_calls_insid
     monkeypatch.setattr(pool_module.time, "perf_counter", lambda: next(clock))
     pool = Pool(budget="1MiB")
     t_outer = pool_module.time.perf_counter()
-    pool._frames.append(0.0)
+    pool.rebuild_times.frames.append(0.0)
     t = pool_module.time.perf_counter()
-    pool._frames.append(0.0)
-    pool._frame_end(t, "OpReplay")  # 1 -> 3
+    pool.rebuild_times.frames.append(0.0)
+    pool.rebuild_times.frame_end(t, "OpReplay")  # 1 -> 3
     t = pool_module.time.perf_counter()
-    pool._frames.append(0.0)
-    pool._frame_end(t)  # a pressure call: 4 -> 4.5
-    pool._frame_end(t_outer, "Region")  # 0 -> 10, 2.5 of it inside
-    assert pool._host_cost_s("OpReplay") == 2.0 and pool._host_cost_s("Region") == 7.5
-    assert pool._host_cost_s("Cast") == 0.0 and pool._frames == []
+    pool.rebuild_times.frames.append(0.0)
+    pool.rebuild_times.frame_end(t)  # a pressure call: 4 -> 4.5
+    pool.rebuild_times.frame_end(t_outer, "Region")  # 0 -> 10, 2.5 of it inside
+    assert pool.rebuild_times.cost_s("OpReplay") == 2.0 and pool.rebuild_times.cost_s("Region") == 7.5
+    assert pool.rebuild_times.cost_s("Cast") == 0.0 and pool.rebuild_times.frames == []
 
 
 def test_a_kinds_host_cost_is_its_least_rebuild_not_its_first_calls_one_time_costs(monkeypatch):
@@ -1082,9 +1082,9 @@ def test_a_kinds_host_cost_is_its_least_rebuild_not_its_first_calls_one_time_cos
     pool = Pool(budget="1MiB")
     for _ in range(3):
         t = pool_module.time.perf_counter()
-        pool._frames.append(0.0)
-        pool._frame_end(t, "Region")
-    assert pool._host_cost_s("Region") == pytest.approx(0.002)
+        pool.rebuild_times.frames.append(0.0)
+        pool.rebuild_times.frame_end(t, "Region")
+    assert pool.rebuild_times.cost_s("Region") == pytest.approx(0.002)
 
 
 def test_prefetches_share_one_link():
@@ -1318,10 +1318,10 @@ def test_a_slow_pool_leaves_the_profiled_steps_seconds_as_they_are(monkeypatch):
     g = torch.Generator().manual_seed(1)
     pool = Pool(budget=20 << 10, policy="planned", host_limit="64MiB")
     profiles, slowed, walls = [], [0], []
-    real_pack, real_plan, real_ended = pool._pack_saved, pool.policy.solve, pool._step_ended
+    real_pack, real_plan, real_ended = pool._pack_saved, pool.policy.solve, pool.plans.step_ended
 
     def pack(t):
-        if pool._rec is not None and pool._rec.full and pool._rec.regions_on:
+        if pool.plans.rec is not None and pool.plans.rec.full and pool.plans.rec.regions_on:
             slowed[0] += 1
             time.sleep(0.01)
         return real_pack(t)
@@ -1335,7 +1335,7 @@ def test_a_slow_pool_leaves_the_profiled_steps_seconds_as_they_are(monkeypatch):
         real_ended(s)
 
     monkeypatch.setattr(pool, "_pack_saved", pack)
-    monkeypatch.setattr(pool, "_step_ended", step_ended)
+    monkeypatch.setattr(pool.plans, "step_ended", step_ended)
     monkeypatch.setattr(pool.policy, "solve", make_plan)
     _train(pool, [torch.randn(32, 64, generator=g) for _ in range(4)])
     (p, n), *_ = profiles
@@ -1389,7 +1389,7 @@ def test_a_recipe_names_what_its_rebuild_reads():
     with pool:
         model(torch.randn(32, 64, generator=g)).square().mean().backward()  # step 1 finds the regions
         loss = model(torch.randn(32, 64, generator=g)).square().mean()
-        entries = [x for ref in pool._entries.values() if isinstance(x := ref(), Entry)]
+        entries = [x for ref in pool.ledger.entries.values() if isinstance(x := ref(), Entry)]
         assert len(entries) >= 2
 
         class OpReplay:
@@ -1428,7 +1428,9 @@ def test_an_allocation_that_came_to_the_pressure_handler_is_a_point_the_plan_hol
     real_square = torch.Tensor.square
 
     def square_after_pressure(t):  # the loss: an allocation of `spike` bytes the pool never saw saved
-        demands.append(pool._used_bytes() + pool._rec.away + spike if pool._rec is not None else None)
+        demands.append(
+            pool.budget.used_bytes() + pool.plans.rec.away + spike if pool.plans.rec is not None else None
+        )
         pool._on_pressure(spike)
         return real_square(t)
 
@@ -1465,13 +1467,13 @@ def test_a_backward_that_unpacks_no_entry_still_ends_its_step(monkeypatch):
 
 def _plan_runs(pool: Pool) -> list[bool]:
     """Fills, at each step's end, whether that step ran a plan."""
-    ran, real = [], pool._step_ended
+    ran, real = [], pool.plans.step_ended
 
     def step_ended(s):
-        ran.append(pool._plan_ok)
+        ran.append(pool.plans.plan_ok)
         real(s)
 
-    pool._step_ended = step_ended
+    pool.plans.step_ended = step_ended
     return ran
 
 
@@ -1485,7 +1487,7 @@ def test_alternating_shapes_both_get_plans_and_run_them():
     ran = _plan_runs(pool)
     _train(pool, big + alternating + big[:1])
     assert any(ran[-6:]), ran
-    assert len(pool._plans) == 2 and pool.stats()["plans"] == 2
+    assert len(pool.plans.cached) == 2 and pool.stats()["plans"] == 2
 
 
 def test_a_shape_that_leaves_the_plan_only_at_its_end_gets_its_own_plan():
@@ -1513,7 +1515,7 @@ def test_a_shape_that_leaves_the_plan_only_at_its_end_gets_its_own_plan():
         (y.sin() if i % 2 == 0 else y).square().mean().backward()
         assert all(torch.equal(p.grad, q) for p, q in zip(ref.parameters(), grads[i]))
         ref.zero_grad()
-    assert len(pool._plans) == 2 and all(ran[-4:]), ran
+    assert len(pool.plans.cached) == 2 and all(ran[-4:]), ran
 
 
 class _SoftLimit:
@@ -1532,12 +1534,12 @@ def test_a_pressure_call_records_the_demand_of_the_allocation_behind_it(soft_cal
     limit lets allocations through while disarmed); a failed allocation asks for its size. Either way
     the point the plan must hold is the bytes in use plus the allocation."""
     pool = Pool(budget=1024, policy="planned", host_limit="64MiB")
-    pool._soft = _SoftLimit(1024, soft_call)
+    pool.budget.soft = _SoftLimit(1024, soft_call)
     with pool:
         keep = pool._pack_tensor(torch.randn(1024))  # 4 KiB resident: over the 1 KiB limit
-    before, size = pool._used_bytes(), 512
+    before, size = pool.budget.used_bytes(), 512
     pool._on_pressure(before + size - 1024 if soft_call else size)
-    assert pool._rec.pressure == [(0, before + size)]
+    assert pool.plans.rec.pressure == [(0, before + size)]
     del keep
 
 

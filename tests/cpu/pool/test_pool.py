@@ -293,7 +293,7 @@ def test_a_pressure_call_prices_a_window_of_entries_and_all_only_when_that_is_no
     with p:
         y = model(x)
     resident = p.stats()["resident_bytes"]
-    assert len(p._resident_entries()) > 2 * window
+    assert len(p.ledger.resident_entries()) > 2 * window
 
     priced.clear()
     assert p._on_pressure(1) > 0

@@ -333,7 +333,7 @@ def test_check_walks_each_treatments_invariant():
             model(x).sum().backward()
     with pool:
         loss = model(x).sum()
-        away = [e for r in pool._entries.values() if (e := r()) is not None and e.state.value == "away"]
+        away = [e for r in pool.ledger.entries.values() if (e := r()) is not None and e.state.value == "away"]
         by = {e.treatment.name: e for e in away}
         assert set(by) == {"offload", "recompute"}  # the layers' inputs offloaded, their insides dropped
         pool.check()
@@ -345,10 +345,10 @@ def test_check_walks_each_treatments_invariant():
         with pytest.raises(AssertionError, match="recipe"):
             pool.check()
         by["recompute"].recipe = recipe
-        pool._device_bytes += 1
+        pool.ledger.device_bytes += 1
         with pytest.raises(AssertionError, match="device bytes"):
             pool.check()
-        pool._device_bytes -= 1
+        pool.ledger.device_bytes -= 1
         pool.check()
         loss.backward()
 
@@ -430,7 +430,7 @@ def test_a_weight_copy_rebuilt_in_a_create_graph_backward_holds_no_graph():
     pool = Pool(budget="1GiB", policy="cost_aware", host_limit="64MiB")
     with pool, torch.autocast("cpu", dtype=torch.bfloat16):
         out = model(torch.randn(4, 16))
-    casts = [e for r in pool._entries.values() if (e := r()) is not None and isinstance(e.recipe, Cast)]
+    casts = [e for r in pool.ledger.entries.values() if (e := r()) is not None and isinstance(e.recipe, Cast)]
     assert casts
     for e in casts:
         assert pool._leave(e, pool.treatments["recompute"])
@@ -709,7 +709,7 @@ def test_calls_the_pool_does_not_see_survive_retain_graph_a_forward_alone_and_an
     with pool:
         loss()  # no backward
     gc.collect()
-    assert pool._unseen_live == 0
+    assert pool.ledger.unseen_live == 0
 
     def boom(_):
         raise ValueError("boom")
@@ -724,7 +724,7 @@ def test_calls_the_pool_does_not_see_survive_retain_graph_a_forward_alone_and_an
     for _ in range(2):  # the step after a broken one may record again (it left the plan's shape)
         with pool:
             loss().backward()
-    assert pool.stats()[how] > before and pool._unseen_live == 0
+    assert pool.stats()[how] > before and pool.ledger.unseen_live == 0
 
 
 def test_a_plan_that_keeps_a_block_whole_runs_it_with_the_pools_hooks_off():
