@@ -14,6 +14,8 @@
 
 #ifdef __GLIBCXX__
 #include <cxxabi.h>  // abi::__forced_unwind: a thread being ended (pthread_exit)
+#include <execinfo.h>  // backtrace: the stack where std::terminate was called
+#include <unistd.h>
 #endif
 
 #include "alloc/caching.h"
@@ -48,6 +50,20 @@ bool interpreter_finalizing() {
 bool may_take_gil() {
   if (!Py_IsInitialized()) return false;
   return !interpreter_finalizing() || PyThread_get_thread_ident() == finalizing_thread.load();
+}
+
+// std::terminate names no place ("terminate called without an active exception"): supermem's handler
+// first writes the native stack of the thread that called it (the frame that let an unwinding through,
+// and its callers), then hands over to the handler before it, which says the rest and aborts.
+std::terminate_handler previous_terminate = nullptr;
+
+[[noreturn]] void terminate_with_stack() {
+  static const char head[] = "supermem: std::terminate called; the native stack:\n";
+  [[maybe_unused]] auto n = write(2, head, sizeof head - 1);
+  void* frames[64];
+  backtrace_symbols_fd(frames, backtrace(frames, 64), 2);
+  if (previous_terminate != nullptr) previous_terminate();
+  std::abort();
 }
 
 [[noreturn]] void park() {
@@ -324,6 +340,7 @@ OomObserver oom_observer_from_py(py::function fn) {
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "supermem core: caching allocator, devices, trace ring (C++)";
+  if (std::get_terminate() != terminate_with_stack) previous_terminate = std::set_terminate(terminate_with_stack);
 
   py::register_exception_translator([](std::exception_ptr p) {
     try {

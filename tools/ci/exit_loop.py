@@ -80,6 +80,7 @@ ABORTS = (-6, 134)  # SIGABRT, and as a shell reports it
 
 def run_once(args: list[str], timeout_s: float) -> tuple[int | None, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SUPERMEM")}
+    env["PYTHONFAULTHANDLER"] = "1"  # an abort also writes every Python thread's stack
     try:
         r = subprocess.run(
             [sys.executable, *args], env=env, capture_output=True, text=True, timeout=timeout_s
@@ -107,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
             if rc in ABORTS:
                 aborts += 1
                 print(f"run {i}: abort (exit status {rc}): {tail}", flush=True)
+                if aborts <= 2:  # the first ones whole: the native and Python stacks say where
+                    print("\n".join(lines[-80:]), flush=True)
             elif rc != 0:
                 failures += 1
                 print(f"run {i}: failed (exit status {rc}): {tail}", flush=True)

@@ -23,3 +23,15 @@ def test_exit_with_a_thread_in_the_allocator_does_not_abort(run):
     )
     assert r.returncode == 0, f"exit status {r.returncode}\n{r.stderr[-2000:]}"
     assert r.stdout.split() == ["OOM", "exit"]
+
+
+def test_a_terminate_says_where_it_was_called_and_still_aborts():
+    """An abort in native code names its place: supermem's terminate handler writes the calling
+    thread's native stack, then the handler before it says its line and aborts (the exit status stays
+    SIGABRT's)."""
+    child = "import ctypes, supermem._C; ctypes.CDLL('libstdc++.so.6')._ZSt9terminatev()"
+    r = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=120)
+    assert r.returncode == -6, r.stderr[-2000:]
+    head, _, stack = r.stderr.partition("supermem: std::terminate called; the native stack:\n")
+    assert not head and "libstdc++" in stack, r.stderr[-2000:]
+    assert "terminate called without an active exception" in stack
