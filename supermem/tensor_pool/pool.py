@@ -347,8 +347,7 @@ class Pool:
     def _used(self, x: Entry | PlanKept) -> int | None:
         """Backward unpacked `x` (under the lock): its step's backward began, and its first use is an
         event of the step being recorded or run by a plan (None for a later use)."""
-        if x.step.backward_s is None:
-            x.step.unpacked()
+        self.clock.unpacked(x.step)
         if self.plans.rec is None or x.step is not self.clock.step:
             return None
         return self.plans.rec.used(x.ordinal, self.budget.used_bytes())
