@@ -76,6 +76,9 @@ FUNCTION_APPLY = torch._C._FunctionBase.__dict__["apply"]
 foreach_copy_ = torch._foreach_copy_
 # The engine, to run a callback when the current backward ends.
 execution_engine = torch.autograd.Variable._execution_engine
+# The node backward is running on this thread (None outside one): where a step's backward began, the
+# root of a walk of the graph under it (outside_uses.py).
+current_autograd_node = torch._C._current_autograd_node
 
 
 _AD_INPLACE_OR_VIEW = torch._C.DispatchKey.ADInplaceOrView

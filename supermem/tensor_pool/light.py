@@ -86,12 +86,16 @@ class _Light:
         "alive",
         "graphs",
         "uses",
+        "outside",
         "extra",
     )
 
     def __init__(self, state: CallState):
         self.state = state  # RNG, autocast, attention backends at the call
         self.uses: tuple | None = None  # per tensor input, its uses in the call (Regions.uses)
+        # per tensor input, whether a use outside the call may read it too (outside_uses.py): only
+        # such an input needs a slot per use; the call's own backward sums the others in plain order
+        self.outside: tuple[bool, ...] | None = None
         self.extra: list[int] = []  # the node's extra slots: an input once more per use past its first
         self.graphs: LightGraphs | None = None  # replays its backward where it can (light_graphs.py)
 
@@ -117,7 +121,13 @@ class _Light:
         params = _params(module)
         outputs = [outs[k] for k in self.out_places]
         if self.uses is not None and len(self.uses) == len(inputs):
-            self.extra = [j for j, n in enumerate(self.uses) for _ in range(n - 1) if inputs[j].requires_grad]
+            outside = self.outside or (True,) * len(inputs)
+            self.extra = [
+                j
+                for j, n in enumerate(self.uses)
+                for _ in range(n - 1)
+                if inputs[j].requires_grad and outside[j]
+            ]
         if (
             not self.extra
             and pool is not None
@@ -217,7 +227,8 @@ class _LightFn(torch.autograd.Function):
         if per_use is not None:
             if per_use.complete():
                 params = (got.get(id(w)) for w in ctx.params)
-                return (None, None, None, None, *per_use.first(), *params, *per_use.rest())
+                firsts = per_use.first([got.get(id(x)) for x in inputs])
+                return (None, None, None, None, *firsts, *params, *per_use.rest())
             tracker = light.tracker()
             if tracker is not None:
                 tracker.split_misses += 1  # (summed: the rounding may differ from plain; stats())
@@ -260,8 +271,14 @@ class _PerUse:
     def complete(self) -> bool:
         return self.expected is not None and all(len(g) == n for g, n in zip(self.got, self.expected))
 
-    def first(self) -> list:
-        return [g[0] if g and wanted else None for g, wanted in zip(self.got, self.wanted)]
+    def first(self, summed: list) -> list:
+        """Each input's first slot: its first use's gradient where it has more slots, else the sum of
+        its uses' gradients in the call (`summed`, in the order its backward added them)."""
+        split = set(self.light.extra)
+        return [
+            (g[0] if j in split else s) if g and wanted else None
+            for j, (g, wanted, s) in enumerate(zip(self.got, self.wanted, summed))
+        ]
 
     def rest(self) -> list:
         k = [1] * len(self.got)

@@ -226,9 +226,8 @@ class PlanRunner:
     def used(self, x: Entry | PlanKept) -> int | None:
         """Backward unpacked `x` (under the pool's lock): its step's backward began, and its first use
         is an event of the step being recorded or run by a plan (None for a later use)."""
-        if x.step.backward_s is None:
-            x.step.unpacked()
         pool = self._pool()
+        pool.clock.unpacked(x.step)
         if self.rec is None or x.step is not pool.clock.step:
             return None
         return self.rec.used(x.ordinal, pool.budget.used_bytes())

@@ -14,6 +14,7 @@ from .. import torch_private as tp
 from .call_state import CallState
 from .entry import Entry
 from .light import _Alive, _Light, _pool_hooks
+from .outside_uses import OutsideUses
 from .region import (
     COST_SAMPLES,
     MAX_SHARE,
@@ -120,6 +121,7 @@ class Regions:
         # the uses of each tensor input in a module's verified call (consumers); None where unknown:
         # such a module never runs light
         self.uses: weakref.WeakKeyDictionary[torch.nn.Module, tuple | None] = weakref.WeakKeyDictionary()
+        self.outside_uses = OutsideUses()  # which of those inputs a use outside the call reads too
         self.split_misses = 0  # light backwards whose uses' gradients were not all caught (_PerUse)
         # id(weight) -> the module with an `eps` that owns it, seen in the first step (op replay's
         # LayerNorm: its node does not keep its eps)
@@ -282,6 +284,7 @@ class Regions:
             self.refuse(module, _takes_state(held))
         start = pool.clock.region_start()
         if start is None:
+            self.outside_uses.missed(module)  # (a call not counted: its module keeps its slots)
             return
         light_ok = self.uses.get(module, ()) is not None and module not in self.refused
         unseen, hooks = pool.plans.unseen_call(start, light_ok, False), None  # (run light: no hooks to know)
@@ -291,6 +294,7 @@ class Regions:
                 unseen = pool.plans.unseen_call(start, False, True)
         if unseen is not None:
             light, end, lean = unseen
+            self.outside_uses.missed(module)
             if light:
                 self._light(module, args, kwargs, pool, end)
             else:
@@ -323,6 +327,8 @@ class Regions:
         # runs with grad off too, and again in the replay; the node must start from its inputs.
         light.call = (args, kwargs)
         light.uses = self.uses.get(module)
+        if light.uses is not None:
+            light.outside = self.outside_uses.of(module, len(light.uses))
         self._local.__dict__.setdefault("unseen", []).append((module, light, end, None))
         tp.set_grad_enabled(False)
 
@@ -391,9 +397,13 @@ class Regions:
                     elif not verified and self.uses.get(module, ()) is not None:  # (unknown stays)
                         uses = consumers(_tensors(call), _tensors(output))
                         self.uses[module] = None if uses is None else tuple(len(u) for u in uses)
+                        self.outside_uses.verified(module, self.uses[module])
+            self.outside_uses.note(module, _tensors(call), _tensors(output))
             if self.uses.get(module, ()) is None and pool.plans.rec is not None and pool.plans.rec.full:
                 pool.plans.rec.no_light.add(region.start)
             pool._region_done(region, _tensors(output))
+        else:
+            self.outside_uses.missed(module)
 
     def _time_replay(
         self, region: Region, call: tuple, pool: PoolInternals, verify: bool, timed: bool

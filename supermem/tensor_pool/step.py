@@ -93,6 +93,7 @@ class StepClock:
         pool = self._pool
         s = self.step
         if self.between():
+            pool.regions.outside_uses.step_opened()
             if s is not None and s.forward_s is not None:
                 self.last_forward_s = s.forward_s
             if pool.regions.phase == "profiling" and self.steps:
@@ -126,9 +127,15 @@ class StepClock:
         step's backward began, though none of its entries may be unpacked (every call unseen; on an
         H100 a ResNet-152 planned step now and then ran on into the next one's image: a plan miss, and
         a step of the reactive fallback, 2 s)."""
-        s = self.step
+        self.unpacked(self.step)
+
+    def unpacked(self, s: Step | None) -> None:
+        """Backward unpacked a tensor of step `s`: if the first, its backward began (the graph is
+        whole: the calls verified in it count their inputs' uses outside them, outside_uses.py)."""
         if s is not None and s.backward_s is None:
             s.unpacked()
+            if s is self.step:
+                self._pool.regions.outside_uses.backward_began()
 
     def region_start(self) -> int | None:
         """Whether a region starting now is captured: None if not, else the step's saves so far (0

@@ -1031,3 +1031,115 @@ def test_a_calls_uses_are_counted_where_autograd_lets_its_node_objects_go():
     assert [len(u) for u in consumers([x, h], [y])] == [2, 1]
     got = consumers([_Weak(x), _Weak(h)], [_Weak(y)])
     assert got is not None and [len(u) for u in got] == [2, 1]
+
+
+def _light_slots(monkeypatch):
+    """Each light call's (module type, uses, extra slots), as its node is made."""
+    from supermem.tensor_pool.light import _Light
+
+    seen, attach = [], _Light.attach
+
+    def counted(self, tracker, module, *rest):
+        out = attach(self, tracker, module, *rest)
+        seen.append((type(module).__name__, self.uses, len(self.extra)))
+        return out
+
+    monkeypatch.setattr(_Light, "attach", counted)
+    return seen
+
+
+def test_a_block_reading_its_input_twice_inside_and_nowhere_else_runs_light_without_slots(monkeypatch):
+    """x + f(x), as a ResNet bottleneck: both uses of x are in the call, so its rebuilt backward sums
+    them in plain order into a buffer nothing else adds to. Once its verifying step's backward showed
+    no use outside, a light call takes x once (no per-use slot: light_graphs may replay it), and
+    training stays bitwise. Before, each such block took x twice, and its CUDA graphs were off."""
+    from supermem.tensor_pool.treatments import Recompute
+
+    build = lambda: nn.Sequential(*[_Block("plain") for _ in range(6)])  # noqa: E731
+    batch = lambda g: (torch.randn(32, 64, generator=g), None)  # noqa: E731
+    full = Pool(budget="1GiB", policy="planned")
+    train_steps(build, batch, full, 3)
+    pool = Pool(
+        budget=full.stats()["plan"]["measured_peak_bytes"] // 2, policy="planned", treatments=(Recompute(),)
+    )
+    seen = _light_slots(monkeypatch)
+    assert same(train_steps(build, batch, None, 6), train_steps(build, batch, pool, 6))
+    twice = [s for s in seen if s[1] == (2,)]  # (the first block's input needs no grad: no use)
+    assert twice and all(extra == 0 for _, _, extra in twice), seen
+    assert pool.stats()["light_split_misses"] == 0
+
+
+class _RMSNorm(nn.Module):
+    def __init__(self, d=64):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+
+    def forward(self, x):
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+
+
+class _PreNorm(nn.Module):
+    """h + f(norm(h)), the adds in the model's own call: each norm's input is read by the add too."""
+
+    def __init__(self, d=64, n=6):
+        super().__init__()
+        self.norms = nn.ModuleList(_RMSNorm(d) for _ in range(n))
+        self.fs = nn.ModuleList(
+            nn.Sequential(nn.Linear(d, 4 * d), nn.Tanh(), nn.Linear(4 * d, d)) for _ in range(n)
+        )
+
+    def forward(self, h):
+        for norm, f in zip(self.norms, self.fs):
+            h = h + f(norm(h))
+        return h
+
+
+@pytest.mark.parametrize("loss_in_pool", [True, False])
+def test_a_norm_whose_input_the_residual_add_reads_keeps_its_slots(monkeypatch, loss_in_pool):
+    """A Llama's RMSNorm: its input is read twice in the call and once by the residual add outside, so
+    its light calls keep a slot per use (autograd adds (r + a) + b, as plain). Also where the loss is
+    taken outside the pool, a sum that saves nothing: backward begins under the last add, which the
+    walk from there cannot see; the norm's whole gradient, unlike the sum of its uses', tells (the
+    last norm's, which the walk alone took for one without a use outside)."""
+    from supermem.tensor_pool.treatments import Recompute
+
+    models = []
+
+    def run(pool, steps=6):
+        torch.manual_seed(0)
+        model = _PreNorm()
+        models.append(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        x = torch.randn(32, 64, generator=torch.Generator().manual_seed(1))
+        out = []
+        for _ in range(steps):
+            opt.zero_grad()
+            ctx = (
+                pool
+                if pool is not None
+                else torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
+            )
+            with ctx:
+                o = model(x)
+                if loss_in_pool:
+                    loss = o.square().mean()
+                    loss.backward()
+            if not loss_in_pool:
+                loss = o.sum() / 1e3
+                loss.backward()
+            out += [loss.detach()] + [p.grad for p in model.parameters()]
+            opt.step()
+        return out
+
+    full = Pool(budget="1GiB", policy="planned")
+    run(full, 3)
+    pool = Pool(
+        budget=full.stats()["plan"]["measured_peak_bytes"] // 2, policy="planned", treatments=(Recompute(),)
+    )
+    seen = _light_slots(monkeypatch)
+    assert same(run(None), run(pool))
+    norms = [s for s in seen if s[0] == "_RMSNorm"]
+    assert norms and all(uses == (2,) and extra == 1 for _, uses, extra in norms), seen
+    for norm in models[-1].norms[1:]:  # (the first one's input, the batch, needs no grad)
+        assert pool.regions.uses[norm] == (2,) and pool.regions.outside_uses.of(norm, 1) == (True,)
+    assert pool.stats()["light_split_misses"] == 0
