@@ -28,11 +28,14 @@ from __future__ import annotations
 import queue
 import threading
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-Streamer = _Param = Any  # streaming/streamer.py imports this module: named, not imported (no circle)
+if TYPE_CHECKING:  # streaming/streamer.py imports this module when it is built: types only here
+    from .streaming.streamer import Streamer
+    from .streaming.units import _Param
+
 BATCH_UNITS = 64  # units per optimizer call of the worker (and per wake-up of its thread)
 
 

@@ -16,12 +16,13 @@ parameter, except "step" (PyTorch's optimizers keep that scalar on the host unle
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-# streaming/streamer.py imports this module: its Streamer and _Unit are named here, not imported (no circle)
-Streamer = _Unit = Any
+if TYPE_CHECKING:  # streaming/live.py and streamer.py import this module when a step runs: types only here
+    from .streaming.streamer import Streamer
+    from .streaming.units import _Unit
 
 
 class _OnDevice:
@@ -93,24 +94,32 @@ def restore_grads(streamer: Streamer) -> None:
     streamer._hidden_grads = []
 
 
+def _host_flat(unit: _Unit) -> torch.Tensor:
+    """The unit's own parameters, flat on the host (a unit with a parameter to step has its block)."""
+    if unit.flat is None:
+        raise RuntimeError(f"supermem.stream: a {type(unit.module).__name__} unit has no host block")
+    return unit.flat.tensor[: unit.nbytes]
+
+
 def _is_elementwise(key: str, t: Any, p: torch.nn.Parameter) -> bool:
     return key != "step" and isinstance(t, torch.Tensor) and t.shape == p.shape
 
 
 def _bring(streamer: Streamer, optimizer: torch.optim.Optimizer, here: _OnDevice) -> None:
     """Starts the unit's copies to the device and swaps the device tensors into its parameters."""
-    unit, copies = here.unit, streamer.copies
-    here.flat, ready = copies.to_device(unit.flat.tensor[: unit.nbytes])
+    copies = streamer.copies
+    here.flat, ready = copies.to_device(_host_flat(here.unit))
     here.waits.append((here.flat, ready))
-    by_id = {id(s.param): s for s in unit.params}
+    by_id = {id(s.param): s for s in here.unit.params}
     for ps in here.groups:
         for p in ps:
             slot = by_id[id(p)]
             host_data, host_grad = p.data, p.grad
+            assert host_grad is not None  # device_step chose the parameters with a gradient
             grad, event = copies.to_device(host_grad)
             here.waits.append((grad, event))
             state = optimizer.state[p]
-            host_state = {}
+            host_state: dict[str, torch.Tensor] = {}
             for key, t in list(state.items()):
                 if _is_elementwise(key, t, p):
                     state[key], event = copies.to_device(t)
@@ -125,8 +134,9 @@ def _bring(streamer: Streamer, optimizer: torch.optim.Optimizer, here: _OnDevice
 def _send_back(streamer: Streamer, optimizer: torch.optim.Optimizer, here: _OnDevice) -> list[Any]:
     """Starts the copies of the stepped parameters and state to the host and swaps the host tensors
     back; returns the copies' events. State made by this step gets host blocks of its own."""
-    unit, copies = here.unit, streamer.copies
-    events = [copies.to_host(here.flat, unit.flat.tensor[: unit.nbytes])]
+    copies, flat = streamer.copies, here.flat
+    assert flat is not None  # _bring made it
+    events = [copies.to_host(flat, _host_flat(here.unit))]
     for ps in here.groups:
         for p in ps:
             host_state = here.swapped[id(p)][2]

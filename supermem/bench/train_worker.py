@@ -7,6 +7,7 @@ import contextlib
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any
 
 
 def _no_saver(spec: dict) -> Callable[[], contextlib.AbstractContextManager]:
@@ -23,8 +24,10 @@ def _pool(spec: dict) -> Callable[[], contextlib.AbstractContextManager]:
     import supermem
 
     # Treatments by name: supermem.pool reuses one Pool for the same names on every step.
-    kw = {"treatments": tuple(spec["treatments"])} if spec.get("treatments") else {}
-    return lambda: supermem.pool(budget=spec["budget_bytes"], policy=spec.get("policy", "lru"), **kw)
+    treatments = tuple(spec["treatments"]) if spec.get("treatments") else None  # None: Pool's default
+    return lambda: supermem.pool(
+        budget=spec["budget_bytes"], policy=spec.get("policy", "lru"), treatments=treatments
+    )
 
 
 # saver name -> (spec -> a context-manager factory entered around forward+backward). "checkpoint",
@@ -61,6 +64,8 @@ def measure(spec: dict) -> dict:
         torch.backends.cudnn.benchmark = False
     preset = PRESETS[spec["preset"]]
     torch.manual_seed(0)
+    # Any: the chunked losses call its hidden() and head (nn.Module's attributes type as tensor or module)
+    model: Any
     with device:
         model = preset.build()
     forward = _prepare(model, spec)
@@ -114,7 +119,7 @@ def measure(spec: dict) -> dict:
     times_ms = []
     for _ in range(spec["steps"]):
         times_ms.append(_timed(step, cuda))
-    row = {
+    row: dict[str, Any] = {
         "preset": preset.label,
         "step_ms": round(statistics.median(times_ms), 2),
         "step_ms_all": [round(t, 2) for t in times_ms],

@@ -434,7 +434,7 @@ class PlanRunner:
         """The plan of `profile`'s shape, below the budget by what its plans overshot; cached."""
         pool = self._pool()
         sig = profile.signature
-        with label("plan"):
+        with label("plan", nvtx=pool.nvtx):
             self.plan = pool.policy.solve(profile, max(0, pool.budget_bytes - self.aim.get(sig, 0)))
         if not self.plan.feasible and sig not in self.said_infeasible:
             self.said_infeasible.add(sig)

@@ -34,7 +34,7 @@ from .budget import CANDIDATES, Budget  # noqa: F401  (CANDIDATES: read here by 
 from .cast import Cast, autocast_copy_of
 from .compiled import CompiledGraphs
 from .entry import Entry, Kept, PlanKept, State, alive_anyway, check_version, dedup_key, movable
-from .labels import label, recording
+from .labels import label, nvtx_wanted, recording
 from .ledger import Ledger
 from .op_replay import OpReplays
 from .options import budget_bytes_of, check_graphs_and_min_bytes, device_of, host_bytes_of, policy_of
@@ -82,6 +82,7 @@ class Pool:
     ):
         self.device = device_of(device)
         self.cuda = self.device.type == "cuda"
+        self.nvtx = nvtx_wanted(self.cuda)  # SUPERMEM_NVTX: its work as NVTX ranges too (labels.py)
         total = torch.cuda.get_device_properties(self.device).total_memory if self.cuda else None
         self._device_total = total
         self.budget_bytes = budget_bytes_of(budget, total, self.device)
@@ -180,8 +181,8 @@ class Pool:
     def _pack(self, t: torch.Tensor) -> Any:
         if self._passthrough:
             return t
-        if recording():  # (checked here: a range, even an empty one, costs every saved tensor)
-            with label("pack"):
+        if self.nvtx or recording():  # (checked here: a range, even an empty one, costs every saved tensor)
+            with label("pack", nvtx=self.nvtx):
                 return self._own(self._pack_saved, t)
         return self._own(self._pack_saved, t)
 
@@ -279,8 +280,8 @@ class Pool:
             return e
 
     def _unpack(self, packed: Any) -> torch.Tensor:
-        if recording():
-            with label("unpack"):
+        if self.nvtx or recording():
+            with label("unpack", nvtx=self.nvtx):
                 return self._own(self._unpack_saved, packed)
         return self._own(self._unpack_saved, packed)
 
@@ -334,7 +335,7 @@ class Pool:
         """Takes a resident entry off the device by treatment `t`; False when `t` cannot."""
         if e.treatment is not None and e.treatment is not t:
             e.treatment.forget(self, e)
-        with label(t.name):
+        with label(t.name, nvtx=self.nvtx):
             if not t.leave(self, e):
                 return False
         if t.events is not None:
@@ -350,7 +351,7 @@ class Pool:
 
     def _come_back(self, e: Entry) -> None:
         """Starts bringing `e` back by its treatment."""
-        with label(e.treatment.name, ".restore"):
+        with label(e.treatment.name, ".restore", self.nvtx):
             e.treatment.come_back(self, e)
 
     def _materialize(self, e: Entry) -> torch.Tensor:
