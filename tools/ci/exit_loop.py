@@ -12,6 +12,8 @@ sim: an allocator on a simulated device with a Python pressure handler that "off
     and take it back), as the autograd engine's device threads do on a GPU.
 gpu: tests/gpu/test_pool_gpu.py's pressure test, a tensor pool (cost_aware) that offloads under the
     allocator's pressure and then an OOM caught, where the abort was seen.
+gpu-native: the same steps on PyTorch's allocator without supermem (its baseline: an abort there is
+    not supermem's).
 Prints one line per abort (its stderr's last line) and a summary: aborts, other failures, runs.
 Exits 1 if any child aborted or failed.
 """
@@ -74,7 +76,7 @@ print("exit")
 
 # gpu: the pressure test's own child, under cost_aware
 GPU_CHILD = os.path.join(os.path.dirname(__file__), "..", "..", "tests", "gpu", "pressure_child.py")
-CHILDREN = {"sim": ["-c", SIM_CHILD], "gpu": [GPU_CHILD, "cost_aware"]}
+CHILDREN = {"sim": ["-c", SIM_CHILD], "gpu": [GPU_CHILD, "cost_aware"], "gpu-native": [GPU_CHILD, "native"]}
 ABORTS = (-6, 134)  # SIGABRT, and as a shell reports it
 
 
