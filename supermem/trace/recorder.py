@@ -322,7 +322,26 @@ class Recorder:
             self.scanner.scan()  # what is live now: parameters, gradients, optimizer state
             attributed = attribution.apply(trace, self.obs.rows, context)
             trace.meta = self._meta(attributed)
+            trace.meta["link_bytes_per_s"] = self._link_rates()
             return trace
+
+    def _link_rates(self) -> dict[str, float]:
+        """Device index -> its copy rate to pinned host memory, for `report --budget` (whatif.py), which
+        prices the pool's copies with it and runs where no GPU may be. Probed once a process
+        (offload.link_rate: ~4 ms, 64 MiB each way) after this trace's events were taken, so its own
+        blocks are not in it (a later build of the same recording holds them, as any late event); on
+        an H200 it reads 54-55 GB/s, where the default the what-if had priced copies at is 25."""
+        import torch
+
+        out: dict[str, float] = {}
+        if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+            return out
+        from ..tensor_pool.treatments.offload import link_rate
+
+        for s in self.sources:
+            if registry.same(registry.device_allocator(s.device), s.alloc):
+                out[str(s.device)] = float(link_rate(torch.device("cuda", s.device)))
+        return out
 
     def dump(self, path: str | os.PathLike) -> Path:
         """Writes the trace so far to `path` (.smtrace; {rank} and {pid} filled in); recording continues."""

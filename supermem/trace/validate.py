@@ -164,6 +164,12 @@ def meta(m: Any) -> dict[str, Any]:
         type(dropped) is dict and all(type(k) is str and is_int(v, 0) for k, v in dropped.items()),
         "meta: 'dropped_events' must map device names to counts",
     )
+    link = m.get("link_bytes_per_s", {})
+    need(
+        type(link) is dict
+        and all(type(k) is str and type(v) in (int, float) and v > 0 for k, v in link.items()),
+        "meta: 'link_bytes_per_s' must map device names to positive rates",
+    )
     need(type(m.get("time_is_index", False)) is bool, "meta: 'time_is_index' must be true or false")
     argv = m.get("argv", [])
     need(type(argv) is list and all(type(a) is str for a in argv), "meta: 'argv' must be a list of strings")

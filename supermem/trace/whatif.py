@@ -8,22 +8,27 @@ saved at its alloc and used at its free (its last use in backward: the trace hol
 the step's curve is the trace's active bytes at those events, and what rises above the curve between
 them (the loss's spike) is the transient the planner puts at backward's start. The plan says which
 activations it would keep and which offload, the peak and step seconds it predicts, and whether the
-step fits. Recompute is not offered: its price is a module call's seconds, which a trace does not
-time (a live pool measures them; supermem.pool(budget=...) plans with them).
+step fits. Copies are priced at the link the recording probed (copy_rate). Recompute is not offered:
+its price is a module call's seconds, which a trace does not time (a live pool measures them;
+supermem.pool(budget=...) plans with them).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .. import costs
 from .breakdown import NO_MODULE, phase_events
 from .owners import stack_owners
 from .phases import STEP_MARK
 from .table import Trace
 from .timeline import category_values, lifetimes, series
+
+if TYPE_CHECKING:
+    from ..tensor_pool.profile import Profile
 
 PERSISTENT = ("parameter", "gradient", "optimizer_state")
 UNMOVABLE = ("temporary", "autograd_detail", "input", "unknown")
@@ -42,6 +47,9 @@ class WhatIf:
     predicted_step_s: float
     measured_step_s: float  # the step planned from, as traced
     by_module: list[dict[str, Any]] = field(default_factory=list)  # module, keep_bytes, offload_bytes
+    link_bytes_per_s: float = 0.0  # what the plan's copies were priced at (copy_rate)
+    sync_copies: bool = False
+    link_source: str = ""
     notes: list[str] = field(default_factory=list)
 
 
@@ -83,24 +91,32 @@ def _last_step(trace: Trace) -> tuple[int, int] | None:
     return (starts[0], marks[-1]) if starts else None
 
 
-def what_if(trace: Trace, budget_bytes: int, device: int | None = None) -> WhatIf:
-    """What the pool would do at `budget_bytes` on `device` (default: the trace's first)."""
-    from ..tensor_pool.planner import make_plan
+def copy_rate(trace: Trace, device: int) -> tuple[float, bool, str]:
+    """(bytes per second, whether copies block the step, where the rate is from) of the pool's copies
+    off `device`: the link the recording probed (Recorder._link_rates); a CPU trace's host memcpy,
+    which blocks as the pool's CPU offload does; else the default a pool prices copies at before it
+    probed (an H200's link is twice it)."""
+    probed = trace.meta.get("link_bytes_per_s", {}).get(str(device))
+    if probed:
+        return float(probed), False, "probed when traced"
+    name = next((str(d.get("name", "")) for d in trace.devices if d["index"] == device), "")
+    if name.startswith("cpu"):
+        return costs.CPU_COPY_BYTES_PER_S, True, "host memcpy"
+    return costs.GPU_LINK_BYTES_PER_S, False, "default: the trace holds no probe"
+
+
+def step_profile(trace: Trace, device: int) -> tuple[Profile, np.ndarray, int] | None:
+    """The trace's last whole step as the planner's profile on `device`, the lifetimes (indices into
+    timeline.lifetimes) of its saved tensors, ordinal k + 1 at k, and the step's peak of active bytes;
+    None without a whole step."""
     from ..tensor_pool.profile import Profile, Saved
 
-    devices = trace.device_indices()
-    device = devices[0] if device is None and devices else (device or 0)
-    lt = lifetimes(trace, device)
-    s = series(trace, device, lt)
-    peak = int(s.active.max()) if len(s.active) else s.initial_active
-    floor_bytes, parts, largest = floor(trace, device)
-    out = WhatIf(budget_bytes, device, peak, floor_bytes, parts, largest, False, peak, 0.0, 0.0)
     window = _last_step(trace)
     if window is None:
-        out.notes.append("no whole step (forward, backward, optimizer step) in the trace: only the floor")
-        out.fits = floor_bytes <= budget_bytes and peak <= budget_bytes
-        return out
+        return None
     w0, w1 = window
+    lt = lifetimes(trace, device)
+    s = series(trace, device, lt)
     t = trace.cols["time_ns"]
     start_t = np.where(lt.start >= 0, t[lt.start.clip(0)], np.iinfo(np.int64).min)
     end_t = np.where(lt.end >= 0, t[lt.end.clip(0)], w1)
@@ -125,23 +141,48 @@ def what_if(trace: Trace, budget_bytes: int, device: int | None = None) -> WhatI
         sv.end = min(sv.use + 1, len(base))
     backward = min((sv.use for sv in saved), default=len(base))
     transient = [0] * len(base)
-    step_peak = int(s.active[sel].max()) if sel.any() else peak
+    step_peak = int(s.active[sel].max()) if sel.any() else int(s.active.max(initial=s.initial_active))
     if base and backward < len(base):
         transient[backward] = max(0, step_peak - max(base))
-    times_s = ((times[order] - w0) / 1e9).tolist()
+    link_bytes_per_s, sync_copies, _ = copy_rate(trace, device)
     profile = Profile(
         saved=saved,
-        times_s=times_s,
+        times_s=((times[order] - w0) / 1e9).tolist(),
         base_bytes=base,
         transient_bytes=transient,
         backward_event=backward,
         step_s=(w1 - w0) / 1e9,
         tail_s=(w1 - int(times[order][-1])) / 1e9 if len(times) else 0.0,
+        link_bytes_per_s=link_bytes_per_s,
+        sync_copies=sync_copies,
     )
+    return profile, chosen, step_peak
+
+
+def what_if(trace: Trace, budget_bytes: int, device: int | None = None) -> WhatIf:
+    """What the pool would do at `budget_bytes` on `device` (default: the trace's first)."""
+    from ..tensor_pool.planner import make_plan
+
+    devices = trace.device_indices()
+    device = devices[0] if device is None and devices else (device or 0)
+    lt = lifetimes(trace, device)
+    s = series(trace, device, lt)
+    peak = int(s.active.max()) if len(s.active) else s.initial_active
+    floor_bytes, parts, largest = floor(trace, device)
+    out = WhatIf(budget_bytes, device, peak, floor_bytes, parts, largest, False, peak, 0.0, 0.0)
+    out.link_bytes_per_s, out.sync_copies, out.link_source = copy_rate(trace, device)
+    made = step_profile(trace, device)
+    if made is None:
+        out.notes.append("no whole step (forward, backward, optimizer step) in the trace: only the floor")
+        out.fits = floor_bytes <= budget_bytes and peak <= budget_bytes
+        return out
+    profile, chosen, step_peak = made
     plan = make_plan(profile, budget_bytes)
     out.measured_step_s = profile.step_s
     out.predicted_step_s = plan.predicted_step_s or profile.step_s
-    out.predicted_peak_bytes = max(int(plan.predicted_peak_bytes), floor_bytes) if saved else step_peak
+    out.predicted_peak_bytes = step_peak
+    if profile.saved:
+        out.predicted_peak_bytes = max(int(plan.predicted_peak_bytes), floor_bytes)
     out.fits = (
         bool(plan.feasible) and floor_bytes <= budget_bytes and out.predicted_peak_bytes <= budget_bytes
     )
@@ -166,7 +207,10 @@ def summary(w: WhatIf) -> str:
     p = w.floor_parts
     step = ""
     if w.measured_step_s:
-        step = f", step {w.predicted_step_s * 1e3:.1f} ms (traced {w.measured_step_s * 1e3:.1f} ms)"
+        step = (
+            f", step {w.predicted_step_s * 1e3:.1f} ms (traced {w.measured_step_s * 1e3:.1f} ms; copies at "
+            f"{w.link_bytes_per_s / 1e9:.1f} GB/s, {w.link_source})"
+        )
     lines = [
         f"what if the budget were {fb(w.budget_bytes)} (device {w.device}, traced peak {fb(w.peak_bytes)}):",
         f"  floor {fb(w.floor_bytes)} = parameters {fb(p['parameter'])} + gradients {fb(p['gradient'])}"

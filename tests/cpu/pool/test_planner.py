@@ -1109,6 +1109,26 @@ def test_prefetches_share_one_link():
     assert max(resident_curve(p, plan)) <= 2 * MiB
 
 
+def test_a_late_prefetch_delays_the_ones_queued_behind_it_once():
+    """Four 1 MiB copies back, all issued at backward's start (10 s), needed 0.01 s apart from then on:
+    each lands 1 s after the one before. Compute waits 1 s for the first, and each later one lands 1 s
+    after compute, already 1 s late, reached its need: 3.97 s waited in all, not the 9.94 of each copy's
+    lateness summed (each counting the waits before it again)."""
+    from supermem.costs import COPY_INTERFERENCE
+    from supermem.tensor_pool.planner import simulate
+
+    p = _small_profile(
+        [1, 1, 1, 1],
+        [0.0, 0.1, 0.2, 0.3, 10.0, 10.0, 10.01, 10.02, 10.03],
+        uses=[5, 6, 7, 8],
+        transient=[0] * 9,
+        backward_event=4,
+    )
+    sim = simulate(p, {1, 2, 3, 4}, set(), 1 << 40)
+    assert all(sim.fetch[o] == 4 for o in (1, 2, 3, 4)), sim.fetch
+    assert sim.added_s == pytest.approx(4 * 2 * COPY_INTERFERENCE + 1.0 + 3 * 0.99), sim.added_s
+
+
 def _a_unit_reading_another(sizes_mib, transient):
     """Unit 0 made A and A2 (ready at event 2), unit 1 made B (ready at 3) and its replay reads A; backward
     (from event 3) uses B, A2, then A; each replay costs 0.1 s."""

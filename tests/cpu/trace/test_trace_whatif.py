@@ -61,3 +61,30 @@ def test_report_budget_prints_the_verdict(trace, tmp_path, capsys):
     assert "does not fit" in out and "floor" in out
     html = (tmp_path / "mlp.html").read_text()
     assert 'id="what-if"' in html and "does not fit" in html
+
+
+def test_copies_are_priced_at_the_link_the_recording_probed(trace, tmp_path):
+    """A GPU recording probes its link (an H200's: 54-55 GB/s; the default a pool prices copies at
+    before it probes is 25) and the what-if prices the plan's copies at it; a CPU trace's copies are
+    host memcpys that block the step, as the pool's CPU offload does."""
+    import copy
+
+    from supermem import costs
+    from supermem.trace.format import TraceFormatError
+    from supermem.trace.loader import load
+    from supermem.trace.whatif import step_profile, summary
+
+    profile = step_profile(trace, 0)[0]
+    assert profile.sync_copies and profile.link_bytes_per_s == costs.CPU_COPY_BYTES_PER_S
+    probed = copy.copy(trace)
+    probed.meta = {**trace.meta, "link_bytes_per_s": {"0": 54e9}}
+    path = tmp_path / "probed.smtrace"
+    fmt.write(probed, path)
+    probed = load(path)
+    profile = step_profile(probed, 0)[0]
+    assert profile.link_bytes_per_s == 54e9 and not profile.sync_copies
+    assert "54.0 GB/s, probed when traced" in summary(what_if(probed, 1 << 30))
+    probed.meta["link_bytes_per_s"] = {"0": -1.0}
+    fmt.write(probed, path)
+    with pytest.raises(TraceFormatError, match="link_bytes_per_s"):
+        load(path)
