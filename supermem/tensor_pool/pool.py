@@ -32,7 +32,7 @@ from ..transfer.host import shared_host_pool
 from ..units import format_bytes
 from .budget import CANDIDATES, Budget  # noqa: F401  (CANDIDATES: read here by tests)
 from .cast import Cast, autocast_copy_of
-from .compiled import CompiledGraphs
+from .compiled import CompiledGraphs, GraphKept
 from .entry import Entry, Kept, PlanKept, State, alive_anyway, check_version, dedup_key, movable
 from .labels import label, recording
 from .ledger import Ledger
@@ -112,7 +112,8 @@ class Pool:
         self.op_replays = OpReplays(self)
         # op recipes are made only where the policy may recompute (their first run verifies them)
         self._op_recipes = self._rebuilder is not None
-        self.compiled = CompiledGraphs()  # torch.compile'd graphs' saved tensors: left to the compiler
+        # torch.compile'd graphs' saved tensors: left where they are, planned through the compiler
+        self.compiled = CompiledGraphs(self)
         self._lock = threading.RLock()
         self.ledger = Ledger()
         self.clock = StepClock(self, self.ledger)
@@ -133,6 +134,7 @@ class Pool:
         """Re-entrant, and per thread: saved-tensor hooks are thread-local, so each thread keeps its
         own stack of entered contexts."""
         self._start()
+        self.compiled.entered()  # (graphs compiled inside compile at the pool's share)
         self.budget.watch(+1)  # (first: the watermark since the last exit is not the step's, nor _rests')
         stack = self._local.__dict__.setdefault("stack", [])
         if self.rest.enter(outermost=not stack):
@@ -149,6 +151,7 @@ class Pool:
         if stack and isinstance(stack[-1], Resting) and not self.rest.resting:  # woken inside: the hooks
             stack[-1].wake(self)  # stay on in the context around
         self.budget.watch(-1)
+        self.compiled.exited()
 
     def _start(self) -> None:
         self.budget.register_pressure_handler()
@@ -187,7 +190,7 @@ class Pool:
 
     def _pack_saved(self, t: torch.Tensor) -> Any:
         if self.compiled.saved_by_graph(t):
-            return Kept(t)  # moving it would cost time and save nothing: compiled.py
+            return GraphKept(t, self.compiled)  # moving it would cost time and save nothing: compiled.py
         if self.plans.plan_ok and self.regions.top() is None:
             packed = self.plans.lean_pack(t)  # plan_run.py: a running plan's common saves, fast
             if packed is not None:
@@ -287,7 +290,7 @@ class Pool:
     def _unpack_saved(self, packed: Any) -> torch.Tensor:
         if type(packed) is PlanKept:
             return self.plans.unpack_kept(packed)
-        if type(packed) is Kept:
+        if type(packed) is Kept or type(packed) is GraphKept:
             self.clock.backward_began()
             if self.regions.phase == "profiling":  # backward began, and maybe no entry was saved at all
                 with self._lock:
@@ -478,6 +481,9 @@ class Pool:
                 "regions": len(self.regions.modules),
                 "light_split_misses": self.regions.split_misses,
                 "compiled_kept_bytes": self.compiled.kept_bytes,
+                "compiled_step_bytes": self.compiled.last_step_bytes,
+                "compile_share": self.compiled.share,
+                "compile_recompiles": self.compiled.recompiles,
                 "steps": self.clock.steps,
                 **self._counters,
                 "host_reserved_bytes": self.host.reserved_bytes,
