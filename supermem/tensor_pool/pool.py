@@ -134,7 +134,6 @@ class Pool:
         """Re-entrant, and per thread: saved-tensor hooks are thread-local, so each thread keeps its
         own stack of entered contexts."""
         self._start()
-        self.compiled.entered()  # (graphs compiled inside compile at the pool's share)
         self.budget.watch(+1)  # (first: the watermark since the last exit is not the step's, nor _rests')
         stack = self._local.__dict__.setdefault("stack", [])
         if self.rest.enter(outermost=not stack):
@@ -143,6 +142,7 @@ class Pool:
             hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
             hooks.__enter__()
             stack.append(hooks)
+        self.compiled.entered()  # graphs compiled inside compile at its share (last: the rest may raise)
         return self
 
     def __exit__(self, *exc: Any) -> None:
