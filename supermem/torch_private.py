@@ -129,6 +129,67 @@ def set_compile_memory_budget(share: float) -> None:
     torch._functorch.config.activation_memory_budget = share
 
 
+def compile_memory_budget() -> float:
+    """torch.compile's activation memory budget now: a share in [0, 1] of what the min-cut partitioner
+    saves for speed (0: only the graph's inputs, every activation recomputed). Read when a graph is
+    partitioned (partitioners.py, min_cut_rematerialization_partition), which is at its compile."""
+    import torch._functorch.config
+
+    return torch._functorch.config.activation_memory_budget
+
+
+def in_backward() -> bool:
+    """Whether this thread runs inside autograd's backward now (a graph task of the engine)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def dynamo_code_calling(frame: Any, depth: int = 64) -> Any:
+    """The code dynamo made of a compiled frame (its cache entry's code: it calls the compiled graph)
+    running in `frame` or one of its `depth` callers; None where none is (a graph run by
+    aot_function, not by torch.compile). (torch/_dynamo/convert_frame.py: output_codes tracks each.)"""
+    from torch._dynamo import convert_frame
+
+    made = convert_frame.output_codes
+    while frame is not None and depth > 0:
+        if frame.f_code in made:
+            return frame.f_code
+        frame, depth = frame.f_back, depth - 1
+    return None
+
+
+def recompile_at_next_call(code: Any, why: str) -> bool:
+    """Drops dynamo's cache entry whose code is `code` (dynamo_code_calling's), so that its frame
+    compiles again at its next call, under the config then; the frame's other entries (other models
+    of the same class with other guards, other shapes) stay. torch._dynamo.reset() would drop every
+    compiled frame of the process, and reset_code(frame's code) every entry of a frame that all
+    compiled nn.Modules share (external_utils' `inner`). The way dynamo invalidates an entry whose
+    guarded object died (guards.py, CheckFunctionManager.invalidate). The dropped entry stays in the
+    frame's list, counted against recompile_limit: the limit grows by one, so the user's own
+    recompiles keep their allowance. False where this torch has not the parts (or no entry is found)."""
+    try:
+        from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+        from torch._dynamo import config, convert_frame
+        from torch._dynamo.guards import DeletedGuardManagerWrapper
+        from torch._dynamo.utils import orig_code_map
+    except ImportError:
+        return False
+    frame_code = orig_code_map.get(code)
+    if frame_code is None:
+        return False
+    with convert_frame.compile_lock:
+        for entry in _debug_get_cache_entry_list(frame_code):
+            if entry.code is not code:
+                continue
+            guards = entry.guard_manager
+            extra_state = getattr(guards, "extra_state", None)
+            if extra_state is None or isinstance(guards, DeletedGuardManagerWrapper):
+                return False
+            extra_state.invalidate(guards.cache_entry, DeletedGuardManagerWrapper(why))
+            config.recompile_limit += 1
+            return True
+    return False
+
+
 # ---------------------------------------------------------------- modules
 
 BatchNorm = torch.nn.modules.batchnorm._BatchNorm  # the base of BatchNorm1d/2d/3d (its running stats)

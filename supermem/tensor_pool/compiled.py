@@ -1,50 +1,131 @@
-"""torch.compile: the pool steps aside for the tensors a compiled graph saves, and says so once.
+"""torch.compile: the pool plans what compiled graphs save through the compiler, by their measured bytes.
 
-Why it cannot lower their peak (torch 2.13's AOTAutograd, runtime_wrappers.py): a compiled graph is one
-autograd.Function. Its forward runs the whole graph, every activation it saves alive at the end, and only
-then calls save_for_backward, where the pool's pack hook sees them: the graph's peak is already behind.
-Its backward reads `ctx.saved_tensors` all at once, before its first kernel, so whatever the pool moved
-comes back together, synchronously: the peak is the same again and the step waits for every copy. On an
-H100 that was a compiled ResNet-50 going from 28.7 to 71.6 ms at the same peak. Recompute by regions
-cannot reach inside a graph either (its module calls run as kernels, not as hooked calls). The compiler
-has its own tools for this: torch._functorch.config.activation_memory_budget (recompute, chosen by the
-min-cut partitioner) plans inside the graph. Tensors saved by eager code around a compiled graph (a loss
-outside it, an uncompiled head, the code between graph breaks) stay the pool's.
+Why the pool does not move what a compiled graph saves (torch 2.13's AOTAutograd, runtime_wrappers.py):
+a compiled graph is one autograd.Function. Its forward runs the whole graph, every activation it saves
+alive at the end, and only then calls save_for_backward, where the pool's pack hook sees them: the
+graph's peak is already behind. Its backward reads `ctx.saved_tensors` all at once, before its first
+kernel, so whatever the pool moved comes back together, synchronously: the peak is the same again and
+the step waits for every copy (a compiled ResNet-50 on an H100: 28.7 -> 71.6 ms at the same peak).
+Recompute by regions cannot reach inside a graph either. So the pool leaves those tensors where they
+are, and plans them where they are decided: the compiler's min-cut partitioner saves, of what backward
+needs, the set that fits torch._functorch.config.activation_memory_budget (a share in [0, 1] between
+recomputing everything but the graph's inputs, 0, and saving for speed, 1; read when a graph is
+compiled), recomputing the rest inside the compiled backward.
+
+Under a budget the pool measures each step that compiled graphs saved in (from the first save to the
+end of its backward, autograd's queue_callback): their saved bytes (parameters and leaf inputs left
+out: alive anyway) and the step's peak (on CUDA, the allocator's watermark with supermem's allocator,
+else the bytes allocated when the compiled backward begins; on CPU, the graphs' bytes plus the most
+the pool itself held). Over the budget, it cuts the excess, and a margin, from the graphs' bytes: the
+share that saves that many (next_share: proportional at first, then along the line through the last
+two measures), applied while the pool's context is entered, and the cache entries of the graphs that
+saved in the step dropped, so that they compile again under it at their next call inside the pool
+(torch_private.recompile_at_next_call: other compiled code, other models of the same class with
+other guards included, keeps its entries; a model that shares the very entry, same class, same
+guards, compiles again at its next call, under whatever config is on then). At most MAX_RECOMPILES
+times per pool; it says once where the graphs cannot fit (the share at 0, or a recompile that saved
+no fewer bytes: a backend without the min-cut partitioner, such as aot_eager). Without a budget
+nothing changes: the pool says once that it steps aside, and how to save memory under compile.
+
+Tensors saved by eager code around a compiled graph (a loss outside it, an uncompiled head, the code
+between graph breaks) stay the pool's. Not yet: the partitioner's CPU offload (enable_activation_offloading,
+nodes marked should_offload by a joint_custom_pass), and per-graph shares (one share for every graph
+compiled under the pool).
 
 How the pool tells: the pack hook runs inside torch.autograd.Function.apply of AOTAutograd's
-CompiledFunction (nothing on the tensor says so). One frame walk per saved tensor: well under a microsecond
-for eager code, whose pack hooks are called from the op's own frame.
+CompiledFunction (nothing on the tensor says so). One frame walk per saved tensor: well under a
+microsecond for eager code, whose pack hooks are called from the op's own frame.
 """
 
 from __future__ import annotations
 
 import sys
 import threading
+import weakref
+from typing import Any
 
 import torch
 
 from .. import torch_private as tp
+from ..log import logger, warn
+from ..units import format_bytes
+from .entry import Kept, alive_anyway
 
 _APPLY = torch.autograd.function.Function.apply.__func__.__code__
 _AOT_MODULE = tp.AOT_MODULE  # where CompiledFunction classes are made
 _OWN = __name__.split(".")[0] + "."  # the pool's own frames, between the hook and its caller
 
+MAX_RECOMPILES = 3  # per pool: each is a compile of every graph that saved in the step (seconds each)
+MARGIN = 0.05  # of the budget: aimed under it, for the partitioner's estimate and the next step's noise
+
 MESSAGE = (
     "supermem: the tensor pool leaves the tensors that torch.compile'd graphs save for backward where they "
     "are (a compiled graph saves them all at once after its peak and takes them back all at once, so moving "
     "them costs time and saves nothing); to save activation memory under torch.compile set "
-    "torch._functorch.config.activation_memory_budget (e.g. 0.5)"
+    "torch._functorch.config.activation_memory_budget (e.g. 0.5), or give the pool a budget"
+)
+PLANNED_MESSAGE = (
+    "supermem: the tensor pool plans the tensors that torch.compile'd graphs save for backward through the "
+    "compiler: over its budget, the graphs compiled under it compile again with a lower "
+    "torch._functorch.config.activation_memory_budget (their partitioner recomputes the rest)"
 )
 
 
-class CompiledGraphs:
-    """Recognises tensors saved by a compiled graph; counts them; warns once (per pool)."""
+class GraphKept(Kept):
+    """A tensor a compiled graph saved: left where it is; its unpack marks the graphs' backward."""
 
-    def __init__(self) -> None:
-        self.kept = 0  # tensors left to the compiled graph
+    __slots__ = ("graphs",)
+
+    def __init__(self, tensor: torch.Tensor, graphs: CompiledGraphs):
+        super().__init__(tensor)
+        self.graphs = graphs
+
+    def unpack(self) -> torch.Tensor:
+        self.graphs.unpacked()
+        return super().unpack()
+
+
+def next_share(measures: list[tuple[float, int]], target_bytes: int) -> float:
+    """The compile budget share expected to make the graphs save `target_bytes`, from (share, bytes
+    saved) measures, the latest last. The partitioner aims at inputs + share x (saved for speed -
+    inputs), a line in the share: from one measure, proportional (a line through 0: aims low where the
+    inputs count); from two of different shares, the line through them. In [0, the latest share)."""
+    share, saved = measures[-1]
+    guess = share * target_bytes / saved if saved > 0 else 0.0
+    if len(measures) > 1:
+        share0, saved0 = measures[-2]
+        if share0 != share and saved0 != saved:
+            slope = (saved - saved0) / (share - share0)
+            if slope > 0:
+                guess = share + (target_bytes - saved) / slope
+    return min(max(guess, 0.0), share * 0.9)  # (a step down at least: the line may flatten)
+
+
+class CompiledGraphs:
+    """Recognises tensors saved by a compiled graph and counts them; under the pool's budget, measures
+    each compiled step and sets the compile budget share (module docstring). Holds the pool weakly."""
+
+    def __init__(self, pool: Any) -> None:
+        self._pool = weakref.ref(pool)
+        self.kept = 0  # tensors left to the compiled graphs
         self.kept_bytes = 0
+        self.share: float | None = None  # the compile budget share the pool compiles under; None: untouched
+        self.measures: list[tuple[float, int]] = []  # (share, graphs' saved bytes) of each compiled step
+        self.recompiles = 0
+        self.last_step_bytes = 0  # the graphs' saved bytes (activations) in the last measured step
+        self.last_peak_bytes = 0  # and its peak as the pool measured it
+        self._step_bytes = 0
+        self._codes_in_step: dict[Any, int] = {}  # dynamo's code of each graph saved in the step: bytes
+        self._code_of: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # CompiledFunction -> code
+        self._backward = False  # the step's compiled backward began
+        self._backward_bytes = 0  # bytes allocated on the device then
         self._warned = False
+        self._said_unfit = False
+        self._entered = 0  # the pool's contexts entered, all threads: the share is on while any is
+        self._share_before: float | None = None  # the config's share, to put back at the last exit
         self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ recognising
 
     def saved_by_graph(self, t: torch.Tensor) -> bool:
         """Whether `t` is being saved by a compiled graph; call it from the pack hook."""
@@ -56,10 +137,149 @@ class CompiledGraphs:
         cls = f.f_locals.get("cls")  # a custom autograd.Function: only AOTAutograd's are compiled graphs
         if not getattr(cls, "__module__", "").startswith(_AOT_MODULE):
             return False
+        nbytes = t.numel() * t.element_size()
+        code = self._code_of.get(cls, False)
+        if code is False:  # once per graph: the dynamo code that runs it (what a recompile drops)
+            code = self._code_of[cls] = tp.dynamo_code_calling(f.f_back)
+        replay = tp.in_backward()  # a graph run again inside backward (a region's replay): not the step's
         with self._lock:
             self.kept += 1
-            self.kept_bytes += t.numel() * t.element_size()
+            self.kept_bytes += nbytes
+            if self._backward and not replay:  # a save after the last backward began, which never ended
+                self._backward = False
+                self._step_bytes = 0
+                self._codes_in_step.clear()
+            if not alive_anyway(t) and not replay:
+                self._step_bytes += nbytes
+                self._codes_in_step[code] = self._codes_in_step.get(code, 0) + nbytes
             if not self._warned:
                 self._warned = True
-                print(MESSAGE, file=sys.stderr)
+                pool = self._pool()
+                planned = pool is not None and pool.budget_bytes is not None
+                print(PLANNED_MESSAGE if planned else MESSAGE, file=sys.stderr)
         return True
+
+    # ------------------------------------------------------------------ the step's events
+
+    def unpacked(self) -> None:
+        """A compiled graph's saved tensor was unpacked: at the step's first, its compiled backward began
+        (the peak of what compiled graphs save is about now), and the step is measured at its end."""
+        if self._backward:
+            return
+        pool = self._pool()
+        with self._lock:
+            if self._backward:
+                return
+            self._backward = True
+            if pool is None or pool.budget_bytes is None:
+                return
+            self._backward_bytes = torch.cuda.memory_allocated(pool.device) if pool.cuda else 0
+        try:
+            torch.autograd.Variable._execution_engine.queue_callback(self.backward_ended)
+        except RuntimeError:  # unpacked outside a backward (a user reading grad_fn._saved_*): no step
+            pass
+
+    def backward_ended(self) -> None:
+        """The compiled step's backward ended: measure it, and plan the compile budget share from it."""
+        pool = self._pool()
+        if pool is None:
+            return
+        with self._lock:
+            if not self._backward:
+                return
+            graph_bytes, codes = self._step_bytes, dict(self._codes_in_step)
+            self._step_bytes = 0
+            self._codes_in_step.clear()
+            peak = self._peak(pool, graph_bytes)
+            self.last_step_bytes, self.last_peak_bytes = graph_bytes, peak
+            if graph_bytes:
+                self._plan(pool, graph_bytes, peak, codes)
+
+    def _peak(self, pool: Any, graph_bytes: int) -> int:
+        """The step's peak as the budget counts it: on CPU the graphs' saved bytes and the most the pool
+        held; on CUDA the allocator's watermark (supermem's: read and kept for the budget's own margin),
+        or with PyTorch's allocator the bytes allocated when the compiled backward began (its peak
+        counter is the user's: not reset here)."""
+        budget = pool.budget
+        if not pool.cuda:
+            return graph_bytes + budget.seen_peak
+        alloc = budget.allocator()
+        if alloc is None:
+            return max(self._backward_bytes, budget.seen_peak)
+        high = alloc.take_watermark()
+        budget.inside_peak = max(budget.inside_peak, high)
+        return max(high, self._backward_bytes)
+
+    # ------------------------------------------------------------------ planning
+
+    def _plan(self, pool: Any, graph_bytes: int, peak: int, codes: dict[Any, int]) -> None:
+        """Over the budget: the share that cuts the excess (and MARGIN) from the graphs' bytes, and the
+        graphs that saved in the step compiled again; within it, nothing."""
+        share = self.share if self.share is not None else tp.compile_memory_budget()
+        self.measures.append((share, graph_bytes))
+        excess = peak - pool.budget_bytes
+        if excess <= 0:
+            return
+        del self.measures[:-8]
+        before = self.measures[-2] if len(self.measures) > 1 else None
+        if before is not None and before[0] > share and graph_bytes >= before[1]:
+            why = "a lower share saved no fewer bytes (a backend whose partitioner takes no memory budget?)"
+            return self._unfit(pool, peak, why)
+        if share <= 0:
+            return self._unfit(pool, peak, "its graphs recompute all they can already (share 0)")
+        if self.recompiles >= MAX_RECOMPILES:
+            return self._unfit(pool, peak, f"{MAX_RECOMPILES} recompiles did not reach it")
+        if None in codes:
+            return self._unfit(pool, peak, "a graph was not compiled by torch.compile (no code to recompile)")
+        target = graph_bytes - excess - int(MARGIN * pool.budget_bytes)
+        new = next_share(self.measures, target)
+        why = "supermem: the pool's budget, a lower activation_memory_budget"
+        dropped = [code for code in codes if tp.recompile_at_next_call(code, why)]
+        if not dropped:
+            return self._unfit(pool, peak, "this torch cannot drop a compiled graph's cache entry")
+        self.recompiles += 1
+        self._set_share(new)
+        logger.info(
+            "supermem: compiled graphs saved %s, the step peaked at %s over a budget of %s: %d graph(s) "
+            "compile again with activation_memory_budget %.3f (was %.3f)",
+            *(format_bytes(graph_bytes), format_bytes(peak), format_bytes(pool.budget_bytes)),
+            *(len(dropped), new, share),
+        )
+
+    def _unfit(self, pool: Any, peak: int, why: str) -> None:
+        if self._said_unfit:
+            return
+        self._said_unfit = True
+        warn(
+            f"supermem pool: a step with torch.compile'd graphs peaked at {format_bytes(peak)}, over the"
+            f" budget of {format_bytes(pool.budget_bytes)}, and the pool cannot lower what the graphs save:"
+            f" {why}."
+        )
+
+    # ------------------------------------------------------------------ the share, while the pool is entered
+
+    def _set_share(self, share: float) -> None:
+        """Caller holds the lock. The new share is on at once where a context of the pool is entered (or
+        the pool serves every backward: SUPERMEM_CONF's), else from the next entry."""
+        self.share = share
+        pool = self._pool()
+        if self._entered or (pool is not None and pool.always_active):
+            if self._share_before is None:
+                self._share_before = tp.compile_memory_budget()
+            tp.set_compile_memory_budget(share)
+
+    def entered(self) -> None:
+        """A context of the pool was entered (any thread): graphs compiled inside compile at its share."""
+        with self._lock:
+            self._entered += 1
+            if self._entered == 1 and self.share is not None and self._share_before is None:
+                self._share_before = tp.compile_memory_budget()
+                tp.set_compile_memory_budget(self.share)
+
+    def exited(self) -> None:
+        with self._lock:
+            self._entered -= 1
+            pool = self._pool()
+            if self._entered == 0 and self._share_before is not None and not (pool and pool.always_active):
+                tp.set_compile_memory_budget(self._share_before)
+                self._share_before = None

@@ -32,7 +32,7 @@ from ..transfer.host import shared_host_pool
 from ..units import format_bytes
 from .budget import CANDIDATES, Budget  # noqa: F401  (CANDIDATES: read here by tests)
 from .cast import Cast, autocast_copy_of
-from .compiled import CompiledGraphs
+from .compiled import CompiledGraphs, GraphKept
 from .entry import Entry, Kept, PlanKept, State, alive_anyway, check_version, dedup_key, movable
 from .labels import label, nvtx_wanted, recording
 from .ledger import Ledger
@@ -113,7 +113,8 @@ class Pool:
         self.op_replays = OpReplays(self)
         # op recipes are made only where the policy may recompute (their first run verifies them)
         self._op_recipes = self._rebuilder is not None
-        self.compiled = CompiledGraphs()  # torch.compile'd graphs' saved tensors: left to the compiler
+        # torch.compile'd graphs' saved tensors: left where they are, planned through the compiler
+        self.compiled = CompiledGraphs(self)
         self._lock = threading.RLock()
         self.ledger = Ledger()
         self.clock = StepClock(self, self.ledger)
@@ -142,6 +143,7 @@ class Pool:
             hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
             hooks.__enter__()
             stack.append(hooks)
+        self.compiled.entered()  # graphs compiled inside compile at its share (last: the rest may raise)
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -150,6 +152,7 @@ class Pool:
         if stack and isinstance(stack[-1], Resting) and not self.rest.resting:  # woken inside: the hooks
             stack[-1].wake(self)  # stay on in the context around
         self.budget.watch(-1)
+        self.compiled.exited()
 
     def _start(self) -> None:
         self.budget.register_pressure_handler()
@@ -188,7 +191,7 @@ class Pool:
 
     def _pack_saved(self, t: torch.Tensor) -> Any:
         if self.compiled.saved_by_graph(t):
-            return Kept(t)  # moving it would cost time and save nothing: compiled.py
+            return GraphKept(t, self.compiled)  # moving it would cost time and save nothing: compiled.py
         if self.plans.plan_ok and self.regions.top() is None:
             packed = self.plans.lean_pack(t)  # plan_run.py: a running plan's common saves, fast
             if packed is not None:
@@ -288,7 +291,7 @@ class Pool:
     def _unpack_saved(self, packed: Any) -> torch.Tensor:
         if type(packed) is PlanKept:
             return self.plans.unpack_kept(packed)
-        if type(packed) is Kept:
+        if type(packed) is Kept or type(packed) is GraphKept:
             self.clock.backward_began()
             if self.regions.phase == "profiling":  # backward began, and maybe no entry was saved at all
                 with self._lock:
@@ -479,6 +482,9 @@ class Pool:
                 "regions": len(self.regions.modules),
                 "light_split_misses": self.regions.split_misses,
                 "compiled_kept_bytes": self.compiled.kept_bytes,
+                "compiled_step_bytes": self.compiled.last_step_bytes,
+                "compile_share": self.compiled.share,
+                "compile_recompiles": self.compiled.recompiles,
                 "steps": self.clock.steps,
                 **self._counters,
                 "host_reserved_bytes": self.host.reserved_bytes,
