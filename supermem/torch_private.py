@@ -176,17 +176,20 @@ def recompile_at_next_call(code: Any, why: str) -> bool:
     frame_code = orig_code_map.get(code)
     if frame_code is None:
         return False
-    with convert_frame.compile_lock:
-        for entry in _debug_get_cache_entry_list(frame_code):
-            if entry.code is not code:
-                continue
-            guards = entry.guard_manager
-            extra_state = getattr(guards, "extra_state", None)
-            if extra_state is None or isinstance(guards, DeletedGuardManagerWrapper):
-                return False
-            extra_state.invalidate(guards.cache_entry, DeletedGuardManagerWrapper(why))
-            config.recompile_limit += 1
-            return True
+    try:
+        with convert_frame.compile_lock:
+            for entry in _debug_get_cache_entry_list(frame_code):
+                if entry.code is not code:
+                    continue
+                guards = entry.guard_manager
+                extra_state = getattr(guards, "extra_state", None)
+                if extra_state is None or isinstance(guards, DeletedGuardManagerWrapper):
+                    return False
+                extra_state.invalidate(guards.cache_entry, DeletedGuardManagerWrapper(why))
+                config.recompile_limit += 1
+                return True
+    except (AttributeError, TypeError):  # another torch's cache entries: the pool says it cannot fit
+        return False
     return False
 
 
