@@ -32,9 +32,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-if TYPE_CHECKING:  # streaming/streamer.py imports this module when it is built: types only here
-    from .streaming.streamer import Streamer
-    from .streaming.units import _Param
+if TYPE_CHECKING:  # streaming/streamer.py imports this module when it is built: types only here, the
+    # streamer named as units.py names it (an import of streamer.py would close a circle)
+    from .streaming.units import Streamer, _Param
 
 BATCH_UNITS = 64  # units per optimizer call of the worker (and per wake-up of its thread)
 

@@ -20,9 +20,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-if TYPE_CHECKING:  # streaming/live.py and streamer.py import this module when a step runs: types only here
-    from .streaming.streamer import Streamer
-    from .streaming.units import _Unit
+if TYPE_CHECKING:  # streaming/live.py imports this module when a step runs: types only here (and the
+    # streamer named as units.py names it, not imported: streamer.py imports live.py, a circle)
+    from .streaming.units import Streamer, _Unit
 
 
 class _OnDevice:

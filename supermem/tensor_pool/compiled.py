@@ -175,7 +175,7 @@ class CompiledGraphs:
                 return
             self._backward_bytes = torch.cuda.memory_allocated(pool.device) if pool.cuda else 0
         try:
-            torch.autograd.Variable._execution_engine.queue_callback(self.backward_ended)
+            tp.execution_engine.queue_callback(self.backward_ended)
         except RuntimeError:  # unpacked outside a backward (a user reading grad_fn._saved_*): no step
             pass
 

@@ -59,6 +59,9 @@ try:
 except RuntimeError as e:
     print("RAISED", str(e)[:300])
 for shape, by, saved, before, watched, grad, inference, stack in made:
-    print(f"watcher of {tuple(shape)} by {by}: saved v{saved}, tensor v{before}, watcher v{watched}, grad={grad}, inference={inference}")
+    print(
+        f"watcher of {tuple(shape)} by {by}: saved v{saved}, tensor v{before}, watcher v{watched}, "
+        f"grad={grad}, inference={inference}"
+    )
     if saved != watched:
         print(stack)
