@@ -26,6 +26,7 @@ from ..log import warn
 from ..policies import Choice
 from ..units import format_bytes
 from .entry import Entry, State
+from .port import PoolOwner, owner
 
 PREFETCH_SCAN = 64  # entries looked at, going back from the one just used, for prefetch
 CANDIDATES = 32  # least recently used entries priced per decision (the stalest score best anyway)
@@ -35,8 +36,8 @@ class Budget:
     """The pool's target, its fit, its pressure handler and its prefetch room. The budget itself is
     the pool's option (Pool.budget_bytes: None for none)."""
 
-    def __init__(self, pool: Any) -> None:
-        self._pool = weakref.ref(pool)
+    def __init__(self, pool: PoolOwner) -> None:
+        self._pool_ref = weakref.ref(pool)
         self.margin = 0  # learned: how far a step's peak rises above the most the pool saw (bytes)
         self.seen_peak = 0  # the most device memory the pool saw in use during this step
         self.last_spike = 0  # the last step's true peak above the most the pool saw
@@ -53,11 +54,15 @@ class Budget:
         self.high_before: int | None = None  # PyTorch's allocator: its peak before the pool's first step
         self.said_over = False
 
+    @property
+    def _pool(self) -> PoolOwner:
+        return owner(self._pool_ref)
+
     # ------------------------------------------------------------------ the allocator
 
     def allocator(self) -> Any:
         """supermem's allocator of this device, or None; kept once found (asked at every save)."""
-        pool = self._pool()
+        pool = self._pool
         if self.alloc is None and pool.cuda:
             from ..registry import device_allocator
 
@@ -66,7 +71,7 @@ class Budget:
 
     def register_pressure_handler(self) -> None:
         """The pool's pressure handler (Pool._on_pressure, held weakly) joins its device's allocator."""
-        pool = self._pool()
+        pool = self._pool
         if self.pressure_registered or not pool.cuda:
             return
         from ..registry import installed
@@ -85,7 +90,7 @@ class Budget:
         through the pressure handler. Needs supermem's allocator, and its device allocator made. Set at
         each entry: of two pools used in turn on one device, each step runs under its own pool's (the
         limit was the last made pool's, and a pool at 75% of GPT-24's peak stepped under 55%'s)."""
-        budget_bytes = self._pool().budget_bytes
+        budget_bytes = self._pool.budget_bytes
         if budget_bytes is None or not self.pressure_registered:
             return
         alloc = self.allocator()
@@ -108,7 +113,7 @@ class Budget:
         device's watermark so far is kept and the one up to the next entry let go. Without it, GPT-24's
         planned steps taken between native ones each overshot by native's peak, and the plans made
         lower for it were infeasible. (A step whose backward runs after the exit keeps counting.)"""
-        pool = self._pool()
+        pool = self._pool
         alloc = self.allocator() if pool.budget_bytes is not None else None
         if alloc is None:
             return
@@ -126,7 +131,7 @@ class Budget:
     def used_bytes(self) -> int:
         """What the budget counts: bytes allocated on the device now (cheap with supermem's allocator,
         a stats call with PyTorch's), or on CPU the bytes the entries hold."""
-        pool = self._pool()
+        pool = self._pool
         if not pool.cuda:
             used = pool.ledger.device_bytes + pool.ledger.kept_bytes
         else:
@@ -139,7 +144,7 @@ class Budget:
         """Device bytes the pool aims at: the budget less the learned margin; with no budget, the
         allocator's limit (or the card) less room for the largest entry, so prefetch never causes an
         OOM. On CPU: the budget (or no bound)."""
-        pool = self._pool()
+        pool = self._pool
         if pool.budget_bytes is not None:
             if pool.plans.plan_ok:
                 return pool.budget_bytes  # the plan made room for the step's transients already
@@ -156,19 +161,20 @@ class Budget:
         """The margin is the last step's spike: its true peak above the most the pool saw. Transients
         the pool cannot see (the loss, workspaces) are a property of the model, not of the target,
         so this settles in one step and does not oscillate."""
-        pool = self._pool()
-        alloc = self.allocator() if pool.budget_bytes is not None else None
+        pool = self._pool
+        budget_bytes = pool.budget_bytes
+        alloc = self.allocator() if budget_bytes is not None else None
         if alloc is None and pool.cuda:
             self.last_peak_bytes = self.seen_peak  # what the pool saw: PyTorch's allocator has no watermark
-        if alloc is not None:
+        if alloc is not None and budget_bytes is not None:  # (the allocator is read under a budget only)
             peak = max(self.inside_peak, alloc.take_watermark())
             self.inside_peak = 0
             self.last_peak_bytes = peak
             if self.seen_peak:
                 self.last_spike = max(0, peak - self.seen_peak)
-                self.margin = min(pool.budget_bytes, self.last_spike)
+                self.margin = min(budget_bytes, self.last_spike)
         self.seen_peak = 0
-        if pool.cuda and pool.budget_bytes is not None and not self.said_over:
+        if pool.cuda and budget_bytes is not None and not self.said_over:
             self._say_if_over(pool, alloc)
 
     def _say_if_over(self, pool: Any, alloc: Any) -> None:
@@ -205,7 +211,7 @@ class Budget:
         """With supermem's allocator and a budget: a call that returns the device's bytes allocated now
         and the most since the last call (kept in the step's peak too), for a recorded step's
         transients (Recorder.watermark)."""
-        alloc = self.allocator() if self._pool().budget_bytes is not None else None
+        alloc = self.allocator() if self._pool.budget_bytes is not None else None
         if alloc is None:
             return None
 
@@ -219,7 +225,7 @@ class Budget:
     # ------------------------------------------------------------------ making room
 
     def fit(self) -> None:
-        pool = self._pool()
+        pool = self._pool
         if pool.budget_bytes is None:
             return
         if self.soft is None:
@@ -243,7 +249,7 @@ class Budget:
     def choices(self, limit: int | None = None) -> list[Choice]:
         """The policy's ways to free bytes now, over the `limit` least recently used resident entries
         that one of its treatments can take (entries none can take do not use up the window)."""
-        pool = self._pool()
+        pool = self._pool
         ways = [t for t in pool.treatments.values() if t.kind in pool.policy.kinds]
         in_use = pool.ledger.in_use
 
@@ -258,7 +264,7 @@ class Budget:
 
     def prefetch_before(self, e: Entry) -> None:
         """Prefetches the entries of the same step saved just before `e`: backward needs them next."""
-        pool = self._pool()
+        pool = self._pool
         ledger = pool.ledger
         if not ledger.away_to_fetch:
             return  # nothing to bring back: no scan (this runs at every unpack)
@@ -286,7 +292,7 @@ class Budget:
         really has `need_bytes` more free (an entry something else still references frees nothing).
         Nothing leaves while a CUDA graph is being captured: a copy or a rebuild there would break the
         capture (binomial's graphs capture inside a pooled step); the capture's pool goes over."""
-        pool = self._pool()
+        pool = self._pool
         if pool.cuda and torch.cuda.is_current_stream_capturing():
             return 0
         if pool.rest.resting:
@@ -303,7 +309,7 @@ class Budget:
 
     def free_under_pressure(self, need_bytes: int) -> int:
         """The pressure handler's work; the caller holds the lock."""
-        pool = self._pool()
+        pool = self._pool
         pool._counters["pressure_calls"] += 1
         pool.clock.left = True
         before = self.used_bytes()
@@ -330,7 +336,7 @@ class Budget:
     def free_by_choices(self, limit: int | None, before: int, need_bytes: int) -> bool:
         """Entries leave, the policy's cheapest choices (priced as urgent) over `limit` resident ones
         first, until `need_bytes` are free since `before`; whether they are."""
-        pool = self._pool()
+        pool = self._pool
         self.urgent = True
         try:
             choices = self.choices(limit)

@@ -118,6 +118,9 @@ class CallState:
         self.modules = module_state(module)
         self.rng_cpu = _CPU_RNG.get_state()
         cpu = (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"))
+        self.rng_cuda: torch.Tensor | None
+        self.sdpa: tuple[bool, ...] | None
+        self.autocast: tuple[tuple[str, bool, torch.dtype], ...]  # (device type, enabled, dtype)
         if device.type == "cuda":
             self.rng_cuda = _cuda_generator(device).get_state()
             on = (torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"))

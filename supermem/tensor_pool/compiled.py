@@ -42,6 +42,7 @@ from __future__ import annotations
 import sys
 import threading
 import weakref
+from types import FrameType
 from typing import Any
 
 import torch
@@ -50,8 +51,10 @@ from .. import torch_private as tp
 from ..log import logger, warn
 from ..units import format_bytes
 from .entry import Kept, alive_anyway
+from .port import PoolOwner
 
-_APPLY = torch.autograd.function.Function.apply.__func__.__code__
+_apply: Any = torch.autograd.function.Function.apply  # (a bound classmethod; to mypy, with no __func__)
+_APPLY = _apply.__func__.__code__
 _AOT_MODULE = tp.AOT_MODULE  # where CompiledFunction classes are made
 _OWN = __name__.split(".")[0] + "."  # the pool's own frames, between the hook and its caller
 
@@ -105,7 +108,7 @@ class CompiledGraphs:
     """Recognises tensors saved by a compiled graph and counts them; under the pool's budget, measures
     each compiled step and sets the compile budget share (module docstring). Holds the pool weakly."""
 
-    def __init__(self, pool: Any) -> None:
+    def __init__(self, pool: PoolOwner) -> None:
         self._pool = weakref.ref(pool)
         self.kept = 0  # tensors left to the compiled graphs
         self.kept_bytes = 0
@@ -129,7 +132,7 @@ class CompiledGraphs:
 
     def saved_by_graph(self, t: torch.Tensor) -> bool:
         """Whether `t` is being saved by a compiled graph; call it from the pack hook."""
-        f = sys._getframe(1)
+        f: FrameType | None = sys._getframe(1)
         while f is not None and f.f_globals.get("__name__", "").startswith(_OWN):
             f = f.f_back
         if f is None or f.f_code is not _APPLY:

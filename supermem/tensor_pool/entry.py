@@ -88,9 +88,23 @@ class Entry:
         fn = tensor.grad_fn
         self.made_by = "" if fn is None else type(fn).__name__  # the op that made it (its node's name)
 
+    @property
+    def device_tensor(self) -> torch.Tensor:
+        """`tensor`, read where the entry holds it: resident or returning (the module's invariants)."""
+        if self.tensor is None:
+            raise RuntimeError(f"supermem pool: {self!r} holds no device tensor")
+        return self.tensor
+
+    @property
+    def left_by(self) -> TreatmentLike:
+        """`treatment`, read where the entry left the device (it keeps it after it comes back)."""
+        if self.treatment is None:
+            raise RuntimeError(f"supermem pool: {self!r} never left the device")
+        return self.treatment
+
     def device_span(self) -> torch.Tensor:
         """The device tensor's storage span, flat: what a copy moves."""
-        return self.tensor.as_strided((self.extent,), (1,))
+        return self.device_tensor.as_strided((self.extent,), (1,))
 
     def from_span(self, span: torch.Tensor) -> torch.Tensor:
         """The tensor again, with its exact shape and strides, over a restored span."""

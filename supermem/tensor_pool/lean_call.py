@@ -70,7 +70,7 @@ class LeanCall:
     __slots__ = ("pool", "drops", "reads", "n", "tags", "made", "dropped", "dropped_bytes")
 
     def __init__(self, pool: PoolInternals, drops: dict[int, int], reads: frozenset[int]):
-        self.pool = pool
+        self.pool: PoolInternals | None = pool  # (None once closed)
         self.drops = drops
         self.reads = reads
         self.n = 0
@@ -108,6 +108,8 @@ class LeanCall:
         if same is not None:
             return same if same.source() is t else None
         pool = self.pool
+        if pool is None:  # (closed: its call returned, and its hooks with it)
+            return None
         sig = pool.plans.plan.signature
         nbytes = storage_extent(t) * t.element_size()
         if type(t) is not torch.Tensor or ordinal > len(sig) or sig[ordinal - 1] != nbytes:

@@ -5,6 +5,7 @@ runs the call again with grad on and differentiates it, each input use's gradien
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -29,7 +30,7 @@ class _Alive:
     def __init__(self, pool: PoolInternals, nbytes: int = 0):
         """`nbytes`: what the call's graph holds that the plan keeps (a bypassed call's saves), in the
         pool's count of kept bytes meanwhile (on a CPU, the step's peak is that count)."""
-        self.pool = weakref.ref(pool)
+        self.pool: Callable[[], PoolInternals | None] = weakref.ref(pool)  # (_none once released)
         self.nbytes = nbytes
         with pool._lock:
             pool.ledger.unseen_live += 1
@@ -98,6 +99,7 @@ class _Light:
         self.outside: tuple[bool, ...] | None = None
         self.extra: list[int] = []  # the node's extra slots: an input once more per use past its first
         self.graphs: LightGraphs | None = None  # replays its backward where it can (light_graphs.py)
+        self.call: tuple[tuple, dict] | None = None  # (args, kwargs) as the call got them, until it returns
 
     def attach(
         self, tracker: Any, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any, pool: Any
@@ -246,7 +248,7 @@ class _PerUse:
         self.got: list[list] = [[] for _ in inputs]
         uses = consumers(inputs, outputs)
         self.expected = light.uses if uses is not None and tuple(len(u) for u in uses) == light.uses else None
-        if self.expected is None:
+        if self.expected is None or uses is None:  # (the one with the other)
             return
         by_node: dict[int, tuple[Any, list]] = {}
         for j, us in enumerate(uses):

@@ -164,12 +164,14 @@ class OpReplay:
     __slots__ = ("site", "prog", "leaves", "sources", "held", "offset", "ops")
     ready = True
 
-    def __init__(self, site: _Site, prog: list, leaves: list, offset: int):
+    def __init__(self, site: _Site, prog: list, leaves: list[Entry | torch.Tensor], offset: int):
         self.site = site
         self.prog = prog  # [(Op, args, operand indices)]: operands are leaves, then earlier results
         self.leaves = leaves  # Entry (held: the step keeps it anyway) or a parameter
-        # per leaf, what a rebuild reads and checks: (entry, None) or (parameter, its version now)
-        self.sources = tuple((x, None) if isinstance(x, Entry) else (x, x._version) for x in leaves)
+        # per leaf, what a rebuild reads and checks: the entry, or (parameter, its version now)
+        self.sources: tuple[Entry | tuple[torch.Tensor, int], ...] = tuple(
+            x if isinstance(x, Entry) else (x, x._version) for x in leaves
+        )
         self.held = tuple(x for x in leaves if isinstance(x, Entry))
         self.offset = offset  # the saved tensor's storage offset in its base
         self.ops = tuple(name for name, _, _, _ in prog)
@@ -188,11 +190,11 @@ class OpReplay:
     def droppable(self, e: Entry) -> bool:
         """Its inputs are as they were saved and none is away by an op recipe; no dropped op recipe
         reads `e` (see the module's docstring: cascades)."""
-        for x, version in self.sources:
-            if version is None:
-                if _away_by_op(x) or _version(x) != x.version:
+        for source in self.sources:
+            if isinstance(source, Entry):
+                if _away_by_op(source) or _version(source) != source.version:
                     return False
-            elif x._version != version:
+            elif source[0]._version != source[1]:
                 return False
         return not any(_away_by_op(r()) for r in e.readers or ())
 
@@ -203,13 +205,16 @@ class OpReplay:
         in_use += self.held
         try:
             inputs = []
-            for x, version in self.sources:
-                if version is None:
-                    inputs.append(pool._unpack_input(x))  # rebuilt or brought back if away; versions checked
+            for source in self.sources:
+                if isinstance(source, Entry):
+                    inputs.append(
+                        pool._unpack_input(source)
+                    )  # rebuilt or brought back if away; versions checked
                 else:
-                    if x._version != version:
-                        _check(x, x._version, version, x.shape)
-                    inputs.append(x)
+                    param, version = source
+                    if param._version != version:
+                        _check(param, param._version, version, param.shape)
+                    inputs.append(param)
             site = self.site
             timer = site.timer(pool)
             base = _run(self.prog, inputs, site.variant, pool.cuda)
@@ -230,7 +235,7 @@ class OpReplays:
 
     def remember(self, e: Entry, t: torch.Tensor) -> None:
         """Tags `t`'s node with its entry, so that a later op reading `t` finds it."""
-        fn = t.grad_fn
+        fn: Any = t.grad_fn  # (torch's stubs make a node's metadata a method: it is a dict)
         if fn is not None:
             fn.metadata.setdefault(_TAG, {})[t.output_nr] = weakref.ref(e)
 
@@ -259,7 +264,7 @@ class OpReplays:
                 del self._sites[next(iter(self._sites))]
         if not site.ok:
             return None
-        recipe = OpReplay(site, prog, leaves, t.storage_offset() - base.storage_offset())
+        recipe = OpReplay(site, prog, leaves, int(t.storage_offset() - base.storage_offset()))
         for x in leaves:
             if isinstance(x, Entry):
                 x.readers = (x.readers or []) + [weakref.ref(e)]

@@ -120,9 +120,11 @@ class OutsideUses:
         """A captured call of a module verified this step: its inputs used more than once in it are
         probed (a call after the verified one is walked for its uses first: consumers)."""
         got = self.pending.get(id(module))
-        if got is None or got[2] is None or self.walked:
+        if got is None or self.walked:
             return
         _, uses, calls = got
+        if calls is None:
+            return
         readers = consumers(inputs, outputs) if len(inputs) == len(uses) else None
         if readers is None or tuple(len(r) for r in readers) != uses:
             self.missed(module)

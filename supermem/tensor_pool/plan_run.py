@@ -28,6 +28,7 @@ from .labels import label
 from .lean_call import LeanCall
 from .op_replay import OpReplay
 from .planner import Plan
+from .port import PoolOwner, owner
 from .profile import EventCounter, Profile, Recorder
 from .stats import PlanStats
 from .step import NO_EARLY_CALL
@@ -44,8 +45,8 @@ class PlanRunner:
     """The planned policy's part of the pool (Pool.plans): the plans by shape and the step's recorder;
     it holds the pool weakly (the pool owns it) and reaches it for the rest."""
 
-    def __init__(self, pool: Any) -> None:
-        self._pool = weakref.ref(pool)
+    def __init__(self, pool: PoolOwner) -> None:
+        self._pool_ref = weakref.ref(pool)
         self.cached: dict[tuple[int, ...], Plan] = {}  # by shape signature (bytes per saved tensor)
         self.plan: Plan | None = None  # the plan this step runs (or the last one made)
         self.plan_ok = False  # this step matches the plan so far
@@ -59,11 +60,30 @@ class PlanRunner:
         self.profiles: dict[tuple[int, ...], Any] = {}  # by signature: the profile its plans come from
         self.last_step_s = 0.0  # the last step's measured duration (host clock)
 
+    @property
+    def _pool(self) -> PoolOwner:
+        return owner(self._pool_ref)
+
+    @property
+    def running(self) -> Plan:
+        """The plan this step runs, read where `plan_ok` holds (it is set only where a plan was made)."""
+        if self.plan is None:
+            raise RuntimeError("supermem pool: a step runs a plan, and none was made")
+        return self.plan
+
+    @property
+    def timeline(self) -> Recorder | EventCounter:
+        """This step's recorder or event counter, read inside a step under the planned policy (made at
+        its opening, step_opened)."""
+        if self.rec is None:
+            raise RuntimeError("supermem pool: a step under the planned policy has no timeline")
+        return self.rec
+
     def note_call(self, call: tuple) -> None:
         """A region call captured: (id(module), kind), in the recorded step's sequence that a resting
         pool checks (Recorder.calls). Before the step's first save its recorder is not made yet: it
         takes those at its making (Regions.early_calls)."""
-        pool = self._pool()
+        pool = self._pool
         if not pool.planning:
             return
         if pool.clock.between():
@@ -73,8 +93,8 @@ class PlanRunner:
 
     def planned_pack(self, e: Entry) -> None:
         """Records the pack; runs the plan's treatment for it and whatever the plan set for this event."""
-        pool = self._pool()
-        rec = self.rec
+        pool = self._pool
+        rec = self.timeline
         # (a storage counts once where the budget reads the allocator; the pool's own count on CPU
         # counts each save whole)
         storage = e.tensor if rec.full and pool.cuda else None
@@ -90,13 +110,13 @@ class PlanRunner:
             # undercounts the denser ones (after a residual add), and on this repository's CPU a
             # ResNet-152's (at width 4) first plan with packs rose 7.6% over its budget and was made
             # again lower.
-            rec.compressible(e.ordinal, packed_nbytes_of(e.tensor))
+            rec.compressible(e.ordinal, packed_nbytes_of(e.device_tensor))
         if not self.plan_ok:
             return
         if not self.matches(e):
             return
         self.by_ordinal[e.ordinal] = weakref.ref(e)
-        how = pool._by_kind.get(self.plan.treatment.get(e.ordinal))
+        how = pool._by_kind.get(self.running.treatment.get(e.ordinal, ""))  # ("": kept)
         if how is not None:
             if how.rebuilds and (e.recipe is None or not e.recipe.ready):
                 self.pending.append(weakref.ref(e))  # its call has not returned yet
@@ -110,7 +130,7 @@ class PlanRunner:
         keeps (PlanKept). None for anything else and at a step's first save: the full path
         (Pool._pack_tensor) decides, by the same rules. A planned step's forward is host-bound on the
         H100 hosts: the full path's ~25 us a save added 16 ms to GPT-24's 21 ms forward."""
-        pool = self._pool()
+        pool = self._pool
         if pool.clock.between():
             return None  # this save starts a step
         left = pool._left_alone(t)
@@ -120,7 +140,7 @@ class PlanRunner:
                     pool._settle()
             return left
         step = pool.clock.step
-        if step.ordinals + 1 not in self.plan.lean:
+        if step.ordinals + 1 not in self.running.lean:
             return None
         key = dedup_key(t)
         with pool._lock:
@@ -134,7 +154,7 @@ class PlanRunner:
         saves at its end, and the LeanCall whose hooks it runs under (Plan.drops; else None); None:
         captured as a Region, if at all. `light_ok`, `bypass_ok`: whether the call can go either way
         (regions.py)."""
-        pool = self._pool()
+        pool = self._pool
         plan = self.plan
         if (
             plan is None
@@ -145,9 +165,9 @@ class PlanRunner:
         with pool._lock:
             if start == 0 and pool.clock.between():
                 pool.clock.current()  # the call opens the step: it begins now, not at its first save
-            plan = self.plan
-            if not self.plan_ok or self.rec.full or pool.clock.step.ordinals != start:
+            if not self.plan_ok or self.timeline.full or pool.clock.step.ordinals != start:
                 return None
+            plan = self.running  # (the step's opening just now may have made another)
             if light_ok and start in plan.light:
                 return True, plan.light[start], None
             if bypass_ok and start in plan.bypass:
@@ -158,31 +178,31 @@ class PlanRunner:
     def captures(self) -> frozenset[int]:
         """Plan.captures of the plan this step runs (none in a recording step)."""
         plan = self.plan
-        return plan.captures if plan is not None and self.plan_ok and not self.rec.full else frozenset()
+        return plan.captures if plan is not None and self.plan_ok and not self.timeline.full else frozenset()
 
     def unseen_outputs(self, outputs: list, light: bool) -> None:
         """A call the pool did not see returned: each output it saved, which the recorded step saved
         again after it (a ResNet block's output, by the next block's first conv), is kept under its
         recorded ordinal, so that save finds it (Plan.outputs). Its bytes count here for a call run
         light (which saves nothing itself); a bypassed call's count them already."""
-        pool = self._pool()
+        pool = self._pool
         with pool._lock:
-            step = pool.clock.step
-            for ordinal, k in self.plan.outputs.get(step.ordinals, ()):
+            step, plan = pool.clock.step, self.running
+            for ordinal, k in plan.outputs.get(step.ordinals, ()):
                 t = outputs[k] if k < len(outputs) else None
                 if t is None or not self.expects(ordinal, storage_extent(t) * t.element_size()):
                     continue  # (the next save leaves the plan: the entry path finds out)
-                nbytes = self.plan.signature[ordinal - 1] if light else 0
+                nbytes = plan.signature[ordinal - 1] if light else 0
                 step.held.append(self.new_kept(t, ordinal, nbytes, step, dedup_key(t)))
 
     def unseen_bytes(self, end: int) -> int:
         """The plan's bytes of the saves from the step's count now to `end`."""
-        pool = self._pool()
-        return sum(self.plan.signature[pool.clock.step.ordinals : end])
+        pool = self._pool
+        return sum(self.running.signature[pool.clock.step.ordinals : end])
 
     def unseen_done(self, end: int, light: bool, lean: LeanCall | None) -> None:
         """A call the pool did not see returned: the step's saves skip to the plan's count at its end."""
-        pool = self._pool()
+        pool = self._pool
         with pool._lock:
             pool.clock.step.ordinals = end
             pool._counters["light_calls" if light else "bypassed_calls"] += 1
@@ -193,7 +213,7 @@ class PlanRunner:
     def keep(self, t: Any, key: tuple, step: Step) -> PlanKept | None:
         """The next saved tensor, which the plan keeps and no planned rebuild reads: a PlanKept, not an
         entry. None where the step leaves the plan's shape here (the entry path finds out why)."""
-        pool = self._pool()
+        pool = self._pool
         ordinal = step.ordinals + 1
         nbytes = storage_extent(t) * t.element_size()
         if not self.expects(ordinal, nbytes):
@@ -201,12 +221,12 @@ class PlanRunner:
         step.ordinals = ordinal
         kept = self.new_kept(t, ordinal, nbytes, step, key)
         pool._counters["packed"] += 1
-        self.run_events(self.rec.packed(ordinal, nbytes, pool.budget.used_bytes()))
+        self.run_events(self.timeline.packed(ordinal, nbytes, pool.budget.used_bytes()))
         return kept
 
     def new_kept(self, t: Any, ordinal: int, nbytes: int, step: Step, key: tuple) -> PlanKept:
         """A PlanKept of `t` under `ordinal`, found by its next save, its `nbytes` in the kept count."""
-        pool = self._pool()
+        pool = self._pool
         kept = PlanKept(pool, t, ordinal, nbytes, step, key)
         pool.ledger.dedup[key] = weakref.ref(kept)
         pool.ledger.kept_bytes += nbytes
@@ -215,7 +235,7 @@ class PlanRunner:
         return kept
 
     def unpack_kept(self, k: PlanKept) -> Any:
-        pool = self._pool()
+        pool = self._pool
         t = k.unpack()  # the version check autograd skips under hooks
         with pool._lock:
             event = self.used(k)
@@ -226,7 +246,7 @@ class PlanRunner:
     def used(self, x: Entry | PlanKept) -> int | None:
         """Backward unpacked `x` (under the pool's lock): its step's backward began, and its first use
         is an event of the step being recorded or run by a plan (None for a later use)."""
-        pool = self._pool()
+        pool = self._pool
         pool.clock.unpacked(x.step)
         if self.rec is None or x.step is not pool.clock.step:
             return None
@@ -235,14 +255,14 @@ class PlanRunner:
     def forget(self, x: Entry | PlanKept) -> None:
         """`x` died (under the pool's lock): its dedup key goes (unless a newer save holds it) and the
         step being recorded notes its end."""
-        pool = self._pool()
+        pool = self._pool
         pool.ledger.forget(x)
         if self.rec is not None and x.step is pool.clock.step:
             self.rec.died(x.ordinal)
 
     def release_kept(self, k: PlanKept) -> None:
-        pool = self._pool()
         try:
+            pool = self._pool
             with pool._lock:
                 pool.ledger.kept_bytes -= k.nbytes
                 pool.ledger.kept_live -= 1
@@ -253,7 +273,7 @@ class PlanRunner:
     def region_done(self, region: Any, outputs: list | None) -> None:
         """A region's call returned (under the lock): a recorded step notes its outputs, places and
         recipe; entries the plan drops whose call was still running leave now."""
-        pool = self._pool()
+        pool = self._pool
         if self.rec is not None and self.rec.full and region is not None:
             self.rec.call_outputs[region.start] = self.own_outputs(region.start, outputs or [])
             self.rec.call_slots[region.start] = region.places
@@ -281,7 +301,7 @@ class PlanRunner:
     def own_outputs(self, start: int, outputs: list) -> tuple[tuple[int, int], ...]:
         """(ordinal, index among `outputs`) of each output tensor the call starting after `start` saves
         saved itself (Profile.call_outputs)."""
-        ledger = self._pool().ledger
+        ledger = self._pool.ledger
         out = []
         for k, t in enumerate(outputs):
             e = ledger.saved(dedup_key(t))
@@ -304,7 +324,7 @@ class PlanRunner:
         of recipe needs to be weighed by the planner: at the pack of a recipe ready then (done here, in
         `planned_pack`), or wherever it becomes ready later. `start`: a region's, its step's saves
         before its call (a plan-running step captures the regions it replays by it)."""
-        pool = self._pool()
+        pool = self._pool
         step, rec = pool.clock.step, self.rec
         if rec is None or not rec.full:
             return
@@ -315,15 +335,16 @@ class PlanRunner:
     def matches(self, e: Entry) -> bool:
         """Whether this step still has the plan's shape; on a change, a cached plan of the new shape
         (the same saves so far) or none: then this step is profiled and planned at its end."""
-        pool = self._pool()
+        pool = self._pool
         if self.expects(e.ordinal, e.nbytes):
             return True
-        seen = [*self.plan.signature[: e.ordinal - 1], e.nbytes]  # the saves before matched the plan
+        seen = [*self.running.signature[: e.ordinal - 1], e.nbytes]  # the saves before matched the plan
         for plan in self.cached.values():
             if list(plan.signature[: len(seen)]) == seen:
                 self.plan = plan
-                if not self.rec.full:
-                    self.rec.event_of = plan.event_of
+                rec = self.timeline
+                if not rec.full:
+                    rec.event_of = plan.event_of
                 return True
         self.plan_ok = False
         pool._counters["plan_misses"] += 1
@@ -331,12 +352,11 @@ class PlanRunner:
 
     def expects(self, ordinal: int, nbytes: int) -> bool:
         """Whether the plan's step saves `nbytes` at `ordinal` (1-based)."""
-        sig = self.plan.signature
+        sig = self.running.signature
         return ordinal <= len(sig) and sig[ordinal - 1] == nbytes
 
     def run_events(self, event: int) -> None:
-        pool = self._pool()
-        plan = self.plan
+        pool, plan = self._pool, self.running
         for o in plan.wait_at.get(event, ()):  # backpressure: the copy lands before the spike
             x = self.planned_entry(o)
             if x is not None and x.state is State.LEAVING and x.event is not None and not x.event.query():
@@ -344,7 +364,7 @@ class PlanRunner:
                 pool.copies.wait(x.event)
         for o in plan.prefetch_at.get(event, ()):
             x = self.planned_entry(o)
-            if x is not None and x.state in (State.LEAVING, State.AWAY) and x.treatment.prefetch:
+            if x is not None and x.state in (State.LEAVING, State.AWAY) and x.left_by.prefetch:
                 pool._come_back(x)
                 pool._counters["prefetches"] += 1
                 pool._prefetched_bytes += x.nbytes
@@ -356,12 +376,13 @@ class PlanRunner:
     def step_opened(self) -> None:
         """A step opened (StepClock.current): under the planned policy, what records it or counts its
         events."""
-        pool = self._pool()
+        pool = self._pool
         if pool.planning and pool.budget_bytes is not None:
-            self.plan_ok = self.plan is not None
-            if self.plan_ok and not self.record_full:
+            plan = self.plan
+            self.plan_ok = plan is not None
+            if plan is not None and not self.record_full:
                 # a plan runs: its events only (and its first step's tail timed)
-                self.rec = EventCounter(self.plan.event_of, self.tail_from(), pool.cuda)
+                self.rec = EventCounter(plan.event_of, self.tail_from(plan), pool.cuda)
             else:
                 self.rec = Recorder(pool.cuda, timed=not self.plan_ok, watermark=pool.budget.marks())
                 self.rec.calls = pool.regions.early_calls  # (made before the step's first save)
@@ -372,13 +393,14 @@ class PlanRunner:
 
     def step_ended(self, s: Step) -> None:
         """Measures the step; plans from it if it ran without a plan of its shape."""
-        pool = self._pool()
+        pool = self._pool
         self.last_step_s = time.perf_counter() - s.started_s
         if not pool.cuda:
             pool.budget.last_peak_bytes = pool.ledger.step_peak
         pool.ledger.step_peak = 0
         rec, self.rec = self.rec, None
-        if rec is None or rec.backward_event is None:
+        budget_bytes = pool.budget_bytes
+        if rec is None or rec.backward_event is None or budget_bytes is None:  # (a budget makes a rec)
             return
         if self.plan_ok:
             tail_s = rec.tail() if isinstance(rec, EventCounter) else None
@@ -388,7 +410,7 @@ class PlanRunner:
                 # (a step whose first call an older plan decided, before this one was made at the
                 # step's opening, ran this plan but for that call: not this plan's peak. The first
                 # planned step's first call, captured as the recording steps' were, runs near its plan)
-                self.check_plan(self.plan)
+                self.check_plan(self.running, budget_bytes)
             return
         if not rec.full:  # it left its plan's shape, and only counted events: the next steps record
             self.record_full = True
@@ -407,66 +429,68 @@ class PlanRunner:
             compress_price=compress.price(pool) if compress else None,
         )
         if offload is None:  # a pool without the treatment: the plan must not count on copies
-            for s in profile.saved:
-                s.offloadable = False
+            for saved in profile.saved:
+                saved.offloadable = False
         self.record_full = False
         self.profiles[profile.signature] = profile
-        self.plan_from(profile)
+        self.plan_from(profile, budget_bytes)
 
-    def tail_from(self) -> int | None:
-        """The event after which a planned step times its tail: the profile's last, until one has
-        (Profile.tail_s)."""
-        profile = self.profiles.get(self.plan.signature)
+    def tail_from(self, plan: Plan) -> int | None:
+        """The event after which a step running `plan` times its tail: the profile's last, until one
+        has (Profile.tail_s)."""
+        profile = self.profiles.get(plan.signature)
         return None if profile is None or profile.retimed else len(profile.times_s) - 1
 
     def retime_tail(self, tail_s: float) -> None:
         """The profile's tail and the plan's step as a planned step timed it: a process's first step
         (the profiled one, often) pays first-time costs there that no later step does."""
-        profile = self.profiles.get(self.plan.signature)
+        plan = self.running
+        profile = self.profiles.get(plan.signature)
         if profile is None or profile.retimed:
             return
         added = tail_s - profile.tail_s
         profile.tail_s, profile.step_s, profile.retimed = tail_s, profile.step_s + added, True
-        self.plan.untreated_step_s += added
-        self.plan.predicted_step_s += added
+        plan.untreated_step_s += added
+        plan.predicted_step_s += added
 
-    def plan_from(self, profile: Profile) -> None:
-        """The plan of `profile`'s shape, below the budget by what its plans overshot; cached."""
-        pool = self._pool()
+    def plan_from(self, profile: Profile, budget_bytes: int) -> None:
+        """The plan of `profile`'s shape, below the pool's budget by what its plans overshot; cached."""
+        pool = self._pool
         sig = profile.signature
         with label("plan", nvtx=pool.nvtx):
-            self.plan = pool.policy.solve(profile, max(0, pool.budget_bytes - self.aim.get(sig, 0)))
-        if not self.plan.feasible and sig not in self.said_infeasible:
+            plan: Plan = pool.policy.solve(profile, max(0, budget_bytes - self.aim.get(sig, 0)))
+        self.plan = plan
+        if not plan.feasible and sig not in self.said_infeasible:
             self.said_infeasible.add(sig)
-            warn(infeasible_message(self.plan, profile, pool.budget_bytes))
-        self.cached[sig] = self.plan
+            warn(infeasible_message(plan, profile, budget_bytes))
+        self.cached[sig] = plan
         if len(self.cached) > MAX_PLANS:  # shapes that keep changing: the oldest plan goes
             oldest = next(iter(self.cached))
             del self.cached[oldest]
             self.profiles.pop(oldest, None)
         pool._counters["plans"] += 1
 
-    def check_plan(self, plan: Plan) -> None:
+    def check_plan(self, plan: Plan, budget_bytes: int) -> None:
         """A step that ran a feasible plan and still rose over the budget (a transient that fell
         elsewhere than the profile put it, a cost that changed): the shape is planned again from its
         profile, below the budget by the overshoot, a few times at most. Not profiled again: a
         profiled step runs the reactive fallback (GPT-24 at 60% on an H100: 270 ms a step against 90
         planned), and its profile, timed anew, need not bring the plan any nearer."""
-        pool = self._pool()
-        over = pool.budget.last_peak_bytes - pool.budget_bytes
+        pool = self._pool
+        over = pool.budget.last_peak_bytes - budget_bytes
         sig = plan.signature
-        if not plan.feasible or over <= REPLAN_TOLERANCE * pool.budget_bytes:
+        if not plan.feasible or over <= REPLAN_TOLERANCE * budget_bytes:
             return
         if self.replans.get(sig, 0) >= MAX_REPLANS or sig not in self.profiles:
             return
         self.replans[sig] = self.replans.get(sig, 0) + 1
         self.aim[sig] = self.aim.get(sig, 0) + over
         pool._counters["replans"] += 1
-        self.plan_from(self.profiles[sig])
+        self.plan_from(self.profiles[sig], budget_bytes)
 
     def stats(self) -> PlanStats | None:
         """The current plan's predictions beside the last step's measurements (planned policy)."""
-        pool = self._pool()
+        pool = self._pool
         p = self.plan
         if p is None:
             return None

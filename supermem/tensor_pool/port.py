@@ -3,15 +3,21 @@
 The pool implements it (pool.py); the parts are typed against it and none of them imports the pool.
 PoolPort is the narrow, public part, all a treatment or a weight-cast recipe uses. PoolInternals adds
 the members that regions, op and lean replays, light-call graphs and entries still reach into: each
-leaves that list once the pool offers what it does in public words.
+leaves that list once the pool offers what it does in public words. PoolOwner is the pool as the parts
+it owns (its budget, plan runner, rest, step clock, compiled graphs) see it, through `owner`.
 """
 
 from __future__ import annotations
 
+import threading
+import weakref
 from contextlib import AbstractContextManager
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import torch
+
+from ..policies import Policy
+from .rebuild_times import RebuildTimes
 
 
 class PoolPort(Protocol):
@@ -73,6 +79,43 @@ class PoolInternals(PoolPort, Protocol):
     def _release(self, e: Any) -> None: ...
 
 
+class PoolOwner(PoolInternals, Protocol):
+    """What the pool's own parts (budget.py, plan_run.py, rest.py, step.py, compiled.py) reach: each
+    other, the policy and the treatments, and the pool's moves of an entry."""
+
+    budget: Any  # Budget (budget.py)
+    policy: Policy
+    planning: bool  # the policy plans (Policy.plans)
+    nvtx: bool
+    always_active: bool
+    treatments: dict[str, Any]  # Treatment (treatments/base.py) by name
+    rebuild_times: RebuildTimes
+    _by_kind: dict[str, Any]  # the Treatment a plan uses for each kind
+    _settlers: list[Any]
+    _prefetched_bytes: int
+    _local: threading.local
+
+    def _leave(self, e: Any, t: Any) -> bool: ...
+    def _come_back(self, e: Any) -> None: ...
+    def _settle(self) -> None: ...
+    def _left_alone(self, t: torch.Tensor) -> Any: ...
+    def _on_pressure(self, need_bytes: int) -> int: ...
+    def _unpack(self, packed: Any) -> torch.Tensor: ...
+
+
+P = TypeVar("P")
+
+
+def owner(ref: weakref.ref[P]) -> P:
+    """The pool a part holds weakly (the pool owns the part): alive whenever the pool's own calls reach
+    the part. A late call after the pool is collected (a hook or a finalizer left behind) raises
+    ReferenceError, as a weakref.proxy does."""
+    pool = ref()
+    if pool is None:
+        raise ReferenceError("supermem pool: a part of a pool that was collected was called")
+    return pool
+
+
 class TreatmentLike(Protocol):
     """What an entry knows of the treatment that holds it (treatments/base.py's Treatment)."""
 
@@ -80,6 +123,14 @@ class TreatmentLike(Protocol):
     kind: str
     rebuilds: bool
     prefetch: bool
+    events: tuple[str, str] | None
+
+    def come_back(self, pool: Any, e: Any) -> None: ...
+    def ready(self, pool: Any, e: Any) -> None: ...
+    def arrived(self, pool: Any, e: Any) -> None: ...
+    def device_bytes(self, e: Any) -> int: ...
+    def forget(self, pool: Any, e: Any) -> None: ...
+    def check(self, pool: Any, e: Any) -> None: ...
 
 
 class LightCall(Protocol):

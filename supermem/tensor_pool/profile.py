@@ -33,7 +33,7 @@ import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar, Literal
 
 import torch
 
@@ -195,7 +195,7 @@ class EventCounter:
     it times the step's tail from there to the next step's first save, as a Recorder times a segment
     (`tail()`: Profile.tail_s)."""
 
-    full = False
+    full: ClassVar[Literal[False]] = False  # (against Recorder's: `rec.full` tells a type checker which)
 
     def __init__(
         self, event_of: dict[tuple[str, int], int] | None = None, tail_from: int | None = None, cuda=False
@@ -262,7 +262,7 @@ class EventCounter:
 class Recorder:
     """Records one step's events as it runs; `profile()` turns them into a Profile afterwards."""
 
-    full = True
+    full: ClassVar[Literal[True]] = True
     timing = True
 
     def __init__(self, cuda: bool, timed: bool, watermark: Callable[[], tuple[int, int]] | None = None):
@@ -344,7 +344,7 @@ class Recorder:
         lives (one freed and allocated again is another tensor's). The weak reference is to the storage:
         the view autograd's hook is given dies with the hook, the storage's object lives as it does."""
         storage = t.untyped_storage()
-        ptr, lo = storage.data_ptr(), t.storage_offset() * t.element_size()
+        ptr, lo = storage.data_ptr(), int(t.storage_offset()) * t.element_size()
         hi = lo + s.nbytes
         held = self.storages.get(ptr)
         if held is not None:

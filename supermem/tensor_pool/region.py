@@ -190,9 +190,13 @@ class Region:
 
     def finish(self, pool: PoolInternals) -> bool:
         """The call returned: True if it can be replayed (then its own entries take it as recipe)."""
-        own, made, slots = [], [], []
+        own: list[Entry] = []
+        made: list[Entry] = []
+        slots: list[tuple[int, weakref.ref[Entry]]] = []
         for k, ref in enumerate(self.slots):
-            e = ref() if ref is not None else None
+            if ref is None:
+                continue
+            e = ref()
             if e is not None and not any(e is x for x in made):  # one saved twice: its first slot
                 made.append(e)
                 slots.append((k, ref))
@@ -235,7 +239,7 @@ class Region:
             for k, ref in self.made
             if (x := ref()) is not None
             and x.state is State.AWAY
-            and (x.recipe is self or (x.treatment.rebuilds and not any(x is y for y in in_use)))
+            and (x.recipe is self or (x.left_by.rebuilds and not any(x is y for y in in_use)))
         }
         if not want:
             return
@@ -256,7 +260,7 @@ class Region:
                     "its forward is not deterministic in what it saves"
                 )
             arrived(x, t.detach(), None)
-            x.treatment.arrived(pool, x)  # e.g. compressed: its payload goes
+            x.left_by.arrived(pool, x)  # e.g. compressed: its payload goes
             if not want:
                 raise _Stop
             return None
@@ -264,7 +268,7 @@ class Region:
         try:
             with (
                 _Replaying(self.state, self.module, False),
-                torch.autograd.graph.saved_tensors_hooks(pack, _none),
+                torch.autograd.graph.saved_tensors_hooks(pack, _NO_UNPACK),
             ):
                 pool.regions.call(self.module, args, kwargs)
         except _Stop:
@@ -307,7 +311,7 @@ class Region:
         try:
             with (
                 _Replaying(self.state, self.module, not check),
-                torch.autograd.graph.saved_tensors_hooks(pack, _none),
+                torch.autograd.graph.saved_tensors_hooks(pack, _NO_UNPACK),
             ):
                 pool.regions.call(self.module, args, kwargs)
         except Exception as err:  # noqa: BLE001  (the replay is not the call: refused, not raised)
@@ -361,9 +365,9 @@ def consumers(inputs: list[torch.Tensor], outputs: list[torch.Tensor], limit: in
             if nxt is None:
                 continue
             var = getattr(nxt, "variable", None)
-            j = at.get((id(nxt), nr), at.get(id(var)) if var is not None else None)
-            if j is not None:
-                found[j].append((node, i))
+            input_at = at.get((id(nxt), nr), at.get(id(var)) if var is not None else None)
+            if input_at is not None:
+                found[input_at].append((node, i))
             elif id(nxt) not in stop:
                 stack.append(nxt)
     return found
@@ -372,6 +376,10 @@ def consumers(inputs: list[torch.Tensor], outputs: list[torch.Tensor], limit: in
 def _none(*_: Any) -> None:
     """Nothing: an unpack hook with nothing to give back, a pack hook that drops, a dead weakref."""
     return None
+
+
+# an unpack hook never run (a replay's graph is dropped unused), where torch's stubs want one giving a Tensor
+_NO_UNPACK: Any = _none
 
 
 _BN_FORWARD = tp.BatchNorm.forward
@@ -471,13 +479,14 @@ def _start_timer(pool: PoolInternals) -> Any:
     return ("cpu", time.perf_counter() + pool._busy_s, None)
 
 
-def _stop_timer(timer: Any, pool: PoolInternals) -> Any:
+def _stop_timer(timer: Any, pool: PoolInternals | None) -> Any:
+    """`pool`: None where it was collected during the call (Regions._post_call runs on)."""
     kind, start, _ = timer
     if kind == "cuda":
         end = torch.cuda.Event(enable_timing=True)
         end.record()
         return (kind, start, end)
-    return (kind, start, time.perf_counter() + pool._busy_s)
+    return (kind, start, time.perf_counter() + (pool._busy_s if pool is not None else 0.0))
 
 
 def _read_timer(timer: Any) -> float | None:

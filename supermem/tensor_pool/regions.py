@@ -431,7 +431,8 @@ class Regions:
     def cost_s(self, module: torch.nn.Module) -> float | None:
         """The least measured seconds of a call of the module's kind, in the forward or replayed (None
         before one finished timing)."""
-        c = self._costs.get(self._kind.get(id(module)))
+        kind = self._kind.get(id(module))
+        c = self._costs.get(kind) if kind is not None else None
         if c is None:
             return None
         still = []

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from .. import torch_private as tp
+from .port import PoolOwner, owner
 
 _top_hooks = tp.top_saved_hooks
 
@@ -45,8 +46,8 @@ class Resting:
 class Rest:
     """Whether the pool rests, and what it watches meanwhile (Pool.rest); it holds the pool weakly."""
 
-    def __init__(self, pool: Any) -> None:
-        self._pool = weakref.ref(pool)
+    def __init__(self, pool: PoolOwner) -> None:
+        self._pool_ref = weakref.ref(pool)
         self.resting = False
         self.never = False  # woken once: it rests no more
         self.calls: tuple = ()  # the resting plan's recorded calls
@@ -54,10 +55,14 @@ class Rest:
         self.params: list[weakref.ref] = []  # the model's parameters, and whether each needs grad
         self.grads: tuple[bool, ...] = ()
 
+    @property
+    def _pool(self) -> PoolOwner:
+        return owner(self._pool_ref)
+
     def enter(self, outermost: bool) -> bool:
         """At the entry of the pool's context: whether the step runs without the pool's hooks (the
         module's docstring says when)."""
-        pool = self._pool()
+        pool = self._pool
         plans = pool.plans
         if self.resting:
             if outermost:
@@ -104,7 +109,7 @@ class Rest:
 
     def wake(self) -> None:
         """The pool rests no more; this thread's context, if it rests, has its hooks on from here."""
-        pool = self._pool()
+        pool = self._pool
         self.resting, self.never = False, True
         self.params = []
         pool._counters["rest_wakes"] += 1

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import TypedDict
 
+from .planner.plan import TreatmentCounts
+
 # Pool.stats()'s counters, zeroed by reset_stats()
 COUNTERS = (
     "packed",
@@ -31,13 +33,10 @@ COUNTERS = (
 )
 
 
-class PlanStats(TypedDict):
-    """The running plan's predictions beside the last step's measurements (planned policy)."""
+class PlanStats(TreatmentCounts):
+    """The running plan's predictions beside the last step's measurements (planned policy); first the
+    saved tensors it offloads, recomputes, compresses and keeps."""
 
-    offload: int  # saved tensors the plan offloads, recomputes, compresses and keeps
-    recompute: int
-    compress: int
-    keep: int
     feasible: bool
     budget_bytes: int
     predicted_peak_bytes: int

@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from .port import PoolOwner
+
 NO_EARLY_CALL = object()  # Step.early_plan of a step that opened at a save
 
 
@@ -78,8 +80,8 @@ class StepClock:
     """The pool's current step, and the events that open and divide steps. It holds the pool weakly
     (the pool owns it) and reaches it for what happens at a boundary."""
 
-    def __init__(self, pool: Any, ledger: Any) -> None:
-        self._pool = weakref.proxy(pool)
+    def __init__(self, pool: PoolOwner, ledger: Any) -> None:
+        self._pool: PoolOwner = weakref.proxy(pool)
         self._ledger = ledger  # (the pool's Ledger: whether anything saved so far lives)
         self.steps = 0  # steps opened
         self.step: Step | None = None
@@ -92,7 +94,7 @@ class StepClock:
         """A new step starts at the first tensor saved after backward began, or on an empty pool."""
         pool = self._pool
         s = self.step
-        if self.between():
+        if s is None or self.between():
             pool.regions.outside_uses.step_opened()
             if s is not None and s.forward_s is not None:
                 self.last_forward_s = s.forward_s
@@ -146,7 +148,7 @@ class StepClock:
         pool = self._pool
         plans = pool.plans
         s = self.step
-        if self.between():
+        if s is None or self.between():
             self.early_plan = plans.plan  # what decides this call (the step opens later: Step.early_plan)
             if not self.needed_last_step():
                 return None

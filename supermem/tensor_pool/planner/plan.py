@@ -4,6 +4,16 @@ simulated run of one (the simulator's curve and added seconds)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TypedDict
+
+
+class TreatmentCounts(TypedDict):
+    """Saved tensors a plan offloads, recomputes, compresses and keeps (Plan.counts)."""
+
+    offload: int
+    recompute: int
+    compress: int
+    keep: int
 
 
 @dataclass
@@ -49,12 +59,12 @@ class Plan:
         moves = self.treatment or self.light or self.drops or self.wait_at or self.prefetch_at
         return self.feasible and not moves
 
-    def counts(self) -> dict[str, int]:
-        out = {"offload": 0, "recompute": 0, "compress": 0}
+    def counts(self) -> TreatmentCounts:
+        n = {"offload": 0, "recompute": 0, "compress": 0}
         for t in self.treatment.values():
-            out[t] += 1
-        out["keep"] = len(self.signature) - sum(out.values())
-        return out
+            n[t] += 1
+        keep = len(self.signature) - sum(n.values())
+        return {"offload": n["offload"], "recompute": n["recompute"], "compress": n["compress"], "keep": keep}
 
 
 @dataclass

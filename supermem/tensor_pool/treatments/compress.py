@@ -92,7 +92,9 @@ class Compress(Treatment):
         self._exact_s: collections.deque[float] = collections.deque(maxlen=EXACT_SAMPLES)
         # host seconds of the last packs (not waiting), unpacks and trims on a GPU: what a packed
         # tensor costs the host there (relu_pack's allocations and launch, the pool's bookkeeping)
-        self._host_s = {k: collections.deque(maxlen=EXACT_SAMPLES) for k in ("pack", "unpack", "trim")}
+        self._host_s: dict[str, collections.deque[float]] = {
+            k: collections.deque(maxlen=EXACT_SAMPLES) for k in ("pack", "unpack", "trim")
+        }
 
     def applies(self, e: Entry) -> bool:
         if e.recipe is not None and not e.recipe.ready:
@@ -183,7 +185,7 @@ class Compress(Treatment):
         finally:
             self._packing -= 1
         if packed.host_nnz is not None:  # exact (or made on the host)
-            if not self._packed(pool, e, packed):
+            if not self._packed(pool, e, packed, packed.host_nnz):
                 return False
             e.payload = packed
         else:  # the count comes back without a wait; a guessed room keeps the original until it fits
@@ -193,9 +195,9 @@ class Compress(Treatment):
         _count(pool, compressions=1, compressed_bytes=e.nbytes)
         return True
 
-    def _packed(self, pool: PoolPort, e: Entry, packed: Packed) -> bool:
-        """Learns from a whole pack of `e`; False if it frees nothing (then `e` is never packed again)."""
-        nnz = packed.host_nnz
+    def _packed(self, pool: PoolPort, e: Entry, packed: Packed, nnz: int) -> bool:
+        """Learns from a whole pack of `e`, of `nnz` nonzeros; False if it frees nothing (then `e` is
+        never packed again)."""
         self._last_nnz[(e.ordinal, e.extent)] = nnz
         self._densest[e.extent] = max(self._densest.get(e.extent, 0.0), nnz / max(1, e.extent))
         self._tensor_bytes += e.nbytes
@@ -232,16 +234,20 @@ class Compress(Treatment):
                 continue
             t0 = time.perf_counter()
             nnz = u.nnz()
-            whole = fitted(u.packed, nnz) if u.original is not None else _trimmed(u.packed, nnz)
-            if whole is None:  # more nonzeros than the room: rare (a margin over last step's count)
-                self._last_nnz[(e.ordinal, e.extent)] = nnz
-                _count(pool, room_misses=1)
-                pool.arrived(e, u.original, None)
-                self.arrived(pool, e)
-                continue
+            if u.original is None:  # room for every element
+                whole = _trimmed(u.packed, nnz)
+            else:
+                fits = fitted(u.packed, nnz)
+                if fits is None:  # more nonzeros than the room: rare (a margin over last step's count)
+                    self._last_nnz[(e.ordinal, e.extent)] = nnz
+                    _count(pool, room_misses=1)
+                    pool.arrived(e, u.original, None)
+                    self.arrived(pool, e)
+                    continue
+                whole = fits
             self._host_s["trim"].append(time.perf_counter() - t0)
             before = self.device_bytes(e)
-            self._packed(pool, e, whole)  # dense this step: it stays packed (lossless), never again
+            self._packed(pool, e, whole, nnz)  # dense this step: it stays packed (lossless), never again
             e.payload = whole
             pool.payload_resized(e, self.device_bytes(e) - before)
         self._unsettled = still
@@ -292,7 +298,10 @@ def _trimmed(packed: Packed, nnz: int) -> Packed:
     try:
         return trimmed(packed, nnz)
     except torch.OutOfMemoryError:
-        return fitted(packed, nnz)
+        whole = fitted(packed, nnz)
+        if whole is None:  # (never: trimmed checked the count against the room before it ran out)
+            raise
+        return whole
 
 
 class _Unsettled:
@@ -301,7 +310,7 @@ class _Unsettled:
 
     __slots__ = ("packed", "original", "_count", "_event")
 
-    def __init__(self, packed: Packed, original: torch.Tensor):
+    def __init__(self, packed: Packed, original: torch.Tensor | None):
         self.packed, self.original = packed, original
         last = packed.offsets[-1:]
         if last.is_cuda:

@@ -115,7 +115,9 @@ class Offload(Treatment):
             pool.count("offloaded_bytes", e.nbytes)
             e.step.offloaded += e.nbytes
             pool.count("offloads")
-            events.emit("offload", e.nbytes, e.tensor.data_ptr(), pool.device_index, e.seq, "activation")
+            events.emit(
+                "offload", e.nbytes, e.device_tensor.data_ptr(), pool.device_index, e.seq, "activation"
+            )
         else:  # offloaded before: the host copy is complete (returns wait for it)
             e.event = None
         e.state = State.LEAVING if e.event is not None else State.AWAY
@@ -126,7 +128,7 @@ class Offload(Treatment):
             pool.copies.h2d.wait_event(e.event)
         span, event = pool.copies.to_device(_host_span(e))
         pool.arrived(e, e.from_span(span), event)
-        events.emit("prefetch", e.nbytes, e.tensor.data_ptr(), pool.device_index, e.seq, "activation")
+        events.emit("prefetch", e.nbytes, e.device_tensor.data_ptr(), pool.device_index, e.seq, "activation")
 
     def ready(self, pool: PoolPort, e: Entry) -> None:
         pool.copies.use(e.tensor, e.event)
