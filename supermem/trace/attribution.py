@@ -281,9 +281,10 @@ def stack_mode(table: StackTable, obs: Observations):
     return _StackMode()
 
 
-def apply(trace: Trace, rows: Iterable[Observation], context: Any = None) -> int:
+def apply(trace: Trace, rows: Iterable[Observation], context: Any = None, check: Any = None) -> int:
     """Writes observed categories, stacks and owning modules onto the trace's events and final snapshot
-    blocks, with what `context` (an owners.ContextLog) says of each block (owners.compose). Returns the
+    blocks, with what `context` (an owners.ContextLog) says of each block (owners.compose; `check`, an
+    owners.RuleCheck, adds up how its activation rule matched the saved-tensor hook). Returns the
     number of block lifetimes that got a category or a stack."""
     from . import owners
 
@@ -336,7 +337,9 @@ def apply(trace: Trace, rows: Iterable[Observation], context: Any = None) -> int
         stack = np.where((stack < 0) & (first >= 0), first, stack)
         module = {int(li): o_module[oi] for li, oi in zip(life, obs_i, strict=True) if o_module[oi]}
         if module or context is not None:  # (the latest observation's module wins, as its category)
-            cat, stack = owners.compose(trace, start_t, cat, stack, module, context)
+            cat, stack = owners.compose(
+                trace, start_t, cat, stack, module, context, end_t=end_t, size=lt.size, check=check
+            )
         changed = (cat != lt.category) | (stack != lt.stack)
         total += int(changed.sum())
         ev, evl = lt.event_index, lt.event_lifetime
