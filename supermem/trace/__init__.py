@@ -63,7 +63,7 @@ def record(
     report: also write an HTML report (and PNG) next to `path`.
     context: record the module call and phase (forward, backward, optimizer) each block was made in
         (global module and optimizer hooks: one deque append per module call); activations are named
-        from the phases (made in a forward, freed by its backward), checked against what autograd saves
+        from the phases (made in a forward, freed in a backward), checked against what autograd saves
         over the first two backwards (a saved-tensor hook, then taken off).
     exact_activations: keep that hook on for the whole recording: activations are what autograd saved
         (~2 us per saved tensor and a Python call per unpack: +20% of a host-bound step).

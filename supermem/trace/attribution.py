@@ -12,8 +12,10 @@ What is attributed:
   parameter, gradient, optimizer_state: tensors of the modules and optimizers passed to trace(), or
       found by a gc scan; scanned at start, at every dump, before each optimizer step (gradients) and
       after the first steps (optimizer state is created lazily).
-  activation (or what the pool says): blocks named by pool events that carry an address.
-  everything else stays "unknown": temporaries, inputs, autograd buffers and workspaces.
+  activation (or what the pool says): blocks named by pool events that carry an address, and by
+      context.py's saved-tensor hook while it is on (then owners.py names activations from the phases).
+  everything else stays "unknown" here: owners.py names temporaries, inputs and autograd buffers from
+      the phases where a recording has them.
 Not attributed: a gradient freed before the next optimizer step (e.g. accumulated into another
 buffer), and storages of tensors that are views into a block at an offset (the observation carries
 the storage's base address, which is the block's address for every storage the allocator made).

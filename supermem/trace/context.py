@@ -14,8 +14,8 @@ Phases are events, not guesses:
   optimizer from an optimizer step's pre hook to its post hook, which also ends the step;
   ""        anything else (data loading, zero_grad, model construction).
 
-Activations are named from the phases when the trace is built (owners.py: made in a forward, freed by
-the backward after it). For the first `hook_backwards` backwards a saved-tensor pack hook also observes
+Activations are named from the phases when the trace is built (owners.py: made in a forward, freed in
+a backward begun after it). For the first `hook_backwards` backwards a saved-tensor pack hook also observes
 what autograd saves (the default hooks, innermost wins: the pool's own hooks, checkpointing's, a user's
 save_on_cpu, shadow this one inside them; the pool says what it saves through supermem.events): those
 blocks are named by it, and it is what the rule is checked against. It costs ~2 us per saved tensor and
@@ -74,7 +74,7 @@ class Context:
         self.hook_backwards = hook_backwards
         self.backwards = 0
         self.hooked_backwards = 0  # backwards over while the hook was on: what checked the rule
-        self.hook_off_ns: int | None = None  # when the hook came off (None: on, or never on)
+        self.hook_off_ns: int | None = None  # when the hook came off, or the start if never on (None: on)
         self.log: collections.deque[tuple[int, int, int]] = collections.deque(maxlen=capacity)
         self.phase_events: collections.deque[tuple[int, str]] = collections.deque(maxlen=capacity)
         self.paths: list[str] = []

@@ -10,10 +10,12 @@ then the Python frames, where stacks were recorded.
 
 Categories that follow from the phase, for blocks nothing else named (PyTorch's memory profiler's
 names, by simpler rules: no per-op dataflow is recorded):
-    activation       made in a forward, alive when the backward after it begins, and freed before that
-                     backward returns: what autograd saved (its saved tensors are released as their
-                     nodes run; a saved view keeps its base's block; an in-place op's output is its
-                     input's block), the wrapped scalars it saves (which no saved-tensor hook sees)
+    activation       made in a forward and freed inside a backward begun after it (between the call
+                     into the engine and its return; not necessarily the next one: a pipeline's
+                     micro-batches, a GAN's two losses): what autograd saved (its saved tensors are
+                     released as their nodes run; a saved view keeps its base's block; an in-place
+                     op's output is its input's block), the wrapped scalars it saves (which no
+                     saved-tensor hook sees)
                      and whatever else only the graph held (a custom Function's ctx attributes). Not:
                      a saved tensor the program still holds after the backward (outputs it keeps):
                      a temporary. Blocks made while context.py's saved-tensor hook was on (the first
@@ -78,16 +80,16 @@ class ContextLog:
 
 
 def saved_by_phase(ctx: ContextLog, phase: np.ndarray, start_t: np.ndarray, end_t: np.ndarray) -> np.ndarray:
-    """Per lifetime: made in a forward, alive when the next backward began and freed by its end."""
+    """Per lifetime: made in a forward and freed inside a backward begun after its alloc."""
     out = np.zeros(len(phase), bool)
     fwd = np.flatnonzero(phase == FORWARD)
     b0, b1 = ctx.backwards()
     if not len(fwd) or not len(b0):
         return out
-    k = np.searchsorted(b0, start_t[fwd], side="right")  # the first backward begun after the alloc
-    has = k < len(b0)
+    k = np.searchsorted(b0, end_t[fwd], side="left") - 1  # the last backward begun before the free
+    has = k >= 0
     fwd, k = fwd[has], k[has]
-    out[fwd] = (end_t[fwd] > b0[k]) & (end_t[fwd] <= b1[k])
+    out[fwd] = (b0[k] > start_t[fwd]) & (end_t[fwd] <= b1[k])
     return out
 
 
@@ -129,7 +131,7 @@ def rule_note(meta: dict) -> str:
     except (KeyError, TypeError, ValueError):
         return ""
     if n <= 0:
-        return "activations named from the phases (made in a forward, freed by its backward); not checked"
+        return "activations named from the phases (made in a forward, freed in a backward); not checked"
     found = both / hook if hook > 0 else 1.0
     return (
         f"activations named from the phases after the first {n} backward(s), where autograd's saves were "

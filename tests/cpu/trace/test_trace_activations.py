@@ -172,3 +172,24 @@ def test_launched_ranks_name_activations_without_the_hook(tmp_path, monkeypatch)
     began = (lt.start >= 0) & (t[lt.start.clip(0)] >= last)
     model.zero_grad(set_to_none=True)
     assert int(lt.size[began & (lt.category == act)].sum()) == saved_bytes(model, inputs, loss_of)
+
+
+def test_a_forward_freed_by_a_later_backward_than_the_next():
+    """Two forwards, then their backwards in the other order (a pipeline's micro-batches, a GAN's two
+    losses): the first forward's saves are freed by the second backward, and are activations too."""
+    rec = Recorder([ProfiledCPU()], activation_hook_backwards=0).start()
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 4))
+        xa, xb = torch.randn(8, 16), torch.randn(8, 16)
+        a, saved_a = record_saves(model, (xa, xb), lambda: model(xa).square().mean())
+        b, saved_b = record_saves(model, (xa, xb), lambda: model(xb).square().mean())
+        b.backward()
+        a.backward()
+        trace = rec.build()
+    finally:
+        rec.stop()
+    lt = lifetimes(trace, 0)
+    act = trace.categories.index("activation")
+    assert saved_a and saved_b
+    assert int(lt.size[lt.category == act].sum()) == sum(saved_a.values()) + sum(saved_b.values())
