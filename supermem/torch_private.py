@@ -76,6 +76,48 @@ FUNCTION_APPLY = torch._C._FunctionBase.__dict__["apply"]
 foreach_copy_ = torch._foreach_copy_
 # The engine, to run a callback when the current backward ends.
 execution_engine = torch.autograd.Variable._execution_engine
+
+
+class _BackwardWatch:
+    """Stands in for autograd's engine object (torch.autograd.Variable._execution_engine, which
+    torch.autograd.graph._engine_run_backward reads per call: Tensor.backward and autograd.grad both
+    run through it): calls `begins` before each backward runs and `ends` after it returned or raised.
+    Every other attribute is the engine's (queue_callback, is_checkpoint_valid)."""
+
+    def __init__(self, engine: Any, begins: Callable[[], None], ends: Callable[[], None]):
+        self._engine, self._begins, self._ends = engine, begins, ends
+        self.on = True
+
+    def run_backward(self, *args: Any, **kwargs: Any) -> Any:
+        if not self.on:
+            return self._engine.run_backward(*args, **kwargs)
+        self._begins()
+        try:
+            return self._engine.run_backward(*args, **kwargs)
+        finally:
+            self._ends()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+
+def watch_backward(begins: Callable[[], None], ends: Callable[[], None]) -> Callable[[], None]:
+    """Calls begins() when a backward starts (before its first node runs, the loss's included) and
+    ends() when it is over (every saved tensor it released is freed), on the thread that started it;
+    nested backwards (a reentrant checkpoint's) call both too. Returns the function that stops it. A
+    watch someone else wrapped since is switched off in place, never unwrapped from under them."""
+    variable = torch.autograd.Variable
+    watch = _BackwardWatch(variable._execution_engine, begins, ends)
+    variable._execution_engine = watch
+
+    def stop() -> None:
+        watch.on = False
+        if variable._execution_engine is watch:
+            variable._execution_engine = watch._engine
+
+    return stop
+
+
 # The node backward is running on this thread (None outside one): where a step's backward began, the
 # root of a walk of the graph under it (outside_uses.py).
 current_autograd_node = torch._C._current_autograd_node

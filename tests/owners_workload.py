@@ -33,30 +33,69 @@ def parameter_bytes_by_module(model: torch.nn.Module) -> dict[str, int]:
     return out
 
 
-def saved_bytes(model, inputs, loss_of) -> int:
-    """Bytes of the storages autograd saves in one forward, the model's state and the batch left out:
-    what the trace should call activations (its own hooks are off here)."""
+def saved_storages(model, inputs, loss_of) -> dict[int, int]:
+    """data_ptr -> nbytes of the storages autograd saves in one forward of the loss, the model's state and
+    the batch left out: what the trace should call activations."""
+    loss, saved = record_saves(model, inputs, lambda: loss_of(model, inputs))
+    del loss
+    return saved
+
+
+def record_saves(model, inputs, forward):
+    """(forward(), the storages autograd saved in it: data_ptr -> nbytes, the model's state and the batch
+    left out). Read twice, apart from the trace tool: through a saved-tensor hook, and from the graph's
+    nodes (`_saved_*`), which also hold the wrapped Python scalars autograd saves (`0.5 * x`: an 8-byte
+    CPU tensor) and no hook is shown."""
     state = storages([*model.parameters(), *model.buffers()])
     batch = storages(inputs if isinstance(inputs, (tuple, list)) else [inputs])
     saved: dict[int, int] = {}
 
-    def pack(t):
+    def keep(t):
         s = t.untyped_storage()
-        if s.data_ptr() not in state and s.data_ptr() not in batch:
+        if s.data_ptr() and s.data_ptr() not in state and s.data_ptr() not in batch:
             saved[s.data_ptr()] = s.nbytes()
+
+    def pack(t):
+        keep(t)
         return t.detach()
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = loss_of(model, inputs)
-    del loss
-    return sum(saved.values())
+        loss = forward()
+    todo, seen = [loss.grad_fn], set()
+    while todo:
+        node = todo.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        for name in dir(node):
+            if name.startswith("_saved_"):
+                for v in _tensors(getattr(node, name)):
+                    keep(v)
+        todo.extend(n for n, _ in node.next_functions)
+    return loss, saved
 
 
-def train_traced(build, device: str, allocators=None, steps: int = 2, autocast=None, optimizer=None):
+def _tensors(v):
+    if isinstance(v, torch.Tensor):
+        yield v
+    elif isinstance(v, (tuple, list)):
+        for x in v:
+            yield from _tensors(x)
+
+
+def saved_bytes(model, inputs, loss_of) -> int:
+    """Bytes of saved_storages."""
+    return sum(saved_storages(model, inputs, loss_of).values())
+
+
+def train_traced(
+    build, device: str, allocators=None, steps: int = 2, autocast=None, optimizer=None, hook_backwards=0
+):
     """A fresh model trained `steps` steps (AdamW, or `optimizer(params)`) under a recording started
-    before it was built (as `supermem trace` runs a script). Returns (trace, model, optimizer, inputs,
-    loss_of)."""
-    rec = Recorder(allocators).start()
+    before it was built (as `supermem trace` runs a script). hook_backwards: backwards the recording's
+    saved-tensor hook is on for (0: activations named by the phase rule alone, as after a recording's
+    first backwards; None: the whole run). Returns (trace, model, optimizer, inputs, loss_of)."""
+    rec = Recorder(allocators, activation_hook_backwards=hook_backwards).start()
     try:
         torch.manual_seed(0)
         model, batch, loss_of = build()

@@ -16,7 +16,7 @@ import numpy as np
 from ..events import CATEGORIES
 from ..units import format_bytes
 from . import breakdown
-from .owners import python_frames, stack_owners
+from .owners import python_frames, rule_note, stack_owners
 from .phases import PHASE_ACTION
 from .table import MEMORY_ACTIONS, OOM, Trace
 from .timeline import bin_sums, category_values, downsample, lifetimes, series
@@ -265,6 +265,9 @@ def _device(
 def summary_text(rep: Report) -> str:
     """A few lines for a terminal or a CI log."""
     lines = [f"{rep.source or 'trace'}: {rep.num_events} events over {_fmt_s(rep.span_s, rep.time_is_index)}"]
+    note = rule_note(rep.meta)
+    if note:
+        lines.append("  " + note)
     for d in rep.devices:
         cap = d.limit_bytes or d.total_bytes
         lines.append(

@@ -12,8 +12,10 @@ What is attributed:
   parameter, gradient, optimizer_state: tensors of the modules and optimizers passed to trace(), or
       found by a gc scan; scanned at start, at every dump, before each optimizer step (gradients) and
       after the first steps (optimizer state is created lazily).
-  activation (or what the pool says): blocks named by pool events that carry an address.
-  everything else stays "unknown": temporaries, inputs, autograd buffers and workspaces.
+  activation (or what the pool says): blocks named by pool events that carry an address, and by
+      context.py's saved-tensor hook while it is on (then owners.py names activations from the phases).
+  everything else stays "unknown" here: owners.py names temporaries, inputs and autograd buffers from
+      the phases where a recording has them.
 Not attributed: a gradient freed before the next optimizer step (e.g. accumulated into another
 buffer), and storages of tensors that are views into a block at an offset (the observation carries
 the storage's base address, which is the block's address for every storage the allocator made).
@@ -281,9 +283,10 @@ def stack_mode(table: StackTable, obs: Observations):
     return _StackMode()
 
 
-def apply(trace: Trace, rows: Iterable[Observation], context: Any = None) -> int:
+def apply(trace: Trace, rows: Iterable[Observation], context: Any = None, check: Any = None) -> int:
     """Writes observed categories, stacks and owning modules onto the trace's events and final snapshot
-    blocks, with what `context` (an owners.ContextLog) says of each block (owners.compose). Returns the
+    blocks, with what `context` (an owners.ContextLog) says of each block (owners.compose; `check`, an
+    owners.RuleCheck, adds up how its activation rule matched the saved-tensor hook). Returns the
     number of block lifetimes that got a category or a stack."""
     from . import owners
 
@@ -336,7 +339,9 @@ def apply(trace: Trace, rows: Iterable[Observation], context: Any = None) -> int
         stack = np.where((stack < 0) & (first >= 0), first, stack)
         module = {int(li): o_module[oi] for li, oi in zip(life, obs_i, strict=True) if o_module[oi]}
         if module or context is not None:  # (the latest observation's module wins, as its category)
-            cat, stack = owners.compose(trace, start_t, cat, stack, module, context)
+            cat, stack = owners.compose(
+                trace, start_t, cat, stack, module, context, end_t=end_t, size=lt.size, check=check
+            )
         changed = (cat != lt.category) | (stack != lt.stack)
         total += int(changed.sum())
         ev, evl = lt.event_index, lt.event_lifetime

@@ -50,6 +50,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--stacks", action="store_true", help="record the Python stack of each tensor (slower)")
     p.add_argument(
+        "--exact-activations",
+        action="store_true",
+        help="name activations by what autograd saves for the whole run (a saved-tensor hook: ~+20%% of a "
+        "host-bound step), not from the phases once two backwards checked them; not under a launcher",
+    )
+    p.add_argument(
         "--report", action="store_true", help="also write the HTML report and PNG beside the trace"
     )
     # dest "program": the subcommand's name is args.command (supermem's CLI prints it in errors)
@@ -81,7 +87,9 @@ def _interpreter(word: str) -> str:
     return sys.executable if word in _BARE_PYTHONS and sys.executable else word
 
 
-def child_argv(command: list[str], output: str, capacity: int, stacks: bool) -> list[str]:
+def child_argv(
+    command: list[str], output: str, capacity: int, stacks: bool, exact_activations: bool = False
+) -> list[str]:
     """The child's command line for `command` (python [-m mod | -c code | script.py] args...)."""
     if command and command[0] == "--":
         command = command[1:]
@@ -103,18 +111,27 @@ def child_argv(command: list[str], output: str, capacity: int, stacks: bool) -> 
     out = [python, "-m", "supermem.trace.run_script", "--output", output, "--capacity", str(capacity)]
     if stacks:
         out.append("--stacks")
+    if exact_activations:
+        out.append("--exact-activations")
     return [*out, "--", *rest]
 
 
 def main(args: argparse.Namespace) -> int:
     if args.capacity <= 0:
         raise UsageError(f"--capacity must be a number of events > 0, got {args.capacity}")
+    exact = getattr(args, "exact_activations", False)
     if is_launcher(args.program):
+        if exact:
+            raise UsageError(
+                "--exact-activations is not for a launcher's ranks: gloo keeps copies of process-wide "
+                "saved-tensor hooks that deadlock its teardown; their activations are named from the phases"
+            )
         return _main_launcher(args)
     if is_template(args.output):
         # One process, but {rank}/{pid} still name its file: the child fills them in.
-        return _main_template(args, child_argv(args.program, _abs(args.output), args.capacity, args.stacks))
-    argv = child_argv(args.program, str(Path(args.output).resolve()), args.capacity, args.stacks)
+        argv = child_argv(args.program, _abs(args.output), args.capacity, args.stacks, exact)
+        return _main_template(args, argv)
+    argv = child_argv(args.program, str(Path(args.output).resolve()), args.capacity, args.stacks, exact)
     # The program and every output are checked before it runs: a run of hours must not end in a lost
     # trace, and a script that is not there must not leave an empty one
     script = argv[argv.index("--") + 1]

@@ -4,21 +4,25 @@ The allocator's ring knows times, addresses and sizes only, and costs no Python 
 keeps the rest beside it as a log of changes, (time_ns, module, phase), one row per module call's
 start and end and per phase change; when a trace is built each block takes the row in force at its
 alloc (owners.py). Recording costs one deque append per module call start and end (global forward
-hooks, ~2 us a call on CPU with the module hook slow path they turn on) and one pack hook per tensor
-autograd saves (~2 us): nothing per allocation.
+hooks, ~2 us a call on CPU with the module hook slow path they turn on) and a Python call per backward:
+nothing per allocation, nothing per saved tensor once the first backwards are over.
 
 Phases are events, not guesses:
   forward   from an outermost module call (none open, not in backward or an optimizer step);
-  backward  from the first saved tensor autograd unpacks (or the first node of a model output's graph
-            that runs, where another saved-tensor hook, the pool's, hides the unpacks) to the end of
-            that backward (an engine callback, as torchtune's offloading uses);
+  backward  from the call into autograd's engine (Tensor.backward, autograd.grad: before the loss's
+            own nodes run) to its return (torch_private.watch_backward);
   optimizer from an optimizer step's pre hook to its post hook, which also ends the step;
   ""        anything else (data loading, zero_grad, model construction).
 
-What autograd saves is an activation: a saved-tensor pack hook observes its storage (the default hooks,
-innermost wins: the pool's own hooks, checkpointing's, a user's save_on_cpu, shadow this one inside
-them; the pool says what it saves through supermem.events). The pack hook returns a detached alias, not
-the tensor: a saved output returned as itself would hold its own graph (tensor -> grad_fn -> saved
+Activations are named from the phases when the trace is built (owners.py: made in a forward, freed in
+a backward begun after it). For the first `hook_backwards` backwards a saved-tensor pack hook also observes
+what autograd saves (the default hooks, innermost wins: the pool's own hooks, checkpointing's, a user's
+save_on_cpu, shadow this one inside them; the pool says what it saves through supermem.events): those
+blocks are named by it, and it is what the rule is checked against. It costs ~2 us per saved tensor and
+a Python call per unpack (+20% of a host-bound step), so it is taken off at the end of the backward that
+completes the count, where it is on top of this thread's hook stack (else at a later backward's end);
+hook_backwards None keeps it for the whole recording. The pack hook returns a detached alias, not the
+tensor: a saved output returned as itself would hold its own graph (tensor -> grad_fn -> saved
 variable -> tensor) where Python's collector cannot see it.
 
 Module paths are relative to the outermost module called (`transformer.h.3.mlp.c_fc`); the outermost
@@ -64,9 +68,13 @@ def module_paths(root: Any) -> dict[int, str]:
 class Context:
     """The log of (time_ns, module id, phase) changes and the hooks that write it. start()/stop()."""
 
-    def __init__(self, obs: Observations, capacity: int = 1 << 20, activations: bool = True):
+    def __init__(self, obs: Observations, capacity: int = 1 << 20, hook_backwards: int | None = 2):
+        """hook_backwards: backwards the saved-tensor hook stays on for (None: all; 0: never on)."""
         self.obs = obs
-        self.activations = activations
+        self.hook_backwards = hook_backwards
+        self.backwards = 0
+        self.hooked_backwards = 0  # backwards over while the hook was on: what checked the rule
+        self.hook_off_ns: int | None = None  # when the hook came off, or the start if never on (None: on)
         self.log: collections.deque[tuple[int, int, int]] = collections.deque(maxlen=capacity)
         self.phase_events: collections.deque[tuple[int, str]] = collections.deque(maxlen=capacity)
         self.paths: list[str] = []
@@ -76,7 +84,9 @@ class Context:
         self.phase = NONE
         self.steps = 0
         self._hooks: list[Any] = []
-        self._saved_hooks: Any = None
+        self._hook_thread: int | None = None  # the thread whose hook stack holds the pack hook
+        self._backward_depth = 0
+        self._stop_watch: Any = None
         self._compiling: Any = None
 
     # ---------------------------------------------------------------- lifecycle
@@ -86,28 +96,48 @@ class Context:
         from torch.nn.modules import module as nn_module
         from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
+        from .. import torch_private as tp
+
         self._compiling = torch.compiler.is_compiling
         self._hooks = [
             nn_module.register_module_forward_pre_hook(self._pre),
-            nn_module.register_module_forward_hook(self._post, always_call=True),
+            nn_module.register_module_forward_hook(self._post, with_kwargs=True, always_call=True),
             register_optimizer_step_pre_hook(self._optimizer_begins),
             register_optimizer_step_post_hook(self._optimizer_ends),
         ]
-        if self.activations:
-            self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-            self._saved_hooks.__enter__()
+        self._stop_watch = tp.watch_backward(self._backward_begins, self._backward_ends)
+        if self.hook_backwards != 0:
+            tp.push_saved_hooks(self._pack, self._unpack)
+            self._hook_thread = threading.get_ident()
+        else:
+            self.hook_off_ns = time.monotonic_ns()
         return self
 
     def stop(self) -> None:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
-        if self._saved_hooks is not None:
-            try:
-                self._saved_hooks.__exit__(None, None, None)
-            except RuntimeError:  # not on top of this thread's stack (a hook pushed and never popped)
-                pass
-            self._saved_hooks = None
+        if self._stop_watch is not None:
+            self._stop_watch()
+            self._stop_watch = None
+        if self._hook_thread is not None and not self._remove_hook():
+            # Not on top of the stack (a hook pushed and never popped above it, or another thread):
+            # popping would take someone else's off. It stays, and observes into a log no one reads.
+            self._hook_thread = None
+
+    def _remove_hook(self) -> bool:
+        """Takes the pack hook off where it is on top of this thread's stack. True if it did."""
+        from .. import torch_private as tp
+
+        if self._hook_thread != threading.get_ident():
+            return False
+        top = tp.saved_hooks_in_force()
+        if top is None or top[0] != self._pack:  # (no getter in this PyTorch: it stays, to be safe)
+            return False
+        tp.pop_saved_hooks()
+        self._hook_thread = None
+        self.hook_off_ns = time.monotonic_ns()
+        return True
 
     # ---------------------------------------------------------------- the log
 
@@ -119,10 +149,11 @@ class Context:
         return i
 
     def _stack(self) -> list[int]:
-        s = getattr(self._local, "stack", None)
-        if s is None:
+        try:
+            return self._local.stack
+        except AttributeError:  # this thread's first module call
             s = self._local.stack = []
-        return s
+            return s
 
     def _set_phase(self, phase: int, now: int, detail: str = "") -> None:
         self.phase = phase
@@ -151,29 +182,32 @@ class Context:
         if self._compiling():  # dynamo traces the hook: record nothing, break no graph
             return
         s = self._stack()
-        pid = self._name(module, s[-1] if s else -1)
+        pid = self._module_path.get(id(module))
+        if pid is None:
+            pid = self._name(module, s[-1] if s else -1)
         now = time.monotonic_ns()
         if not s and self.phase in (NONE, FORWARD):
             if self.phase != FORWARD:
                 self._set_phase(FORWARD, now)
-            for t in tensors_in(args):  # the batch (a keyword argument's: owners.py, from its save)
+            for t in tensors_in(args):  # the batch (a keyword argument's: _post)
                 if not t.requires_grad:
                     self.obs.add_tensor(t, "input", now)
         s.append(pid)
         self.log.append((now, pid, self.phase))
 
-    def _post(self, module: Any, args: tuple, output: Any) -> None:
+    def _post(self, module: Any, args: tuple, kwargs: dict, output: Any) -> None:
         if self._compiling():
             return
         s = self._stack()
         if not s:
             return
         s.pop()
-        self.log.append((time.monotonic_ns(), s[-1] if s else -1, self.phase))
-        if not s and self.phase == FORWARD:
-            for t in tensors_in(output):
-                if t.grad_fn is not None:  # where another hook hides the unpacks: backward reaches it
-                    t.grad_fn.register_prehook(self._node_runs)
+        now = time.monotonic_ns()
+        self.log.append((now, s[-1] if s else -1, self.phase))
+        if not s and self.phase == FORWARD and kwargs:
+            for t in tensors_in(kwargs):  # the batch given by keyword (HF's input_ids=, labels=)
+                if not t.requires_grad:
+                    self.obs.add_tensor(t, "input", now)
 
     def _pack(self, t: Any) -> Any:
         # A parameter (a leaf that needs grad) is saved too; the batch is, and owners.py calls a save
@@ -188,26 +222,23 @@ class Context:
         return t.detach()
 
     def _unpack(self, t: Any) -> Any:
-        if self.phase != BACKWARD:
-            self._backward_begins()
         return t
 
-    def _node_runs(self, grad_outputs: Any) -> None:
-        if self.phase != BACKWARD:
-            self._backward_begins()
-
     def _backward_begins(self) -> None:
-        from .. import torch_private as tp
-
-        try:  # raises outside a backward (a saved tensor read by hand)
-            tp.execution_engine.queue_callback(self._backward_ends)
-        except RuntimeError:
-            return
-        self._set_phase(BACKWARD, time.monotonic_ns())
+        self._backward_depth += 1
+        if self._backward_depth == 1 and self.phase != BACKWARD:
+            self._set_phase(BACKWARD, time.monotonic_ns())
 
     def _backward_ends(self) -> None:
-        if self.phase == BACKWARD:
-            self._set_phase(NONE, time.monotonic_ns(), "backward end")
+        self._backward_depth = max(0, self._backward_depth - 1)
+        if self._backward_depth or self.phase != BACKWARD:
+            return
+        self._set_phase(NONE, time.monotonic_ns(), "backward end")
+        self.backwards += 1
+        if self._hook_thread is not None:
+            self.hooked_backwards += 1
+            if self.hook_backwards is not None and self.backwards >= self.hook_backwards:
+                self._remove_hook()
 
     def _optimizer_begins(self, *_: Any) -> None:
         self._set_phase(OPTIMIZER, time.monotonic_ns())

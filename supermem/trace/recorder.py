@@ -32,6 +32,9 @@ from .phases import PHASE_ACTION
 from .table import ALLOCATOR_ACTIONS, Trace, concat_columns, empty_columns
 
 DEFAULT_CAPACITY_EVENTS = 1_000_000
+# The saved-tensor hook checks the activation rule over a recording's first backwards, then comes off
+# (context.py): two, so that a step after the optimizer made its state is among them.
+ACTIVATION_HOOK_BACKWARDS = 2
 
 _active: Recorder | None = None
 _lock = threading.Lock()
@@ -161,11 +164,12 @@ class Recorder:
         path: str | os.PathLike | None = None,
         report: bool = False,
         context: bool = True,
-        activations: bool = True,
+        activation_hook_backwards: int | None = ACTIVATION_HOOK_BACKWARDS,
     ):
         """See supermem.trace.record. `path`/`report`: what leaving a `with` block writes.
-        context: record each block's module and phase (context.py); activations: and tag what autograd
-        saves (a saved-tensor hook under every other)."""
+        context: record each block's module and phase (context.py), which name activations;
+        activation_hook_backwards: backwards a saved-tensor hook also observes what autograd saves, to
+        name those exactly and check the rule (None: the whole recording; 0: never)."""
         if capacity_events <= 0:
             raise UsageError(f"capacity_events must be > 0, got {capacity_events}")
         self.capacity_events = capacity_events
@@ -174,7 +178,7 @@ class Recorder:
         self.pool_events: collections.deque[events.Event] = collections.deque(maxlen=capacity_events)
         self.obs = attribution.Observations()
         self.scanner = attribution.ModelScanner(self.obs, _as_list(model), _as_list(optimizer), find_models)
-        self.context = ctx.Context(self.obs, capacity_events, activations=activations) if context else None
+        self.context = ctx.Context(self.obs, capacity_events, activation_hook_backwards) if context else None
         self.stack_table = attribution.StackTable() if stacks else None
         self._stack_mode: Any = None
         self._lock = threading.RLock()
@@ -309,7 +313,7 @@ class Recorder:
             context = None
             if self.context is not None:
                 log, paths, phases = self.context.snapshot()
-                context = owners.ContextLog(log, paths)
+                context = owners.ContextLog(log, paths, self.context.hook_off_ns)
                 parts.append(_phase_columns(trace, phases, parts))
             trace.cols = concat_columns(parts)
             trace.sort()
@@ -320,8 +324,14 @@ class Recorder:
                 trace.frames = list(self.stack_table.frames)
                 trace.stacks = list(self.stack_table.stacks)
             self.scanner.scan()  # what is live now: parameters, gradients, optimizer state
-            attributed = attribution.apply(trace, self.obs.rows, context)
+            check = owners.RuleCheck()
+            attributed = attribution.apply(trace, self.obs.rows, context, check)
             trace.meta = self._meta(attributed)
+            if context is not None:
+                trace.meta["activation_rule"] = {
+                    **check.meta(context),
+                    "hook_backwards": self.context.hooked_backwards,
+                }
             trace.meta["link_bytes_per_s"] = self._link_rates()
             return trace
 

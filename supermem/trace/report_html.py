@@ -20,6 +20,7 @@ from . import treemap
 from .analysis import DeviceReport, Report, analyze, summary_text
 from .breakdown import PHASE_COLORS
 from .output import check_output, write_bytes
+from .owners import rule_note
 from .svg_plot import RESERVED_COLOR, TOP, H, Plot, attr, color_of, css_token
 from .table import Trace
 
@@ -317,8 +318,9 @@ def _at(rep: Report, t: float | None) -> str:
     return f" at {t:.6f} s"
 
 
-def _owners_section(d: DeviceReport) -> str:
-    """Who holds the peak: category x module, largest first, a treemap of the same, coverage."""
+def _owners_section(d: DeviceReport, note: str = "") -> str:
+    """Who holds the peak: category x module, largest first, a treemap of the same, coverage; `note`:
+    how activations were named (owners.rule_note)."""
     if not d.peak_owners:
         return ""
     total = d.peak_bytes or 1
@@ -326,7 +328,9 @@ def _owners_section(d: DeviceReport) -> str:
     parts = [
         "<h3>Who holds the peak (category x module)</h3>",
         f'<p class=meta id="coverage-{d.device}">{cov["categorised"]:.1%} of the peak in a named category; '
-        f"{cov['activation_with_module']:.1%} of its activations attributed to a module</p>",
+        f"{cov['activation_with_module']:.1%} of its activations attributed to a module"
+        + (f"; {html.escape(note)}" if note else "")
+        + "</p>",
         treemap.svg(d.peak_owners, d.peak_bytes, f"the peak by category and module on device {d.device}"),
         f'<table class="owners" id="owners-{d.device}"><thead><tr><th>category</th><th>module</th>'
         "<th class=num>bytes</th><th class=num>share</th><th class=num>blocks</th></tr></thead><tbody>",
@@ -405,7 +409,7 @@ def _what_if_section(w: Any) -> str:
 
 
 def _peak_tables(rep: Report, d: DeviceReport) -> str:
-    parts = [_owners_section(d), "<h3>Live at the peak</h3>"]
+    parts = [_owners_section(d, rule_note(rep.meta)), "<h3>Live at the peak</h3>"]
     if d.peak_by_category:
         parts.append(
             "<table class=peak-categories><thead><tr><th>category</th><th class=num>bytes</th>"

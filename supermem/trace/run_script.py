@@ -1,5 +1,6 @@
 """The child of `supermem trace`: `python -m supermem.trace.run_script --output F [--capacity N]
-[--stacks] -- (script.py | -m module | -c code) args...`. Records while the program runs as __main__."""
+[--stacks] [--exact-activations] -- (script.py | -m module | -c code) args...`. Records while the
+program runs as __main__."""
 
 from __future__ import annotations
 
@@ -23,13 +24,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output", required=True)
     p.add_argument("--capacity", type=int, default=recorder.DEFAULT_CAPACITY_EVENTS)
     p.add_argument("--stacks", action="store_true")
+    p.add_argument("--exact-activations", action="store_true")
     opts = p.parse_args(argv[:cut])
     program = argv[cut + 1 :]
     install = getattr(supermem, "install", None)  # the allocator swap, where this supermem has it
     if install is not None:
         install()
     try:
-        rec = recorder.Recorder(capacity_events=opts.capacity, stacks=opts.stacks).start()
+        hook = None if opts.exact_activations else recorder.ACTIVATION_HOOK_BACKWARDS
+        rec = recorder.Recorder(
+            capacity_events=opts.capacity, stacks=opts.stacks, activation_hook_backwards=hook
+        ).start()
     except (ValueError, MemoryError, OSError) as e:  # e.g. a ring of that capacity does not fit
         print(f"supermem trace: error: cannot start the recording: {e}", file=sys.stderr)
         return 2
@@ -92,7 +97,8 @@ def start_from_env(install: bool = True) -> bool:
     try:
         # No saved-tensor hook of its own in a launcher's rank: gloo keeps copies of process-wide hooks
         # that deadlock its teardown unless drained (process_hooks.py does so for the pool's only).
-        rec = recorder.Recorder(capacity_events=capacity, stacks=stacks, activations=False).start()
+        # Activations are named from the phases alone (owners.py), unchecked.
+        rec = recorder.Recorder(capacity_events=capacity, stacks=stacks, activation_hook_backwards=0).start()
     except (ValueError, MemoryError, OSError) as e:
         print(f"supermem trace: error: cannot start the recording: {e}", file=sys.stderr)
         return False

@@ -85,6 +85,7 @@ def test_child_argv_forms():
         "-x",
     ]
     assert child_argv(["t.py"], "o", 10, True) == [py, *base, "--stacks", "--", "t.py"]
+    assert child_argv(["t.py"], "o", 10, False, True) == [py, *base, "--exact-activations", "--", "t.py"]
     assert child_argv(["python", "-m", "pkg.train", "a"], "o", 10, False)[-4:] == [
         "--",
         "-m",
@@ -100,6 +101,45 @@ def test_child_argv_forms():
             child_argv(bad, "o", 10, False)
     assert child_argv(["/opt/py/bin/python3", "t.py"], "o", 10, False)[0] == "/opt/py/bin/python3"
     assert child_argv(["python3.99", "t.py"], "o", 10, False)[0] == "python3.99"
+
+
+def test_exact_activations_keeps_the_hook_in_the_child_and_is_refused_under_a_launcher(tmp_path, capsys):
+    """The child's recording keeps its saved-tensor hook for the whole run (it comes off after two
+    backwards otherwise); a launcher's ranks push none, so the flag cannot hold there."""
+    out = tmp_path / "x.smtrace"
+    code = (
+        "from supermem.trace import recorder; rec = recorder.active(); "
+        "assert rec.context.hook_backwards is None, rec.context.hook_backwards"
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "supermem",
+        "trace",
+        "--exact-activations",
+        "-o",
+        str(out),
+        "--",
+        "python",
+        "-c",
+    ]
+    r = subprocess.run([*cmd, code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert (
+        cli.main(
+            [
+                "trace",
+                "--exact-activations",
+                "-o",
+                str(tmp_path / "r-{rank}.smtrace"),
+                "--",
+                "torchrun",
+                "t.py",
+            ]
+        )
+        != 0
+    )
+    assert "not for a launcher" in capsys.readouterr().err
 
 
 def test_bare_python_is_supermems_interpreter_not_paths(tmp_path):
