@@ -106,7 +106,7 @@ def watch_backward(begins: Callable[[], None], ends: Callable[[], None]) -> Call
     ends() when it is over (every saved tensor it released is freed), on the thread that started it;
     nested backwards (a reentrant checkpoint's) call both too. Returns the function that stops it. A
     watch someone else wrapped since is switched off in place, never unwrapped from under them."""
-    variable = torch.autograd.Variable
+    variable: Any = torch.autograd.Variable  # (its engine attribute is typed as the C++ engine alone)
     watch = _BackwardWatch(variable._execution_engine, begins, ends)
     variable._execution_engine = watch
 

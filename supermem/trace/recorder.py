@@ -327,7 +327,7 @@ class Recorder:
             check = owners.RuleCheck()
             attributed = attribution.apply(trace, self.obs.rows, context, check)
             trace.meta = self._meta(attributed)
-            if context is not None:
+            if context is not None and self.context is not None:
                 trace.meta["activation_rule"] = {
                     **check.meta(context),
                     "hook_backwards": self.context.hooked_backwards,
