@@ -211,9 +211,9 @@ def main() -> None:
         profiled(lambda: step(), cuda, host=False)
     spy()
     if os.environ.get("INTERFERENCE"):  # what a copy beside compute costs it, as a share of the copy
-        from supermem.tensor_pool import planner
+        from supermem import costs
 
-        planner.COPY_INTERFERENCE = float(os.environ["INTERFERENCE"])
+        costs.COPY_INTERFERENCE = float(os.environ["INTERFERENCE"])  # (what the planner reads)
     if os.environ.get("HOOKS"):
         time_hooks()
         for _ in range(3):
