@@ -53,3 +53,31 @@ def test_a_third_party_model_trains_bitwise_within_the_budget_under_every_policy
         stats = pool.stats()
         peak, floor = stats["peak_resident_bytes"], stats["largest_entry_bytes"]
         assert peak <= budget * SLACK[policy] + floor, f"{where}: peak {peak} over the budget {budget}"
+
+
+# Under bf16 autocast, `planned` trains BERT and BART 1 ulp off plain PyTorch from the first planned
+# step (CPU, tiny), and both are bitwise with autocast's cast cache off. The likely way: autocast casts
+# a weight once per region and its uses share that cast's node, so plain autograd adds their bf16
+# gradients there before the one cast back; a call the plan rebuilds casts the weight again, and its
+# gradient reaches the fp32 parameter apart. Open: issue 37.
+AUTOCAST_OFF = {("bert", "planned"), ("bart", "planned")}
+
+
+@pytest.mark.parametrize("policy", live_names())
+@pytest.mark.parametrize("name", HF_CASES)
+def test_a_third_party_model_trains_bitwise_under_bf16_autocast(name, policy, request):
+    if (name, policy) in AUTOCAST_OFF:  # runs, and must fail until fixed (strict)
+        reason = "a rebuilt call casts a weight autocast had cached for its other uses (issue 37)"
+        request.applymarker(pytest.mark.xfail(strict=True, reason=reason))
+    ref = build_and_train(name, "tiny", autocast=torch.bfloat16)
+    again = build_and_train(name, "tiny", autocast=torch.bfloat16)
+    assert _same(ref, again), f"{name} is not deterministic natively under bf16 autocast"
+    probe = Pool(policy="lru", min_bytes=0)
+    build_and_train(name, "tiny", probe, steps=2, autocast=torch.bfloat16)
+    budget = int(0.6 * probe.stats()["peak_resident_bytes"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = build_and_train(
+            name, "tiny", Pool(budget=budget, policy=policy, min_bytes=0), autocast=torch.bfloat16
+        )
+    assert _same(got, ref), f"{name} under {policy} at 60% with bf16 autocast: training differs from plain"
