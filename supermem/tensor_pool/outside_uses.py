@@ -116,16 +116,24 @@ class OutsideUses:
         if uses is not None and any(n > 1 for n in uses):
             self.pending[id(module)] = (module, uses, [])
 
-    def note(self, module: torch.nn.Module, inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> None:
+    def note(
+        self,
+        module: torch.nn.Module,
+        inputs: list[torch.Tensor],
+        outputs: list[torch.Tensor],
+        readers: list | None = None,
+    ) -> None:
         """A captured call of a module verified this step: its inputs used more than once in it are
-        probed (a call after the verified one is walked for its uses first: consumers)."""
+        probed. `readers`: the call's uses (consumers) where the caller just walked them (the verified
+        call); a later call is walked here."""
         got = self.pending.get(id(module))
         if got is None or self.walked:
             return
         _, uses, calls = got
         if calls is None:
             return
-        readers = consumers(inputs, outputs) if len(inputs) == len(uses) else None
+        if readers is None and len(inputs) == len(uses):
+            readers = consumers(inputs, outputs)
         if readers is None or tuple(len(r) for r in readers) != uses:
             self.missed(module)
             return

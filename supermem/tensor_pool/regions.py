@@ -383,6 +383,7 @@ class Regions:
         call = region.args  # (as the call got them: finish() packs them)
         if pool is not None and region.finish(pool):
             verified = (id(module), self._kind[id(module)]) in self._verified
+            readers = None  # the call's uses, where its verification walks them
             if module in self.refused:
                 region.unready()
             elif not verified or timed:
@@ -395,10 +396,10 @@ class Regions:
                         region.unready()
                         self.refuse(module, why)
                     elif not verified and self.uses.get(module, ()) is not None:  # (unknown stays)
-                        uses = consumers(_tensors(call), _tensors(output))
-                        self.uses[module] = None if uses is None else tuple(len(u) for u in uses)
+                        readers = consumers(_tensors(call), _tensors(output))
+                        self.uses[module] = None if readers is None else tuple(len(u) for u in readers)
                         self.outside_uses.verified(module, self.uses[module])
-            self.outside_uses.note(module, _tensors(call), _tensors(output))
+            self.outside_uses.note(module, _tensors(call), _tensors(output), readers)
             if self.uses.get(module, ()) is None and pool.plans.rec is not None and pool.plans.rec.full:
                 pool.plans.rec.no_light.add(region.start)
             pool._region_done(region, _tensors(output))
