@@ -206,7 +206,7 @@ class _LightFn(torch.autograd.Function):
                 if light.alive is not None:
                     light.alive.through(None)
                 return (None, None, None, None, got[0] if x.requires_grad else None, *got[1:])
-        inputs = [x if create else x.detach().requires_grad_(x.requires_grad) for x in ctx.saved_tensors]
+        inputs = [x if create else _fresh(x) for x in ctx.saved_tensors]
         outputs = light.again(inputs)
         pairs = [(o, g) for o, g in zip(outputs, grads) if g is not None and o.requires_grad]
         # each tensor once (under create_graph an input passed twice, or a parameter passed as an
@@ -236,6 +236,20 @@ class _LightFn(torch.autograd.Function):
                 tracker.split_misses += 1  # (summed: the rounding may differ from plain; stats())
         extra = [None] * len(light.extra)
         return (None, None, None, None, *(got.pop(id(x), None) for x in (*inputs, *ctx.params)), *extra)
+
+
+def _fresh(x: torch.Tensor) -> torch.Tensor:
+    """`x` again, its own graph's input: detached, with the requires_grad it had, and where it needs
+    grad a view of that leaf. A float leaf that needs grad is what autocast caches a cast of (as it does
+    a weight's): the call's uses would share one cast and add their gradients in the low precision
+    before it, where the call itself (on an input made by the step, not a leaf) cast at each use and
+    added the float gradients after (a BERT layer's q, k, v under bf16 autocast: its input gradient off
+    plain at rounding level). A view is not cached; its backward hands the gradient on as it is."""
+    leaf = x.detach().requires_grad_(x.requires_grad)
+    if not x.requires_grad:
+        return leaf
+    with torch.enable_grad():  # (a backward runs with grad off: a view made there is a leaf of its own)
+        return leaf.view_as(leaf)
 
 
 class _PerUse:

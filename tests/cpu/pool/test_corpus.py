@@ -55,21 +55,14 @@ def test_a_third_party_model_trains_bitwise_within_the_budget_under_every_policy
         assert peak <= budget * SLACK[policy] + floor, f"{where}: peak {peak} over the budget {budget}"
 
 
-# Under bf16 autocast, `planned` trains BERT and BART off plain PyTorch, at rounding level (losses
-# equal over 3 steps), from the first planned step (CPU, tiny), and Llama too under a loaded CI run
-# (the plan, timed, runs other calls light); all are bitwise with autocast's cast cache off (autocast
-# casts each weight once per region, its uses sharing that cast's node; a call the plan rebuilds casts
-# it again). In BERT the first layer's and the embeddings' gradients differ, the last layer's do not.
-# Open: issue 37. Until then `planned` runs here as an expected failure that may pass (its plan varies);
-# lru and cost_aware must be bitwise.
+# Under bf16 autocast a light call's replay must not hand autocast a float leaf that needs grad: its
+# cast would be cached and shared by the call's uses (light.py, _fresh). BERT and BART trained off
+# plain at rounding level under `planned` before.
 
 
 @pytest.mark.parametrize("policy", live_names())
 @pytest.mark.parametrize("name", HF_CASES)
-def test_a_third_party_model_trains_bitwise_under_bf16_autocast(name, policy, request):
-    if policy == "planned":
-        reason = "off plain at rounding level under autocast's cast cache, by the plan (issue 37)"
-        request.applymarker(pytest.mark.xfail(strict=False, reason=reason))
+def test_a_third_party_model_trains_bitwise_under_bf16_autocast(name, policy):
     ref = build_and_train(name, "tiny", autocast=torch.bfloat16)
     again = build_and_train(name, "tiny", autocast=torch.bfloat16)
     assert _same(ref, again), f"{name} is not deterministic natively under bf16 autocast"

@@ -560,18 +560,25 @@ class _Block(nn.Module):
             self.f = nn.Sequential(nn.Linear(d, 4 * d), nn.BatchNorm1d(4 * d), nn.Tanh(), nn.Linear(4 * d, d))
         else:
             self.f = nn.Sequential(nn.Linear(d, 4 * d), nn.Tanh(), nn.Linear(4 * d, d))
+        # the input read by three layers, as attention's q, k and v read theirs: under autocast each
+        # use casts it and their float gradients add after the casts
+        self.qkv = nn.ModuleList(nn.Linear(d, d) for _ in range(3)) if kind == "shared" else None
 
     def forward(self, x):
+        if self.qkv is not None:
+            q, k, v = (f(x) for f in self.qkv)
+            return x + self.f(q * k.tanh() + v)
         return x + self.f(x)
 
 
-@pytest.mark.parametrize("kind", ["plain", "dropout", "batchnorm"])
+@pytest.mark.parametrize("kind", ["plain", "dropout", "batchnorm", "shared"])
 @pytest.mark.parametrize("autocast", [False, True])
 def test_a_plan_runs_the_blocks_it_replays_under_checkpoint_bitwise(kind, autocast):
     """Plan.light: a block call the plan replays whole runs with grad off (autograd saves nothing in
     it, the pool makes no entry), its node calling it again in backward. Dropout's RNG, autocast and
     BatchNorm's statistics (put back after the rebuild) stay bitwise plain PyTorch's, and the step
-    stays under budget."""
+    stays under budget. An input three layers read under bf16 autocast gets its gradient as plain
+    does: autocast caches no cast of it in the rebuild (a float leaf that needs grad, it would)."""
     from supermem.tensor_pool.treatments import Recompute
 
     build = lambda: nn.Sequential(*[_Block(kind) for _ in range(6)])  # noqa: E731
