@@ -275,13 +275,16 @@ except torch.OutOfMemoryError as e:
 """,
         env={
             "SUPERMEM": "1",
-            "PYTORCH_CUDA_ALLOC_CONF": "per_process_memory_fraction:0.25,expandable_segments:True",
+            "PYTORCH_CUDA_ALLOC_CONF": (
+                "per_process_memory_fraction:0.25,expandable_segments:True,max_split_size_mb:64"
+            ),
         },
     )
     assert r.json() == {"raised": "OutOfMemoryError"}, r.describe()
     said = [line for line in r.stderr.splitlines() if "PYTORCH_CUDA_ALLOC_CONF" in line]
-    assert len(said) == 1 and "ignored: expandable_segments" in said[0], r.describe()
+    assert len(said) == 1 and "ignored: max_split_size_mb" in said[0], r.describe()
     assert "per_process_memory_fraction:0.25 as limit:0.25" in said[0], r.describe()
+    assert "expandable_segments:True as expandable_segments:True" in said[0], r.describe()
 
 
 def test_clean_exit_with_live_tensors_graphs_and_streams():
