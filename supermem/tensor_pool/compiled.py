@@ -15,7 +15,8 @@ compiled), recomputing the rest inside the compiled backward.
 Under a budget the pool measures each step that compiled graphs saved in (from the first save to the
 end of its backward, autograd's queue_callback): their saved bytes (parameters and leaf inputs left
 out: alive anyway) and the step's peak (on CUDA, the allocator's watermark with supermem's allocator,
-else the bytes allocated when the compiled backward begins; on CPU, the graphs' bytes plus the most
+else PyTorch's peak counter, reset at the step's first save while the pool plans, or, once a step
+fits, the bytes allocated when the compiled backward begins; on CPU, the graphs' bytes plus the most
 the pool itself held). Over the budget, it cuts the excess, and a margin, from the graphs' bytes: the
 share that saves that many (next_share: proportional at first, then along the line through the last
 two measures), applied while the pool's context is entered, and the cache entries of the graphs that
@@ -117,6 +118,8 @@ class CompiledGraphs:
         self.recompiles = 0
         self.last_step_bytes = 0  # the graphs' saved bytes (activations) in the last measured step
         self.last_peak_bytes = 0  # and its peak as the pool measured it
+        self._fits = False  # the last measured step was within the budget: planning is over
+        self._counting = False  # PyTorch's peak counter was reset at this step's first save (_count_peak)
         self._step_bytes = 0
         self._codes_in_step: dict[Any, int] = {}  # dynamo's code of each graph saved in the step: bytes
         self._code_of: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # CompiledFunction -> code
@@ -150,8 +153,11 @@ class CompiledGraphs:
             self.kept_bytes += nbytes
             if self._backward and not replay:  # a save after the last backward began, which never ended
                 self._backward = False
+                self._counting = False
                 self._step_bytes = 0
                 self._codes_in_step.clear()
+            if not (self._counting or self._fits or replay):
+                self._count_peak()
             if not alive_anyway(t) and not replay:
                 self._step_bytes += nbytes
                 self._codes_in_step[code] = self._codes_in_step.get(code, 0) + nbytes
@@ -163,6 +169,23 @@ class CompiledGraphs:
         return True
 
     # ------------------------------------------------------------------ the step's events
+
+    def _count_peak(self) -> None:
+        """Caller holds the lock. With PyTorch's allocator, while the pool plans (over the budget or not
+        yet measured; not said unfit), PyTorch's peak counter is reset at the step's first compiled save
+        and read at its backward's end: the bytes allocated when the compiled backward begins miss what
+        that backward allocates itself (its gradients, what the partitioner has it recompute), more the
+        lower the share. An 8-layer MLP on an H200 at share 0.51: about 0.94 GiB there, so the pool
+        stopped, while the step peaked at 1.14 GiB over a budget of 1.0. The counter is the user's:
+        reset only in the steps planned (MAX_RECOMPILES + 1 at most, in the common case), not once
+        one fits."""
+        pool = self._pool()
+        if pool is None or not pool.cuda or pool.budget_bytes is None or self._fits or self._said_unfit:
+            return
+        if pool.budget.allocator() is not None:  # supermem's watermark counts the whole step already
+            return
+        torch.cuda.reset_peak_memory_stats(pool.device)
+        self._counting = True
 
     def unpacked(self) -> None:
         """A compiled graph's saved tensor was unpacked: at the step's first, its compiled backward began
@@ -201,14 +224,18 @@ class CompiledGraphs:
     def _peak(self, pool: Any, graph_bytes: int) -> int:
         """The step's peak as the budget counts it: on CPU the graphs' saved bytes and the most the pool
         held; on CUDA the allocator's watermark (supermem's: read and kept for the budget's own margin),
-        or with PyTorch's allocator the bytes allocated when the compiled backward began (its peak
-        counter is the user's: not reset here)."""
+        or with PyTorch's allocator its peak counter where _count_peak reset it, and at least the
+        bytes allocated when the compiled backward began."""
         budget = pool.budget
         if not pool.cuda:
             return graph_bytes + budget.seen_peak
         alloc = budget.allocator()
         if alloc is None:
-            return max(self._backward_bytes, budget.seen_peak)
+            peak = max(self._backward_bytes, budget.seen_peak)
+            if self._counting:
+                self._counting = False
+                peak = max(peak, torch.cuda.max_memory_allocated(pool.device))
+            return peak
         high = alloc.take_watermark()
         budget.inside_peak = max(budget.inside_peak, high)
         return max(high, self._backward_bytes)
@@ -221,7 +248,8 @@ class CompiledGraphs:
         share = self.share if self.share is not None else tp.compile_memory_budget()
         self.measures.append((share, graph_bytes))
         excess = peak - pool.budget_bytes
-        if excess <= 0:
+        self._fits = excess <= 0
+        if self._fits:
             return
         del self.measures[:-8]
         before = self.measures[-2] if len(self.measures) > 1 else None
