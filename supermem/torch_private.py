@@ -185,6 +185,29 @@ def in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+_compiles = [0]  # compiles begun since compiles() was first asked
+
+
+def _compile_started(_args: Any) -> None:
+    _compiles[0] += 1
+
+
+def compiles() -> int | None:
+    """How many compiles began in this process since the first call: dynamo's of a frame and
+    AOTAutograd's lazy one of a backward at its first run (torch/_dynamo/callback.py's start callbacks;
+    both fire them). None where this torch has no such callbacks. torch._dynamo.reset() drops the
+    callbacks: found gone, it is put back and counted as a compile (one may have begun unseen). A step
+    in which one ran had the compiler allocate on the device (a backward is compiled inside it)."""
+    try:
+        from torch._dynamo.callback import callback_handler
+    except ImportError:
+        return None
+    if _compile_started not in callback_handler.start_callbacks:
+        callback_handler.register_start_callback(_compile_started)
+        _compiles[0] += 1
+    return _compiles[0]
+
+
 def dynamo_code_calling(frame: Any, depth: int = 64) -> Any:
     """The code dynamo made of a compiled frame (its cache entry's code: it calls the compiled graph)
     running in `frame` or one of its `depth` callers; None where none is (a graph run by

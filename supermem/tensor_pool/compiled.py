@@ -17,7 +17,8 @@ end of its backward, autograd's queue_callback): their saved bytes (parameters a
 out: alive anyway) and the step's peak (on CUDA, the allocator's watermark with supermem's allocator,
 else PyTorch's peak counter, reset at the step's first save while the pool plans, or, once a step
 fits, the bytes allocated when the compiled backward begins; on CPU, the graphs' bytes plus the most
-the pool itself held). Over the budget, it cuts the excess, and a margin, from the graphs' bytes: the
+the pool itself held; on CUDA a step in which the compiler ran is not measured: it allocated there
+too). Over the budget, it cuts the excess, and a margin, from the graphs' bytes: the
 share that saves that many (next_share: proportional at first, then along the line through the last
 two measures), applied while the pool's context is entered, and the cache entries of the graphs that
 saved in the step dropped, so that they compile again under it at their next call inside the pool
@@ -120,6 +121,7 @@ class CompiledGraphs:
         self.last_peak_bytes = 0  # and its peak as the pool measured it
         self._fits = False  # the last measured step was within the budget: planning is over
         self._counting = False  # PyTorch's peak counter was reset at this step's first save (_count_peak)
+        self._compiles: int | None = -1  # tp.compiles() at the last step's end (-1: none yet, measured)
         self._step_bytes = 0
         self._codes_in_step: dict[Any, int] = {}  # dynamo's code of each graph saved in the step: bytes
         self._code_of: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # CompiledFunction -> code
@@ -217,6 +219,9 @@ class CompiledGraphs:
             self._step_bytes = 0
             self._codes_in_step.clear()
             peak = self._peak(pool, graph_bytes)
+            compiles, self._compiles = self._compiles, tp.compiles()
+            if pool.cuda and compiles != self._compiles:  # (the first step too: compiled here or before)
+                return  # the compiler allocated on the device in this step (the lazy backward's autotuning)
             self.last_step_bytes, self.last_peak_bytes = graph_bytes, peak
             if graph_bytes:
                 self._plan(pool, graph_bytes, peak, codes)
