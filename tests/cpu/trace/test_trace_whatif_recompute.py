@@ -186,3 +186,34 @@ def test_the_what_if_plans_the_step_as_a_live_pool_at_that_budget(trace):
     assert abs(plan.predicted_peak_bytes - ran.predicted_peak_bytes) <= 0.05 * ran.predicted_peak_bytes
     measured = pool.stats()["plan"]["measured_peak_bytes"]
     assert measured <= plan.predicted_peak_bytes <= budget
+
+
+def _small_resnet(size):
+    from small_models import ResNet
+
+    def batch(g):
+        return torch.randn(4, 3, 16, 16, generator=g), torch.randint(0, 10, (4,), generator=g)
+
+    return ResNet(8, 4), batch, lambda m, x: nn.functional.cross_entropy(m(x[0]), x[1])
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama", "resnet"])
+def test_the_calls_a_trace_replays_are_the_live_pools_regions(name):
+    """The live pool's regions on these models are not their blocks everywhere: a Hugging Face decoder
+    layer (and its attention) is given the KV cache its training forward builds, so the pool replays its
+    norms and MLP; an embedding's output is saved by the first layer, no save of the embedding's call.
+    The trace's units are the same calls."""
+    from corpus import CASES
+
+    build = _small_resnet if name == "resnet" else CASES[name]
+    made = step_profile(train_traced(lambda: build("tiny"), "cpu", [ProfiledCPU()], steps=3)[0], 0)
+    traced = {x.module for x in made.unit_calls.values()}
+    torch.manual_seed(0)
+    model, batch, loss_of = build("tiny")
+    x = batch(torch.Generator().manual_seed(1))
+    pool = Pool(budget=1 << 20, policy="planned")
+    with pool:
+        loss_of(model, x).backward()
+    paths = {id(m): path or type(m).__name__ for path, m in model.named_modules()}
+    live = {paths[id(m)] for m in pool.regions.modules}
+    assert traced == live and len(live) > 3
