@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch.nn.modules import module as _nn
@@ -72,13 +73,27 @@ class _Call:
                 parent.own_bytes += n
 
 
-def choose_regions(roots: list[_Call], refused: Any = None) -> set[torch.nn.Module]:
+class CallTree(Protocol):
+    """What choose_regions reads of a call: a profiling step's _Call, or a trace's (trace/step_profile.py,
+    whose module is the call's path)."""
+
+    @property
+    def module(self) -> Any: ...
+    @property
+    def own_bytes(self) -> int: ...
+    @property
+    def held(self) -> str | None: ...
+    @property
+    def children(self) -> Sequence[CallTree]: ...
+
+
+def choose_regions(roots: Sequence[CallTree], refused: Any = None) -> set[Any]:
     """The modules whose calls are regions; `refused` (a dict) gets the calls that would have been
     chosen but take state (held_state), with why."""
     total = sum(c.own_bytes for c in roots) or 1
-    chosen: set[torch.nn.Module] = set()
+    chosen: set[Any] = set()
 
-    def visit(c: _Call, top: bool) -> None:
+    def visit(c: CallTree, top: bool) -> None:
         if c.own_bytes <= 0:
             return
         kids = [k for k in c.children if k.own_bytes > 0]

@@ -17,7 +17,7 @@ from ..events import CATEGORIES
 from ..units import format_bytes
 from . import breakdown
 from .owners import python_frames, rule_note, stack_owners
-from .phases import PHASE_ACTION
+from .phases import CALL_ACTION, OUTPUT_ACTION, PHASE_ACTION, RETURN_ACTION
 from .table import MEMORY_ACTIONS, OOM, Trace
 from .timeline import bin_sums, category_values, downsample, lifetimes, series
 
@@ -91,8 +91,11 @@ def analyze(trace: Trace, width: int = 1000, max_blocks: int = 500, source: str 
     span_ns = max(t1 - t0, 1)
     rep = Report(source, dict(trace.meta), t0, span_ns / 1e9, width, span_ns / 1e9 / width, len(trace))
     not_pool = list(MEMORY_ACTIONS) + [OOM]
-    if PHASE_ACTION in trace.actions:
-        not_pool.append(trace.actions.index(PHASE_ACTION))
+    not_pool += [
+        trace.actions.index(a)
+        for a in (PHASE_ACTION, CALL_ACTION, RETURN_ACTION, OUTPUT_ACTION)
+        if a in trace.actions
+    ]
     pool_mask = ~np.isin(trace.cols["action"], not_pool)
     devices = trace.device_indices()
     modules = stack_owners(trace)[0]

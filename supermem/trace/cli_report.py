@@ -32,8 +32,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--budget",
         type=_budget,
-        help="what the pool would do at this many device bytes (8GiB): the floor, keep/offload per "
-        "module, the predicted peak and step time, whether it fits",
+        help="what the pool would do at this many device bytes (8GiB): the floor, keep/offload/recompute "
+        "per module, the predicted peak and step time, whether it fits",
     )
     p.add_argument("-q", "--quiet", action="store_true", help="no summary on stdout")
 

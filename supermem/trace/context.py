@@ -56,6 +56,14 @@ def tensors_in(x: Any, depth: int = 3):
             yield from tensors_in(v, depth - 1)
 
 
+def _ptr(t: Any) -> int:
+    """A tensor's data_ptr; 0 for one without (sparse, meta, a subclass without storage)."""
+    try:
+        return t.data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return 0
+
+
 def module_paths(root: Any) -> dict[int, str]:
     """id(module) -> its path under `root` (root itself: its class name)."""
     out = {id(root): type(root).__name__}
@@ -76,6 +84,12 @@ class Context:
         self.hooked_backwards = 0  # backwards over while the hook was on: what checked the rule
         self.hook_off_ns: int | None = None  # when the hook came off, or the start if never on (None: on)
         self.log: collections.deque[tuple[int, int, int]] = collections.deque(maxlen=capacity)
+        # each module call begun in a forward: (start_ns, end_ns, path id, its first positional tensor
+        # argument's data_ptr or 0, the type name of an argument that is state, not a value, or "", the
+        # data_ptrs of the tensors it returned: itself, or those of a tuple or list of them)
+        self.calls: collections.deque[tuple[int, int, int, int, str, tuple[int, ...]]] = collections.deque(
+            maxlen=capacity
+        )
         self.phase_events: collections.deque[tuple[int, str]] = collections.deque(maxlen=capacity)
         self.paths: list[str] = []
         self._path_ids: dict[str, int] = {}
@@ -88,6 +102,8 @@ class Context:
         self._backward_depth = 0
         self._stop_watch: Any = None
         self._compiling: Any = None
+        self._tensor: Any = None  # torch.Tensor, once started
+        self._held_state: Any = None  # tensor_pool.region.held_state, once started
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -97,8 +113,10 @@ class Context:
         from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
         from .. import torch_private as tp
+        from ..tensor_pool.region import held_state
 
         self._compiling = torch.compiler.is_compiling
+        self._tensor, self._held_state = torch.Tensor, held_state
         self._hooks = [
             nn_module.register_module_forward_pre_hook(self._pre),
             nn_module.register_module_forward_hook(self._post, with_kwargs=True, always_call=True),
@@ -148,7 +166,8 @@ class Context:
             self.paths.append(path)
         return i
 
-    def _stack(self) -> list[int]:
+    def _stack(self) -> list[tuple[int, int]]:
+        """This thread's open module calls: (path id, start_ns if begun in a forward, else 0)."""
         try:
             return self._local.stack
         except AttributeError:  # this thread's first module call
@@ -158,7 +177,7 @@ class Context:
     def _set_phase(self, phase: int, now: int, detail: str = "") -> None:
         self.phase = phase
         s = self._stack()
-        self.log.append((now, s[-1] if s else -1, phase))
+        self.log.append((now, s[-1][0] if s else -1, phase))
         self.phase_events.append((now, detail or PHASES[phase]))
 
     def _name(self, module: Any, parent: int) -> int:
@@ -184,7 +203,7 @@ class Context:
         s = self._stack()
         pid = self._module_path.get(id(module))
         if pid is None:
-            pid = self._name(module, s[-1] if s else -1)
+            pid = self._name(module, s[-1][0] if s else -1)
         now = time.monotonic_ns()
         if not s and self.phase in (NONE, FORWARD):
             if self.phase != FORWARD:
@@ -192,7 +211,7 @@ class Context:
             for t in tensors_in(args):  # the batch (a keyword argument's: _post)
                 if not t.requires_grad:
                     self.obs.add_tensor(t, "input", now)
-        s.append(pid)
+        s.append((pid, now if self.phase == FORWARD else 0))  # (a forward's call: `calls`)
         self.log.append((now, pid, self.phase))
 
     def _post(self, module: Any, args: tuple, kwargs: dict, output: Any) -> None:
@@ -201,13 +220,34 @@ class Context:
         s = self._stack()
         if not s:
             return
-        s.pop()
+        pid, start = s.pop()
         now = time.monotonic_ns()
-        self.log.append((now, s[-1] if s else -1, self.phase))
+        self.log.append((now, s[-1][0] if s else -1, self.phase))
+        if start:
+            self._call(start, now, pid, args, kwargs, output)
         if not s and self.phase == FORWARD and kwargs:
             for t in tensors_in(kwargs):  # the batch given by keyword (HF's input_ids=, labels=)
                 if not t.requires_grad:
                     self.obs.add_tensor(t, "input", now)
+
+    def _call(self, start: int, now: int, pid: int, args: tuple, kwargs: dict, output: Any) -> None:
+        """A forward's module call, for `report --budget` (step_profile.py: a call is a unit the pool may
+        recompute, its input what the replay reads, its outputs no part of it): its first tensor
+        argument, an argument that is state (a KV cache: the pool never replays such a call, region.py)
+        and the tensors it returned, by data_ptr. ~0.6 us a call of one tensor in and one out."""
+        tensor = self._tensor
+        if not kwargs and len(args) == 1 and isinstance(args[0], tensor):  # (most calls: no walk)
+            held, first = "", _ptr(args[0])
+        else:
+            held = self._held_state((args, kwargs)) or ""
+            first = _ptr(args[0]) if args and isinstance(args[0], tensor) else 0
+        if isinstance(output, tensor):
+            outputs: tuple[int, ...] = (_ptr(output),)
+        elif type(output) in (tuple, list):
+            outputs = tuple(_ptr(x) for x in output[:8] if isinstance(x, tensor))
+        else:
+            outputs = ()
+        self.calls.append((start, now, pid, first, held, outputs))
 
     def _pack(self, t: Any) -> Any:
         # A parameter (a leaf that needs grad) is saved too; the batch is, and owners.py calls a save
@@ -252,3 +292,7 @@ class Context:
     def snapshot(self) -> tuple[list[tuple[int, int, int]], list[str], list[tuple[int, str]]]:
         """(log, paths, phase events), copied: the program may go on recording."""
         return list(self.log), list(self.paths), list(self.phase_events)
+
+    def calls_snapshot(self) -> list[tuple[int, int, int, int, str, tuple[int, ...]]]:
+        """The forward's module calls so far (`calls`), copied."""
+        return list(self.calls)

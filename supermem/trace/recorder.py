@@ -28,7 +28,7 @@ from ..errors import UsageError
 from ..log import warn
 from . import attribution, format, owners
 from . import context as ctx
-from .phases import PHASE_ACTION
+from .phases import CALL_ACTION, OUTPUT_ACTION, PHASE_ACTION, RETURN_ACTION
 from .table import ALLOCATOR_ACTIONS, Trace, concat_columns, empty_columns
 
 DEFAULT_CAPACITY_EVENTS = 1_000_000
@@ -315,6 +315,7 @@ class Recorder:
                 log, paths, phases = self.context.snapshot()
                 context = owners.ContextLog(log, paths, self.context.hook_off_ns)
                 parts.append(_phase_columns(trace, phases, parts))
+                parts.append(_call_columns(trace, self.context.calls_snapshot(), paths, parts))
             trace.cols = concat_columns(parts)
             trace.sort()
             for s in self.sources:
@@ -433,6 +434,31 @@ def _phase_columns(trace: Trace, phases: list[tuple[int, str]], parts: list) -> 
         cols["action"][:] = trace.action_id(PHASE_ACTION)
         cols["device"][:] = -1
         cols["detail"] = np.array([trace.string_id(p[1]) for p in phases], np.int32)
+    return cols
+
+
+def _call_columns(trace: Trace, calls: list[tuple], paths: list[str], parts: list) -> dict[str, np.ndarray]:
+    """context.py's module calls as "call", "return" and "output" events (device -1; phases.py), from
+    the oldest event the other parts hold, as _phase_columns."""
+    first = min((int(p["time_ns"][0]) for p in parts if len(p["time_ns"])), default=None)
+    calls = [c for c in calls if first is None or c[0] >= first]
+    n = len(calls)
+    outputs = [(k, c[1], ptr) for k, c in enumerate(calls) for ptr in c[5]]
+    cols = empty_columns(2 * n + len(outputs))
+    if calls:
+        m = 2 * n
+        cols["time_ns"] = np.array(
+            [c[0] for c in calls] + [c[1] for c in calls] + [o[1] for o in outputs], np.int64
+        )
+        cols["action"][:n] = trace.action_id(CALL_ACTION)
+        cols["action"][n:m] = trace.action_id(RETURN_ACTION)
+        cols["action"][m:] = trace.action_id(OUTPUT_ACTION)
+        cols["device"][:] = -1
+        cols["address"][:n] = np.array([c[3] for c in calls], np.uint64).view(np.int64)
+        cols["address"][m:] = np.array([o[2] for o in outputs], np.uint64).view(np.int64)
+        cols["tag"] = np.array(list(range(n)) * 2 + [o[0] for o in outputs], np.int64)
+        cols["detail"][:n] = np.array([trace.string_id(paths[c[2]]) for c in calls], np.int32)
+        cols["detail"][n:m] = np.array([trace.string_id(c[4]) for c in calls], np.int32)
     return cols
 
 

@@ -392,7 +392,8 @@ def _what_if_section(w: Any) -> str:
     verdict = "fits" if w.fits else "does not fit"
     rows = "".join(
         f"<tr><td>{html.escape(r['module'])}</td><td class=num>{format_bytes(r['keep_bytes'])}</td>"
-        f"<td class=num>{format_bytes(r['offload_bytes'])}</td></tr>"
+        f"<td class=num>{format_bytes(r['offload_bytes'])}</td>"
+        f"<td class=num>{format_bytes(r.get('recompute_bytes', 0))}</td></tr>"
         for r in w.by_module[:60]
     )
     return (
@@ -400,7 +401,8 @@ def _what_if_section(w: Any) -> str:
         f" (device {w.device}): {verdict}</h2><pre>{html.escape(summary(w))}</pre>"
         + (
             "<table class=what-if-modules><thead><tr><th>module</th><th class=num>keep</th>"
-            f"<th class=num>offload</th></tr></thead><tbody>{rows}</tbody></table>"
+            "<th class=num>offload</th><th class=num>recompute</th></tr></thead>"
+            f"<tbody>{rows}</tbody></table>"
             if rows
             else ""
         )

@@ -3,32 +3,25 @@
 The floor no treatment goes under: parameters + gradients + optimizer state (the most of them live at
 once) + the largest block nothing can move (a temporary, a gradient flowing back, an input: the pool
 treats only what autograd saves). Above it, the trace's last full step becomes a profile for the
-pool's planner (tensor_pool/planner/, its pure make_plan): each activation block is a saved tensor,
-saved at its alloc and used at its free (its last use in backward: the trace holds no unpack times),
-the step's curve is the trace's active bytes at those events, and what rises above the curve between
-them (the loss's spike) is the transient the planner puts at backward's start. The plan says which
-activations it would keep and which offload, the peak and step seconds it predicts, and whether the
-step fits. Copies are priced at the link the recording probed (copy_rate). Recompute is not offered:
-its price is a module call's seconds, which a trace does not time (a live pool measures them;
-supermem.pool(budget=...) plans with them).
+pool's planner (step_profile.py), and the plan is the live pool's own (tensor_pool/planner/, its pure
+make_plan): which activations it would keep, offload, or drop and rebuild by recomputing the module
+call that made them, the peak its simulator predicts (below the budget where a whole call's bytes
+leave at once, as in a live run), the step seconds, and whether the step fits.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-from .. import costs
-from .breakdown import NO_MODULE, phase_events
+from .breakdown import NO_MODULE
 from .owners import stack_owners
-from .phases import STEP_MARK
+from .step_profile import copy_rate as copy_rate
+from .step_profile import step_profile as step_profile
 from .table import Trace
 from .timeline import category_values, lifetimes, series
-
-if TYPE_CHECKING:
-    from ..tensor_pool.profile import Profile
 
 PERSISTENT = ("parameter", "gradient", "optimizer_state")
 UNMOVABLE = ("temporary", "autograd_detail", "input", "unknown")
@@ -46,7 +39,9 @@ class WhatIf:
     predicted_peak_bytes: int
     predicted_step_s: float
     measured_step_s: float  # the step planned from, as traced
-    by_module: list[dict[str, Any]] = field(default_factory=list)  # module, keep_bytes, offload_bytes
+    # module, keep_bytes, offload_bytes, recompute_bytes (of the activations allocated in it)
+    by_module: list[dict[str, Any]] = field(default_factory=list)
+    recomputed_calls: list[str] = field(default_factory=list)  # the module calls the plan replays, by path
     link_bytes_per_s: float = 0.0  # what the plan's copies were priced at (copy_rate)
     sync_copies: bool = False
     link_source: str = ""
@@ -78,87 +73,6 @@ def floor(trace: Trace, device: int) -> tuple[int, dict[str, int], dict[str, Any
     return sum(parts.values()), parts, largest
 
 
-def _last_step(trace: Trace) -> tuple[int, int] | None:
-    """(start, end) times of the last step that ran whole: from the forward after the next-to-last
-    step's end (or the trace's first forward) to the last step's end."""
-    times, names = phase_events(trace)
-    marks = [int(t) for t, n in zip(times, names, strict=True) if n == STEP_MARK]
-    forwards = [int(t) for t, n in zip(times, names, strict=True) if n == "forward"]
-    if not marks:
-        return None
-    before = marks[-2] if len(marks) > 1 else -1
-    starts = [t for t in forwards if before < t < marks[-1]]
-    return (starts[0], marks[-1]) if starts else None
-
-
-def copy_rate(trace: Trace, device: int) -> tuple[float, bool, str]:
-    """(bytes per second, whether copies block the step, where the rate is from) of the pool's copies
-    off `device`: the link the recording probed (Recorder._link_rates); a CPU trace's host memcpy,
-    which blocks as the pool's CPU offload does; else the default a pool prices copies at before it
-    probed (an H200's link is twice it)."""
-    probed = trace.meta.get("link_bytes_per_s", {}).get(str(device))
-    if probed:
-        return float(probed), False, "probed when traced"
-    name = next((str(d.get("name", "")) for d in trace.devices if d["index"] == device), "")
-    if name.startswith("cpu"):
-        return costs.CPU_COPY_BYTES_PER_S, True, "host memcpy"
-    return costs.GPU_LINK_BYTES_PER_S, False, "default: the trace holds no probe"
-
-
-def step_profile(trace: Trace, device: int) -> tuple[Profile, np.ndarray, int] | None:
-    """The trace's last whole step as the planner's profile on `device`, the lifetimes (indices into
-    timeline.lifetimes) of its saved tensors, ordinal k + 1 at k, and the step's peak of active bytes;
-    None without a whole step."""
-    from ..tensor_pool.profile import Profile, Saved
-
-    window = _last_step(trace)
-    if window is None:
-        return None
-    w0, w1 = window
-    lt = lifetimes(trace, device)
-    s = series(trace, device, lt)
-    t = trace.cols["time_ns"]
-    start_t = np.where(lt.start >= 0, t[lt.start.clip(0)], np.iinfo(np.int64).min)
-    end_t = np.where(lt.end >= 0, t[lt.end.clip(0)], w1)
-    act = trace.categories.index("activation") if "activation" in trace.categories else -1
-    chosen = np.flatnonzero((lt.category == act) & (start_t >= w0) & (start_t < w1))
-    chosen = chosen[np.argsort(start_t[chosen], kind="stable")]
-    saves = start_t[chosen]
-    uses = np.minimum(end_t[chosen], w1)
-    times = np.concatenate([saves, uses])
-    order = np.argsort(times, kind="stable")
-    event_of = np.empty(len(order), np.int64)
-    event_of[order] = np.arange(len(order))
-    n = len(chosen)
-    sel = (s.time_ns >= w0) & (s.time_ns <= w1)
-    at = np.searchsorted(s.time_ns, times[order], side="right") - 1
-    base = np.where(at >= 0, s.active[at.clip(0)], s.initial_active).astype(np.int64).tolist()
-    saved = [
-        Saved(ordinal=k + 1, nbytes=int(lt.size[i]), save=int(event_of[k]), use=int(event_of[n + k]))
-        for k, i in enumerate(chosen.tolist())
-    ]
-    for sv in saved:
-        sv.end = min(sv.use + 1, len(base))
-    backward = min((sv.use for sv in saved), default=len(base))
-    transient = [0] * len(base)
-    step_peak = int(s.active[sel].max()) if sel.any() else int(s.active.max(initial=s.initial_active))
-    if base and backward < len(base):
-        transient[backward] = max(0, step_peak - max(base))
-    link_bytes_per_s, sync_copies, _ = copy_rate(trace, device)
-    profile = Profile(
-        saved=saved,
-        times_s=((times[order] - w0) / 1e9).tolist(),
-        base_bytes=base,
-        transient_bytes=transient,
-        backward_event=backward,
-        step_s=(w1 - w0) / 1e9,
-        tail_s=(w1 - int(times[order][-1])) / 1e9 if len(times) else 0.0,
-        link_bytes_per_s=link_bytes_per_s,
-        sync_copies=sync_copies,
-    )
-    return profile, chosen, step_peak
-
-
 def what_if(trace: Trace, budget_bytes: int, device: int | None = None) -> WhatIf:
     """What the pool would do at `budget_bytes` on `device` (default: the trace's first)."""
     from ..tensor_pool.planner import make_plan
@@ -176,7 +90,9 @@ def what_if(trace: Trace, budget_bytes: int, device: int | None = None) -> WhatI
         out.notes.append("no whole step (forward, backward, optimizer step) in the trace: only the floor")
         out.fits = floor_bytes <= budget_bytes and peak <= budget_bytes
         return out
-    profile, chosen, step_peak = made
+    profile, chosen, step_peak = made.profile, made.chosen, made.step_peak
+    if not made.has_calls:
+        out.notes.append("the trace records no module calls (traced without context): copies alone planned")
     plan = make_plan(profile, budget_bytes)
     out.measured_step_s = profile.step_s
     out.predicted_step_s = plan.predicted_step_s or profile.step_s
@@ -191,10 +107,16 @@ def what_if(trace: Trace, budget_bytes: int, device: int | None = None) -> WhatI
     for k, i in enumerate(chosen.tolist()):
         st = int(lt.stack[i])
         module = modules[st] if st >= 0 and modules[st] else NO_MODULE
-        row = rows.setdefault(module, {"module": module, "keep_bytes": 0, "offload_bytes": 0})
+        row = rows.setdefault(
+            module, {"module": module, "keep_bytes": 0, "offload_bytes": 0, "recompute_bytes": 0}
+        )
         treatment = plan.treatment.get(k + 1, "keep")
-        row["offload_bytes" if treatment == "offload" else "keep_bytes"] += int(lt.size[i])
-    out.by_module = sorted(rows.values(), key=lambda r: (-r["offload_bytes"], -r["keep_bytes"]))
+        row[f"{treatment}_bytes" if f"{treatment}_bytes" in row else "keep_bytes"] += int(lt.size[i])
+    out.by_module = sorted(
+        rows.values(), key=lambda r: (-r["offload_bytes"] - r["recompute_bytes"], -r["keep_bytes"])
+    )
+    replayed = {s.unit for s in profile.saved if plan.treatment.get(s.ordinal) == "recompute"}
+    out.recomputed_calls = [x.module for u, x in sorted(made.unit_calls.items()) if u in replayed]
     if floor_bytes > budget_bytes:
         out.notes.append("the budget is under the floor: no treatment of activations makes the step fit")
     return out
@@ -220,8 +142,15 @@ def summary(w: WhatIf) -> str:
     ]
     off = [r for r in w.by_module if r["offload_bytes"]]
     keep = sum(r["keep_bytes"] for r in w.by_module)
+    rebuilt = sum(r.get("recompute_bytes", 0) for r in w.by_module)
     if w.by_module:
-        lines.append(f"  keep {fb(keep)} of activations; offload {fb(sum(r['offload_bytes'] for r in off))}:")
+        lines.append(
+            f"  keep {fb(keep)} of activations; offload {fb(sum(r['offload_bytes'] for r in off))}; "
+            f"recompute {fb(rebuilt)} ({len(w.recomputed_calls)} module calls replayed)"
+        )
+        if w.recomputed_calls:
+            names = ", ".join(w.recomputed_calls[:8]) + (", ..." if len(w.recomputed_calls) > 8 else "")
+            lines.append(f"    recompute {names}")
         lines.extend(f"    offload {fb(r['offload_bytes'])} of {r['module']}" for r in off[:10])
         if len(off) > 10:
             lines.append(f"    and {len(off) - 10} more modules")

@@ -74,14 +74,14 @@ def test_copies_are_priced_at_the_link_the_recording_probed(trace, tmp_path):
     from supermem.trace.loader import load
     from supermem.trace.whatif import step_profile, summary
 
-    profile = step_profile(trace, 0)[0]
+    profile = step_profile(trace, 0).profile
     assert profile.sync_copies and profile.link_bytes_per_s == costs.CPU_COPY_BYTES_PER_S
     probed = copy.copy(trace)
     probed.meta = {**trace.meta, "link_bytes_per_s": {"0": 54e9}}
     path = tmp_path / "probed.smtrace"
     fmt.write(probed, path)
     probed = load(path)
-    profile = step_profile(probed, 0)[0]
+    profile = step_profile(probed, 0).profile
     assert profile.link_bytes_per_s == 54e9 and not profile.sync_copies
     assert "54.0 GB/s, probed when traced" in summary(what_if(probed, 1 << 30))
     probed.meta["link_bytes_per_s"] = {"0": -1.0}
