@@ -208,6 +208,41 @@ def compiles() -> int | None:
     return _compiles[0]
 
 
+def wrap_module_calls(pre: Any, post: Any) -> Any:
+    """Every nn.Module call wrapped (nn.Module.__call__ replaced): pre(module, args) before it,
+    post(module, args, kwargs, output) after, in a finally (output None where it raised); neither while
+    dynamo traces. Returns the undo. PyTorch's global module hooks do the same, but while any exists
+    every module call takes _call_impl's slow path: +4.4 us a call, where this wrapper costs +0.8
+    (300 tiny modules on the development CPU), and a host-bound ResNet-50 step on an H200 ran 23% slower
+    traced. A class with a __call__ of its own is not seen (it rarely skips Module's). A later patch
+    on top of this one is left in place by the undo, and this one then only passes calls through."""
+    import torch
+
+    orig = torch.nn.Module.__call__
+    compiling = torch.compiler.is_compiling
+    on = [True]
+
+    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if not on[0] or compiling():
+            return orig(self, *args, **kwargs)
+        pre(self, args)
+        out = None
+        try:
+            out = orig(self, *args, **kwargs)
+            return out
+        finally:
+            post(self, args, kwargs, out)
+
+    torch.nn.Module.__call__ = call  # type: ignore[method-assign]
+
+    def undo() -> None:
+        on[0] = False
+        if torch.nn.Module.__call__ is call:
+            torch.nn.Module.__call__ = orig  # type: ignore[method-assign]
+
+    return undo
+
+
 def dynamo_code_calling(frame: Any, depth: int = 64) -> Any:
     """The code dynamo made of a compiled frame (its cache entry's code: it calls the compiled graph)
     running in `frame` or one of its `depth` callers; None where none is (a graph run by

@@ -3,8 +3,8 @@
 The allocator's ring knows times, addresses and sizes only, and costs no Python per allocation. This
 keeps the rest beside it as a log of changes, (time_ns, module, phase), one row per module call's
 start and end and per phase change; when a trace is built each block takes the row in force at its
-alloc (owners.py). Recording costs one deque append per module call start and end (global forward
-hooks, ~2 us a call on CPU with the module hook slow path they turn on) and a Python call per backward:
+alloc (owners.py). Recording costs one deque append per module call start and end (nn.Module.__call__
+wrapped: torch_private.wrap_module_calls, ~1 us a call on CPU) and a Python call per backward:
 nothing per allocation, nothing per saved tensor once the first backwards are over.
 
 Phases are events, not guesses:
@@ -98,10 +98,10 @@ class Context:
         self.phase = NONE
         self.steps = 0
         self._hooks: list[Any] = []
+        self._unwrap: Any = None  # takes the module call wrapper off (torch_private.wrap_module_calls)
         self._hook_thread: int | None = None  # the thread whose hook stack holds the pack hook
         self._backward_depth = 0
         self._stop_watch: Any = None
-        self._compiling: Any = None
         self._tensor: Any = None  # torch.Tensor, once started
         self._held_state: Any = None  # tensor_pool.region.held_state, once started
 
@@ -109,20 +109,18 @@ class Context:
 
     def start(self) -> Context:
         import torch
-        from torch.nn.modules import module as nn_module
         from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
         from .. import torch_private as tp
         from ..tensor_pool.region import held_state
 
-        self._compiling = torch.compiler.is_compiling
         self._tensor, self._held_state = torch.Tensor, held_state
+        unwrap = tp.wrap_module_calls(self._pre, self._post)  # (not global module hooks: cheaper)
         self._hooks = [
-            nn_module.register_module_forward_pre_hook(self._pre),
-            nn_module.register_module_forward_hook(self._post, with_kwargs=True, always_call=True),
             register_optimizer_step_pre_hook(self._optimizer_begins),
             register_optimizer_step_post_hook(self._optimizer_ends),
         ]
+        self._unwrap = unwrap
         self._stop_watch = tp.watch_backward(self._backward_begins, self._backward_ends)
         if self.hook_backwards != 0:
             tp.push_saved_hooks(self._pack, self._unpack)
@@ -132,6 +130,9 @@ class Context:
         return self
 
     def stop(self) -> None:
+        if self._unwrap is not None:
+            self._unwrap()
+            self._unwrap = None
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
@@ -198,8 +199,6 @@ class Context:
     # ---------------------------------------------------------------- hooks
 
     def _pre(self, module: Any, args: tuple) -> None:
-        if self._compiling():  # dynamo traces the hook: record nothing, break no graph
-            return
         s = self._stack()
         pid = self._module_path.get(id(module))
         if pid is None:
@@ -215,8 +214,6 @@ class Context:
         self.log.append((now, pid, self.phase))
 
     def _post(self, module: Any, args: tuple, kwargs: dict, output: Any) -> None:
-        if self._compiling():
-            return
         s = self._stack()
         if not s:
             return
