@@ -180,6 +180,32 @@ def compile_memory_budget() -> float:
     return torch._functorch.config.activation_memory_budget
 
 
+def has_partitioner_offload() -> bool:
+    """This PyTorch's partitioner can offload what compiled graphs save to the CPU
+    (torch._functorch.config.enable_activation_offloading: the nodes a joint-graph pass marks)."""
+    import torch._functorch.config
+
+    return hasattr(torch._functorch.config, "enable_activation_offloading")
+
+
+def enable_partitioner_offload() -> None:
+    """Graphs compiled from now on offload every saved activation the partitioner can (not views, model
+    outputs or non-contiguous tensors: its can_offload) to the CPU, on a side stream, and reload them
+    ahead of their use in backward (its prefetch). The waits are not sunk to the graph's end: that holds
+    every offloaded tensor on the GPU until a whole model's forward ends (its own note)."""
+    import torch._functorch.config as config
+
+    def mark_all(graph: Any, _inputs: Any) -> Any:  # the partitioner keeps node.meta
+        for node in graph.graph.nodes:
+            node.meta["should_offload"] = True
+        return graph
+
+    config.enable_activation_offloading = True
+    config.activation_offload_separate_stream = True
+    config.activation_reload_prefetch = True
+    config.joint_custom_pass = mark_all
+
+
 def in_backward() -> bool:
     """Whether this thread runs inside autograd's backward now (a graph task of the engine)."""
     return torch._C._current_graph_task_id() != -1

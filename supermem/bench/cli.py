@@ -37,7 +37,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         b.add_argument("--device", choices=("cuda", "cpu"), default=None, help="default: cuda if available")
         b.add_argument("--quick", action="store_true", help="tiny sizes and few steps (a smoke test)")
         b.add_argument(
-            "--repeats", type=positive_int, default=2, help="processes per compared config (default 2)"
+            "--repeats",
+            type=positive_int,
+            default=None,
+            help="processes per compared config (default 2; train --sweep: 3 for every row, interleaved)",
         )
         b.add_argument(
             "--conf", type=conf, default=None, help="SUPERMEM_CONF-style options for the supermem rows"
@@ -51,6 +54,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     args.device = args.device or _default_device()
+    if args.repeats is None:
+        args.repeats = 3 if getattr(args, "sweep", False) else 2
     module, _ = BENCHES[args.bench]
     result = module.run(args)
     if args.json:

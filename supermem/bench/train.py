@@ -12,6 +12,14 @@ Two tables per model, each with the native row of this run as its baseline:
   ms, ratio, peak allocated, bytes offloaded, recomputed and compressed, copy GB/s, % copy hidden.
   Targets: each cost_aware row beats the lru row of its budget in step time and peak, and its peak is
   within 5% of its budget.
+- --sweep: one table sorted by peak. Every baseline (checkpointing, save_on_cpu, torch.compile at
+  activation_memory_budget 1.0/0.5/0.2 and, where this torch has it, the partitioner's own CPU offload)
+  and the pool (cost_aware, planned, and planned around the compiled model: "compiled planned") at
+  90/75/60/50% of native's peak and at checkpoint's; on GPT each checkpointing, compile and pool row again
+  with supermem.linear_cross_entropy ("... + chunked loss"; its pool rows at the chunked checkpoint's
+  peak). Each row runs --repeats times (default 3), round robin over the rows: step ms and peak are the
+  medians, min-max the spread. A Pareto line per pool row names the baselines with the same loss and
+  the same compile mode (eager or compiled) that are faster at no higher peak.
 - hf-llama: its savers are HF's own `gradient_checkpointing_enable()`, non-reentrant ("hf checkpoint") and
   reentrant ("hf checkpoint reentrant"), in place of checkpointing model.blocks; with --sweep the pool
   runs at 75% and 50% of native's peak and at each of those rows' peaks. Target: no pool row slower
@@ -24,6 +32,7 @@ the worker side); the tables are printed by train_tables.py.
 from __future__ import annotations
 
 import argparse
+import statistics
 
 from ..cli_args import check_names, comma_list, nonnegative_int, positive_float, positive_int
 from . import runner
@@ -70,8 +79,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--sweep",
         action="store_true",
-        help="every baseline and the pool (cost_aware, planned) at 90/75/60/50%% of native's peak and at"
-        " checkpoint's: one table sorted by peak, a Pareto line per pool row",
+        help="every baseline and the pool (cost_aware, planned, compiled planned) at 90/75/60/50%% of"
+        " native's peak and at checkpoint's, on GPT also with the chunked loss; every row --repeats times"
+        " (default 3), interleaved: one table of medians sorted by peak, a Pareto line per pool row against"
+        " the baselines of its loss and compile mode",
     )
     p.add_argument(
         "--ddp",
@@ -139,38 +150,57 @@ def _run_model(model: str, chosen: list[Mode], args: argparse.Namespace) -> list
     preset = model + ("-quick" if args.quick else "")
     base = {"bench": "train", "preset": preset, "device": args.device, "steps": args.steps}
     base["warmup"] = args.warmup
-    if getattr(args, "sweep", False):
+    sweep = getattr(args, "sweep", False)
+    if sweep:
         base["saved_peak"] = True  # a peak on CPU too: the sweep's budgets are fractions of it
 
     def spec(m: Mode) -> dict:
         conf = args.conf if m.allocator == "supermem" else None
         return {**base, **m.options, "allocator": m.allocator, "conf": conf, "saver": m.saver}
 
-    # Allocator rows are compared to 1%: run them interleaved `repeats` times and keep each one's best.
-    alloc_modes = [m for m in chosen if m.table == "allocator"]
-    runs: dict[str, list[dict]] = {m.name: [] for m in alloc_modes}
-    for _ in range(args.repeats):
-        for m in alloc_modes:
-            runs[m.name].append(runner.run(spec(m), args.timeout, f"{model} {m.name}"))
-    rows = {name: _best(rs) for name, rs in runs.items()}
+    # --sweep: every row `repeats` times, round robin, each row its median. Else the allocator rows, which
+    # are compared to 1%, interleaved `repeats` times, each its best; the others once.
+    repeated = chosen if sweep else [m for m in chosen if m.table == "allocator"]
+    runs: dict[str, list[dict]] = {m.name: [] for m in chosen}
+    budgets: dict[str, int] = {}  # a row's budget bytes, from its reference's first run with a peak
+    for i in range(args.repeats):
+        for m in repeated:
+            runs[m.name].append(_run(model, m, spec(m), runs, budgets, args, (i, args.repeats)))
     for m in chosen:
-        if m.name in rows:
-            continue
-        s = spec(m)
-        if m.budget is not None:
-            ref_peak = rows.get(m.budget_of, {}).get("peak_alloc_bytes")
-            if not ref_peak:
-                rows[m.name] = {"error": f"no {m.budget_of} peak to take the budget from"}
-                continue
-            s["budget_bytes"] = int(m.budget * ref_peak)
-        rows[m.name] = runner.run(s, args.timeout, f"{model} {m.name}")
-        rows[m.name]["budget_bytes"] = s.get("budget_bytes")
+        if m not in repeated:
+            runs[m.name].append(_run(model, m, spec(m), runs, budgets, args))
     out = []
     for m in chosen:
-        row = rows[m.name]
+        rs = runs[m.name]
+        row = _median(rs) if sweep else _best(rs) if m in repeated else rs[0]
         row.update(config=m.name, allocator=m.allocator, table=m.table, budget=m.budget)
+        row.update(loss_kind=m.loss_kind, compiled=m.compiled)  # the Pareto line's groups
         out.append(row)
     return out
+
+
+def _run(
+    model: str,
+    m: Mode,
+    s: dict,
+    runs: dict[str, list[dict]],
+    budgets: dict[str, int],
+    args: argparse.Namespace,
+    round_: tuple[int, int] = (0, 1),
+) -> dict:
+    """One process of row `m`; a row with a budget takes it from its reference row's runs so far."""
+    if m.budget is not None:
+        if m.name not in budgets:
+            peaks = (r.get("peak_alloc_bytes") for r in runs.get(m.budget_of, []))
+            ref_peak = next((p for p in peaks if p), None)
+            if ref_peak is None:
+                return {"error": f"no {m.budget_of} peak to take the budget from", "budget_bytes": None}
+            budgets[m.name] = int(m.budget * ref_peak)
+        s["budget_bytes"] = budgets[m.name]
+    i, n = round_
+    row = runner.run(s, args.timeout, f"{model} {m.name}" + (f" ({i + 1}/{n})" if n > 1 else ""))
+    row["budget_bytes"] = s.get("budget_bytes")
+    return row
 
 
 def _best(rs: list[dict]) -> dict:
@@ -178,3 +208,22 @@ def _best(rs: list[dict]) -> dict:
     best = dict(min(ok, key=lambda r: r["step_ms"]) if ok else rs[-1])
     best["step_ms_runs"] = [r.get("step_ms") for r in rs]
     return best
+
+
+def _median(rs: list[dict]) -> dict:
+    """A row run several times: the median run's row (its pool stats, plan) with the median step ms and
+    peak allocated bytes over the runs that measured, the spread (step_ms_min, step_ms_max), and how many
+    runs failed (runs_failed: the first one's error under "error" when none measured)."""
+    ok = [r for r in rs if "step_ms" in r]
+    if not ok:
+        return dict(rs[0], runs=len(rs), runs_failed=len(rs))
+    times = [r["step_ms"] for r in ok]
+    row = dict(sorted(ok, key=lambda r: r["step_ms"])[(len(ok) - 1) // 2])
+    row.update(step_ms=statistics.median(times), step_ms_min=min(times), step_ms_max=max(times))
+    row.update(step_ms_runs=[r.get("step_ms") for r in rs], runs=len(rs), runs_failed=len(rs) - len(ok))
+    peaks = [r["peak_alloc_bytes"] for r in ok if r.get("peak_alloc_bytes") is not None]
+    if peaks:
+        row.update(peak_alloc_bytes=int(statistics.median(peaks)), peak_alloc_bytes_runs=peaks)
+    if len(ok) < len(rs):
+        row["failed_error"] = next(r.get("error") for r in rs if "step_ms" not in r)
+    return row

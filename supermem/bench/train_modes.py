@@ -21,6 +21,16 @@ class Mode:
     models: tuple[str, ...] = ()  # the models it runs for ("gpt", "resnet"); empty: all
     budget_of: str = "native"  # the row (run earlier) whose peak allocated bytes `budget` is a fraction of
 
+    @property
+    def loss_kind(self) -> str:
+        """The step's loss: "plain" (the model's), "chunked" or "torch_chunked" (train_worker.measure)."""
+        return self.options.get("loss", "plain")
+
+    @property
+    def compiled(self) -> bool:
+        """The row runs a torch.compile'd model (train_worker.compiled)."""
+        return self.saver == "compile" or bool(self.options.get("compile"))
+
 
 def runs_on(m: Mode, model: str) -> bool:
     return not m.models or model in m.models
@@ -81,42 +91,65 @@ COMPILE_BUDGETS = (1.0, 0.5, 0.2)  # torch._functorch.config.activation_memory_b
 
 def sweep_modes(device: str) -> list[Mode]:
     """--sweep: every baseline, then cost_aware and planned at fractions of native's peak and at
-    checkpoint's own peak (an HF model: at HF_SWEEP_BUDGETS and each HF checkpointing row's peak). On
-    CPU one torch.compile row only: inductor's build takes ~15 s a row; none for an HF model."""
+    checkpoint's own peak (an HF model: at HF_SWEEP_BUDGETS and each HF checkpointing row's peak), the
+    planned pool around the compiled model, and on GPT each checkpointing, compile and pool row again with
+    the chunked loss ("... + chunked loss"; its pool rows' checkpoint peak is the chunked checkpoint's).
+    On CPU one torch.compile row of each kind only: inductor's build takes ~15 s a row; none for an HF
+    model. A reference row (native, checkpoint) comes before the rows whose budget it gives."""
+    import torch
+
+    from .. import torch_private as tp
+
     cuda = device == "cuda"
     out = [Mode("native", "native", "none", table="allocator")]
-    out.append(Mode("checkpoint", "native", "checkpoint", models=BLOCK_MODELS))
+    ckpts = [Mode("checkpoint", "native", "checkpoint", models=BLOCK_MODELS)]
     reentrant = {"reentrant": True}
-    out.append(Mode("checkpoint reentrant", "native", "checkpoint", options=reentrant, models=BLOCK_MODELS))
+    ckpts.append(Mode("checkpoint reentrant", "native", "checkpoint", options=reentrant, models=BLOCK_MODELS))
     for name, f in (("quarter", 0.25), ("half", 0.5), ("three quarters", 0.75)):
         opts: dict = {"fraction": f}
-        out.append(
+        ckpts.append(
             Mode(f"checkpoint first {name}", "native", "checkpoint_first", options=opts, models=BLOCK_MODELS)
         )
+    out += ckpts
     out += hf_checkpoint_modes()
     if cuda:
         out.append(Mode("save_on_cpu", "native", "save_on_cpu"))
     # supermem.linear_cross_entropy in place of the head and its loss (GPT only: its loss is the spike)
     out.append(Mode("chunked loss", "native", "none", options={"loss": "chunked"}, models=("gpt",)))
-    import torch
-
     if hasattr(torch.nn, "LinearCrossEntropyOptions"):  # torch's own (2.13), its chunked path, beside it
         torchs = {"loss": "torch_chunked"}
         out.append(Mode("torch chunked loss", "native", "none", options=torchs, models=("gpt",)))
+    compiles = []
     for b in COMPILE_BUDGETS if cuda else COMPILE_BUDGETS[1:2]:
         opts = {"memory_budget": b}
-        out.append(Mode(f"compile budget {b}", "native", "compile", options=opts, models=BLOCK_MODELS))
+        compiles.append(Mode(f"compile budget {b}", "native", "compile", options=opts, models=BLOCK_MODELS))
+    if cuda and tp.has_partitioner_offload():  # the partitioner's own CPU offload of what graphs save
+        opts = {"memory_budget": 1.0, "partitioner_offload": True}
+        compiles.append(
+            Mode("compile partitioner offload", "native", "compile", options=opts, models=BLOCK_MODELS)
+        )
+    out += compiles
+    out += [_chunked(m) for m in ckpts + compiles]
+    budgets = [(f"{b:.0%}", b, "native") for b in SWEEP_BUDGETS] + [("ckpt peak", 1.0, "checkpoint")]
+    pools = []  # the pool's rows for GPT and ResNet (GPT runs them again with the chunked loss)
     for policy in ("cost_aware", "planned"):
         opts = {"policy": policy}
-        for b in SWEEP_BUDGETS:
-            ms = () if b in HF_SWEEP_BUDGETS else BLOCK_MODELS
-            out.append(Mode(f"{policy} {b:.0%}", "supermem", "pool", budget=b, options=opts, models=ms))
-        name = f"{policy} ckpt peak"
-        out.append(
-            Mode(name, "supermem", "pool", 1.0, options=opts, models=BLOCK_MODELS, budget_of="checkpoint")
-        )
-        for ck in hf_checkpoint_modes():  # "cost_aware hf ckpt peak", "... hf ckpt reentrant peak"
+        for label, b, of in budgets:
+            ms = () if b in HF_SWEEP_BUDGETS else BLOCK_MODELS  # an HF model's: 75%, 50%
+            pools.append(
+                Mode(f"{policy} {label}", "supermem", "pool", b, options=opts, models=ms, budget_of=of)
+            )
+    # The planned pool around the compiled model: it sets the compiler's activation_memory_budget itself
+    # (tensor_pool/compiled.py), from 1.0
+    opts = {"policy": "planned", "compile": True, "memory_budget": 1.0}
+    for label, b, of in budgets if cuda else budgets[-1:]:
+        name = f"compiled planned {label}"
+        pools.append(Mode(name, "supermem", "pool", b, options=opts, models=BLOCK_MODELS, budget_of=of))
+    out += pools
+    for policy in ("cost_aware", "planned"):  # "cost_aware hf ckpt peak", "... hf ckpt reentrant peak"
+        for ck in hf_checkpoint_modes():
             name = f"{policy} {ck.name.replace('checkpoint', 'ckpt')} peak"
+            opts = {"policy": policy}
             out.append(Mode(name, "supermem", "pool", 1.0, options=opts, models=HF_MODELS, budget_of=ck.name))
     # ReLU compression offered to the plan (packs that wait for nothing: Compress(room="full")); ResNet
     # only (GPT has no ReLU)
@@ -124,10 +157,12 @@ def sweep_modes(device: str) -> list[Mode]:
     for label, b, of in (("75%", 0.75, "native"), ("50%", 0.5, "native"), ("ckpt peak", 1.0, "checkpoint")):
         name = f"planned+compress {label}"
         out.append(Mode(name, "supermem", "pool", b, options=opts, models=("resnet",), budget_of=of))
-    # The plan over a step without the loss's spike (GPT only), at the same budgets as the rows above
-    opts = {"policy": "planned", "loss": "chunked"}
-    budgets = [(f"{b:.0%}", b, "native") for b in SWEEP_BUDGETS] + [("ckpt peak", 1.0, "checkpoint")]
-    for label, b, of in budgets:
-        name = f"planned+chunked loss {label}"
-        out.append(Mode(name, "supermem", "pool", b, options=opts, models=("gpt",), budget_of=of))
-    return out
+    return out + [_chunked(m) for m in pools]
+
+
+def _chunked(m: Mode) -> Mode:
+    """`m` with supermem.linear_cross_entropy for GPT's head and loss; a budget from the chunked row of
+    its reference (a checkpoint's peak), or from native's (the same bytes as the plain loss's rows)."""
+    of = m.budget_of if m.budget_of == "native" else f"{m.budget_of} + chunked loss"
+    opts = {**m.options, "loss": "chunked"}
+    return Mode(f"{m.name} + chunked loss", m.allocator, m.saver, m.budget, m.table, opts, ("gpt",), of)

@@ -79,10 +79,12 @@ def print_sweep(model: str, rows: list[dict], args: argparse.Namespace) -> None:
         r["step_x"] = table.ratio(r.get("step_ms"), native.get("step_ms"))
     label = native.get("preset", model)
     peak_of = lambda r: r.get("peak_alloc_bytes") or float("inf")  # noqa: E731
-    print(f"\n{label}: sweep (baseline: native, this run; sorted by peak)")
+    runs = f"medians of {args.repeats} runs a row, interleaved" if args.repeats > 1 else "one run a row"
+    print(f"\n{label}: sweep (baseline: native, this run; {runs}; sorted by peak)")
     columns = [
         ("config", lambda r: r["config"], ""),
         ("step ms", lambda r: r["step_ms"], ".1f"),
+        ("min-max ms", lambda r: f"{r['step_ms_min']:.1f}-{r['step_ms_max']:.1f}", ""),
         ("x native", lambda r: r["step_x"], ".2f"),
         (f"budget {unit}", lambda r: r["budget_bytes"] / size, ".2f"),
         (f"peak alloc {unit}", lambda r: r["peak_alloc_bytes"] / size, ".2f"),
@@ -90,27 +92,30 @@ def print_sweep(model: str, rows: list[dict], args: argparse.Namespace) -> None:
     ]
     print(table.render(columns, sorted(rows, key=peak_of)))
     mem = lambda b: f"{b / size:.2f}{unit}"  # noqa: E731
-    # PyTorch's own ways to the same memory (not compile's, not a chunked loss: another loss expression)
-    other = ("compile", "chunked", "torch chunked")
-    eager = [r for r in rows if r["allocator"] == "native" and not r["config"].startswith(other)]
+    # PyTorch's own ways to the same memory, beside each pool row: the rows of the same loss and the same
+    # compile mode only (a chunked loss or a compiled model is another step, faster or smaller by itself)
     for r in rows:
         if r["allocator"] == "native":
             continue
         x, peak = r.get("step_x"), r.get("peak_alloc_bytes")
         line = f"pareto {label} {r['config']}: {_fmt(x, '.2f')}x {mem(peak) if peak else '-'}"
+        group = f"{'compiled' if r['compiled'] else 'eager'}, {r['loss_kind']} loss"
+        peers = [e for e in rows if e["allocator"] == "native" and _same_step(e, r)]
         if None in (x, peak):
             line += ", NO DATA"
+        elif not peers:
+            line += f", no baseline of its kind ({group}) ran"
         else:
             dom = [
                 e
-                for e in eager
+                for e in peers
                 if e.get("peak_alloc_bytes") is not None
                 and e.get("step_x") is not None
                 and e["peak_alloc_bytes"] <= peak
                 and e["step_x"] < x
             ]
             names = ", ".join(f"{e['config']} ({e['step_x']:.2f}x {mem(e['peak_alloc_bytes'])})" for e in dom)
-            line += f", dominated by {names}" if dom else ", no eager baseline dominates it"
+            line += f", dominated by {names}" if dom else f", no baseline ({group}) dominates it"
         pool = r.get("pool") or {}
         plan = pool.get("plan")
         warm = r.get("warmup_plans") or {}
@@ -134,6 +139,11 @@ def print_sweep(model: str, rows: list[dict], args: argparse.Namespace) -> None:
             )
         print(line)
     _print_hf_targets(label, rows, unit, size)
+
+
+def _same_step(a: dict, b: dict) -> bool:
+    """The same loss and the same compile mode (eager or compiled): rows the Pareto line compares."""
+    return (a["loss_kind"], a["compiled"]) == (b["loss_kind"], b["compiled"])
 
 
 # How a pool row's timed steps ran: blocks the pool did not see (under checkpoint, bypassed, lean), its
@@ -163,6 +173,8 @@ def _note(r: dict) -> str | None:
     warm, peak = r.get("warmup_peak_alloc_bytes"), r.get("peak_alloc_bytes")
     if r.get("error") is None and warm and peak and warm > 1.01 * peak:
         return f"warm-up peak {warm / GiB:.2f} GiB"
+    if r.get("runs_failed") and r.get("error") is None:
+        return f"{r['runs_failed']} of {r['runs']} runs failed: {r.get('failed_error')}"
     return r.get("error")
 
 

@@ -33,9 +33,11 @@ def _pool(spec: dict) -> Callable[[], contextlib.AbstractContextManager]:
 # saver name -> (spec -> a context-manager factory entered around forward+backward). "checkpoint",
 # "checkpoint_half" and "checkpoint_first" also set model.checkpoint_blocks (all blocks, the first half,
 # the first spec["fraction"]); "hf_checkpoint" calls an HF model's gradient_checkpointing_enable();
-# "compile" runs torch.compile(model) under spec["memory_budget"] (_prepare does these). When
-# the `as` value has stats() (the pool: cumulative counters), they are read over the timed steps
-# (reset_stats() before, synchronize() after, when it has them).
+# "compile" runs torch.compile(model) under spec["memory_budget"], with the partitioner's CPU offload
+# when spec["partitioner_offload"] (_prepare does these; spec["compile"] compiles the model under
+# another saver: the pool around a compiled model). When the `as` value has stats() (the pool:
+# cumulative counters), they are read over the timed steps (reset_stats() before, synchronize() after,
+# when it has them).
 SAVERS = {
     "none": _no_saver,
     "checkpoint": _no_saver,
@@ -74,6 +76,9 @@ def measure(spec: dict) -> dict:
     saver = SAVERS[spec["saver"]](spec)
     chunked_loss = spec.get("loss") == "chunked"
     torch_chunked_loss = spec.get("loss") == "torch_chunked"
+    hidden: Any = None  # what the chunked losses read: the model up to its head, compiled as the model is
+    if chunked_loss or torch_chunked_loss:
+        hidden = torch.compile(model.hidden) if compiled(spec) else model.hidden
     amp = preset.bf16 and cuda
     entered: list = []  # the saver's `as` value, when it keeps stats (the pool)
     # CPU has no allocator watermark: --sweep counts the bytes saved for backward (what the pool budgets)
@@ -83,9 +88,9 @@ def measure(spec: dict) -> dict:
         with saver() as ctx, saved or contextlib.nullcontext():
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
                 if chunked_loss:  # the head and its loss a chunk of rows at a time: no full logits
-                    loss = linear_cross_entropy(model.hidden(x), model.head.weight, y)
+                    loss = linear_cross_entropy(hidden(x), model.head.weight, y)
                 elif torch_chunked_loss:  # torch's own, chunked as its options pick; (N, d) rows only
-                    h, options = model.hidden(x).flatten(0, -2), torch.nn.LinearCrossEntropyOptions()
+                    h, options = hidden(x).flatten(0, -2), torch.nn.LinearCrossEntropyOptions()
                     loss = F.linear_cross_entropy(h, model.head.weight, y.flatten(), options=options)
                 else:
                     loss = preset.loss(forward, x, y)
@@ -159,14 +164,21 @@ def _prepare(model, spec: dict):
         model.checkpoint_reentrant = reentrant
     elif saver.startswith("checkpoint"):  # an HF model: its own checkpointing is hf_checkpoint
         raise ValueError(f"{saver} checkpoints model.blocks; {type(model).__name__} has none")
-    if saver == "compile":
+    if compiled(spec):
         import torch
 
         from .. import torch_private as tp
 
         tp.set_compile_memory_budget(spec["memory_budget"])  # read when the backward graph is partitioned
+        if spec.get("partitioner_offload"):
+            tp.enable_partitioner_offload()
         return torch.compile(model)
     return model
+
+
+def compiled(spec: dict) -> bool:
+    """The row runs a torch.compile'd model: the "compile" saver, or spec["compile"] under another."""
+    return spec["saver"] == "compile" or bool(spec.get("compile"))
 
 
 def _saver_stats(entered: list, steps: int) -> dict | None:
