@@ -41,7 +41,7 @@ def main() -> None:
     pool = Pool(budget=int(budget_gib * GiB), policy="cost_aware", treatments=make_treatments(ways))
     host_s: dict[str, float] = {}
     # bound methods (the allocator holds weak ones): the budget's choosing and fitting, the pressure handler
-    for owner, name in ((pool.budget, "choices"), (pool.budget, "fit"), (pool, "_on_pressure")):
+    for owner, name in ((pool.budget, "choices"), (pool.budget, "fit"), (pool, "on_pressure")):
         real = getattr(owner, name)
 
         def timed(self, *a, _real=real, _name=name, **k):
