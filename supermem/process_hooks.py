@@ -37,10 +37,10 @@ def push(get_pool: Callable[[], Any]) -> None:
     from . import torch_private as tp
 
     def pack(t: Any) -> Any:
-        return get_pool()._pack(t)
+        return get_pool().pack(t)
 
     def unpack(packed: Any) -> Any:
-        return get_pool()._unpack(packed)
+        return get_pool().unpack(packed)
 
     tp.push_saved_hooks_importing(pack, unpack)
     _hooks[:] = [pack, unpack]

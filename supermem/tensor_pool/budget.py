@@ -70,7 +70,7 @@ class Budget:
         return self.alloc
 
     def register_pressure_handler(self) -> None:
-        """The pool's pressure handler (Pool._on_pressure, held weakly) joins its device's allocator."""
+        """The pool's pressure handler (Pool.on_pressure, held weakly) joins its device's allocator."""
         pool = self._pool
         if self.pressure_registered or not pool.cuda:
             return
@@ -81,7 +81,7 @@ class Budget:
 
             # its own device's allocator only: under DDP each rank's pool, and in one process one pool
             # per device, offloads only where memory is short
-            _C.plugin_add_pressure_handler(_weak_method(pool._on_pressure), pool.device.index)
+            _C.plugin_add_pressure_handler(_weak_method(pool.on_pressure), pool.device.index)
             self.pressure_registered = True
 
     def keep(self) -> None:
@@ -117,7 +117,7 @@ class Budget:
         alloc = self.allocator() if pool.budget_bytes is not None else None
         if alloc is None:
             return
-        with pool._lock:
+        with pool.lock:
             if self.entered == 0 and entered > 0 and self.outside:
                 alloc.take_watermark()
                 self.outside = False
@@ -230,7 +230,7 @@ class Budget:
             return
         if self.soft is None:
             self.keep()
-        pool._settle()  # what finished in the background frees before the pool measures
+        pool.settle()  # what finished in the background frees before the pool measures
         target = self.target()
         over = self.used_bytes() - target
         if over <= 0:
@@ -241,7 +241,7 @@ class Budget:
         for c in pool.policy.choose(self.choices(CANDIDATES), 1 << 62, pool.ledger.tick):
             t = pool.treatments[c.treatment]
             for e in c.frees:
-                if e.state is State.RESIDENT and e.tensor is not None and pool._leave(e, t):
+                if e.state is State.RESIDENT and e.tensor is not None and pool.leave(e, t):
                     over -= e.nbytes - t.device_bytes(e)  # a compressed entry keeps its payload
             if over <= 0:
                 break
@@ -279,9 +279,9 @@ class Budget:
             if x.nbytes > room:
                 break
             room -= x.nbytes
-            pool._come_back(x)
-            pool._counters["prefetches"] += 1
-            pool._prefetched_bytes += x.nbytes
+            pool.come_back(x)
+            pool.count("prefetches")
+            pool.prefetched_bytes += x.nbytes
 
     # ------------------------------------------------------------------ the pressure handler
 
@@ -297,20 +297,20 @@ class Budget:
             return 0
         if pool.rest.resting:
             pool.rest.wake()  # (it holds nothing: the step goes over, its next one is the pool's)
-        with pool._lock:  # the frames belong to the thread holding it (a rebuild's, maybe)
+        with pool.lock:  # the frames belong to the thread holding it (a rebuild's, maybe)
             t0 = time.perf_counter()
             pool.rebuild_times.frames.append(0.0)  # not a rebuild's own time, when one's allocation called it
             try:
                 # (the pool's work inside the model's allocation: GPT-24's loss at 60% of its peak on
                 # an H100 timed 18 ms in a profiled step with it, where its kernels take about 3)
-                return pool._own(self.free_under_pressure, need_bytes)
+                return pool.own_work(self.free_under_pressure, need_bytes)
             finally:
                 pool.rebuild_times.frame_end(t0)
 
     def free_under_pressure(self, need_bytes: int) -> int:
         """The pressure handler's work; the caller holds the lock."""
         pool = self._pool
-        pool._counters["pressure_calls"] += 1
+        pool.count("pressure_calls")
         pool.clock.left = True
         before = self.used_bytes()
         if pool.plans.rec is not None:  # the plan's curve must hold this point too
@@ -329,7 +329,7 @@ class Budget:
         for x in pool.ledger.restoring_entries():
             if before - self.used_bytes() >= need_bytes:
                 break
-            if x.tensor is not None and pool._leave(x, x.treatment):
+            if x.tensor is not None and pool.leave(x, x.treatment):
                 pool.copies.wait(x.event)
         return max(before - self.used_bytes(), 0)
 
@@ -347,7 +347,7 @@ class Budget:
             for victim in c.frees:
                 if victim.tensor is None:
                     continue  # a pressure call nested in one of these leaves (a pack's payload) took it
-                if pool._leave(victim, t):
+                if pool.leave(victim, t):
                     pool.copies.wait(victim.event)
                     t.settle(pool, wait=True)  # a pack's kept original: it must go now
             if before - self.used_bytes() >= need_bytes:

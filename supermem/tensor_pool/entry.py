@@ -118,7 +118,7 @@ class Entry:
     def __del__(self) -> None:
         pool = self._pool()
         if pool is not None:
-            pool._release(self)
+            pool.release(self)
 
     def __repr__(self) -> str:
         how = f" by {self.treatment.name}" if self.treatment is not None else ""

@@ -72,7 +72,7 @@ def env_pool(cfg: Any) -> Pool:
     if "pool" not in _global:
         p = _global["pool"] = pool(cfg.budget, cfg.pool, cfg.host_limit, graphs=cfg.graphs)
         p.always_active = True  # its hooks serve every thread's backward
-        p._start()
+        p.start()
     return _global["pool"]
 
 

@@ -32,7 +32,7 @@ class _Alive:
         pool's count of kept bytes meanwhile (on a CPU, the step's peak is that count)."""
         self.pool: Callable[[], PoolInternals | None] = weakref.ref(pool)  # (_none once released)
         self.nbytes = nbytes
-        with pool._lock:
+        with pool.lock:
             pool.ledger.unseen_live += 1
             pool.ledger.kept_bytes += nbytes
             pool.ledger.note_peak()
@@ -40,7 +40,7 @@ class _Alive:
     def release(self, *_: Any) -> None:
         pool, self.pool = self.pool(), _none
         if pool is not None:  # (autograd's thread may free the graph)
-            with pool._lock:
+            with pool.lock:
                 pool.ledger.unseen_live -= 1
                 pool.ledger.kept_bytes -= self.nbytes
 
@@ -59,7 +59,7 @@ def _pool_hooks(pool: PoolInternals, args: tuple) -> tuple | None:
     pool's hooks off, Plan.bypass, pops them; not the user's own, pushed inside the pool's) and the
     call has an input made in the graph (its hook tells when backward is through the call); else None."""
     top = _top_hooks(False) if _top_hooks is not None else None
-    if top is None or top[0] != pool._pack or not any(x.grad_fn is not None for x in _tensors(args)):
+    if top is None or top[0] != pool.pack or not any(x.grad_fn is not None for x in _tensors(args)):
         return None
     return top
 
@@ -141,13 +141,13 @@ class _Light:
             if self.graphs is not None:
                 self.graphs.note(self, inputs[0])
         if pool is not None:
-            pool._passthrough = True  # the node saves the call's inputs itself: not the step's saves
+            pool.passthrough = True  # the node saves the call's inputs itself: not the step's saves
         try:
             extra = [inputs[j] for j in self.extra]
             attached = _light_apply(self, outputs, len(inputs), _ANCHOR, *inputs, *params, *extra)
         finally:
             if pool is not None:
-                pool._passthrough = False
+                pool.passthrough = False
         for k, x in zip(self.out_places, attached):
             outs[k] = x
         return outs[0] if out_spec is None else tp.tree_unflatten(outs, out_spec)

@@ -38,7 +38,7 @@ class LightGraphs:
         self.pool = weakref.ref(pool)
         self.graphs = ChainGraphs(pool.device, slots=1, forward=False)
         budget = pool.budget_bytes
-        self.cap = costs.LIGHT_GRAPHS_MAX_SHARE * (budget if budget is not None else pool._device_total)
+        self.cap = costs.LIGHT_GRAPHS_MAX_SHARE * (budget if budget is not None else pool.device_total_bytes)
         self.seen: dict[int, set[int]] = {}  # structure (_Block.sig) -> ids of the modules run light
         self.static: dict[int, int] = {}  # structure -> a slot's static bytes
         self.chosen: set[int] | None = None  # the structures graphed (None: to choose again)
@@ -80,7 +80,7 @@ class LightGraphs:
         gx, pairs = self.graphs.backward(kind, light.module, x, grad)
         pool = self.pool()
         if pool is not None:
-            pool._counters["graph_replays"] += 1
+            pool.count("graph_replays")
         unused = {id(info.params[i]) for i in kind.slots[0].unused}
         got = {id(p): g for p, g in pairs if id(p) not in unused}
         return [gx, *(got.get(id(p)) for p in params)]
@@ -109,6 +109,6 @@ def light_graphs_of(pool: Any) -> LightGraphs | None:
     """The pool's LightGraphs, made at its first light call on CUDA; None where it runs none."""
     if not pool.cuda or not pool.graphs:
         return None
-    if pool._light_graphs is None:
-        pool._light_graphs = LightGraphs(pool)
-    return pool._light_graphs
+    if pool.light_graphs is None:
+        pool.light_graphs = LightGraphs(pool)
+    return pool.light_graphs

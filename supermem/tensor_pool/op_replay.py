@@ -208,7 +208,7 @@ class OpReplay:
             for source in self.sources:
                 if isinstance(source, Entry):
                     inputs.append(
-                        pool._unpack_input(source)
+                        pool.unpack_input(source)
                     )  # rebuilt or brought back if away; versions checked
                 else:
                     param, version = source
@@ -222,7 +222,7 @@ class OpReplay:
         finally:
             for x in self.held:
                 in_use.remove(x)
-        pool._counters["replays"] += 1
+        pool.count("replays")
         pool.arrived(e, base.as_strided(e.shape, e.stride, self.offset), None)
 
 
@@ -293,7 +293,7 @@ class OpReplays:
         pool.ledger.in_use += held  # as in a rebuild
         try:
             # An input already taken off the device comes back for this once (its host copy is kept).
-            inputs = [pool._unpack_input(x) if isinstance(x, Entry) else x for x in leaves]
+            inputs = [pool.unpack_input(x) if isinstance(x, Entry) else x for x in leaves]
             for v in variants[0] if variants else (None,):
                 if bitwise_equal(_run(prog, inputs, v, pool.cuda), base):
                     site.ok, site.variant = True, v

@@ -104,7 +104,7 @@ class PlanRunner:
             # an op replay's cost by its site (measured later; the recipe itself holds this step's entries)
             cost = e.recipe.site.cost_s if isinstance(e.recipe, OpReplay) else e.recipe.cost_s(pool)
             self.note_recipe(e.recipe, [e], cost, offloadable=not isinstance(e.recipe, Cast))
-        compress = pool._by_kind.get("compress")
+        compress = pool.by_kind.get("compress")
         if rec.full and compress is not None and compress.takes(e):
             # Each ReLU output priced by its own nonzeros: the share packed so far, one number for all,
             # undercounts the denser ones (after a residual add), and on this repository's CPU a
@@ -116,34 +116,34 @@ class PlanRunner:
         if not self.matches(e):
             return
         self.by_ordinal[e.ordinal] = weakref.ref(e)
-        how = pool._by_kind.get(self.running.treatment.get(e.ordinal, ""))  # ("": kept)
+        how = pool.by_kind.get(self.running.treatment.get(e.ordinal, ""))  # ("": kept)
         if how is not None:
             if how.rebuilds and (e.recipe is None or not e.recipe.ready):
                 self.pending.append(weakref.ref(e))  # its call has not returned yet
             elif how.takes(e):
-                pool._leave(e, how)
+                pool.leave(e, how)
         self.run_events(event)
 
     def lean_pack(self, t: torch.Tensor) -> Any:
         """A save of a step that runs its plan, outside any captured region, in its two common cases
-        at the least host cost: a tensor the pool leaves alone (Pool._left_alone) or one the plan
+        at the least host cost: a tensor the pool leaves alone (Pool.left_alone) or one the plan
         keeps (PlanKept). None for anything else and at a step's first save: the full path
-        (Pool._pack_tensor) decides, by the same rules. A planned step's forward is host-bound on the
+        (Pool.pack_tensor) decides, by the same rules. A planned step's forward is host-bound on the
         H100 hosts: the full path's ~25 us a save added 16 ms to GPT-24's 21 ms forward."""
         pool = self._pool
         if pool.clock.between():
             return None  # this save starts a step
-        left = pool._left_alone(t)
+        left = pool.left_alone(t)
         if left is not None:
-            if pool._settlers:
-                with pool._lock:
-                    pool._settle()
+            if pool.settlers:
+                with pool.lock:
+                    pool.settle()
             return left
         step = pool.clock.step
         if step.ordinals + 1 not in self.running.lean:
             return None
         key = dedup_key(t)
-        with pool._lock:
+        with pool.lock:
             if key in pool.ledger.dedup:
                 return None  # saved twice: one entry (the full path)
             return self.keep(t, key, step)
@@ -162,7 +162,7 @@ class PlanRunner:
             or not ((light_ok and start in plan.light) or (bypass_ok and start in plan.bypass))
         ):
             return None
-        with pool._lock:
+        with pool.lock:
             if start == 0 and pool.clock.between():
                 pool.clock.current()  # the call opens the step: it begins now, not at its first save
             if not self.plan_ok or self.timeline.full or pool.clock.step.ordinals != start:
@@ -186,7 +186,7 @@ class PlanRunner:
         recorded ordinal, so that save finds it (Plan.outputs). Its bytes count here for a call run
         light (which saves nothing itself); a bypassed call's count them already."""
         pool = self._pool
-        with pool._lock:
+        with pool.lock:
             step, plan = pool.clock.step, self.running
             for ordinal, k in plan.outputs.get(step.ordinals, ()):
                 t = outputs[k] if k < len(outputs) else None
@@ -203,12 +203,12 @@ class PlanRunner:
     def unseen_done(self, end: int, light: bool, lean: LeanCall | None) -> None:
         """A call the pool did not see returned: the step's saves skip to the plan's count at its end."""
         pool = self._pool
-        with pool._lock:
+        with pool.lock:
             pool.clock.step.ordinals = end
-            pool._counters["light_calls" if light else "bypassed_calls"] += 1
+            pool.count("light_calls" if light else "bypassed_calls")
             if lean is not None:
-                pool._counters["lean_calls"] += 1
-                pool._counters["lean_drops"] += lean.dropped
+                pool.count("lean_calls")
+                pool.count("lean_drops", lean.dropped)
 
     def keep(self, t: Any, key: tuple, step: Step) -> PlanKept | None:
         """The next saved tensor, which the plan keeps and no planned rebuild reads: a PlanKept, not an
@@ -220,7 +220,7 @@ class PlanRunner:
             return None
         step.ordinals = ordinal
         kept = self.new_kept(t, ordinal, nbytes, step, key)
-        pool._counters["packed"] += 1
+        pool.count("packed")
         self.run_events(self.timeline.packed(ordinal, nbytes, pool.budget.used_bytes()))
         return kept
 
@@ -237,7 +237,7 @@ class PlanRunner:
     def unpack_kept(self, k: PlanKept) -> Any:
         pool = self._pool
         t = k.unpack()  # the version check autograd skips under hooks
-        with pool._lock:
+        with pool.lock:
             event = self.used(k)
             if event is not None and self.plan_ok:
                 self.run_events(event)
@@ -263,7 +263,7 @@ class PlanRunner:
     def release_kept(self, k: PlanKept) -> None:
         try:
             pool = self._pool
-            with pool._lock:
+            with pool.lock:
                 pool.ledger.kept_bytes -= k.nbytes
                 pool.ledger.kept_live -= 1
                 self.forget(k)
@@ -293,7 +293,7 @@ class PlanRunner:
                 if x is None or x.recipe is None or x.state is not State.RESIDENT:
                     continue
                 if x.recipe.ready:
-                    pool._leave(x, pool._by_kind["recompute"])
+                    pool.leave(x, pool.by_kind["recompute"])
                 else:
                     still.append(ref)
             self.pending = still
@@ -347,7 +347,7 @@ class PlanRunner:
                     rec.event_of = plan.event_of
                 return True
         self.plan_ok = False
-        pool._counters["plan_misses"] += 1
+        pool.count("plan_misses")
         return False
 
     def expects(self, ordinal: int, nbytes: int) -> bool:
@@ -360,14 +360,14 @@ class PlanRunner:
         for o in plan.wait_at.get(event, ()):  # backpressure: the copy lands before the spike
             x = self.planned_entry(o)
             if x is not None and x.state is State.LEAVING and x.event is not None and not x.event.query():
-                pool._counters["backpressure_waits"] += 1
+                pool.count("backpressure_waits")
                 pool.copies.wait(x.event)
         for o in plan.prefetch_at.get(event, ()):
             x = self.planned_entry(o)
             if x is not None and x.state in (State.LEAVING, State.AWAY) and x.left_by.prefetch:
-                pool._come_back(x)
-                pool._counters["prefetches"] += 1
-                pool._prefetched_bytes += x.nbytes
+                pool.come_back(x)
+                pool.count("prefetches")
+                pool.prefetched_bytes += x.nbytes
 
     def planned_entry(self, ordinal: int) -> Entry | None:
         ref = self.by_ordinal.get(ordinal)
@@ -417,7 +417,7 @@ class PlanRunner:
             return
         if not rec.regions_on:
             return
-        offload, compress = pool._by_kind.get("offload"), pool._by_kind.get("compress")
+        offload, compress = pool.by_kind.get("offload"), pool.by_kind.get("compress")
         if offload:
             offload.probe(pool)
         profile = rec.profile(
@@ -468,7 +468,7 @@ class PlanRunner:
             oldest = next(iter(self.cached))
             del self.cached[oldest]
             self.profiles.pop(oldest, None)
-        pool._counters["plans"] += 1
+        pool.count("plans")
 
     def check_plan(self, plan: Plan, budget_bytes: int) -> None:
         """A step that ran a feasible plan and still rose over the budget (a transient that fell
@@ -485,7 +485,7 @@ class PlanRunner:
             return
         self.replans[sig] = self.replans.get(sig, 0) + 1
         self.aim[sig] = self.aim.get(sig, 0) + over
-        pool._counters["replans"] += 1
+        pool.count("replans")
         self.plan_from(self.profiles[sig], budget_bytes)
 
     def stats(self) -> PlanStats | None:

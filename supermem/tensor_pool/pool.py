@@ -84,26 +84,26 @@ class Pool:
         self.cuda = self.device.type == "cuda"
         self.nvtx = nvtx_wanted(self.cuda)  # SUPERMEM_NVTX: its work as NVTX ranges too (labels.py)
         total = torch.cuda.get_device_properties(self.device).total_memory if self.cuda else None
-        self._device_total = total
+        self.device_total_bytes = total
         self.budget_bytes = budget_bytes_of(budget, total, self.device)
         self.policy = policy_of(policy, budget)
         check_graphs_and_min_bytes(graphs, min_bytes)
         self.graphs = graphs
-        self._light_graphs: Any = None  # LightGraphs, made at the first light call on CUDA
+        self.light_graphs: Any = None  # LightGraphs, made at the first light call on CUDA
         self.planning = self.policy.plans
         self.rest = Rest(self)  # a plan that moves nothing: its steps run without the hooks
         self.plans = PlanRunner(self)  # the planned policy's part: plans by shape, the step's recorder
         chosen = checked_treatments(treatments) if treatments is not None else ()
         self.treatments = {t.name: t for t in chosen or (Offload(), Recompute())}
-        self._by_kind: dict[str, Treatment] = {}  # what the plan uses for each kind: the first given
+        self.by_kind: dict[str, Treatment] = {}  # what the plan uses for each kind: the first given
         for t in self.treatments.values():
-            self._by_kind.setdefault(t.kind, t)
+            self.by_kind.setdefault(t.kind, t)
         # the treatment that rebuilds from recipes, where the policy may use it: regions are profiled
         # and op recipes made only then
         self._rebuilder = next(
             (t for t in self.treatments.values() if t.rebuilds and t.kind in self.policy.kinds), None
         )
-        self._settlers = [t for t in self.treatments.values() if type(t).settle is not Treatment.settle]
+        self.settlers = [t for t in self.treatments.values() if type(t).settle is not Treatment.settle]
         host_bytes = host_bytes_of(host_limit)
         self.host = shared_host_pool(self.device, host_bytes)  # one per device, shared with the streamer
         self.copies = CopyEngine(self.device)
@@ -115,16 +115,16 @@ class Pool:
         self._op_recipes = self._rebuilder is not None
         # torch.compile'd graphs' saved tensors: left where they are, planned through the compiler
         self.compiled = CompiledGraphs(self)
-        self._lock = threading.RLock()
+        self.lock = threading.RLock()
         self.ledger = Ledger()
         self.clock = StepClock(self, self.ledger)
         self.budget = Budget(self)
         self.closed = False  # close() was called (supermem.pool(...) then makes a new one)
-        self._passthrough = False  # saves not the step's (checkpoint's own of its inputs): left alone
-        self._busy_s = 0.0  # minus the seconds spent fitting the budget (CPU region timing)
+        self.passthrough = False  # saves not the step's (checkpoint's own of its inputs): left alone
+        self.busy_s = 0.0  # minus the seconds spent fitting the budget (CPU region timing)
         self._counters = dict.fromkeys(COUNTERS, 0)
-        self._prefetched_bytes = 0
-        self._local = threading.local()  # per thread: the stack of entered hook contexts
+        self.prefetched_bytes = 0
+        self.per_thread = threading.local()  # per thread: the stack of entered hook contexts
         self.always_active = False  # SUPERMEM_CONF's pool: hooks pushed for every thread's backward
         self.rebuild_times = RebuildTimes()  # host seconds of each kind of rebuild, its own
         serve_to_top(self)
@@ -134,42 +134,45 @@ class Pool:
     def __enter__(self) -> Pool:
         """Re-entrant, and per thread: saved-tensor hooks are thread-local, so each thread keeps its
         own stack of entered contexts."""
-        self._start()
+        self.start()
         self.budget.watch(+1)  # (first: the watermark since the last exit is not the step's, nor _rests')
-        stack = self._local.__dict__.setdefault("stack", [])
+        stack = self.per_thread.__dict__.setdefault("stack", [])
         if self.rest.enter(outermost=not stack):
             stack.append(Resting())
         else:
-            hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+            hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
             hooks.__enter__()
             stack.append(hooks)
         self.compiled.entered()  # graphs compiled inside compile at its share (last: the rest may raise)
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        stack = self._local.stack
+        stack = self.per_thread.stack
         stack.pop().__exit__(*exc)
         if stack and isinstance(stack[-1], Resting) and not self.rest.resting:  # woken inside: the hooks
             stack[-1].wake(self)  # stay on in the context around
         self.budget.watch(-1)
         self.compiled.exited()
 
-    def _start(self) -> None:
+    def start(self) -> None:
+        """What entering does first; the SUPERMEM_CONF pool, whose hooks serve every thread, is never
+        entered and calls it at its first use (factory.env_pool)."""
         self.budget.register_pressure_handler()
         self.budget.keep()
         if self._rebuilder is not None:
             self.regions.start_profiling()
 
-    def _active_here(self) -> bool:
-        return self.always_active or bool(getattr(self._local, "stack", None))
+    def active_here(self) -> bool:
+        """Whether the pool's hooks serve this thread now."""
+        return self.always_active or bool(getattr(self.per_thread, "stack", None))
 
-    def _on_pressure(self, need_bytes: int) -> int:
+    def on_pressure(self, need_bytes: int) -> int:
         """The allocator's pressure handler (Budget.on_pressure), weakly held by it."""
         return self.budget.on_pressure(need_bytes)
 
     # ------------------------------------------------------------------ hooks
 
-    def _own(self, fn: Any, *args: Any) -> Any:
+    def own_work(self, fn: Any, *args: Any) -> Any:
         """`fn(*args)`, the pool's own work: a step being recorded takes its pace without it
         (Recorder.pause)."""
         rec = self.plans.rec
@@ -181,41 +184,43 @@ class Pool:
         finally:
             rec.resume()
 
-    def _pack(self, t: torch.Tensor) -> Any:
-        if self._passthrough:
+    def pack(self, t: torch.Tensor) -> Any:
+        """The saved-tensor pack hook."""
+        if self.passthrough:
             return t
         if self.nvtx or recording():  # (checked here: a range, even an empty one, costs every saved tensor)
             with label("pack", nvtx=self.nvtx):
-                return self._own(self._pack_saved, t)
-        return self._own(self._pack_saved, t)
+                return self.own_work(self.pack_saved, t)
+        return self.own_work(self.pack_saved, t)
 
-    def _pack_saved(self, t: torch.Tensor) -> Any:
+    def pack_saved(self, t: torch.Tensor) -> Any:
+        """The pack hook's work, inside own_work: what a recorded step does not count."""
         if self.compiled.saved_by_graph(t):
             return GraphKept(t, self.compiled)  # moving it would cost time and save nothing: compiled.py
         if self.plans.plan_ok and self.regions.top() is None:
             packed = self.plans.lean_pack(t)  # plan_run.py: a running plan's common saves, fast
             if packed is not None:
                 return packed
-        packed = self._pack_tensor(t)
+        packed = self.pack_tensor(t)
         region = self.regions.top()
         if region is not None:
             region.saw(packed, t)  # before the budget is fitted: the region may claim it
         t0 = 0.0 if self.cuda else time.perf_counter()
-        with self._lock:
+        with self.lock:
             if isinstance(packed, Entry):
                 self.budget.fit()
             else:  # a small or kept tensor: no fitting, but what finished in the background still goes
-                self._settle()
+                self.settle()
         if not self.cuda:  # region timers on CPU leave the pool's work out (on a GPU they time kernels)
-            self._busy_s -= time.perf_counter() - t0
+            self.busy_s -= time.perf_counter() - t0
         return packed
 
-    def _settle(self) -> None:
+    def settle(self) -> None:
         """What finished in the background frees (only treatments that work in the background)."""
-        for treatment in self._settlers:
+        for treatment in self.settlers:
             treatment.settle(self)
 
-    def _left_alone(self, t: torch.Tensor) -> Any:
+    def left_alone(self, t: torch.Tensor) -> Any:
         """What the pool does not track: `t` itself where it is not ours to move (sparse, nested, meta,
         subclasses: no version to check either), a Kept where moving it frees nothing or is not worth
         it (its version still checked at unpack); None for a tensor the pool tracks."""
@@ -234,14 +239,14 @@ class Pool:
         start = getattr(self.regions.top(), "start", None)
         return start is not None and getattr(e, "ordinal", 0) > start
 
-    def _pack_tensor(self, t: torch.Tensor, saved: bool = True) -> Any:
+    def pack_tensor(self, t: torch.Tensor, saved: bool = True) -> Any:
         """`saved`: autograd saves `t` (False: a region keeps its input for a replay)."""
-        left = self._left_alone(t)
+        left = self.left_alone(t)
         if left is not None:
             return left
         t0 = time.perf_counter()
         key = dedup_key(t)
-        with self._lock:
+        with self.lock:
             step = self.clock.current()
             self.ledger.tick += 1
             same = self.ledger.saved(key)
@@ -282,11 +287,12 @@ class Pool:
                     self.plans.rec.capture_made.add(e.ordinal)
             return e
 
-    def _unpack(self, packed: Any) -> torch.Tensor:
+    def unpack(self, packed: Any) -> torch.Tensor:
+        """The saved-tensor unpack hook."""
         if self.nvtx or recording():
             with label("unpack", nvtx=self.nvtx):
-                return self._own(self._unpack_saved, packed)
-        return self._own(self._unpack_saved, packed)
+                return self.own_work(self._unpack_saved, packed)
+        return self.own_work(self._unpack_saved, packed)
 
     def _unpack_saved(self, packed: Any) -> torch.Tensor:
         if type(packed) is PlanKept:
@@ -294,13 +300,13 @@ class Pool:
         if type(packed) is Kept or type(packed) is GraphKept:
             self.clock.backward_began()
             if self.regions.phase == "profiling":  # backward began, and maybe no entry was saved at all
-                with self._lock:
+                with self.lock:
                     self.regions.end_profiling()
             return packed.unpack()
         if not isinstance(packed, Entry):
             return packed
         check_version(packed)
-        with self._lock:
+        with self.lock:
             if self.regions.phase == "profiling":
                 self.regions.end_profiling()
             event = self.plans.used(packed)
@@ -313,7 +319,7 @@ class Pool:
                 self.budget.prefetch_before(packed)
             return t
 
-    def _unpack_input(self, packed: Any) -> Any:
+    def unpack_input(self, packed: Any) -> Any:
         """A region's input for its replay (materialized; recursively replayed if it was dropped)."""
         if isinstance(packed, Entry):
             check_version(packed)
@@ -324,17 +330,17 @@ class Pool:
 
     # ------------------------------------------------------------------ moving entries
 
-    def _region_done(self, region: Any = None, outputs: list | None = None) -> None:
+    def region_done(self, region: Any = None, outputs: list | None = None) -> None:
         """A region's entries just became recomputable: they may be what the budget needs (or what
         the plan said to drop). `outputs`: the call's output tensors."""
         # Under the lock: another thread's entry may die meanwhile, and a dying entry is still reached
         # by its weak references while its __del__ waits for the lock (found with two threads training
         # through one pool: an entry left with its tensor gone, 'NoneType' has no attribute 'data_ptr').
-        with self._lock:
+        with self.lock:
             self.plans.region_done(region, outputs)
             self.budget.fit()
 
-    def _leave(self, e: Entry, t: Treatment) -> bool:
+    def leave(self, e: Entry, t: Treatment) -> bool:
         """Takes a resident entry off the device by treatment `t`; False when `t` cannot."""
         if e.treatment is not None and e.treatment is not t:
             e.treatment.forget(self, e)
@@ -358,7 +364,7 @@ class Pool:
         self.clock.left = True
         return True
 
-    def _come_back(self, e: Entry) -> None:
+    def come_back(self, e: Entry) -> None:
         """Starts bringing `e` back by its treatment."""
         how = e.left_by
         with label(how.name, ".restore", self.nvtx):
@@ -373,7 +379,7 @@ class Pool:
                 sampled = self._host_bound_now()
                 self.rebuild_times.frames.append(0.0)
                 try:
-                    self._come_back(e)
+                    self.come_back(e)
                 finally:
                     rebuilt = e.left_by.rebuilds and e.recipe is not None
                     self.rebuild_times.frame_end(t0, type(e.recipe).__name__ if rebuilt and sampled else None)
@@ -397,10 +403,10 @@ class Pool:
 
     # ------------------------------------------------------------------ bookkeeping
 
-    def _release(self, e: Entry) -> None:
+    def release(self, e: Entry) -> None:
         """The entry died (autograd dropped it): give its memory back."""
         try:
-            with self._lock:
+            with self.lock:
                 payload = self.ledger.release(e)
                 self.plans.forget(e)
                 if payload is not None and self.plans.rec is not None and e.step is self.clock.step:
@@ -462,7 +468,7 @@ class Pool:
 
     def check(self) -> None:
         """Walks the entries; raises AssertionError if the accounting or a treatment's invariant is off."""
-        with self._lock:
+        with self.lock:
             self.ledger.check(self)
             self.host.allocator.check()
 
@@ -470,7 +476,7 @@ class Pool:
         """Bytes by state and by treatment, totals moved, achieved copy rates (GB/s) and the share of
         copy time that compute did not wait for (hidden_fraction). Reads finished copy timings; does
         not sync."""
-        with self._lock:
+        with self.lock:
             by_state, count, away = self.ledger.by_state(self.treatments)
             c = self.copies.collect()
             copy_seconds = c.d2h_seconds + c.h2d_seconds
@@ -486,7 +492,7 @@ class Pool:
                 "largest_entry_bytes": self.ledger.largest_entry,
                 "budget_bytes": self.budget_bytes,
                 "margin_bytes": self.budget.margin,
-                "prefetched_bytes": self._prefetched_bytes,
+                "prefetched_bytes": self.prefetched_bytes,
                 "regions": len(self.regions.modules),
                 "light_split_misses": self.regions.split_misses,
                 "compiled_kept_bytes": self.compiled.kept_bytes,
@@ -524,9 +530,9 @@ class Pool:
         self.closed = True
 
     def reset_stats(self) -> None:
-        with self._lock:
+        with self.lock:
             self.copies.collect(block=True)
             self.copies.stats = type(self.copies.stats)()
             self._counters = dict.fromkeys(self._counters, 0)
-            self._prefetched_bytes = 0
+            self.prefetched_bytes = 0
             self.ledger.peak_resident_bytes = self.ledger.device_bytes + self.ledger.kept_bytes

@@ -1,9 +1,10 @@
 """The port: what a treatment, a recipe, a region or a light call may use of the pool that holds it.
 
 The pool implements it (pool.py); the parts are typed against it and none of them imports the pool.
-PoolPort is the narrow, public part, all a treatment or a weight-cast recipe uses. PoolInternals adds
-the members that regions, op and lean replays, light-call graphs and entries still reach into: each
-leaves that list once the pool offers what it does in public words. PoolOwner is the pool as the parts
+Every name here is public: nothing outside pool.py reaches a pool's underscore members.
+PoolPort is the narrow part, all a treatment or a weight-cast recipe uses. PoolInternals adds what
+regions, op and lean replays, light-call graphs and entries use: the pool's parts and its hooks'
+steps (pack a tensor, unpack a region's input, release an entry). PoolOwner is the pool as the parts
 it owns (its budget, plan runner, rest, step clock, compiled graphs) see it, through `owner`.
 """
 
@@ -55,28 +56,40 @@ class PoolPort(Protocol):
 
 class PoolInternals(PoolPort, Protocol):
     """What regions and light calls (regions.py, region.py, light.py), op and lean replays, light-call
-    graphs and entries still use: the pool's parts (the plan runner, the ledger, the step clock, the
-    rest) and a few members of its own."""
+    graphs and entries use: the pool's parts (the plan runner, the ledger, the step clock, the rest)
+    and the steps of its hooks."""
 
     # (typed Any: the parts import this module, and an import back, even for types, is a circle)
     plans: Any  # PlanRunner (plan_run.py)
     ledger: Any  # Ledger (ledger.py)
     clock: Any  # StepClock (step.py)
     rest: Any  # Rest (rest.py)
-    _counters: dict[str, int]
-    _lock: Any
-    _passthrough: bool
-    _busy_s: float
-    _device_total: int | None
-    _light_graphs: Any
+    lock: Any  # the pool's RLock: entries, ledger and plan change under it
+    passthrough: bool  # saves are left alone (a checkpoint's own of its inputs)
+    busy_s: float  # minus the seconds the pool spent in its own work (CPU region timing)
+    device_total_bytes: int | None  # the card's memory; None on CPU
+    light_graphs: Any  # LightGraphs (light_graphs.py), made at the first light call on CUDA
 
-    def _active_here(self) -> bool: ...
-    def _own(self, fn: Any, *args: Any) -> Any: ...
-    def _pack(self, t: torch.Tensor) -> Any: ...
-    def _pack_tensor(self, t: torch.Tensor, saved: bool = True) -> Any: ...
-    def _region_done(self, region: Any = None, outputs: list | None = None) -> None: ...
-    def _unpack_input(self, packed: Any) -> Any: ...
-    def _release(self, e: Any) -> None: ...
+    def active_here(self) -> bool:
+        """Whether the pool's hooks serve this thread now."""
+
+    def own_work(self, fn: Any, *args: Any) -> Any:
+        """`fn(*args)` as the pool's own work: a step being recorded does not count its seconds."""
+
+    def pack(self, t: torch.Tensor) -> Any:
+        """The pool's pack hook."""
+
+    def pack_tensor(self, t: torch.Tensor, saved: bool = True) -> Any:
+        """`t` as the pool keeps it: an Entry, or what it leaves alone (saved False: a region's input)."""
+
+    def region_done(self, region: Any = None, outputs: list | None = None) -> None:
+        """A region's call ended: its entries became recomputable."""
+
+    def unpack_input(self, packed: Any) -> Any:
+        """A region's input back on the device, for its replay."""
+
+    def release(self, e: Any) -> None:
+        """Entry `e` died: its memory goes back."""
 
 
 class PoolOwner(PoolInternals, Protocol):
@@ -90,17 +103,28 @@ class PoolOwner(PoolInternals, Protocol):
     always_active: bool
     treatments: dict[str, Any]  # Treatment (treatments/base.py) by name
     rebuild_times: RebuildTimes
-    _by_kind: dict[str, Any]  # the Treatment a plan uses for each kind
-    _settlers: list[Any]
-    _prefetched_bytes: int
-    _local: threading.local
+    by_kind: dict[str, Any]  # the Treatment a plan uses for each kind
+    settlers: list[Any]  # the treatments that finish work in the background
+    prefetched_bytes: int
+    per_thread: threading.local  # per thread: the stack of entered hook contexts
 
-    def _leave(self, e: Any, t: Any) -> bool: ...
-    def _come_back(self, e: Any) -> None: ...
-    def _settle(self) -> None: ...
-    def _left_alone(self, t: torch.Tensor) -> Any: ...
-    def _on_pressure(self, need_bytes: int) -> int: ...
-    def _unpack(self, packed: Any) -> torch.Tensor: ...
+    def leave(self, e: Any, t: Any) -> bool:
+        """Takes entry `e` off the device by treatment `t`; False when `t` cannot."""
+
+    def come_back(self, e: Any) -> None:
+        """Starts bringing entry `e` back by its treatment."""
+
+    def settle(self) -> None:
+        """What the treatments finished in the background frees."""
+
+    def left_alone(self, t: torch.Tensor) -> Any:
+        """What the pool keeps of `t` without an entry, or None where it makes one."""
+
+    def on_pressure(self, need_bytes: int) -> int:
+        """The allocator's pressure handler: frees about `need_bytes`, returns the bytes freed."""
+
+    def unpack(self, packed: Any) -> torch.Tensor:
+        """The pool's unpack hook."""
 
 
 P = TypeVar("P")

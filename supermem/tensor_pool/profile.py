@@ -202,7 +202,7 @@ class EventCounter:
     ) -> None:
         self.event_of = event_of or {}
         self.tail_from = tail_from
-        self.timing = tail_from is not None  # the pool's calls pause and resume the clock (Pool._own)
+        self.timing = tail_from is not None  # the pool's calls pause and resume the clock (Pool.own_work)
         self.cuda = cuda
         self.clock: SegmentClock | None = None
         self.depth = 0  # the pool's calls open now
@@ -284,7 +284,7 @@ class Recorder:
         # ordinals; kind; a region's start and end). Not the recipe itself: a region holds its inputs'
         # entries, which must die with the step.
         self.units: dict[int, tuple[Any, list[int], int, list[int], str, int | None, int | None]] = {}
-        self.entry_s: list[float] = []  # host seconds to make each entry (Pool._pack_tensor)
+        self.entry_s: list[float] = []  # host seconds to make each entry (Pool.pack_tensor)
         self.resaved: dict[int, set[int | None]] = {}  # Profile.resaved
         self.calls: list[tuple[int, tuple]] = []  # (id(module), kind) of each region call, in order
         self.no_bypass: set[int] = set()  # Profile.no_bypass

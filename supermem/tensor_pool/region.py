@@ -462,11 +462,11 @@ class _Input:
     __slots__ = ("packed", "requires_grad")
 
     def __init__(self, pool: PoolInternals, x: torch.Tensor):
-        self.packed = pool._pack_tensor(x, saved=False)
+        self.packed = pool.pack_tensor(x, saved=False)
         self.requires_grad = x.requires_grad
 
     def get(self, pool: PoolInternals) -> torch.Tensor:
-        return pool._unpack_input(self.packed).detach().requires_grad_(self.requires_grad)
+        return pool.unpack_input(self.packed).detach().requires_grad_(self.requires_grad)
 
 
 def _start_timer(pool: PoolInternals) -> Any:
@@ -476,7 +476,7 @@ def _start_timer(pool: PoolInternals) -> Any:
         start = torch.cuda.Event(enable_timing=True)
         start.record()
         return ("cuda", start, None)
-    return ("cpu", time.perf_counter() + pool._busy_s, None)
+    return ("cpu", time.perf_counter() + pool.busy_s, None)
 
 
 def _stop_timer(timer: Any, pool: PoolInternals | None) -> Any:
@@ -486,7 +486,7 @@ def _stop_timer(timer: Any, pool: PoolInternals | None) -> Any:
         end = torch.cuda.Event(enable_timing=True)
         end.record()
         return (kind, start, end)
-    return (kind, start, time.perf_counter() + (pool._busy_s if pool is not None else 0.0))
+    return (kind, start, time.perf_counter() + (pool.busy_s if pool is not None else 0.0))
 
 
 def _read_timer(timer: Any) -> float | None:

@@ -242,9 +242,7 @@ class Regions:
         return st[-1] if st else None
 
     def _capturing(self, pool: PoolInternals) -> bool:
-        return (
-            torch.is_grad_enabled() and pool._active_here() and not getattr(self._local, "replaying", False)
-        )
+        return torch.is_grad_enabled() and pool.active_here() and not getattr(self._local, "replaying", False)
 
     def _profile_pre(self, module: torch.nn.Module, args: tuple) -> None:
         pool = self._pool()
@@ -282,7 +280,7 @@ class Regions:
             if self._capturing(pool):
                 pool.rest.call((id(module), _kind(module, args, kwargs)))
             return
-        pool._own(self._pre_call, module, args, kwargs, pool)
+        pool.own_work(self._pre_call, module, args, kwargs, pool)
 
     def refuse(self, module: torch.nn.Module, why: str) -> None:
         """`module` is never replayed from now on (see the module's docstring), said once."""
@@ -359,7 +357,7 @@ class Regions:
             return None  # (resting: nothing to undo, unless the call began before the rest did)
         if pool is None:
             return self._post_call(module, args, kwargs, output)  # (the hooks a call popped go back still)
-        return pool._own(self._post_call, module, args, kwargs, output)
+        return pool.own_work(self._post_call, module, args, kwargs, output)
 
     def _post_call(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         unseen = getattr(self._local, "unseen", None)
@@ -417,7 +415,7 @@ class Regions:
             self.outside_uses.note(module, _tensors(call), _tensors(output), readers)
             if self.uses.get(module, ()) is None and pool.plans.rec is not None and pool.plans.rec.full:
                 pool.plans.rec.no_light.add(region.start)
-            pool._region_done(region, _tensors(output))
+            pool.region_done(region, _tensors(output))
         else:
             self.outside_uses.missed(module)
 

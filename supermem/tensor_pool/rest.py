@@ -34,7 +34,7 @@ class Resting:
         """The pool's hooks on from here, unless other hooks were pushed since the entry (they would be
         popped first, with the pool's above them): then from the next step."""
         if self.hooks is None and _top_hooks is not None and _top_hooks(False) == self.top:
-            hooks = torch.autograd.graph.saved_tensors_hooks(pool._pack, pool._unpack)
+            hooks = torch.autograd.graph.saved_tensors_hooks(pool.pack, pool.unpack)
             hooks.__enter__()  # (it may raise: under disable_saved_tensors_hooks)
             self.hooks = hooks
 
@@ -70,7 +70,7 @@ class Rest:
                     self.wake()  # (a frozen layer thawed: saves the plan never saw)
                     return False
                 self.k = 0
-                pool._counters["rest_steps"] += 1
+                pool.count("rest_steps")
             return True
         plan = plans.plan
         if not outermost or self.never or not pool.planning or pool.always_active or plan is None:
@@ -78,7 +78,7 @@ class Rest:
         calls = getattr(plans.profiles.get(plan.signature), "calls", None)
         if not plan.idle or not calls or not plans.plan_ok or plans.rec is None or plans.rec.full:
             return False
-        with pool._lock:
+        with pool.lock:
             s = pool.clock.step
             if (
                 len(plans.cached) != 1
@@ -112,7 +112,7 @@ class Rest:
         pool = self._pool
         self.resting, self.never = False, True
         self.params = []
-        pool._counters["rest_wakes"] += 1
-        stack = getattr(pool._local, "stack", None)
+        pool.count("rest_wakes")
+        stack = getattr(pool.per_thread, "stack", None)
         if stack and isinstance(stack[-1], Resting):
             stack[-1].wake(pool)

@@ -41,7 +41,7 @@ def main() -> None:
     pool = Pool(budget=int(budget_gib * GiB), policy="cost_aware", treatments=make_treatments(ways))
     host_s: dict[str, float] = {}
     # bound methods (the allocator holds weak ones): the budget's choosing and fitting, the pressure handler
-    for owner, name in ((pool.budget, "choices"), (pool.budget, "fit"), (pool, "_on_pressure")):
+    for owner, name in ((pool.budget, "choices"), (pool.budget, "fit"), (pool, "on_pressure")):
         real = getattr(owner, name)
 
         def timed(self, *a, _real=real, _name=name, **k):
@@ -83,7 +83,7 @@ def main() -> None:
               f" packed/tensor {c._packed_bytes / max(1, c._tensor_bytes):.3f}")  # fmt: skip
     off = pool.treatments.get("offload")
     if off is not None:
-        print(f"link {off.rate(pool) / 1e9:.1f} GB/s, last forward {pool._last_forward_s * 1e3:.1f} ms")
+        print(f"link {off.rate(pool) / 1e9:.1f} GB/s, last forward {pool.clock.last_forward_s * 1e3:.1f} ms")
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ PIECES = (  # (module, class or None, attribute)
     ("light", "_Alive", "__init__"),
     ("call_state", "CallState", "__init__"),
     ("light_graphs", "LightGraphs", "note"),
-    ("pool", "Pool", "_pack"),
+    ("pool", "Pool", "pack"),
     ("plan_run", "PlanRunner", "unseen_call"),
     ("plan_run", "PlanRunner", "unseen_outputs"),
     ("step", "StepClock", "region_start"),

@@ -57,8 +57,8 @@ def spy() -> None:
 
 
 # (the pool's class or the part holding the method, its name)
-HOOKED = (("Pool", "_pack"), ("Pool", "_unpack"), ("Ledger", "add_resident"), ("Budget", "fit"))
-HOOKED += (("PlanRunner", "planned_pack"), ("Budget", "prefetch_before"), ("Pool", "_on_pressure"))
+HOOKED = (("Pool", "pack"), ("Pool", "unpack"), ("Ledger", "add_resident"), ("Budget", "fit"))
+HOOKED += (("PlanRunner", "planned_pack"), ("Budget", "prefetch_before"), ("Pool", "on_pressure"))
 host_s: dict = collections.defaultdict(float)
 
 

@@ -178,7 +178,7 @@ def test_hook_costs_times_the_pools_pieces_inside_planned_steps():
     assert {line.split()[0] for line in lines if " step " in line} == {"native", "planned"}, out
     start = next(i for i, line in enumerate(lines) if line.startswith("piece "))
     rows = {line.split()[0]: [float(v) for v in line.split()[1:]] for line in lines[start + 1 :]}
-    assert {"Regions._pre_call", "Regions._post_call", "Pool._pack"} <= set(rows), out
+    assert {"Regions._pre_call", "Regions._post_call", "Pool.pack"} <= set(rows), out
     for calls, median_us, mean_us, ms in rows.values():
         assert calls > 0 and median_us > 0 and mean_us > 0, out
         # ms a step is calls x mean (a piece of 2 calls of 2 us prints 0.00): equal within their rounding

@@ -61,7 +61,7 @@ def compress_all(pool):
     c = pool.treatments["compress"]
     for e in live_entries(pool):
         if c.applies(e):
-            pool._leave(e, c)
+            pool.leave(e, c)
     return c
 
 
@@ -243,14 +243,14 @@ def test_a_replayed_region_frees_the_payloads_of_its_compressed_entries():
     for timing in compress._timing.values():  # priced as measured and cheap: the relu outputs compress
         timing.s_per_byte, timing._runs = 1e-15, 1 << 30  # first, their region's other entries drop
     pool = Pool(budget=0, policy="cost_aware", host_limit="64MiB", treatments=(Recompute(), compress))
-    stale, unpack = [], pool._unpack
+    stale, unpack = [], pool.unpack
 
     def checked(packed):
         t = unpack(packed)
         stale.extend(e for e in live_entries(pool) if e.state is State.RESIDENT and e.payload is not None)
         return t
 
-    pool._unpack = checked
+    pool.unpack = checked
     train("blocks", pool, steps=3)
     s = pool.stats()
     assert s["compressions"] > 0 and s["recomputes"] > 0, s
@@ -362,7 +362,7 @@ def pressure_inside_packs(monkeypatch, pool, times=1):
 
     def pack_under_pressure(t, **kw):
         if len(freed) < times:
-            freed.append(pool._on_pressure(1 << 30))
+            freed.append(pool.on_pressure(1 << 30))
         return pack(t, **kw)
 
     monkeypatch.setattr(treatments, "relu_pack", pack_under_pressure)
@@ -386,7 +386,7 @@ def test_pressure_inside_a_pack_frees_by_other_treatments(monkeypatch):
 
     def compress_one(p):
         e = next(e for e in live_entries(p) if p.treatments["compress"].applies(e))
-        seen["left"] = p._leave(e, p.treatments["compress"])
+        seen["left"] = p.leave(e, p.treatments["compress"])
         seen["entry"] = e
 
     got = train("mlp", pool, steps=1, during=compress_one)
@@ -407,7 +407,7 @@ def test_pressure_nested_in_a_pressure_call_keeps_the_accounting(monkeypatch):
     pool.treatments["offload"].link_bytes_per_s = 1e3  # copies priced dear: compression ranks first
     freed = pressure_inside_packs(monkeypatch, pool)
     ref = train("mlp", steps=1)
-    got = train("mlp", pool, steps=1, during=lambda p: p._on_pressure(1 << 30))
+    got = train("mlp", pool, steps=1, during=lambda p: p.on_pressure(1 << 30))
     assert same(ref, got)
     assert freed and pool.stats()["compressions"] > 0
 
@@ -567,7 +567,7 @@ def test_a_trim_whose_allocation_comes_to_the_pressure_handler_settles_nothing_t
 
     def trimmed_under_pressure(packed, nnz):
         nested.append(1)
-        c.settle(pool, wait=True)  # what Pool._make_room does first
+        c.settle(pool, wait=True)  # what Budget.fit does first (Pool.settle)
         return real(packed, nnz)
 
     monkeypatch.setattr(treatments, "trimmed", trimmed_under_pressure)
@@ -685,7 +685,7 @@ def test_the_pool_settles_kept_originals_before_it_measures(how):
             p.budget.fit()
             p.budget_bytes = None
         else:
-            p._on_pressure(0)
+            p.on_pressure(0)
         seen.append((len(kept), sum(isinstance(e.payload, _Unsettled) for e in kept)))
         p.check()
 

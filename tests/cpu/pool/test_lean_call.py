@@ -78,8 +78,8 @@ def test_the_pools_hook_sees_none_of_a_lean_blocks_saves():
     graph, so it is never run unseen) and the loss's."""
     pool, _ = planned_at("gelu", 0.75)
     packs = []
-    pack = pool._pack
-    pool._pack = lambda t: packs.append(1) or pack(t)
+    pack = pool.pack
+    pool.pack = lambda t: packs.append(1) or pack(t)
     torch.manual_seed(0)
     model = build("gelu")()
     x, _ = batch(torch.Generator().manual_seed(1))

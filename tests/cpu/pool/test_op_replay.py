@@ -76,7 +76,7 @@ def saved_recipes(model, x, autocast=False):
 def drop_and_backward(pool, out, entries):
     """Drops the entries by their recipes, runs backward (which rebuilds them)."""
     for e in entries:
-        assert pool._leave(e, pool.treatments["recompute"])
+        assert pool.leave(e, pool.treatments["recompute"])
     with pool:
         out.float().square().sum().backward()
     pool.check()
@@ -262,7 +262,7 @@ def test_input_changed_in_place_is_kept_and_raises_like_pytorch():
     pool, out, by_ops = saved_recipes(Change(), X16)
     (e,) = by_ops.values()
     assert not pool.treatments["recompute"].applies(e)
-    assert not pool._leave(e, pool.treatments["recompute"])
+    assert not pool.leave(e, pool.treatments["recompute"])
     with pool, pytest.raises(RuntimeError, match="modified by an inplace operation"):
         out.sum().backward()
 
@@ -278,9 +278,9 @@ def test_no_cascades_of_op_replays():
     outs = sorted(adds, key=lambda e: e.seq)
     assert len(outs) == 3  # the first block's reads its downsample branch's BatchNorm
     rc = pool.treatments["recompute"]
-    assert pool._leave(outs[1], rc)
+    assert pool.leave(outs[1], rc)
     assert not rc.applies(outs[0]) and not rc.applies(outs[2])  # read by it / reads it
-    assert not pool._leave(outs[2], rc)
+    assert not pool.leave(outs[2], rc)
     with pool:
         out.sum().backward()
     assert pool.stats()["replays"] == 1
@@ -300,7 +300,7 @@ def test_pressure_during_a_replay_leaves_its_inputs(monkeypatch):
     bn = op_replay.OPS["NativeBatchNormBackward0"]
 
     def under_pressure(a, v, *inputs):
-        pool._on_pressure(1 << 40)  # everything the handler may take
+        pool.on_pressure(1 << 40)  # everything the handler may take
         states.append(leaf.state.value)
         return bn.run(a, v, *inputs)
 
@@ -332,7 +332,7 @@ def test_a_rebuild_in_a_create_graph_backward_records_no_graph():
     model = Gelu()
     pool, out, by_ops = saved_recipes(model, torch.randn(8, 16))
     e = by_ops[("GeluBackward0",)]
-    assert pool._leave(e, pool.treatments["recompute"])
+    assert pool.leave(e, pool.treatments["recompute"])
     with pool:
         torch.autograd.grad(out.square().sum(), list(model.parameters()), create_graph=True)
     assert pool.stats()["replays"] == 1

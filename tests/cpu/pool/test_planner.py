@@ -267,7 +267,7 @@ def test_a_running_plan_makes_entries_only_for_what_it_treats_or_a_rebuild_reads
     batches, ref_grads, budget = _three_quarters_of_the_peak(6)
     pool = Pool(budget=budget, policy="planned", host_limit="64MiB")
     seen = []  # per step that ran a plan: (entries made, saves, ordinals the plan keeps without one)
-    real = pool._unpack
+    real = pool.unpack
 
     def unpack(packed):  # backward's first unpack: every save of the step is made, none has died
         s = pool.clock.step
@@ -276,9 +276,9 @@ def test_a_running_plan_makes_entries_only_for_what_it_treats_or_a_rebuild_reads
             seen.append((entries, s.ordinals, len(pool.plans.plan.lean)))
         return real(packed)
 
-    pool._unpack = unpack
+    pool.unpack = unpack
     plans, grads = _train(pool, batches)
-    del pool._unpack  # no reference cycle keeps the pool alive after the test
+    del pool.unpack  # no reference cycle keeps the pool alive after the test
     assert all(torch.equal(a, b) for a, b in zip(ref_grads, grads))
     assert seen and all(r["measured_peak_bytes"] <= budget for r in plans[3:]), plans
     for entries, saves, lean in seen:
@@ -400,7 +400,7 @@ def test_a_call_of_another_shape_wakes_the_resting_pool_for_the_rest_of_its_step
     assert same(got, _resnet_train(None, sizes)[0])
     stats = pool.stats()
     assert stats["rest_wakes"] == 1 and stats["plans"] == 2 and not pool.rest.resting, stats
-    assert seen[4] is None and seen[5] is not None and seen[5][0] == pool._pack, seen
+    assert seen[4] is None and seen[5] is not None and seen[5][0] == pool.pack, seen
     assert all(seen[k] is not None for k in range(5, 9)), seen
 
 
@@ -429,7 +429,7 @@ def test_a_call_begun_before_the_pool_rested_is_undone_at_its_end():
         model(x).sum().backward()
     pool.rest.resting = False
     assert pool.stats()["bypassed_calls"] > 0 and seen[0] is None and seen[-1] is not None, seen
-    assert seen[-1][0] == pool._pack
+    assert seen[-1][0] == pool.pack
 
 
 @pytest.mark.parametrize("frozen", ["first", "last"])
@@ -527,8 +527,8 @@ def test_a_wake_in_a_nested_context_keeps_the_hooks_on_in_the_one_around_it():
         with pool:
             h = model.stem(x)
             model.blocks(torch.cat([h, h]))  # another shape: wakes it
-            assert top(False)[0] == pool._pack
-        assert top(False)[0] == pool._pack  # the outer context's rest of the step is the pool's too
+            assert top(False)[0] == pool.pack
+        assert top(False)[0] == pool.pack  # the outer context's rest of the step is the pool's too
     assert top(False) is None and pool.stats()["rest_wakes"] == 1
 
 
@@ -541,7 +541,7 @@ def test_the_allocators_pressure_wakes_a_resting_pool():
     def between(k, model):
         snaps.append((pool.rest.resting, pool.stats()["bypassed_calls"]))
         if k == 4:
-            assert pool._on_pressure(1 << 20) == 0
+            assert pool.on_pressure(1 << 20) == 0
 
     _, seen = _resnet_train(pool, [8] * 7, between)
     assert snaps[4][0] and not snaps[5][0] and pool.stats()["rest_wakes"] == 1, snaps
@@ -1338,7 +1338,7 @@ def test_a_slow_pool_leaves_the_profiled_steps_seconds_as_they_are(monkeypatch):
     g = torch.Generator().manual_seed(1)
     pool = Pool(budget=20 << 10, policy="planned", host_limit="64MiB")
     profiles, slowed, walls = [], [0], []
-    real_pack, real_plan, real_ended = pool._pack_saved, pool.policy.solve, pool.plans.step_ended
+    real_pack, real_plan, real_ended = pool.pack_saved, pool.policy.solve, pool.plans.step_ended
 
     def pack(t):
         if pool.plans.rec is not None and pool.plans.rec.full and pool.plans.rec.regions_on:
@@ -1354,7 +1354,7 @@ def test_a_slow_pool_leaves_the_profiled_steps_seconds_as_they_are(monkeypatch):
         walls.append(time.perf_counter() - s.started_s)
         real_ended(s)
 
-    monkeypatch.setattr(pool, "_pack_saved", pack)
+    monkeypatch.setattr(pool, "pack_saved", pack)
     monkeypatch.setattr(pool.plans, "step_ended", step_ended)
     monkeypatch.setattr(pool.policy, "solve", make_plan)
     _train(pool, [torch.randn(32, 64, generator=g) for _ in range(4)])
@@ -1451,7 +1451,7 @@ def test_an_allocation_that_came_to_the_pressure_handler_is_a_point_the_plan_hol
         demands.append(
             pool.budget.used_bytes() + pool.plans.rec.away + spike if pool.plans.rec is not None else None
         )
-        pool._on_pressure(spike)
+        pool.on_pressure(spike)
         return real_square(t)
 
     monkeypatch.setattr(torch.Tensor, "square", square_after_pressure)
@@ -1556,9 +1556,9 @@ def test_a_pressure_call_records_the_demand_of_the_allocation_behind_it(soft_cal
     pool = Pool(budget=1024, policy="planned", host_limit="64MiB")
     pool.budget.soft = _SoftLimit(1024, soft_call)
     with pool:
-        keep = pool._pack_tensor(torch.randn(1024))  # 4 KiB resident: over the 1 KiB limit
+        keep = pool.pack_tensor(torch.randn(1024))  # 4 KiB resident: over the 1 KiB limit
     before, size = pool.budget.used_bytes(), 512
-    pool._on_pressure(before + size - 1024 if soft_call else size)
+    pool.on_pressure(before + size - 1024 if soft_call else size)
     assert pool.plans.rec.pressure == [(0, before + size)]
     del keep
 

@@ -296,9 +296,9 @@ def test_a_pressure_call_prices_a_window_of_entries_and_all_only_when_that_is_no
     assert len(p.ledger.resident_entries()) > 2 * window
 
     priced.clear()
-    assert p._on_pressure(1) > 0
+    assert p.on_pressure(1) > 0
     assert priced == [window]  # the window freed enough
     priced.clear()
-    assert p._on_pressure(resident) > 0  # more than the window holds: everything left is priced
+    assert p.on_pressure(resident) > 0  # more than the window holds: everything left is priced
     assert priced[0] == window and priced[-1] > window
     y.sum().backward()

@@ -433,7 +433,7 @@ def test_a_weight_copy_rebuilt_in_a_create_graph_backward_holds_no_graph():
     casts = [e for r in pool.ledger.entries.values() if (e := r()) is not None and isinstance(e.recipe, Cast)]
     assert casts
     for e in casts:
-        assert pool._leave(e, pool.treatments["recompute"])
+        assert pool.leave(e, pool.treatments["recompute"])
     with pool:
         torch.autograd.grad(out.float().square().sum(), list(model.parameters()), create_graph=True)
     assert pool.stats()["recomputes"] == len(casts)
@@ -751,8 +751,8 @@ def test_a_plan_that_keeps_a_block_whole_runs_it_with_the_pools_hooks_off():
     x = torch.randn(32, 64)
     pool = restless(Pool(budget="1GiB", policy="planned"))
     packs = []
-    pack = pool._pack
-    pool._pack = lambda t: packs.append(1) or pack(t)  # what the pool's hook sees
+    pack = pool.pack
+    pool.pack = lambda t: packs.append(1) or pack(t)  # what the pool's hook sees
     for _ in range(4):
         packs.clear()
         with pool:
