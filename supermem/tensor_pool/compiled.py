@@ -167,7 +167,7 @@ class CompiledGraphs:
                 self._warned = True
                 pool = self._pool()
                 planned = pool is not None and pool.budget_bytes is not None
-                print(PLANNED_MESSAGE if planned else MESSAGE, file=sys.stderr)
+                logger.warning(PLANNED_MESSAGE if planned else MESSAGE)
         return True
 
     # ------------------------------------------------------------------ the step's events

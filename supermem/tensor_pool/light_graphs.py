@@ -18,7 +18,6 @@ that cannot be captured) leaves that structure eager, said once.
 
 from __future__ import annotations
 
-import warnings
 import weakref
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +25,7 @@ import torch
 
 from .. import costs
 from ..checkpoint_graphs import ChainGraphs
+from ..log import warn
 
 if TYPE_CHECKING:
     from .port import LightCall
@@ -68,10 +68,9 @@ class LightGraphs:
             self.failed.add(info.sig)
             self.chosen = None
             cause = e.__cause__ or e  # (binomial's words around it do not fit here)
-            warnings.warn(
+            warn(
                 f"supermem: the pool runs {type(light.module).__name__} calls' backward eagerly: its "
                 f"CUDA graph capture failed ({type(cause).__name__}: {cause})",
-                stacklevel=2,
             )
             return None
         if kind is None:

@@ -30,13 +30,13 @@ from __future__ import annotations
 
 import enum
 import time
-import warnings
 import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .. import torch_private as tp
+from ..log import warn
 from .call_state import CallState
 from .entry import Entry, State, _set_version, bitwise_equal
 
@@ -106,10 +106,9 @@ def _refusal_warning(module: torch.nn.Module, why: str) -> None:
     if (name, why) in _WARNED:
         return
     _WARNED.add((name, why))
-    warnings.warn(
+    warn(
         f"supermem: {name} is not recomputed as one call: {why}. The pool recomputes its parts where "
         "they are pure calls and keeps or offloads the rest; training is unchanged.",
-        stacklevel=2,
     )
 
 

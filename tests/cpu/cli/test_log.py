@@ -64,3 +64,24 @@ def test_a_warning_from_a_hook_torch_calls_points_at_the_users_line():
     assert said and all((w.filename, w.lineno) == (__file__, lines[0]) for w in said), [
         (w.filename, w.lineno) for w in said
     ]
+
+
+# What may write to stderr itself: the command line's own output (its progress and results), and the
+# fatal message of a bad SUPERMEM_CONF at activation (log.py: printed, not logged)
+SPEAKS_FOR_ITSELF = ("cli.py", "cli_", "run_script.py", "bench/", "_autoload.py")
+
+
+def test_the_library_speaks_through_its_logger_and_log_warn():
+    """No warnings.warn but log.warn's (it points at the user's line), no print to stderr outside the
+    command line's own files: a message from the pool, the trace or the allocator goes through
+    logging.getLogger("supermem") or log.warn, where the application's logging settings apply."""
+    root = Path(supermem.__file__).parent
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        text = path.read_text()
+        if rel != "log.py" and "warnings.warn(" in text:
+            found.append(f"{rel}: warnings.warn")
+        if "file=sys.stderr" in text and not any(s in rel for s in SPEAKS_FOR_ITSELF):
+            found.append(f"{rel}: print to stderr")
+    assert found == []
