@@ -4,7 +4,8 @@
 # (default 2). BEFORE runs with this tree's built _C (the same allocator where csrc/ did not change, so
 # the rows compare the Python above it). The arguments after DIR go to both benches. Prints per row the
 # median step and peak of each side.
-#   bash tools/ci/bench_ab.sh DIR --model all --modes "planned 75%,planned 50%"
+#   bash tools/ci/bench_ab.sh DIR --model all --modes "planned 75%,planned 50%" --repeats 1
+# (--repeats 1: the bench runs its allocator rows --repeats times each; R repeats the whole comparison)
 set -u
 cd "$(dirname "$0")/../.."
 before=$1
