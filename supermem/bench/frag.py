@@ -246,7 +246,38 @@ def run(args: argparse.Namespace) -> dict:
         ("note", lambda r: r.get("error"), ""),
     ]
     print(table.render(columns, rows))
+    if cuda:
+        for line in targets(rows):
+            print(line)
     return {"bench": "frag", "device": args.device, "rows": rows}
+
+
+def targets(rows: list[dict]) -> list[str]:
+    """Issue 41's verdicts, for the model workloads run: supermem with expandable segments reserves <=
+    1.02x what it allocates at the peak (gpt, resnet, llama-varlen), completes llama-varlen under 1.05x its
+    peak where native does not, and steps <= 1.01x as slow as supermem without the option."""
+    by = {(r["pattern"], r["config"]): r for r in rows}
+    out = []
+
+    def verdict(ok: bool) -> str:
+        return "met" if ok else "MISSED"
+
+    for w in MODEL_WORKLOADS:
+        on, off = by.get((w, "supermem expandable")), by.get((w, "supermem"))
+        if on is None or off is None or "error" in on or "error" in off:
+            continue
+        if w != "llama-ramp":
+            ratio = on["peak_reserved_ratio"]
+            out.append(f"target frag {w} reserved/allocated <= 1.02: {ratio:.3f}: {verdict(ratio <= 1.02)}")
+        x = on["step_ms"] / off["step_ms"]
+        out.append(f"target frag {w} step <= 1.01x supermem: {x:.3f}x: {verdict(x <= 1.01)}")
+    on, native = by.get(("llama-varlen", "supermem expandable")), by.get(("llama-varlen", "native"))
+    if on and native and "error" not in on and "error" not in native:  # min_limit_x None: not even 1.50
+        mine, theirs = on.get("min_limit_x"), native.get("min_limit_x")
+        ok = mine is not None and mine <= 1.05 and (theirs is None or theirs > 1.05)
+        what = "target frag llama-varlen completes at 1.05x, native not (min limit x)"
+        out.append(f"{what}: {mine} vs native {theirs}: {verdict(ok)}")
+    return out
 
 
 def _spec(workload: str, steps: int, quick: bool) -> dict:

@@ -38,7 +38,9 @@ def _record(monkeypatch, fits_at=1.05):
         )
         if limit is not None and limit < fits_at * 10 * GIB:
             return {"oom": True, "error": "OOM"}
-        return {"allocated_bytes_peak": 10 * GIB, "reserved_bytes_peak": 11 * GIB, "step_ms": 5.0}
+        return {"allocated_bytes_peak": 10 * GIB, "reserved_bytes_peak": 11 * GIB, "step_ms": 5.0} | {
+            "peak_reserved_ratio": 1.1
+        }
 
     monkeypatch.setattr(frag.runner, "run", run)
     return specs
@@ -119,3 +121,22 @@ def test_model_steps_train_on_cpu(preset, shapes):
         step()
         done += 1
     assert done == 2
+
+
+def test_targets_judge_supermem_expandable_against_its_baselines(monkeypatch, capsys):
+    specs = _record(monkeypatch)
+    _run("--pattern", "llama-varlen")  # every row: 11/10 GiB, 5 ms, completes at 1.05x
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("target ")]
+    assert lines == [
+        "target frag llama-varlen reserved/allocated <= 1.02: 1.100: MISSED",
+        "target frag llama-varlen step <= 1.01x supermem: 1.000x: met",
+        "target frag llama-varlen completes at 1.05x, native not (min limit x): 1.05 vs native 1.05: MISSED",
+    ]
+    rows = [
+        {"pattern": "llama-varlen", "config": "native", "min_limit_x": None},
+        {"pattern": "llama-varlen", "config": "supermem", "step_ms": 10.0, "peak_reserved_ratio": 1.3},
+        {"pattern": "llama-varlen", "config": "supermem expandable", "step_ms": 10.05}
+        | {"peak_reserved_ratio": 1.01, "min_limit_x": 1.02},
+    ]
+    assert [line.rsplit(": ", 1)[1] for line in frag.targets(rows)] == ["met"] * 3
+    assert len(specs) == 4 * 4  # each row: its run, then 1.00 and 1.02 OOM, 1.05 completes
