@@ -20,7 +20,11 @@ BENCHES = {
     ),
     "trace": (trace, "what recording a trace costs a training step; writes the trace (and report)"),
     "relu": (relu, "ReLU compression kernels: pack/unpack throughput against a copy, packed size"),
-    "frag": (frag, "reserved / allocated at the peak with and without expandable segments (varlen, ramp)"),
+    "frag": (
+        frag,
+        "reserved / allocated at the peak with and without expandable segments: synthetic varlen, ramp; "
+        "GPT-24, ResNet-152, HF Llama varlen / ramp on CUDA",
+    ),
 }
 
 

@@ -1,21 +1,26 @@
 """`supermem bench frag`: memory reserved but never allocated, with and without expandable segments.
 
-Two allocation patterns of a decoder's training step (12 layers, d1024, vocab 32k, bf16-sized):
-`varlen`, sequence lengths drawn from 128..2048 each step; `ramp`, a batch that grows 1..16 over the
-run. Rows: native, native `expandable_segments:True`, supermem, supermem `expandable_segments:true`,
-each in a fresh process on a GPU. Reported: reserved / allocated at the peak, and the smallest limit,
-as a multiple of the allocated peak, under which the run completes (1.00, 1.02, 1.05, 1.10, 1.25,
-1.50; each its own process).
+Workloads (--pattern): two synthetic allocation patterns of a decoder's training step (12 layers, d1024,
+vocab 32k, bf16-sized): `varlen`, sequence lengths drawn from 128..2048 each step; `ramp`, a batch that
+grows 1..16 over the run. And real training steps on CUDA (the models of `supermem bench train`, built by
+train_worker.build): `gpt` (GPT-24) and `resnet` (ResNet-152) at their bench batch, `llama-varlen` (HF
+Llama, batch 4, the sequence lengths of `varlen`), `llama-ramp` (HF Llama, the batches of `ramp` at
+sequence 1024). Rows: native, native `expandable_segments:True`, supermem, supermem
+`expandable_segments:true`, each in a fresh process on a GPU. Reported: reserved / allocated at the
+peak, the median step time, and the smallest limit, as a multiple of the allocated peak, under which the
+run completes (LIMIT_FACTORS; each its own process; native caps by set_per_process_memory_fraction,
+supermem by its `limit:` option).
 
-On a machine without CUDA the supermem rows run on the simulated device: the same mallocs and frees
-on a CachingAllocator (no tensors, no kernels, no step time), in this process. Native rows need a GPU.
-Skeleton: the GPT-24 / ResNet-152 / HF Llama model steps of issue 41 are not here yet.
+On a machine without CUDA the synthetic rows of supermem run on the simulated device: the same mallocs
+and frees on a CachingAllocator (no tensors, no kernels, no step time), in this process. Native rows and
+the model workloads need a GPU (--quick skips the model workloads with a note).
 """
 
 from __future__ import annotations
 
 import argparse
 import random
+import statistics
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -26,6 +31,17 @@ from . import runner, table
 
 H = TypeVar("H")  # what alloc returns and free takes: an address, a tensor's key
 LIMIT_FACTORS = (1.00, 1.02, 1.05, 1.10, 1.25, 1.50)
+PATTERNS = ("varlen", "ramp")  # synthetic: run on the simulated device without CUDA
+# workload -> (its models.PRESETS entry, the lengths() pattern of its (batch, sequence) per step; None:
+# the preset's own batch every step)
+MODEL_WORKLOADS = {
+    "gpt": ("gpt", None),
+    "resnet": ("resnet", None),
+    "llama-varlen": ("hf-llama", "varlen"),
+    "llama-ramp": ("hf-llama", "ramp"),
+}
+# gpt and resnet repeat one shape: after the first steps nothing new is allocated, 200 would only cost time
+FIXED_SHAPE_STEPS = 20
 ROWS = (  # name, allocator, its option text
     ("native", "native", None),
     ("native expandable", "native", "expandable_segments:True"),
@@ -110,7 +126,33 @@ def simulated(pattern: str, steps: int, expandable: bool, limit_bytes: int | Non
 
 
 def measure(spec: dict) -> dict:
-    """Worker side (a GPU): the pattern with torch.empty tensors; peaks and seconds per step."""
+    """Worker side (a GPU): the pattern with torch.empty tensors, or the model workload's training steps;
+    peaks and the median seconds per step."""
+    import torch
+
+    if spec.get("limit_bytes"):  # native's cap (supermem's is its limit: option, in spec["conf"])
+        torch.cuda.set_per_process_memory_fraction(
+            spec["limit_bytes"] / torch.cuda.get_device_properties(0).total_memory
+        )
+    step = _model_steps(spec) if spec["pattern"] in MODEL_WORKLOADS else _pattern_steps(spec)
+    times_s = []
+    for run_step in step:
+        t = time.perf_counter()
+        run_step()
+        torch.cuda.synchronize()
+        times_s.append(time.perf_counter() - t)
+    allocated, reserved = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
+    return {
+        "steps": len(times_s),
+        "step_ms": statistics.median(times_s) * 1e3,
+        "allocated_bytes_peak": allocated,
+        "reserved_bytes_peak": reserved,
+        "peak_reserved_ratio": reserved / allocated if allocated else 1.0,
+    }
+
+
+def _pattern_steps(spec: dict) -> Iterator[Callable[[], None]]:
+    """The synthetic pattern's steps, torch.empty tensors for its allocations."""
     import torch
 
     live: dict[int, torch.Tensor] = {}
@@ -123,55 +165,132 @@ def measure(spec: dict) -> dict:
     def free(h: int) -> None:
         del live[h]
 
-    if spec.get("limit_bytes"):
-        torch.cuda.set_per_process_memory_fraction(
-            spec["limit_bytes"] / torch.cuda.get_device_properties(0).total_memory
-        )
-    torch.cuda.reset_peak_memory_stats()
-    t = time.perf_counter()
-    steps = run_pattern(alloc, free, spec["pattern"], spec["steps"])
-    torch.cuda.synchronize()
-    elapsed = time.perf_counter() - t
-    allocated, reserved = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
-    return {
-        "steps": steps,
-        "step_ms": elapsed / max(1, steps) * 1e3,
-        "allocated_bytes_peak": allocated,
-        "reserved_bytes_peak": reserved,
-        "peak_reserved_ratio": reserved / allocated if allocated else 1.0,
-    }
+    m = Decoder()
+    params = [alloc(n) for n in m.params_bytes()]
+    for batch, seq in lengths(spec["pattern"], spec["steps"]):
+        yield lambda: step(alloc, free, m, batch, seq)  # noqa: B023  (called before the next is made)
+    for p in params:
+        free(p)
+
+
+def _model_steps(spec: dict) -> Iterator[Callable[[], None]]:
+    """Training steps of the workload's model: forward under its autocast, backward, SGD. spec["shapes"]:
+    (batch, sequence) of each step's tokens, or null for the preset's own batch every step."""
+    import torch
+
+    from . import train_worker
+
+    device = torch.device(spec["device"])  # cuda; cpu in the tests
+    preset, model, opt = train_worker.build(spec)
+    gen = torch.Generator().manual_seed(0)
+    shapes = spec.get("shapes")
+    fixed = None if shapes else preset.batch(device, gen)
+
+    def train_step(x: torch.Tensor, y: torch.Tensor) -> None:
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=preset.bf16 and device.type == "cuda"):
+            loss = preset.loss(model, x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    for shape in shapes or [None] * spec["steps"]:
+        if fixed is not None:
+            x, y = fixed
+        else:  # a causal LM's tokens: its labels are its input_ids (the HF model shifts them)
+            x = y = torch.randint(0, model.config.vocab_size, tuple(shape), generator=gen).to(device)
+        yield lambda: train_step(x, y)  # noqa: B023  (called before the next is made)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--pattern", choices=("varlen", "ramp"), action="append", help="default: both")
+    p.add_argument(
+        "--pattern",
+        choices=PATTERNS + tuple(MODEL_WORKLOADS),
+        action="append",
+        help="a workload, again for more (default: all on CUDA; varlen and ramp elsewhere)",
+    )
     p.add_argument("--steps", type=positive_int, default=200, help="steps per run (default 200)")
 
 
 def run(args: argparse.Namespace) -> dict:
+    from ..errors import UsageError
+
+    cuda = args.device == "cuda"
     steps = 20 if args.quick else args.steps
+    workloads = args.pattern or list(PATTERNS) + (list(MODEL_WORKLOADS) if cuda else [])
+    models = [w for w in workloads if w in MODEL_WORKLOADS]
+    if models and not cuda:
+        if not args.quick:
+            need = f"--pattern {'/'.join(models)}: model workloads need CUDA (device {args.device})"
+            raise UsageError(need + "; --quick skips them")
+        print(f"frag: skipping {', '.join(models)}: model workloads need CUDA (device {args.device})")
+        workloads = [w for w in workloads if w not in MODEL_WORKLOADS]
     rows = []
-    for pattern in args.pattern or ["varlen", "ramp"]:
+    for workload in workloads:
         for name, allocator, option in ROWS:
-            if args.device == "cuda":
-                row = _gpu_row(args, pattern, steps, allocator, option)
+            if cuda:
+                row = _gpu_row(args, _spec(workload, steps, args.quick), allocator, option)
             elif allocator == "supermem":
-                row = _sim_row(pattern, steps, option is not None)
+                row = _sim_row(workload, steps, option is not None)
             else:
                 continue
-            rows.append(dict(row, pattern=pattern, config=name + ("" if args.device == "cuda" else " (sim)")))
+            rows.append(dict(row, pattern=workload, config=name + ("" if cuda else " (sim)")))
     print(f"\nfrag: reserved / allocated at the peak, device {args.device} ({steps} steps a run)")
     columns = [
-        ("pattern", lambda r: r["pattern"], ""),
+        ("workload", lambda r: r["pattern"], ""),
         ("allocator", lambda r: r["config"], ""),
-        ("alloc peak GiB", lambda r: r["allocated_bytes_peak"] / 2**30, ".2f"),
-        ("res. peak GiB", lambda r: r["reserved_bytes_peak"] / 2**30, ".2f"),
-        ("res./alloc", lambda r: r["peak_reserved_ratio"], ".3f"),
+        ("alloc peak GiB", lambda r: r.get("allocated_bytes_peak", 0) / 2**30, ".2f"),
+        ("res. peak GiB", lambda r: r.get("reserved_bytes_peak", 0) / 2**30, ".2f"),
+        ("res./alloc", lambda r: r.get("peak_reserved_ratio"), ".3f"),
         ("min limit x", lambda r: r.get("min_limit_x"), ".2f"),
         ("step ms", lambda r: r.get("step_ms"), ".1f"),
         ("note", lambda r: r.get("error"), ""),
     ]
     print(table.render(columns, rows))
+    if cuda:
+        for line in targets(rows):
+            print(line)
     return {"bench": "frag", "device": args.device, "rows": rows}
+
+
+def targets(rows: list[dict]) -> list[str]:
+    """Issue 41's verdicts, for the model workloads run: supermem with expandable segments reserves <=
+    1.02x what it allocates at the peak (gpt, resnet, llama-varlen), completes llama-varlen under 1.05x its
+    peak where native does not, and steps <= 1.01x as slow as supermem without the option."""
+    by = {(r["pattern"], r["config"]): r for r in rows}
+    out = []
+
+    def verdict(ok: bool) -> str:
+        return "met" if ok else "MISSED"
+
+    for w in MODEL_WORKLOADS:
+        on, off = by.get((w, "supermem expandable")), by.get((w, "supermem"))
+        if on is None or off is None or "error" in on or "error" in off:
+            continue
+        if w != "llama-ramp":
+            ratio = on["peak_reserved_ratio"]
+            out.append(f"target frag {w} reserved/allocated <= 1.02: {ratio:.3f}: {verdict(ratio <= 1.02)}")
+        x = on["step_ms"] / off["step_ms"]
+        out.append(f"target frag {w} step <= 1.01x supermem: {x:.3f}x: {verdict(x <= 1.01)}")
+    on, native = by.get(("llama-varlen", "supermem expandable")), by.get(("llama-varlen", "native"))
+    if on and native and "error" not in on and "error" not in native:  # min_limit_x None: not even 1.50
+        mine, theirs = on.get("min_limit_x"), native.get("min_limit_x")
+        ok = mine is not None and mine <= 1.05 and (theirs is None or theirs > 1.05)
+        what = "target frag llama-varlen completes at 1.05x, native not (min limit x)"
+        out.append(f"{what}: {mine} vs native {theirs}: {verdict(ok)}")
+    return out
+
+
+def _spec(workload: str, steps: int, quick: bool) -> dict:
+    """What every row of `workload` runs: the same steps, the same (batch, sequence) per step."""
+    spec: dict = {"bench": "frag", "device": "cuda", "pattern": workload, "steps": steps}
+    if workload in MODEL_WORKLOADS:
+        preset, pattern = MODEL_WORKLOADS[workload]
+        spec["preset"] = preset + ("-quick" if quick else "")
+        if pattern is None:
+            spec["steps"] = min(steps, FIXED_SHAPE_STEPS)
+        else:
+            spec["shapes"] = list(lengths(pattern, steps))
+    return spec
 
 
 def _sim_row(pattern: str, steps: int, expandable: bool) -> dict:
@@ -183,18 +302,25 @@ def _sim_row(pattern: str, steps: int, expandable: bool) -> dict:
     return row
 
 
-def _gpu_row(args: argparse.Namespace, pattern: str, steps: int, allocator: str, option: str | None) -> dict:
-    spec = {"bench": "frag", "allocator": allocator, "device": "cuda", "pattern": pattern, "steps": steps}
+def _gpu_row(args: argparse.Namespace, spec: dict, allocator: str, option: str | None) -> dict:
+    """One row: the run, then the runs under a cap at LIMIT_FACTORS of its allocated peak until one
+    completes."""
+    spec = dict(spec, allocator=allocator)
     if allocator == "supermem":
         spec["conf"] = ",".join(filter(None, [args.conf, option])) or None
     else:
         spec["pytorch_alloc_conf"] = option
-    row = runner.run(spec, args.timeout, f"frag {pattern} {allocator} {option or ''}")
+    row = runner.run(spec, args.timeout, f"frag {spec['pattern']} {allocator} {option or ''}")
     if "allocated_bytes_peak" not in row:
         return row
     for factor in LIMIT_FACTORS:
-        trial = runner.run(dict(spec, limit_bytes=int(row["allocated_bytes_peak"] * factor)), args.timeout)
-        if not trial.get("oom") and "error" not in trial:
+        limit = int(row["allocated_bytes_peak"] * factor)
+        if allocator == "supermem":
+            trial = dict(spec, conf=",".join(filter(None, [spec["conf"], f"limit:{limit}"])))
+        else:
+            trial = dict(spec, limit_bytes=limit)
+        result = runner.run(trial, args.timeout)
+        if not result.get("oom") and "error" not in result:
             row["min_limit_x"] = factor
             break
     return row

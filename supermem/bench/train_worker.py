@@ -7,7 +7,12 @@ import contextlib
 import statistics
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from .models import Preset
 
 
 def _no_saver(spec: dict) -> Callable[[], contextlib.AbstractContextManager]:
@@ -56,23 +61,12 @@ def measure(spec: dict) -> dict:
     import torch.nn.functional as F
 
     from ..losses import linear_cross_entropy
-    from .models import PRESETS
 
     device = torch.device(spec["device"])
     cuda = device.type == "cuda"
-    if cuda:  # as the anchors were measured
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
-        torch.backends.cudnn.benchmark = False
-    preset = PRESETS[spec["preset"]]
-    torch.manual_seed(0)
-    # Any: the chunked losses call its hidden() and head (nn.Module's attributes type as tensor or module)
-    model: Any
-    with device:
-        model = preset.build()
+    preset, model, opt = build(spec)
     forward = _prepare(model, spec)
     x, y = preset.batch(device, torch.Generator().manual_seed(0))
-    opt = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
     saver = SAVERS[spec["saver"]](spec)
     chunked_loss = spec.get("loss") == "chunked"
     torch_chunked_loss = spec.get("loss") == "torch_chunked"
@@ -142,6 +136,27 @@ def measure(spec: dict) -> dict:
         row["peak_alloc_bytes"] = row["pool"]["peak_resident_bytes"]
     row["loss"] = float(step())
     return row
+
+
+def build(spec: dict) -> tuple[Preset, Any, torch.optim.Optimizer]:
+    """spec["preset"]'s model on spec["device"], seeded, and its SGD: (preset, model, optimizer), as the
+    anchors were measured (TF32 on CUDA). `supermem bench frag` trains the same models."""
+    import torch
+
+    from .models import PRESETS
+
+    device = torch.device(spec["device"])
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+        torch.backends.cudnn.benchmark = False
+    preset = PRESETS[spec["preset"]]
+    torch.manual_seed(0)
+    # Any: the chunked losses call its hidden() and head (nn.Module's attributes type as tensor or module)
+    model: Any
+    with device:
+        model = preset.build()
+    return preset, model, torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
 
 
 def _prepare(model, spec: dict):
