@@ -9,7 +9,7 @@ are ints (a stream is a cudaStream_t value, 0 the default stream).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import NamedTuple
+from typing import NamedTuple, TypedDict, cast
 
 import torch  # noqa: F401  (first: with a CUDA torch, supermem._C links torch's libraries)
 
@@ -66,6 +66,38 @@ if _C.has_cuda:
 
         def __repr__(self) -> str:
             return f"PinnedHostDevice(capacity_bytes={self.total_bytes})"
+
+
+class AllocatorStats(TypedDict):
+    """CachingAllocator.stats(): bytes now and at their peak, counts, the allocator's own figures."""
+
+    allocated_bytes: int
+    allocated_bytes_peak: int
+    reserved_bytes: int
+    reserved_bytes_peak: int
+    active_bytes: int
+    active_bytes_peak: int
+    requested_bytes: int
+    requested_bytes_peak: int
+    live_blocks: int
+    num_allocs: int
+    num_frees: int
+    segments: int
+    num_segment_allocs: int
+    num_segment_frees: int
+    num_ooms: int
+    num_alloc_retries: int
+    num_sync_all_streams: int
+    cached_free_bytes: int
+    largest_free_block_bytes: int
+    num_pressure_calls: int
+    pressure_freed_bytes: int
+    limit_bytes: int
+    expandable_segments: bool
+    address_space_bytes: int
+    fragmentation: float
+    peak_unallocated_bytes: int
+    peak_reserved_ratio: float
 
 
 class CachingAllocator:
@@ -197,7 +229,7 @@ class CachingAllocator:
         """Stats shaped like torch.cuda.memory_stats_as_nested_dict, plus a "supermem" section."""
         return self._impl.nested_stats()
 
-    def stats(self) -> dict:
+    def stats(self) -> AllocatorStats:
         """Flat stats: *_bytes (current) and *_bytes_peak, counts, and fragmentation figures:
         fragmentation: 1 - largest cached free block / all cached free bytes (0 when nothing is cached);
         peak_unallocated_bytes: reserved_bytes_peak - allocated_bytes_peak, memory held but unused at
@@ -206,7 +238,7 @@ class CachingAllocator:
         reserved_bytes is memory (for expandable segments, their mapped pages); address_space_bytes is
         the address space expandable segments reserved, with or without memory behind it."""
         n = self._impl.nested_stats()
-        out = {}
+        out: dict = {}
         for key in ("allocated_bytes", "reserved_bytes", "active_bytes", "requested_bytes"):
             out[key] = n[key]["all"]["current"]
             out[key + "_peak"] = n[key]["all"]["peak"]
@@ -225,7 +257,7 @@ class CachingAllocator:
         reserved_peak, allocated_peak = out["reserved_bytes_peak"], out["allocated_bytes_peak"]
         out["peak_unallocated_bytes"] = reserved_peak - allocated_peak
         out["peak_reserved_ratio"] = reserved_peak / allocated_peak if allocated_peak else 1.0
-        return out
+        return cast(AllocatorStats, out)
 
     def take_watermark(self) -> int:
         """Highest allocated bytes since the last call; restarts from the current value. Separate from

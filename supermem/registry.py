@@ -17,7 +17,10 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from .allocator import CachingAllocator
 
 
 class DeviceSource(Protocol):
@@ -57,7 +60,7 @@ def installed() -> bool:
     return _source is not None
 
 
-def device_allocator(device: int = 0) -> Any:
+def device_allocator(device: int = 0) -> CachingAllocator | None:
     """The allocator serving PyTorch on CUDA device `device`, or None (not installed, or the device
     has not been used yet). The same object every time for a device."""
     a = _device_allocators.get(device)

@@ -52,10 +52,13 @@ def measure(spec: dict) -> dict:
         if spec["allocator"] == "supermem":
             import supermem
 
-            s = supermem.device_allocator(0).stats()
-            row["supermem_peaks_gib"] = {
-                k: round(s[k] / 2**30, 3) for k in ("allocated_bytes_peak", "reserved_bytes_peak")
-            }
+            device_alloc = supermem.device_allocator(0)
+            if device_alloc is not None:  # (served by the plug-in, checked above: it is there)
+                s = device_alloc.stats()
+                row["supermem_peaks_gib"] = {
+                    "allocated_bytes_peak": round(s["allocated_bytes_peak"] / 2**30, 3),
+                    "reserved_bytes_peak": round(s["reserved_bytes_peak"] / 2**30, 3),
+                }
     row["env"] = _environment(cuda)
     return row
 

@@ -95,7 +95,7 @@ TREATMENTS: dict[str, type[Treatment]] = {}  # name -> class: the registry (trea
 
 
 def register(cls: type[Treatment]) -> type[Treatment]:
-    """Adds a treatment class to the registry under its name: PoolPort(treatments=(name, ...)) makes it."""
+    """Adds a treatment class to the registry under its name: Pool(treatments=(name, ...)) makes it."""
     if TREATMENTS.get(cls.name, cls) is not cls:
         raise ValueError(f"a treatment named {cls.name!r} is registered already")
     TREATMENTS[cls.name] = cls

@@ -82,3 +82,23 @@ def test_a_misspelled_stats_key_is_a_type_error(tmp_path):
         'bad = p.stats()["ofloads"]\n',
     )
     assert len(errors) == 1 and ':4: error: TypedDict "PoolStats" has no key "ofloads"' in errors[0], said
+
+
+def test_the_allocators_stats_have_the_keys_their_type_declares():
+    from supermem.allocator import AllocatorStats, CachingAllocator, SimulatedDevice
+
+    alloc = CachingAllocator(SimulatedDevice("1GiB"))
+    assert set(alloc.stats()) == AllocatorStats.__required_keys__
+
+
+def test_the_device_allocator_is_typed_and_a_misspelled_stats_key_is_an_error(tmp_path):
+    errors, said = _mypy_errors(
+        tmp_path,
+        "import supermem\n"
+        "a = supermem.device_allocator(0)\n"
+        "assert a is not None  # None until the allocator serves that device\n"
+        'ok: int = a.stats()["reserved_bytes_peak"]\n'
+        'bad = a.stats()["reserved_peak"]\n',
+    )
+    assert len(errors) == 1, said
+    assert ':5: error: TypedDict "AllocatorStats" has no key "reserved_peak"' in errors[0], said
