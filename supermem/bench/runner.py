@@ -34,7 +34,8 @@ def run(spec: dict, timeout_s: float, label: str = "") -> dict:
     row["wall_s"] = round(time.perf_counter() - t0, 1)
     status = "OOM" if row.get("oom") else ("error" if "error" in row else "ok")
     if "step_ms" in row:  # the numbers now, not only in the closing table: a run cut short keeps them
-        status += f": {row['step_ms']:.1f} ms, peak {row.get('peak_alloc_bytes', 0) / 2**30:.2f} GiB"
+        peak = row.get("peak_alloc_bytes", row.get("allocated_bytes_peak", 0))  # (train's, frag's)
+        status += f": {row['step_ms']:.1f} ms, peak {peak / 2**30:.2f} GiB"
     print(f" {status} ({row['wall_s']} s)", file=sys.stderr, flush=True)
     return row
 
