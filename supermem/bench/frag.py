@@ -127,24 +127,21 @@ def simulated(pattern: str, steps: int, expandable: bool, limit_bytes: int | Non
 
 def measure(spec: dict) -> dict:
     """Worker side (a GPU): the pattern with torch.empty tensors, or the model workload's training steps;
-    peaks and the median seconds per step."""
+    peaks and the median milliseconds per step."""
     import torch
 
     if spec.get("limit_bytes"):  # native's cap (supermem's is its limit: option, in spec["conf"])
         torch.cuda.set_per_process_memory_fraction(
             spec["limit_bytes"] / torch.cuda.get_device_properties(0).total_memory
         )
+    from .train_worker import _timed
+
     step = _model_steps(spec) if spec["pattern"] in MODEL_WORKLOADS else _pattern_steps(spec)
-    times_s = []
-    for run_step in step:
-        t = time.perf_counter()
-        run_step()
-        torch.cuda.synchronize()
-        times_s.append(time.perf_counter() - t)
+    times_ms = [_timed(run_step, cuda=True) for run_step in step]  # (the train bench's step timer)
     allocated, reserved = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
     return {
-        "steps": len(times_s),
-        "step_ms": statistics.median(times_s) * 1e3,
+        "steps": len(times_ms),
+        "step_ms": statistics.median(times_ms),
         "allocated_bytes_peak": allocated,
         "reserved_bytes_peak": reserved,
         "peak_reserved_ratio": reserved / allocated if allocated else 1.0,
