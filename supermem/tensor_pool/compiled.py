@@ -158,8 +158,8 @@ class CompiledGraphs:
                 self._counting = False
                 self._step_bytes = 0
                 self._codes_in_step.clear()
-            if not (self._counting or self._fits or replay):
-                self._count_peak()
+            if not (self._counting or replay):
+                self._count_peak()  # (it asks whether the pool still plans)
             if not alive_anyway(t) and not replay:
                 self._step_bytes += nbytes
                 self._codes_in_step[code] = self._codes_in_step.get(code, 0) + nbytes
