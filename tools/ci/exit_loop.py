@@ -115,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
             elif rc != 0:
                 failures += 1
                 print(f"run {i}: failed (exit status {rc}): {tail}", flush=True)
+            if (i + 1) % 25 == 0:  # a lane cut by its time limit still says how far it got
+                print(f"{i + 1} runs: {aborts} aborts, {failures} other failures", flush=True)
     seconds = time.perf_counter() - t0
     print(f"{args.mode}: {aborts} aborts, {failures} other failures in {args.n} runs ({seconds:.0f} s)")
     return 1 if aborts or failures else 0

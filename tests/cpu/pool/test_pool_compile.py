@@ -467,3 +467,33 @@ def test_with_pytorchs_allocator_the_peak_counts_the_compiled_backward(monkeypat
     assert 2 <= s["compile_recompiles"] <= 3 and sum(compiles[1:]) == s["compile_recompiles"], (s, compiles)
     assert compiles[-2:] == [0, 0] and len(set(gpu.true_peaks[-2:])) == 1, (compiles, gpu.true_peaks)
     assert gpu.resets == 2 * (s["compile_recompiles"] + 1), gpu.resets  # the planned steps only
+
+
+class AChainOnAGpu(PyTorchAllocatorOnAGpu):
+    """A chain compiled as one graph: its backward recomputes, before its first gradient, all that the
+    graph did not save, so the step peaks the same at every share (an 8-layer MLP on an H200: 1.455 GiB
+    at share 1 and at share 0)."""
+
+    def memory_allocated(self, device=None):
+        saved = self.graphs._step_bytes
+        compiled, self.compiles = self.compiles != self.counter.frame_count, self.counter.frame_count
+        peak = self.STATIC + MLP_ACTIVATION_BYTES + self.GRADS
+        self.true_peaks.append(peak + (self.COMPILER if compiled else 0))
+        return self.STATIC + saved
+
+
+def test_a_lower_share_that_peaks_no_lower_goes_back_to_the_best_share(monkeypatch):
+    """On an H200 the pool took the share of such a chain down to 0 in three recompiles, and the step
+    still peaked as high, saving nothing and recomputing everything. Now a lower share that peaks no
+    lower than the best share measured has the graphs compile once more at that best share, and the
+    pool says once that it can do no more; the step then runs as fast as it can at that peak."""
+    gpu = AChainOnAGpu(monkeypatch, 100 * 1024)
+    pool = Pool(budget=gpu.budget_bytes, policy="lru", host_limit="256MiB")
+    pool.compiled = gpu.graphs
+    with pytest.warns(UserWarning, match="peaked no lower") as said:
+        _, compiles = plan_train("aot_eager", pool, steps=8, gpu=gpu)
+    assert sum("cannot lower" in str(w.message) for w in said) == 1
+    measured = [share for share, _ in pool.compiled.measures]
+    assert measured[0] == 1.0 and measured[1] < 1.0, measured
+    assert pool.compiled.share == 1.0 and pool.compiled.recompiles == 2, pool.compiled.measures
+    assert sum(compiles[1:]) == 2 and compiles[-3:] == [0, 0, 0], compiles
