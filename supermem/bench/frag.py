@@ -206,6 +206,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="a workload, again for more (default: all on CUDA; varlen and ramp elsewhere)",
     )
     p.add_argument("--steps", type=positive_int, default=200, help="steps per run (default 200)")
+    p.add_argument(
+        "--allocator",
+        choices=("native", "supermem"),
+        action="append",
+        help="the rows of one allocator only, again for both (default: both)",
+    )
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -224,6 +230,8 @@ def run(args: argparse.Namespace) -> dict:
     rows = []
     for workload in workloads:
         for name, allocator, option in ROWS:
+            if args.allocator and allocator not in args.allocator:
+                continue
             if cuda:
                 row = _gpu_row(args, _spec(workload, steps, args.quick), allocator, option)
             elif allocator == "supermem":

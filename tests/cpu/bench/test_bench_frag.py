@@ -77,6 +77,13 @@ def test_each_row_sends_its_allocator_and_options(monkeypatch):
     assert [r["config"] for r in result["rows"]] == [name for name, _, _ in frag.ROWS]
 
 
+def test_allocator_picks_the_rows_of_one_allocator(monkeypatch):
+    specs = _record(monkeypatch)
+    result = _run("--pattern", "gpt", "--allocator", "supermem")
+    assert {s["allocator"] for s in specs} == {"supermem"}
+    assert [r["config"] for r in result["rows"]] == ["supermem", "supermem expandable"]
+
+
 def test_varlen_lengths_are_seeded_in_range_and_the_same_in_every_row(monkeypatch):
     specs = _record(monkeypatch)
     _run("--pattern", "llama-varlen", "--pattern", "llama-ramp", "--steps", "50")
