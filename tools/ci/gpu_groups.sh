@@ -3,13 +3,16 @@
 #   bash tools/ci/gpu_groups.sh "NAME=GPU=COMMAND" ...     e.g. "tests=1=python -m pytest -q tests/gpu/test_pool_gpu.py"
 # Each group's output goes to $OUT/NAME.log; its last lines print at the end. T (default 480) bounds a group.
 # Groups may share a GPU (its memory is large; tests that read the driver's device-wide counters then see
-# the others'): RERUN=1 runs every test that failed (but the corpus') once more, alone, at the end.
+# the others'): RERUN=1 runs every test that failed (but the corpus') once more, alone, at the end;
+# BUILT=1 skips the build (the caller's).
 set -u
 cd "$(dirname "$0")/../.."
 export OUT=${OUT:-$(mktemp -d)}  # (the groups may write there too)
 export PYTHONUNBUFFERED=1 CUBLAS_WORKSPACE_CONFIG=:4096:8 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 t0=$SECONDS
-python -m pip install -q --no-build-isolation --no-deps -e . >"$OUT/build.log" 2>&1 || { tail -20 "$OUT/build.log"; exit 1; }
+if [ "${BUILT:-0}" != 1 ]; then  # BUILT=1: the caller built it already
+  python -m pip install -q --no-build-isolation --no-deps -e . >"$OUT/build.log" 2>&1 || { tail -20 "$OUT/build.log"; exit 1; }
+fi
 echo "built in $((SECONDS - t0)) s on $(nvidia-smi --query-gpu=name --format=csv,noheader | sort | uniq -c | xargs)"
 T=${T:-480}
 names=()
