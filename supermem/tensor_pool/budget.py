@@ -46,7 +46,9 @@ class Budget:
         # end; how many are entered now (watch)
         self.inside_peak = 0
         self.entered = 0
-        self.outside = False  # the last exit came after its step: the watermark from then is not its
+        # the last exit came after its step, or there was none yet: the watermark from then is not its
+        # (before the pool's first step it may be the user's own, a native step's peak)
+        self.outside = True
         self.pressure_registered = False
         self.soft: Any = None  # the allocator keeping the budget as its soft limit (supermem's, on CUDA)
         self.alloc: Any = None  # supermem's allocator of the device, once it exists
@@ -120,7 +122,7 @@ class Budget:
         with pool.lock:
             if self.entered == 0 and entered > 0 and self.outside:
                 alloc.take_watermark()
-                self.outside = False
+                self.outside = True
             self.entered += entered
             if self.entered == 0 and pool.clock.between():
                 self.inside_peak = max(self.inside_peak, alloc.take_watermark())

@@ -96,3 +96,31 @@ def test_a_planning_policy_brings_its_own_solver(monkeypatch):
     assert asked and asked[0] == budget, asked
     plan = pool.stats()["plan"]
     assert plan["budget_bytes"] == budget // 2 and plan["measured_peak_bytes"] <= budget // 2, plan
+
+
+class Watermark:
+    """supermem's allocator as the budget reads it: the most allocated since the last take."""
+
+    def __init__(self, high):
+        self.high = self.allocated_bytes = high
+        self.soft_limit_bytes = None
+
+    def take_watermark(self):
+        high, self.high = self.high, self.allocated_bytes
+        return high
+
+    def arm_soft_limit(self):
+        pass
+
+
+def test_the_watermark_from_before_the_pools_first_step_is_not_the_steps():
+    """On an H200, three native steps of a ResNet-50 (5.52 GiB) and then a pool at 40% of that: the pool
+    read the allocator's watermark since the native steps as its first step's peak, learned a margin
+    of the whole budget and warned that the device reached 5.52 GiB under it. The first entry lets go
+    of the watermark from before it."""
+    pool = Pool(budget=1 << 20, policy="lru")
+    alloc = Watermark(high=5 << 30)
+    pool.budget.alloc = alloc
+    alloc.allocated_bytes = 1 << 10  # the native step's tensors are gone; its peak is in the watermark
+    pool.budget.watch(+1)
+    assert alloc.take_watermark() == 1 << 10
