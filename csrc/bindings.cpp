@@ -549,7 +549,11 @@ PYBIND11_MODULE(_C, m) {
         "A size as PyTorch's OOM messages write it (\"1.50 GiB\").");
   m.attr("trace_kinds") = py::cast(std::vector<std::string>(std::begin(kTraceNames), std::end(kTraceNames)));
   register_plugin(m);
-  // atexit runs on the thread that then finalizes, before finalization begins
-  py::module_::import("atexit").attr("register")(
-      py::cpp_function([]() { finalizing_thread.store(PyThread_get_thread_ident()); }));
+  // atexit runs on the thread that then finalizes, before finalization begins. The terminate handler
+  // goes back on there too: a library loaded after supermem may have set its own (an abort at exit
+  // in 2 of 200 GPU runs said only "terminate called without an active exception", no stack).
+  py::module_::import("atexit").attr("register")(py::cpp_function([]() {
+    finalizing_thread.store(PyThread_get_thread_ident());
+    if (std::get_terminate() != terminate_with_stack) previous_terminate = std::set_terminate(terminate_with_stack);
+  }));
 }
