@@ -46,8 +46,9 @@ def test_a_terminate_at_exit_says_where_even_after_another_library_set_its_handl
         "lib = ctypes.CDLL('libstdc++.so.6')\n"
         "atexit.register(lambda: lib._ZSt9terminatev())  # runs after supermem's (last in, first out)\n"
         "import supermem._C\n"
-        "lib._ZSt13set_terminatePFvvE.argtypes = [ctypes.c_void_p]\n"
-        "lib._ZSt13set_terminatePFvvE(ctypes.cast(lib._ZN9__gnu_cxx27__verbose_terminate_handlerEv, ctypes.c_void_p))\n"
+        "set_terminate = lib._ZSt13set_terminatePFvvE\n"
+        "set_terminate.argtypes = [ctypes.c_void_p]\n"
+        "set_terminate(ctypes.cast(lib._ZN9__gnu_cxx27__verbose_terminate_handlerEv, ctypes.c_void_p))\n"
     )
     r = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=120)
     assert r.returncode == -6, r.stderr[-2000:]
