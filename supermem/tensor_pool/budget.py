@@ -46,9 +46,7 @@ class Budget:
         # end; how many are entered now (watch)
         self.inside_peak = 0
         self.entered = 0
-        # the last exit came after its step, or there was none yet: the watermark from then is not its
-        # (before the pool's first step it may be the user's own, a native step's peak)
-        self.outside = True
+        self.outside = False  # the last exit came after its step: the watermark from then is not its
         self.pressure_registered = False
         self.soft: Any = None  # the allocator keeping the budget as its soft limit (supermem's, on CUDA)
         self.alloc: Any = None  # supermem's allocator of the device, once it exists
@@ -122,7 +120,7 @@ class Budget:
         with pool.lock:
             if self.entered == 0 and entered > 0 and self.outside:
                 alloc.take_watermark()
-                self.outside = True
+                self.outside = False
             self.entered += entered
             if self.entered == 0 and pool.clock.between():
                 self.inside_peak = max(self.inside_peak, alloc.take_watermark())
@@ -168,7 +166,10 @@ class Budget:
         alloc = self.allocator() if budget_bytes is not None else None
         if alloc is None and pool.cuda:
             self.last_peak_bytes = self.seen_peak  # what the pool saw: PyTorch's allocator has no watermark
-        if alloc is not None and budget_bytes is not None:  # (the allocator is read under a budget only)
+        if alloc is not None and budget_bytes is not None and pool.clock.steps == 0:
+            alloc.take_watermark()  # the first step opens: the mark so far is not a step's (the user's own)
+            self.inside_peak = 0
+        elif alloc is not None and budget_bytes is not None:  # (the allocator is read under a budget only)
             peak = max(self.inside_peak, alloc.take_watermark())
             self.inside_peak = 0
             self.last_peak_bytes = peak

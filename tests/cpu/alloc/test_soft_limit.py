@@ -144,6 +144,7 @@ class _CudaPoolStub:
 
     def __init__(self, said_infeasible=()):
         self.plans = types.SimpleNamespace(said_infeasible=set(said_infeasible))
+        self.clock = types.SimpleNamespace(steps=0)  # steps opened
 
 
 @pytest.mark.parametrize("allocator", ["pytorch", "supermem"])
@@ -167,12 +168,16 @@ def test_a_step_over_the_budget_is_said_once_unless_the_planner_named_the_floor(
             for peak in peaks:
                 high[0] = max(high[0], peak) if allocator == "pytorch" else peak
                 budget.learn_margin()
+                pool.clock.steps += 1
         return [str(w.message) for w in said]
 
     MiB = 1 << 20
     assert steps(_CudaPoolStub(), [90 * MiB, 102 * MiB, 100 * MiB]) == []  # within the budget x1.03
-    if allocator == "pytorch":  # the user's peak before the pool's first step is not the pool's
+    # the user's peak before the pool's first step is not the pool's (supermem's watermark then: the first)
+    if allocator == "pytorch":
         assert steps(_CudaPoolStub(), [90 * MiB, 150 * MiB, 102 * MiB], before=150 * MiB) == []
+    else:
+        assert steps(_CudaPoolStub(), [150 * MiB, 90 * MiB, 102 * MiB]) == []
     said = steps(_CudaPoolStub(), [90 * MiB, 95 * MiB, 180 * MiB, 200 * MiB])
     assert len(said) == 1 and "180.00 MiB" in said[0] and "budget of 100.00 MiB" in said[0], said
     assert ("SUPERMEM=1" in said[0]) == (allocator == "pytorch"), said

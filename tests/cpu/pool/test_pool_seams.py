@@ -113,14 +113,23 @@ class Watermark:
         pass
 
 
-def test_the_watermark_from_before_the_pools_first_step_is_not_the_steps():
+def test_the_watermark_from_before_the_pools_first_step_is_not_the_steps(monkeypatch):
     """On an H200, three native steps of a ResNet-50 (5.52 GiB) and then a pool at 40% of that: the pool
     read the allocator's watermark since the native steps as its first step's peak, learned a margin
-    of the whole budget and warned that the device reached 5.52 GiB under it. The first entry lets go
-    of the watermark from before it."""
+    of the whole budget and warned that the device reached 5.52 GiB under it. The first step's opening
+    lets go of the watermark from before it (every pool: SUPERMEM_CONF's is never entered). An exit in
+    the middle of a step (a backward after the `with`) and the next entry keep the step's."""
     pool = Pool(budget=1 << 20, policy="lru")
     alloc = Watermark(high=5 << 30)
     pool.budget.alloc = alloc
     alloc.allocated_bytes = 1 << 10  # the native step's tensors are gone; its peak is in the watermark
     pool.budget.watch(+1)
-    assert alloc.take_watermark() == 1 << 10
+    pool.budget.learn_margin()  # the first step opens
+    assert pool.budget.margin == 0 and pool.budget.last_peak_bytes == 0 and not pool.budget.said_over
+    pool.clock.steps = 1
+    monkeypatch.setattr(pool.clock, "between", lambda: False)  # its backward runs outside the `with`
+    pool.budget.watch(-1)
+    alloc.high = 3 << 20
+    pool.budget.watch(+1)
+    pool.budget.learn_margin()  # the next step opens: the last one peaked at 3 MiB
+    assert pool.budget.last_peak_bytes == 3 << 20
