@@ -58,6 +58,8 @@ bool may_take_gil() {
 std::terminate_handler previous_terminate = nullptr;
 
 [[noreturn]] void terminate_with_stack() {
+  static std::atomic<bool> entered{false};
+  if (entered.exchange(true)) std::abort();  // the handler before it chained back here (set again at exit)
   static const char head[] = "supermem: std::terminate called; the native stack:\n";
   [[maybe_unused]] auto n = write(2, head, sizeof head - 1);
   void* frames[64];
@@ -554,6 +556,7 @@ PYBIND11_MODULE(_C, m) {
   // in 2 of 200 GPU runs said only "terminate called without an active exception", no stack).
   py::module_::import("atexit").attr("register")(py::cpp_function([]() {
     finalizing_thread.store(PyThread_get_thread_ident());
-    if (std::get_terminate() != terminate_with_stack) previous_terminate = std::set_terminate(terminate_with_stack);
+    if (std::get_terminate() != terminate_with_stack)
+      previous_terminate = std::set_terminate(terminate_with_stack);
   }));
 }
