@@ -25,9 +25,11 @@ saved in the step dropped, so that they compile again under it at their next cal
 (torch_private.recompile_at_next_call: other compiled code, other models of the same class with
 other guards included, keeps its entries; a model that shares the very entry, same class, same
 guards, compiles again at its next call, under whatever config is on then). At most MAX_RECOMPILES
-times per pool; it says once where the graphs cannot fit (the share at 0, a recompile that saved
-no fewer bytes: a backend without the min-cut partitioner, such as aot_eager; or a lower share that
-peaked no lower than a higher one, when they compile once more at the share of the lowest peak).
+times per pool, and once more to go back; it says once where the graphs cannot fit (the share at 0,
+a recompile that saved no fewer bytes: a backend without the min-cut partitioner, such as aot_eager;
+or a lower share that peaked no lower than a higher one, when they compile once more at the share of
+the lowest peak), and plans no more (a budget changed later included). Peaks are compared between
+steps as if of one shape: a step of a larger batch at a lower share can read as no lower.
 Without a budget nothing changes: the pool says once that it steps aside, and how to save memory
 under compile.
 
@@ -269,7 +271,7 @@ class CompiledGraphs:
         del self.measures[:-8]
         before = self.measures[-2] if len(self.measures) > 1 else None
         if best is not None and share < best[1] and peak >= best[0]:
-            back = self._compile_again(codes, best[1])
+            back = self._compile_again(codes, best[1], "the pool's budget, the share of its lowest peak")
             why = f"a lower activation_memory_budget ({share:.3f}) peaked no lower ({format_bytes(peak)})"
             why += f" than {best[1]:.3f} did ({format_bytes(best[0])})"
             if back:
@@ -286,7 +288,7 @@ class CompiledGraphs:
             return self._unfit(pool, peak, "a graph was not compiled by torch.compile (no code to recompile)")
         target = graph_bytes - excess - int(MARGIN * pool.budget_bytes)
         new = next_share(self.measures, target)
-        dropped = self._compile_again(codes, new)
+        dropped = self._compile_again(codes, new, "the pool's budget, a lower activation_memory_budget")
         if not dropped:
             return self._unfit(pool, peak, "this torch cannot drop a compiled graph's cache entry")
         logger.info(
@@ -296,10 +298,10 @@ class CompiledGraphs:
             *(dropped, new, share),
         )
 
-    def _compile_again(self, codes: dict[Any, int], share: float) -> int:
-        """Caller holds the lock. The graphs of `codes` compile again at their next call under `share`;
-        how many of them could be dropped (0: none, and the share is left as it was)."""
-        why = "supermem: the pool's budget, a lower activation_memory_budget"
+    def _compile_again(self, codes: dict[Any, int], share: float, why: str) -> int:
+        """Caller holds the lock. The graphs of `codes` compile again at their next call under `share`,
+        for `why` (dynamo's recompile reason); how many could be dropped (0: none, the share unchanged)."""
+        why = "supermem: " + why
         dropped = sum(1 for code in codes if code is not None and tp.recompile_at_next_call(code, why))
         if dropped:
             self.recompiles += 1

@@ -70,7 +70,7 @@ class _PoolStats(TypedDict):
     compiled_kept_bytes: int  # saved by compiled graphs, every step: left to the compiler (compiled.py)
     compiled_step_bytes: int  # of them, the last measured step's activations (parameters left out)
     compile_share: float | None  # the activation_memory_budget graphs compile at under the pool
-    compile_recompiles: int  # times the pool had compiled graphs compile again at a lower share
+    compile_recompiles: int  # times the pool had compiled graphs compile again under a new share
     steps: int
     packed: int
     offloads: int

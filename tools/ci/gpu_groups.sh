@@ -11,7 +11,8 @@ export OUT=${OUT:-$(mktemp -d)}  # (the groups may write there too)
 export PYTHONUNBUFFERED=1 CUBLAS_WORKSPACE_CONFIG=:4096:8 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 t0=$SECONDS
 if [ "${BUILT:-0}" != 1 ]; then  # BUILT=1: the caller built it already
-  python -m pip install -q --no-build-isolation --no-deps -e . >"$OUT/build.log" 2>&1 || { tail -20 "$OUT/build.log"; exit 1; }
+  python -m pip install -q --no-build-isolation --no-deps -e . >"$OUT/build.log" 2>&1 ||
+    { tail -20 "$OUT/build.log"; exit 1; }
 fi
 echo "built in $((SECONDS - t0)) s on $(nvidia-smi --query-gpu=name --format=csv,noheader | sort | uniq -c | xargs)"
 T=${T:-480}
