@@ -220,6 +220,8 @@ def run(args: argparse.Namespace) -> dict:
     cuda = args.device == "cuda"
     steps = 20 if args.quick else args.steps
     workloads = args.pattern or list(PATTERNS) + (list(MODEL_WORKLOADS) if cuda else [])
+    if not cuda and args.allocator == ["native"]:
+        raise UsageError(f"--allocator native: PyTorch's rows need CUDA (device {args.device})")
     models = [w for w in workloads if w in MODEL_WORKLOADS]
     if models and not cuda:
         if not args.quick:

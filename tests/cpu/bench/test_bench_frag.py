@@ -84,6 +84,15 @@ def test_allocator_picks_the_rows_of_one_allocator(monkeypatch):
     assert [r["config"] for r in result["rows"]] == ["supermem", "supermem expandable"]
 
 
+def test_native_rows_alone_without_cuda_is_a_usage_error():
+    from supermem.errors import UsageError
+
+    args = _args("--device", "cpu", "--allocator", "native")
+    args.device = "cpu"
+    with pytest.raises(UsageError, match="need CUDA"):
+        frag.run(args)
+
+
 def test_varlen_lengths_are_seeded_in_range_and_the_same_in_every_row(monkeypatch):
     specs = _record(monkeypatch)
     _run("--pattern", "llama-varlen", "--pattern", "llama-ramp", "--steps", "50")
