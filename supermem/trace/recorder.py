@@ -314,8 +314,10 @@ class Recorder:
             if self.context is not None:
                 log, paths, phases = self.context.snapshot()
                 context = owners.ContextLog(log, paths, self.context.hook_off_ns)
-                parts.append(_phase_columns(trace, phases, parts))
-                parts.append(_call_columns(trace, self.context.calls_snapshot(), paths, parts))
+                # from the oldest event the other parts hold (a ring that overwrote its start starts it)
+                first = min((int(p["time_ns"][0]) for p in parts if len(p["time_ns"])), default=None)
+                parts.append(_phase_columns(trace, phases, first))
+                parts.append(_call_columns(trace, self.context.calls_snapshot(), paths, first))
             trace.cols = concat_columns(parts)
             trace.sort()
             for s in self.sources:
@@ -423,10 +425,9 @@ class Recorder:
             write_report_files(out)
 
 
-def _phase_columns(trace: Trace, phases: list[tuple[int, str]], parts: list) -> dict[str, np.ndarray]:
-    """context.py's phase changes as "phase" events (device -1, the phase in detail), from the oldest
-    event the other parts hold (a ring that overwrote its start starts the trace)."""
-    first = min((int(p["time_ns"][0]) for p in parts if len(p["time_ns"])), default=None)
+def _phase_columns(trace: Trace, phases: list[tuple[int, str]], first: int | None) -> dict[str, np.ndarray]:
+    """context.py's phase changes as "phase" events (device -1, the phase in detail), from time `first`
+    (None: all)."""
     phases = [p for p in phases if first is None or p[0] >= first]
     cols = empty_columns(len(phases))
     if phases:
@@ -437,10 +438,11 @@ def _phase_columns(trace: Trace, phases: list[tuple[int, str]], parts: list) -> 
     return cols
 
 
-def _call_columns(trace: Trace, calls: list[tuple], paths: list[str], parts: list) -> dict[str, np.ndarray]:
+def _call_columns(
+    trace: Trace, calls: list[tuple], paths: list[str], first: int | None
+) -> dict[str, np.ndarray]:
     """context.py's module calls as "call", "return" and "output" events (device -1; phases.py), from
-    the oldest event the other parts hold, as _phase_columns."""
-    first = min((int(p["time_ns"][0]) for p in parts if len(p["time_ns"])), default=None)
+    time `first` (None: all)."""
     calls = [c for c in calls if first is None or c[0] >= first]
     n = len(calls)
     outputs = [(k, c[1], ptr) for k, c in enumerate(calls) for ptr in c[5]]
