@@ -18,8 +18,7 @@ import numpy as np
 
 from .breakdown import NO_MODULE
 from .owners import stack_owners
-from .step_profile import copy_rate as copy_rate
-from .step_profile import step_profile as step_profile
+from .step_profile import copy_rate, step_profile
 from .table import Trace
 from .timeline import category_values, lifetimes, series
 

@@ -72,7 +72,8 @@ def test_copies_are_priced_at_the_link_the_recording_probed(trace, tmp_path):
     from supermem import costs
     from supermem.trace.format import TraceFormatError
     from supermem.trace.loader import load
-    from supermem.trace.whatif import step_profile, summary
+    from supermem.trace.step_profile import step_profile
+    from supermem.trace.whatif import summary
 
     profile = step_profile(trace, 0).profile
     assert profile.sync_copies and profile.link_bytes_per_s == costs.CPU_COPY_BYTES_PER_S
