@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .train_worker import compiled
+
 BLOCK_MODELS = ("gpt", "resnet")  # the bench's own models: model.blocks, checkpointed by torch's checkpoint
 HF_MODELS = ("hf-llama",)  # transformers' models: checkpointed by gradient_checkpointing_enable()
 MODELS = BLOCK_MODELS + HF_MODELS
@@ -28,8 +30,8 @@ class Mode:
 
     @property
     def compiled(self) -> bool:
-        """The row runs a torch.compile'd model (train_worker.compiled)."""
-        return self.saver == "compile" or bool(self.options.get("compile"))
+        """The row runs a torch.compile'd model (train_worker.compiled of its spec)."""
+        return compiled({**self.options, "saver": self.saver})
 
 
 def runs_on(m: Mode, model: str) -> bool:
