@@ -260,7 +260,7 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def targets(rows: list[dict]) -> list[str]:
-    """Issue 41's verdicts, for the model workloads run: supermem with expandable segments reserves <=
+    """The bench's verdicts, for the model workloads run: supermem with expandable segments reserves <=
     1.02x what it allocates at the peak (gpt, resnet, llama-varlen), completes llama-varlen under 1.05x its
     peak where native does not, and steps <= 1.01x as slow as supermem without the option."""
     by = {(r["pattern"], r["config"]): r for r in rows}
