@@ -270,7 +270,8 @@ py::dict nested_stats(CachingAllocator& a) {
                            py::arg("pressure_freed_bytes") = s.pressure_freed_bytes,
                            py::arg("limit_bytes") = limit,
                            py::arg("expandable_segments") = a.options().expandable,
-                           py::arg("address_space_bytes") = s.address_space_bytes);
+                           py::arg("address_space_bytes") = s.address_space_bytes,
+                           py::arg("num_reclaims") = s.num_reclaims);
   return d;
 }
 

@@ -95,6 +95,7 @@ class AllocatorStats(TypedDict):
     limit_bytes: int
     expandable_segments: bool
     address_space_bytes: int
+    num_reclaims: int
     fragmentation: float
     peak_unallocated_bytes: int
     peak_reserved_ratio: float
@@ -236,7 +237,8 @@ class CachingAllocator:
             the peak; peak_reserved_ratio: reserved_bytes_peak / allocated_bytes_peak (1.0 before any
             allocation), what a tight memory limit has to leave room for.
         reserved_bytes is memory (for expandable segments, their mapped pages); address_space_bytes is
-        the address space expandable segments reserved, with or without memory behind it."""
+        the address space expandable segments reserved, with or without memory behind it; num_reclaims
+        counts the free blocks whose pages expandable segments moved to a request instead of growing."""
         n = self._impl.nested_stats()
         out: dict = {}
         for key in ("allocated_bytes", "reserved_bytes", "active_bytes", "requested_bytes"):

@@ -616,6 +616,7 @@ void CachingAllocator::arm_soft_limit() {
 
 void CachingAllocator::reset_peak_stats() {
   std::lock_guard<std::mutex> g(mu_);
+  allocated_high_ = std::max(allocated_high_, stats_.allocated_bytes.s[kAll].peak);
   for (StatArray* a : all_stat_arrays()) a->reset_peak();
 }
 

@@ -131,6 +131,7 @@ class CachingAllocator {
   Segment* reserve_segment(Pool& pool, bool small, Stream stream);
   Block* map_front(Block* unmapped, size_t nbytes);  // the merged free block, or nullptr (no room)
   void unmap_free_pages(Block* b);                   // a free block's whole pages go back
+  bool reclaim_holes(size_t map_bytes, size_t size, const Block* keep);  // holes' pages, before growing
   void release_expandable(Segment* s);               // unmaps its free pages; releases it if empty
   Block* insert_free(Block* b);                      // coalesce with free neighbours, into the free set
   void count_inactive_split(Block* b, int sign);     // b in/out of the inactive split stats
@@ -175,6 +176,7 @@ class CachingAllocator {
   std::atomic<uint64_t> soft_arms_{0};  // arm_soft_limit() calls: one during a pressure call keeps it armed
   std::atomic<bool> soft_busy_{false};  // handlers are running for the soft limit: their own allocations go ahead
   std::atomic<int64_t> allocated_now_{0};  // stats_.allocated_bytes' current, for allocated_now()
+  int64_t allocated_high_ = 0;  // the allocated peak before the last reset_peak_stats (reclaim_holes')
   int64_t watermark_ = 0;  // like the allocated peak, but the tensor pool's own (user peaks untouched)
   TraceRing trace_;
 };

@@ -5,9 +5,11 @@
 // whole range: allocated, pending and free blocks have memory behind them, unmapped blocks have none.
 // A request that no cached block fits takes the lowest run of free and unmapped blocks long enough
 // for it and maps the pages that run lacks; so the free space at a segment's end, which a plain
-// segment strands, is part of the next larger request. Free pages are unmapped only when cached
-// memory is released (the OOM protocol's stage 2, empty_cache, a lower limit): mapping costs driver
-// calls and a device synchronisation to unmap, too much for every free.
+// segment strands, is part of the next larger request. Free pages are unmapped when cached memory is
+// released (the OOM protocol's stage 2, empty_cache, a lower limit), and when new pages would take the
+// reserved bytes over the allocated peak by more than 1/64 (or 32 MiB: reclaim_holes): then free pages in holes
+// between live blocks move to where the request lacks them instead. Not at every free: unmapping waits
+// for the device, and mapping costs driver calls.
 //
 // Stream-ordered reuse is unchanged: a segment belongs to one stream, a block is free only once the
 // events of the other streams that used it completed, and unmapping waits for the device.
@@ -22,6 +24,10 @@ namespace {
 
 size_t round_up(size_t n, size_t multiple) { return (n + multiple - 1) / multiple * multiple; }
 
+// Growth within this much over the allocated peak (or 1/64 of it, if more) moves no pages: a small
+// workload's few pages are not worth a device synchronisation.
+constexpr int64_t kReclaimFloor = 32 << 20;
+
 bool is_free(const Block* b) { return b && b->state == BlockState::free; }
 bool is_unmapped(const Block* b) { return b && b->state == BlockState::unmapped; }
 
@@ -30,12 +36,16 @@ bool is_unmapped(const Block* b) { return b && b->state == BlockState::unmapped;
 Block* CachingAllocator::map_for(Pool& pool, bool small, Stream stream, size_t size) {
   size_t map_bytes = 0;
   Block* b = find_run(pool, small, stream, size, map_bytes);
-  Segment* fresh = nullptr;
   if (!b) {  // a new range; none for a request larger than any range (it cannot fit the device either)
     size_t page = device_->vm_page_bytes(), total = device_->total_bytes();
     if (size > round_up(total + total / 8, page)) return nullptr;
     map_bytes = round_up(size, page);
   }
+  if (map_bytes > 0 && reclaim_holes(map_bytes, size, b)) {  // the layout changed: look again
+    if (!(b = find_run(pool, small, stream, size, map_bytes)))
+      map_bytes = round_up(size, device_->vm_page_bytes());
+  }
+  Segment* fresh = nullptr;
   if (limited_ && stats_.reserved_bytes.s[kAll].current + static_cast<int64_t>(map_bytes) >
                       static_cast<int64_t>(opts_.limit_bytes))
     return nullptr;
@@ -59,10 +69,12 @@ Block* CachingAllocator::map_for(Pool& pool, bool small, Stream stream, size_t s
   return b;
 }
 
-// The lowest-address run in this pool's segments of (stream, size class) that holds `size` bytes: a
-// free block followed by unmapped ones, or an unmapped block, with its free and unmapped successors.
-// Its first block, and in map_bytes the pages it lacks; nullptr if there is none.
+// The run in this pool's segments of (stream, size class) that holds `size` bytes and lacks the fewest
+// pages (the lowest address of those): a free block followed by unmapped ones, or an unmapped block,
+// with its free and unmapped successors. Its first block, and in map_bytes the pages it lacks; nullptr
+// if there is none.
 Block* CachingAllocator::find_run(Pool& pool, bool small, Stream stream, size_t size, size_t& map_bytes) {
+  Block* best = nullptr;
   for (auto& [base, s] : segments_) {
     if (!s->expandable() || s->pool != &pool || s->small != small || s->stream != stream) continue;
     for (Block* u = s->head; u; u = u->next) {
@@ -73,13 +85,46 @@ Block* CachingAllocator::find_run(Pool& pool, bool small, Stream stream, size_t 
         if (is_unmapped(c)) lacking += std::min(c->size, round_up(size - bytes, s->page_bytes));
         bytes += c->size;
       }
-      if (bytes >= size) {
+      if (bytes >= size && (!best || lacking < map_bytes)) {
+        best = start;
         map_bytes = lacking;
-        return start;
       }
     }
   }
-  return nullptr;
+  return best;
+}
+
+// Unmaps whole free pages in holes, the smallest free blocks first (large ones are the cache's most
+// useful), until mapping map_bytes more keeps the reserved bytes within 1/64 (or kReclaimFloor) over
+// the allocated peak
+// since the allocator began (this request counted). Skips the free block that starts the request's run (`keep`), private pools
+// (a captured graph's kernels still address their free blocks) and any time a capture is underway (the
+// unmap's device synchronisation is illegal then). True if it unmapped anything.
+bool CachingAllocator::reclaim_holes(size_t map_bytes, size_t size, const Block* keep) {
+  int64_t reserved = stats_.reserved_bytes.s[kAll].current + static_cast<int64_t>(map_bytes);
+  const StatArray& allocated = stats_.allocated_bytes;  // its peak since ever: a user's reset does not count
+  int64_t peak = std::max({allocated_high_, allocated.s[kAll].peak, allocated.s[kAll].current + static_cast<int64_t>(size)});
+  int64_t excess = reserved - (peak + std::max<int64_t>(peak / 64, kReclaimFloor));
+  if (excess <= 0 || !captures_.empty()) return false;
+  std::vector<std::pair<size_t, Block*>> holes;  // (whole pages' bytes, block)
+  for (auto& [base, s] : segments_) {
+    if (!s->expandable() || s->pool != &default_pool_) continue;
+    for (Block* b = s->head; b; b = b->next) {
+      if (!is_free(b) || b == keep) continue;
+      size_t lo = round_up(static_cast<size_t>(b->ptr - s->base), s->page_bytes);
+      size_t hi = static_cast<size_t>(b->ptr + b->size - s->base) / s->page_bytes * s->page_bytes;
+      if (hi > lo) holes.emplace_back(hi - lo, b);
+    }
+  }
+  std::sort(holes.begin(), holes.end(), [](auto& x, auto& y) { return x.first < y.first; });
+  int64_t freed = 0;
+  for (auto& [bytes, b] : holes) {  // (unmapping one relinks only its own neighbours, never another hole)
+    if (freed >= excess) break;
+    unmap_free_pages(b);
+    freed += static_cast<int64_t>(bytes);
+    ++stats_.num_reclaims;
+  }
+  return freed > 0;
 }
 
 Segment* CachingAllocator::reserve_segment(Pool& pool, bool small, Stream stream) {

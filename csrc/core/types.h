@@ -118,6 +118,7 @@ struct Stats {
   int64_t num_device_alloc = 0, num_device_free = 0, num_pressure_calls = 0;
   int64_t pressure_freed_bytes = 0;
   int64_t address_space_bytes = 0;  // reserved by expandable segments (their memory is in reserved_bytes)
+  int64_t num_reclaims = 0;  // free blocks whose pages an expandable segment moved to a request
 };
 
 // What the user did wrong; the binding turns it into a Python ValueError subclass.

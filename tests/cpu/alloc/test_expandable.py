@@ -97,6 +97,56 @@ def test_out_of_memory_moves_free_pages_to_where_the_request_fits():
             a.free(p)
 
 
+def test_growing_past_the_allocated_peak_moves_pages_out_of_holes_first():
+    """A request no cached block fits, whose new pages would take reserved memory over the allocated
+    peak (by more than 1/64 or 32 MiB): the pages of holes between live blocks (smallest first) are
+    unmapped and mapped where the request goes, so reserved stays at the peak. Without that the same
+    calls reserve 832 MiB."""
+    a = make()
+    blocks = [a.malloc(64 * MiB) for _ in range(10)]  # peak 640 MiB, one mapped run
+    for p in blocks[0:8:2]:
+        a.free(p)  # four 64 MiB holes, 384 MiB allocated
+    big = a.malloc(192 * MiB)
+    s = a.stats()
+    assert s["reserved_bytes"] == 640 * MiB == a.device.used_bytes == s["allocated_bytes_peak"]
+    assert s["num_reclaims"] == 3  # 192 MiB of holes: three of the four
+    assert sum(a.device.mapped_bytes(p, 64 * MiB) == 0 for p in blocks[0:8:2]) == 3
+    a.free(big)
+    for p in blocks[1::2]:
+        a.free(p)
+
+
+def test_holes_below_the_allocators_all_time_peak_stay_cached_after_a_peak_reset():
+    """torch.cuda.reset_peak_memory_stats between steps changes no allocation: growth within the
+    highest allocated bytes ever leaves the holes mapped (they serve the next step)."""
+    a = make()
+    for p in [a.malloc(64 * MiB) for _ in range(10)]:
+        a.free(p)
+    a.empty_cache()  # peak 640 MiB, nothing reserved
+    hole, live = a.malloc(64 * MiB), a.malloc(64 * MiB)
+    a.free(hole)
+    a.reset_peak_stats()  # the peak now reads 128 MiB
+    big = a.malloc(128 * MiB)  # 256 MiB reserved: over the peak since the reset, under the all-time one
+    assert a.stats()["num_reclaims"] == 0 and a.device.mapped_bytes(hole, 64 * MiB) == 64 * MiB
+    a.free(big)
+    a.free(live)
+
+
+def test_a_private_pools_holes_are_never_reclaimed():
+    """A captured graph's kernels address its pool's free blocks too: only the default pool's pages move."""
+    a = make()
+    a.begin_allocate_to_pool((1, 0), [7])
+    g = [a.malloc(64 * MiB, 7) for _ in range(3)]
+    a.end_allocate_to_pool((1, 0))
+    a.free(g[0])  # a 64 MiB hole in the graph's pool
+    big = a.malloc(192 * MiB)  # over the peak: the default pool has no hole, and the graph's stays
+    assert a.stats()["num_reclaims"] == 0 and a.device.mapped_bytes(g[0], 64 * MiB) == 64 * MiB
+    a.free(big)
+    for p in g[1:]:
+        a.free(p)
+    a.release_pool((1, 0))
+
+
 def test_the_oom_message_says_what_is_mapped():
     a = make(capacity=64 * MiB)
     p = a.malloc(40 * MiB)
@@ -179,7 +229,7 @@ def test_variable_sizes_reserve_less_with_the_option():
     at the peak, and the smallest limit (x allocated peak) the run completes under."""
     off = frag.simulated("varlen", 40, expandable=False)
     on = frag.simulated("varlen", 40, expandable=True)
-    assert on["peak_reserved_ratio"] < 1.15 < 1.5 < off["peak_reserved_ratio"]
+    assert on["peak_reserved_ratio"] <= 1.02 < 1.5 < off["peak_reserved_ratio"]  # frag's target
     for run, expandable in ((on, True), (off, False)):  # the issue's target: 5% above the allocated peak
         limit = int(run["allocated_bytes_peak"] * 1.05)
         assert frag.simulated("varlen", 40, expandable, limit_bytes=limit)["oom"] == (not expandable)
