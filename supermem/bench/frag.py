@@ -122,6 +122,7 @@ def simulated(pattern: str, steps: int, expandable: bool, limit_bytes: int | Non
     row["wall_s"] = round(time.perf_counter() - t, 3)
     s = a.stats()
     row.update({k: s[k] for k in ("allocated_bytes_peak", "reserved_bytes_peak", "peak_reserved_ratio")})
+    row["reclaims"] = s["num_reclaims"] or None
     return row
 
 
@@ -139,12 +140,16 @@ def measure(spec: dict) -> dict:
     step = _model_steps(spec) if spec["pattern"] in MODEL_WORKLOADS else _pattern_steps(spec)
     times_ms = [_timed(run_step, cuda=True) for run_step in step]  # (the train bench's step timer)
     allocated, reserved = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
+    from .. import registry
+
     return {
         "steps": len(times_ms),
         "step_ms": statistics.median(times_ms),
         "allocated_bytes_peak": allocated,
         "reserved_bytes_peak": reserved,
         "peak_reserved_ratio": reserved / allocated if allocated else 1.0,
+        # supermem's: free blocks whose pages moved to a request (each a device synchronisation)
+        "reclaims": sum(a.stats()["num_reclaims"] for _, a in registry.allocators()) or None,
     }
 
 
@@ -250,6 +255,7 @@ def run(args: argparse.Namespace) -> dict:
         ("res./alloc", lambda r: r.get("peak_reserved_ratio"), ".3f"),
         ("min limit x", lambda r: r.get("min_limit_x"), ".2f"),
         ("step ms", lambda r: r.get("step_ms"), ".1f"),
+        ("reclaims", lambda r: r.get("reclaims"), ""),
         ("note", lambda r: r.get("error"), ""),
     ]
     print(table.render(columns, rows))
