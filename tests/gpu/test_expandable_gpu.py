@@ -184,6 +184,28 @@ def check_a_fragmented_cache_serves_a_large_tensor_under_the_limit():
     _alloc().check()
 
 
+def check_growth_past_the_peak_moves_the_pages_of_holes_first():
+    """Without a limit: 1 GiB holes between live tensors, their last kernels still queued, then 3 GiB
+    at once. Instead of 3 GiB more memory the holes' pages move to it, unmapped once those kernels ran
+    (else they fault); every live tensor keeps its bytes."""
+    a = _alloc()
+    _release()
+    xs = [cookie(torch.empty(GiB, dtype=torch.uint8, device="cuda"), i) for i in range(10)]
+    reserved, reclaims = torch.cuda.memory_reserved(), a.stats()["num_reclaims"]
+    for i in range(0, 8, 2):
+        xs[i].add_(1)  # queued work on what becomes a hole
+        xs[i] = None
+    big = cookie(torch.empty(3 * GiB, dtype=torch.uint8, device="cuda"), 99)
+    grew = torch.cuda.memory_reserved() - reserved
+    assert a.stats()["num_reclaims"] >= reclaims + 3 and grew <= 2 * _page(), (grew, a.stats()["num_reclaims"])
+    for i in range(1, 10, 2):
+        assert_cookie(xs[i], i, f"live tensor {i}")
+    assert_cookie(big, 99)
+    del xs, big
+    a.check()
+    return {"reserved_growth_mib": grew / MiB}
+
+
 def check_tensor_pool_offload_beside_expandable_segments():
     import supermem
 
