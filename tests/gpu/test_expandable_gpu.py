@@ -197,7 +197,10 @@ def check_growth_past_the_peak_moves_the_pages_of_holes_first():
         xs[i] = None
     big = cookie(torch.empty(3 * GiB, dtype=torch.uint8, device="cuda"), 99)
     grew = torch.cuda.memory_reserved() - reserved
-    assert a.stats()["num_reclaims"] >= reclaims + 3 and grew <= 2 * _page(), (grew, a.stats()["num_reclaims"])
+    assert a.stats()["num_reclaims"] >= reclaims + 3 and grew <= 2 * _page(), (
+        grew,
+        a.stats()["num_reclaims"],
+    )
     for i in range(1, 10, 2):
         assert_cookie(xs[i], i, f"live tensor {i}")
     assert_cookie(big, 99)
