@@ -6,10 +6,11 @@
 // coalesces it back. Everything else (new segments, recovery from OOM) is in malloc_slow.
 //
 // Expandable segments (expandable.cpp, option `expandable`): instead of a segment per cudaMalloc, one
-// reserved address range per (pool, stream, size class) into which pages are mapped on demand, at the
-// lowest address where a request fits; free pages are unmapped when cached memory is released (the
-// OOM protocol's stage 2, empty_cache, a lower limit). A request that no cached block fits takes the
-// free space at a segment's end plus new pages, instead of a new segment beside the unusable rest.
+// reserved address range per (pool, stream, size class) into which pages are mapped on demand where a
+// request lacks the fewest; free pages are unmapped when cached memory is released (the OOM protocol's
+// stage 2, empty_cache, a lower limit) and move out of holes before reserved memory outgrows the
+// allocated peak. A request that no cached block fits takes the free space at a segment's end plus new
+// pages, instead of a new segment beside the unusable rest.
 //
 // OOM protocol, one retry per stage: (1) a new segment (or new pages); (2) release cached segments
 // (and unmap free pages), retry;

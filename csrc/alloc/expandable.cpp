@@ -3,13 +3,13 @@
 // A segment is a range of address space reserved once per (pool, stream, size class), 1 1/8 of the
 // device's capacity as in PyTorch (room to move pages from a hole to the end). Its blocks tile the
 // whole range: allocated, pending and free blocks have memory behind them, unmapped blocks have none.
-// A request that no cached block fits takes the lowest run of free and unmapped blocks long enough
-// for it and maps the pages that run lacks; so the free space at a segment's end, which a plain
+// A request that no cached block fits takes the run of free and unmapped blocks long enough for it
+// that lacks the fewest pages, and maps them; so the free space at a segment's end, which a plain
 // segment strands, is part of the next larger request. Free pages are unmapped when cached memory is
-// released (the OOM protocol's stage 2, empty_cache, a lower limit), and when new pages would take the
-// reserved bytes over the allocated peak by more than 1/64 (or 32 MiB: reclaim_holes): then free pages in holes
-// between live blocks move to where the request lacks them instead. Not at every free: unmapping waits
-// for the device, and mapping costs driver calls.
+// released (the OOM protocol's stage 2, empty_cache, a lower limit), and when new pages would take
+// the reserved bytes over the allocated peak by more than 1/64 or 32 MiB (reclaim_holes): then free
+// pages in holes between live blocks move to where the request lacks them instead. Not at every free:
+// unmapping waits for the device, and mapping costs driver calls.
 //
 // Stream-ordered reuse is unchanged: a segment belongs to one stream, a block is free only once the
 // events of the other streams that used it completed, and unmapping waits for the device.

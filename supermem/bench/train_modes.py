@@ -83,7 +83,7 @@ def hf_checkpoint_modes() -> list[Mode]:
 
 
 SWEEP_BUDGETS = (0.9, 0.75, 0.6, 0.5)
-HF_SWEEP_BUDGETS = (0.75, 0.5)  # and each HF checkpointing row's peak: the sweep in ~4 minutes on an H200
+HF_SWEEP_BUDGETS = (0.75, 0.5)  # and each HF checkpointing row's peak; 15-25 s a process on an H200
 # --sweep's warm-up: a planned pool records its first steps, then may record and plan again a few times
 # (PlanRunner: MAX_REPLANS) before its plan holds; the rows time the steps after (an H100 sweep with 3
 # warm-up steps timed GPT-24's planned 75% at 183.7 ms a step, its plan's own steps at 95.3)
