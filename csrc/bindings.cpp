@@ -378,7 +378,7 @@ PYBIND11_MODULE(_C, m) {
            }, py::arg("address"), py::arg("nbytes"))
       // For tests of the invariant walker: change the mapping behind the allocator's back.
       .def("_vm_map", [](SimDevice& d, uint64_t addr, size_t n) { return d.vm_map(as_ptr(addr), n); })
-      .def("_vm_unmap", [](SimDevice& d, uint64_t addr, size_t n) { d.vm_unmap(as_ptr(addr), n); })
+      .def("_vm_unmap", [](SimDevice& d, uint64_t addr, size_t n) { d.vm_unmap(as_ptr(addr), n, true); })
       .def_property_readonly("used_bytes", &SimDevice::used_bytes)
       .def_property_readonly("live_events", &SimDevice::live_events);
 

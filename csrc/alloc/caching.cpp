@@ -65,7 +65,7 @@ CachingAllocator::~CachingAllocator() {
         if (in_use) continue;
         // Free blocks end on page boundaries here: only unmapped blocks or the range's ends border them.
         for (Block* b = s->head; b; b = b->next)
-          if (b->state == BlockState::free) device_->vm_unmap(b->ptr, b->size);
+          if (b->state == BlockState::free) device_->vm_unmap(b->ptr, b->size, true);
         device_->vm_release(s->base, s->size);
         continue;
       }
@@ -212,7 +212,7 @@ void CachingAllocator::free_block(Block* b) {
   bool pool_gone = s->pool != &default_pool_ && s->pool->users == 0;
   if (!captures_.empty()) return;  // nothing goes back to the device during a capture
   if (s->expandable()) {
-    if (pool_gone) unmap_free_pages(b);  // may release the segment
+    if (pool_gone) unmap_free_pages(b, true);  // may release the segment
     return;
   }
   bool whole = !b->prev && !b->next;
@@ -344,7 +344,8 @@ bool CachingAllocator::release_cached() {
     else if (freeable && s->head->state == BlockState::free && !s->head->next) whole.push_back(s);
   }
   for (Segment* s : whole) release_segment(s);
-  for (Segment* s : expandable) release_expandable(s);
+  bool wait = true;  // one wait for the device before the first unmap covers them all (under the lock)
+  for (Segment* s : expandable) wait = release_expandable(s, wait);
   for (auto it = private_pools_.begin(); it != private_pools_.end();) {  // forget empty dead pools
     Pool* p = it->second;
     bool empty = p->small_free.empty() && p->large_free.empty();
@@ -624,7 +625,7 @@ void CachingAllocator::reset_accumulated_stats() {
   std::lock_guard<std::mutex> g(mu_);
   for (StatArray* a : all_stat_arrays()) a->reset_totals();
   stats_.num_alloc_retries = stats_.num_ooms = stats_.num_sync_all_streams = 0;
-  stats_.num_device_alloc = stats_.num_device_free = 0;
+  stats_.num_device_alloc = stats_.num_device_free = stats_.num_reclaims = 0;
   stats_.num_pressure_calls = stats_.pressure_freed_bytes = 0;
 }
 

@@ -131,9 +131,12 @@ class CachingAllocator {
   Block* find_run(Pool& pool, bool small, Stream stream, size_t size, size_t& map_bytes);
   Segment* reserve_segment(Pool& pool, bool small, Stream stream);
   Block* map_front(Block* unmapped, size_t nbytes);  // the merged free block, or nullptr (no room)
-  void unmap_free_pages(Block* b);                   // a free block's whole pages go back
-  bool reclaim_holes(size_t map_bytes, size_t size, const Block* keep);  // holes' pages, before growing
-  void release_expandable(Segment* s);               // unmaps its free pages; releases it if empty
+  // A free block's whole pages go back (false: it has none); wait: first wait for the device (false:
+  // the caller did since the block was freed)
+  bool unmap_free_pages(Block* b, bool wait);
+  bool reclaim_holes(size_t map_bytes, size_t size, const Block* run);  // holes' pages, before growing
+  // Unmaps its free pages (waiting first if `wait`), releases it if empty; whether a wait is still due
+  bool release_expandable(Segment* s, bool wait);
   Block* insert_free(Block* b);                      // coalesce with free neighbours, into the free set
   void count_inactive_split(Block* b, int sign);     // b in/out of the inactive split stats
   void check_expandable(Segment* s);                 // the walker's page checks

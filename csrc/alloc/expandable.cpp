@@ -15,6 +15,7 @@
 // events of the other streams that used it completed, and unmapping waits for the device.
 #include <algorithm>
 #include <stdexcept>
+#include <unordered_set>
 
 #include "caching.h"
 
@@ -94,37 +95,53 @@ Block* CachingAllocator::find_run(Pool& pool, bool small, Stream stream, size_t 
   return best;
 }
 
-// Unmaps whole free pages in holes, the smallest free blocks first (large ones are the cache's most
-// useful), until mapping map_bytes more keeps the reserved bytes within 1/64 (or kReclaimFloor) over
-// the allocated peak
-// since the allocator began (this request counted). Skips the free block that starts the request's run (`keep`), private pools
-// (a captured graph's kernels still address their free blocks) and any time a capture is underway (the
-// unmap's device synchronisation is illegal then). True if it unmapped anything.
-bool CachingAllocator::reclaim_holes(size_t map_bytes, size_t size, const Block* keep) {
-  int64_t reserved = stats_.reserved_bytes.s[kAll].current + static_cast<int64_t>(map_bytes);
-  const StatArray& allocated = stats_.allocated_bytes;  // its peak since ever: a user's reset does not count
-  int64_t peak = std::max({allocated_high_, allocated.s[kAll].peak, allocated.s[kAll].current + static_cast<int64_t>(size)});
-  int64_t excess = reserved - (peak + std::max<int64_t>(peak / 64, kReclaimFloor));
-  if (excess <= 0 || !captures_.empty()) return false;
+// Before map_bytes more pages are mapped for a request of `size` bytes whose run starts at `run` (or
+// nullptr: a fresh range): unmaps whole free pages of holes, the smallest free blocks first (large ones
+// are the cache's most useful), so that live bytes, the holes' pages left and the new pages stay within
+// 1/64 (or kReclaimFloor) over the highest allocated bytes since the allocator began (this request
+// counted). What no reclaim can move (pending blocks, pages shared with live blocks, private pools,
+// the run's free blocks but those about to serve the request) counts on neither side, so it never
+// makes the allocator squeeze the holes at every miss. Only the default pool's holes move (a captured graph's kernels still address its pool's free
+// blocks), never during a capture (the unmap's device synchronisation is illegal then), and only when
+// they cover the excess. One synchronisation for all. True if it unmapped anything.
+bool CachingAllocator::reclaim_holes(size_t map_bytes, size_t size, const Block* run) {
+  if (!captures_.empty()) return false;
+  std::unordered_set<const Block*> in_run;  // the request's run: its free blocks are about to be used
+  size_t covered = 0;
+  int64_t run_free = 0;
+  for (const Block* c = run; c && covered < size && (is_free(c) || is_unmapped(c)); c = c->next) {
+    in_run.insert(c);
+    covered += c->size;
+    if (is_free(c)) run_free += static_cast<int64_t>(c->size);
+  }
   std::vector<std::pair<size_t, Block*>> holes;  // (whole pages' bytes, block)
+  int64_t movable = 0;
   for (auto& [base, s] : segments_) {
     if (!s->expandable() || s->pool != &default_pool_) continue;
     for (Block* b = s->head; b; b = b->next) {
-      if (!is_free(b) || b == keep) continue;
+      if (!is_free(b) || in_run.count(b)) continue;
       size_t lo = round_up(static_cast<size_t>(b->ptr - s->base), s->page_bytes);
       size_t hi = static_cast<size_t>(b->ptr + b->size - s->base) / s->page_bytes * s->page_bytes;
-      if (hi > lo) holes.emplace_back(hi - lo, b);
+      if (hi <= lo) continue;
+      holes.emplace_back(hi - lo, b);
+      movable += static_cast<int64_t>(hi - lo);
     }
   }
+  const StatArray& allocated = stats_.allocated_bytes;  // its peak since ever: a user's reset does not count
+  int64_t now = allocated.s[kAll].current;
+  int64_t peak = std::max({allocated_high_, allocated.s[kAll].peak, now + static_cast<int64_t>(size)});
+  int64_t after = now + movable + run_free + static_cast<int64_t>(map_bytes);  // what may count, grown
+  int64_t excess = after - (peak + std::max<int64_t>(peak / 64, kReclaimFloor));
+  if (excess <= 0 || movable < excess) return false;
   std::sort(holes.begin(), holes.end(), [](auto& x, auto& y) { return x.first < y.first; });
   int64_t freed = 0;
   for (auto& [bytes, b] : holes) {  // (unmapping one relinks only its own neighbours, never another hole)
     if (freed >= excess) break;
-    unmap_free_pages(b);
+    unmap_free_pages(b, /*wait=*/freed == 0);  // nothing else can use a free block meanwhile: the lock
     freed += static_cast<int64_t>(bytes);
     ++stats_.num_reclaims;
   }
-  return freed > 0;
+  return true;
 }
 
 Segment* CachingAllocator::reserve_segment(Pool& pool, bool small, Stream stream) {
@@ -191,13 +208,13 @@ void CachingAllocator::count_inactive_split(Block* b, int sign) {
 // Unmaps the whole pages inside free block b (PyTorch's unmap_block): what is left of b at either end
 // stays a free block (a page shared with a neighbour stays mapped). Releases the segment once nothing
 // of it is mapped.
-void CachingAllocator::unmap_free_pages(Block* b) {
+bool CachingAllocator::unmap_free_pages(Block* b, bool wait) {
   Segment* s = b->segment;
   size_t page = s->page_bytes;
   char* lo = s->base + round_up(static_cast<size_t>(b->ptr - s->base), page);
   char* hi = s->base + static_cast<size_t>(b->ptr + b->size - s->base) / page * page;
-  if (lo >= hi) return;
-  device_->vm_unmap(lo, static_cast<size_t>(hi - lo));
+  if (lo >= hi) return false;
+  device_->vm_unmap(lo, static_cast<size_t>(hi - lo), wait);
   auto& set = s->pool->free_set(s->small);
   set.erase(b);
   count_inactive_split(b, -1);
@@ -243,13 +260,16 @@ void CachingAllocator::unmap_free_pages(Block* b) {
     recycle(n);
   }
   if (!b->prev && !b->next) release_segment(s);
+  return true;
 }
 
-void CachingAllocator::release_expandable(Segment* s) {
+bool CachingAllocator::release_expandable(Segment* s, bool wait) {
   std::vector<Block*> free_blocks;  // gathered first: unmapping relinks the list (and may free s)
   for (Block* b = s->head; b; b = b->next)
     if (b->state == BlockState::free) free_blocks.push_back(b);
-  for (Block* b : free_blocks) unmap_free_pages(b);
+  for (Block* b : free_blocks)
+    if (unmap_free_pages(b, wait)) wait = false;
+  return wait;
 }
 
 void CachingAllocator::check_expandable(Segment* s) {

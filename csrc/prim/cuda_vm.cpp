@@ -214,7 +214,7 @@ bool CudaDevice::vm_map(void* addr, size_t nbytes) {
   return true;
 }
 
-void CudaDevice::vm_unmap(void* addr, size_t nbytes) {
+void CudaDevice::vm_unmap(void* addr, size_t nbytes, bool wait) {
   Vm& v = vm();
   CUdeviceptr p = reinterpret_cast<CUdeviceptr>(addr);
   size_t n = nbytes / v.page;
@@ -227,7 +227,7 @@ void CudaDevice::vm_unmap(void* addr, size_t nbytes) {
   DeviceGuard g(index_);
   // Unlike cudaFree, cuMemUnmap does not wait for kernels still using the pages (PyTorch found the
   // same): a block freed on its own stream may still be read by work queued there.
-  check(cudaDeviceSynchronize(), "cudaDeviceSynchronize before cuMemUnmap");
+  if (wait) check(cudaDeviceSynchronize(), "cudaDeviceSynchronize before cuMemUnmap");
   for (size_t i = 0; i < n; ++i) check_cu(driver().unmap(p + i * v.page, v.page), "cuMemUnmap");
   std::lock_guard<std::mutex> l(v.mu);
   auto [pages, first] = v.find(p, nbytes, "vm_unmap");

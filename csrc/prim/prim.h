@@ -51,9 +51,10 @@ class Device {
   // stream is being captured into a CUDA graph.
   virtual bool vm_map(void* addr, size_t nbytes) { return false; }
   // Unmaps the mapped pages [addr, addr + nbytes) and frees their memory, after waiting for the work
-  // queued on the device (a kernel queued on the allocation stream may still use them). Throws
-  // DeviceError for a page not mapped. Must not be called during a graph capture.
-  virtual void vm_unmap(void* addr, size_t nbytes) {}
+  // queued on the device if `wait` (a kernel queued on the allocation stream may still use them; false:
+  // the caller waited since they were last used). Throws DeviceError for a page not mapped. Must not be
+  // called during a graph capture.
+  virtual void vm_unmap(void* addr, size_t nbytes, bool wait) {}
   // Bytes of [addr, addr + nbytes) that are mapped, as the device itself counts them (the walker
   // compares them with the allocator's blocks).
   virtual size_t vm_mapped_bytes(void* addr, size_t nbytes) { return 0; }
@@ -87,7 +88,7 @@ class SimDevice : public Device {
   void* vm_reserve(size_t nbytes) override;
   void vm_release(void* base, size_t nbytes) override;
   bool vm_map(void* addr, size_t nbytes) override;
-  void vm_unmap(void* addr, size_t nbytes) override;
+  void vm_unmap(void* addr, size_t nbytes, bool wait) override;
   size_t vm_mapped_bytes(void* addr, size_t nbytes) override;
   size_t total_bytes() override { return capacity_; }
   size_t free_bytes() override;
@@ -125,7 +126,7 @@ class CudaDevice : public Device {
   void* vm_reserve(size_t nbytes) override;
   void vm_release(void* base, size_t nbytes) override;
   bool vm_map(void* addr, size_t nbytes) override;
-  void vm_unmap(void* addr, size_t nbytes) override;
+  void vm_unmap(void* addr, size_t nbytes, bool wait) override;
   size_t vm_mapped_bytes(void* addr, size_t nbytes) override;
   size_t total_bytes() override;
   size_t free_bytes() override;

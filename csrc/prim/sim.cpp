@@ -157,7 +157,7 @@ bool SimDevice::vm_map(void* addr, size_t nbytes) {
   return true;
 }
 
-void SimDevice::vm_unmap(void* addr, size_t nbytes) {
+void SimDevice::vm_unmap(void* addr, size_t nbytes, bool /*wait: nothing runs on it*/) {
   std::lock_guard<std::mutex> g(st_->mu);
   auto [r, first] = find_range(st_->ranges, addr, nbytes, page_bytes_, "vm_unmap");
   size_t n = nbytes / page_bytes_;
