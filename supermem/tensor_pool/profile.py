@@ -327,8 +327,11 @@ class Recorder:
         return len(self.bytes) - 1
 
     def pressed(self, demand: int) -> None:
-        """An allocation would take the device to `demand` bytes (over the budget) now."""
-        if self.events:
+        """An allocation would take the device to `demand` bytes (over the budget) now. Not a point of
+        the step's curve when the allocation is the pool's own work (the clock paused by that work and
+        by the pressure handler's own call): a recorded step's restores and rebuilds are its reactive
+        fallback's, not the step's, and a restored entry's bytes would count twice (still `away`)."""
+        if self.events and self.clock.paused <= 1:
             self.pressure.append((self.events - 1, demand + self.away))
 
     def packed(self, ordinal: int, nbytes: int, used: int, tensor: torch.Tensor | None = None) -> int:
