@@ -7,9 +7,9 @@
 // that lacks the fewest pages, and maps them; so the free space at a segment's end, which a plain
 // segment strands, is part of the next larger request. Free pages are unmapped when cached memory is
 // released (the OOM protocol's stage 2, empty_cache, a lower limit), and when new pages would take
-// the reserved bytes over the allocated peak by more than 1/64 or 32 MiB (reclaim_holes): then free
-// pages in holes between live blocks move to where the request lacks them instead. Not at every free:
-// unmapping waits for the device, and mapping costs driver calls.
+// the memory that may count over the allocated peak by more than 1/64 or 32 MiB (reclaim_holes): then
+// free pages in holes between live blocks move to where the request lacks them instead. Not at every
+// free: unmapping waits for the device, and mapping costs driver calls.
 //
 // Stream-ordered reuse is unchanged: a segment belongs to one stream, a block is free only once the
 // events of the other streams that used it completed, and unmapping waits for the device.
@@ -97,13 +97,13 @@ Block* CachingAllocator::find_run(Pool& pool, bool small, Stream stream, size_t 
 
 // Before map_bytes more pages are mapped for a request of `size` bytes whose run starts at `run` (or
 // nullptr: a fresh range): unmaps whole free pages of holes, the smallest free blocks first (large ones
-// are the cache's most useful), so that live bytes, the holes' pages left and the new pages stay within
-// 1/64 (or kReclaimFloor) over the highest allocated bytes since the allocator began (this request
-// counted). What no reclaim can move (pending blocks, pages shared with live blocks, private pools,
-// the run's free blocks but those about to serve the request) counts on neither side, so it never
-// makes the allocator squeeze the holes at every miss. Only the default pool's holes move (a captured graph's kernels still address its pool's free
-// blocks), never during a capture (the unmap's device synchronisation is illegal then), and only when
-// they cover the excess. One synchronisation for all. True if it unmapped anything.
+// are the cache's most useful), so that live bytes, the holes' pages left, the run's free blocks and
+// the new pages stay within 1/64 (or kReclaimFloor) over the highest allocated bytes since the
+// allocator began (this request counted). What no reclaim can move (pending blocks, pages shared with
+// live blocks, private pools) counts on neither side, so it never makes the allocator squeeze the holes
+// at every miss. Only the default pool's holes move (a captured graph's kernels still address its
+// pool's free blocks), never during a capture (the unmap's device synchronisation is illegal then),
+// and only when they cover the excess. One synchronisation for all. True if it unmapped anything.
 bool CachingAllocator::reclaim_holes(size_t map_bytes, size_t size, const Block* run) {
   if (!captures_.empty()) return false;
   std::unordered_set<const Block*> in_run;  // the request's run: its free blocks are about to be used
@@ -137,7 +137,7 @@ bool CachingAllocator::reclaim_holes(size_t map_bytes, size_t size, const Block*
   int64_t freed = 0;
   for (auto& [bytes, b] : holes) {  // (unmapping one relinks only its own neighbours, never another hole)
     if (freed >= excess) break;
-    unmap_free_pages(b, /*wait=*/freed == 0);  // nothing else can use a free block meanwhile: the lock
+    unmap_free_pages(b, /*wait=*/freed == 0);  // (the lock: no block is freed after that one wait)
     freed += static_cast<int64_t>(bytes);
     ++stats_.num_reclaims;
   }
