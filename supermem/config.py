@@ -117,9 +117,12 @@ OPTIONS: tuple[Option, ...] = (
         _bool,
         False,
         "true | false",
-        "Grow each stream's segment in a reserved virtual address range, mapping 2 MiB pages on demand and "
-        "unmapping free ones when memory runs short (PyTorch's key): far less memory reserved but "
-        "unallocated when tensor sizes change from step to step. Off until measured on GPUs.",
+        "Grow each stream's segment in a reserved virtual address range, mapping 2 MiB pages on demand, "
+        "moving the pages of free holes to where a tensor needs them instead of growing past the allocated "
+        "peak, and unmapping free ones when memory runs short (PyTorch's key): far less memory reserved but "
+        "unallocated when tensor sizes change from step to step (1.015x the allocated peak on a "
+        "variable-length Llama run, against 1.077x for PyTorch's own). Off by default: it costs steps "
+        "time (docs/allocator.md).",
     ),
     Option(
         "trace",
