@@ -5,6 +5,7 @@ thread that asks for the GIL once the interpreter is finalizing is ended by pthr
 
     python tools/ci/exit_loop.py --mode sim -n 200            # CPU: the simulated device
     python tools/ci/exit_loop.py --mode gpu -n 200 --jobs 4   # a GPU: supermem's allocator and a pool
+    python tools/ci/exit_loop.py --mode gloo -n 200           # CPU: DDP over gloo under the pool
 
 sim: an allocator on a simulated device with a Python pressure handler that "offloads" (frees what it
     holds); the main thread fills it, catches an OOM, and exits while a second thread allocates under
@@ -14,6 +15,11 @@ gpu: tests/gpu/test_pool_gpu.py's pressure test, a tensor pool (cost_aware) that
     allocator's pressure and then an OOM caught, where the abort was seen.
 gpu-native: the same steps on PyTorch's allocator without supermem (its baseline: an abort there is
     not supermem's).
+gloo: two ranks (torchrun) train a small DDP model over gloo on CPU under SUPERMEM_CONF's pool
+    (cost_aware), then exit with a barrier's work still held by a gloo thread: where gloo's threads
+    free the pool's hooks they copied, and one may ask for the GIL while the process finalises.
+gloo-native: the same without supermem (its baseline: plain DDP over gloo aborts at exit now and then
+    on its own). A rank's abort shows in torchrun's report (exitcode -6).
 Prints one line per abort (its stderr's last line) and a summary: aborts, other failures, runs.
 Exits 1 if any child aborted or failed.
 """
@@ -22,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import subprocess
 import sys
 import time
@@ -74,21 +81,51 @@ time.sleep(0.02)
 print("exit")
 """
 
+GLOO_CHILD = r"""
+import torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+dist.init_process_group("gloo")
+torch.manual_seed(dist.get_rank())
+blocks = [torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU()) for _ in range(4)]
+model = DDP(torch.nn.Sequential(*blocks))
+opt = torch.optim.AdamW(model.parameters())
+for _ in range(3):
+    model(torch.randn(256, 64)).square().mean().backward()  # 64 KiB a saved tensor: the pool moves them
+    opt.step()
+    opt.zero_grad()
+dist.barrier(async_op=True)  # the handle is dropped: a gloo thread frees the work as the process exits
+print("exit", flush=True)
+"""
+
 # gpu: the pressure test's own child, under cost_aware
 GPU_CHILD = os.path.join(os.path.dirname(__file__), "..", "..", "tests", "gpu", "pressure_child.py")
-CHILDREN = {"sim": ["-c", SIM_CHILD], "gpu": [GPU_CHILD, "cost_aware"], "gpu-native": [GPU_CHILD, "native"]}
+TORCHRUN = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+GLOO_POOL = {"SUPERMEM_CONF": "pool:cost_aware,budget:64KiB"}
+CHILDREN = {  # mode -> (arguments to python, environment added)
+    "sim": (["-c", SIM_CHILD], {}),
+    "gpu": ([GPU_CHILD, "cost_aware"], {}),
+    "gpu-native": ([GPU_CHILD, "native"], {}),
+    "gloo": ([*TORCHRUN, "--no-python", sys.executable, "-c", GLOO_CHILD], GLOO_POOL),
+    "gloo-native": ([*TORCHRUN, "--no-python", sys.executable, "-c", GLOO_CHILD], {}),
+}
 ABORTS = (-6, 134)  # SIGABRT, and as a shell reports it
+RANK_ABORT = re.compile(r"exitcode\s*:\s*-6\b")  # torchrun's report of a rank ended by SIGABRT
 
 
-def run_once(args: list[str], timeout_s: float) -> tuple[int | None, str]:
+def run_once(args: list[str], extra: dict[str, str], timeout_s: float) -> tuple[int | None, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SUPERMEM")}
     env["PYTHONFAULTHANDLER"] = "1"  # an abort also writes every Python thread's stack
+    env["OMP_NUM_THREADS"] = env.get("OMP_NUM_THREADS", "1")
+    env.update(extra)
     try:
         r = subprocess.run(
             [sys.executable, *args], env=env, capture_output=True, text=True, timeout=timeout_s
         )
     except subprocess.TimeoutExpired:
         return None, "timed out"
+    if r.returncode != 0 and RANK_ABORT.search(r.stderr):
+        return ABORTS[0], r.stderr  # a rank aborted (torchrun itself exits 1)
     return r.returncode, r.stderr
 
 
@@ -99,11 +136,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--jobs", type=int, default=2, help="children at a time (default 2)")
     p.add_argument("--timeout", type=float, default=300, help="seconds a child may take (default 300)")
     args = p.parse_args(argv)
-    child = CHILDREN[args.mode]
+    child, extra = CHILDREN[args.mode]
     t0 = time.perf_counter()
     aborts = failures = 0
     with ThreadPoolExecutor(args.jobs) as pool:
-        for i, (rc, err) in enumerate(pool.map(lambda _: run_once(child, args.timeout), range(args.n))):
+        for i, (rc, err) in enumerate(pool.map(lambda _: run_once(child, extra, args.timeout), range(args.n))):
             lines = err.strip().splitlines() or [""]
             said = [line for line in lines if "terminate" in line or "FATAL" in line or "Fatal" in line]
             tail = (said or lines)[-1]
