@@ -140,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     aborts = failures = 0
     with ThreadPoolExecutor(args.jobs) as pool:
-        for i, (rc, err) in enumerate(pool.map(lambda _: run_once(child, extra, args.timeout), range(args.n))):
+        runs = pool.map(lambda _: run_once(child, extra, args.timeout), range(args.n))
+        for i, (rc, err) in enumerate(runs):
             lines = err.strip().splitlines() or [""]
             said = [line for line in lines if "terminate" in line or "FATAL" in line or "Fatal" in line]
             tail = (said or lines)[-1]
