@@ -148,7 +148,7 @@ def measure(spec: dict) -> dict:
         "allocated_bytes_peak": allocated,
         "reserved_bytes_peak": reserved,
         "peak_reserved_ratio": reserved / allocated if allocated else 1.0,
-        # supermem's: free blocks whose pages moved to a request (each a device synchronisation)
+        # supermem's: free blocks whose pages moved to a request (one device wait per miss that moves any)
         "reclaims": sum(a.stats()["num_reclaims"] for _, a in registry.allocators()) or None,
     }
 
