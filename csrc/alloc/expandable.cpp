@@ -29,6 +29,14 @@ size_t round_up(size_t n, size_t multiple) { return (n + multiple - 1) / multipl
 // workload's few pages are not worth a device synchronisation.
 constexpr int64_t kReclaimFloor = 32 << 20;
 
+// [lo, hi): the whole pages inside block b (lo >= hi: none).
+std::pair<char*, char*> whole_pages(const Block* b) {
+  const Segment* s = b->segment;
+  char* lo = s->base + round_up(static_cast<size_t>(b->ptr - s->base), s->page_bytes);
+  char* hi = s->base + static_cast<size_t>(b->ptr + b->size - s->base) / s->page_bytes * s->page_bytes;
+  return {lo, hi};
+}
+
 bool is_free(const Block* b) { return b && b->state == BlockState::free; }
 bool is_unmapped(const Block* b) { return b && b->state == BlockState::unmapped; }
 
@@ -120,11 +128,10 @@ bool CachingAllocator::reclaim_holes(size_t map_bytes, size_t size, const Block*
     if (!s->expandable() || s->pool != &default_pool_) continue;
     for (Block* b = s->head; b; b = b->next) {
       if (!is_free(b) || in_run.count(b)) continue;
-      size_t lo = round_up(static_cast<size_t>(b->ptr - s->base), s->page_bytes);
-      size_t hi = static_cast<size_t>(b->ptr + b->size - s->base) / s->page_bytes * s->page_bytes;
+      auto [lo, hi] = whole_pages(b);
       if (hi <= lo) continue;
-      holes.emplace_back(hi - lo, b);
-      movable += static_cast<int64_t>(hi - lo);
+      holes.emplace_back(static_cast<size_t>(hi - lo), b);
+      movable += hi - lo;
     }
   }
   const StatArray& allocated = stats_.allocated_bytes;  // its peak since ever: a user's reset does not count
@@ -210,9 +217,7 @@ void CachingAllocator::count_inactive_split(Block* b, int sign) {
 // of it is mapped.
 bool CachingAllocator::unmap_free_pages(Block* b, bool wait) {
   Segment* s = b->segment;
-  size_t page = s->page_bytes;
-  char* lo = s->base + round_up(static_cast<size_t>(b->ptr - s->base), page);
-  char* hi = s->base + static_cast<size_t>(b->ptr + b->size - s->base) / page * page;
+  auto [lo, hi] = whole_pages(b);
   if (lo >= hi) return false;
   device_->vm_unmap(lo, static_cast<size_t>(hi - lo), wait);
   auto& set = s->pool->free_set(s->small);
