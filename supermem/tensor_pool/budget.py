@@ -166,16 +166,14 @@ class Budget:
         alloc = self.allocator() if budget_bytes is not None else None
         if alloc is None and pool.cuda:
             self.last_peak_bytes = self.seen_peak  # what the pool saw: PyTorch's allocator has no watermark
-        if alloc is not None and budget_bytes is not None and pool.clock.steps == 0:
-            alloc.take_watermark()  # the first step opens: the mark so far is not a step's (the user's own)
-            self.inside_peak = 0
-        elif alloc is not None and budget_bytes is not None:  # (the allocator is read under a budget only)
+        if alloc is not None:  # (the allocator is read under a budget only)
             peak = max(self.inside_peak, alloc.take_watermark())
             self.inside_peak = 0
-            self.last_peak_bytes = peak
-            if self.seen_peak:
-                self.last_spike = max(0, peak - self.seen_peak)
-                self.margin = min(budget_bytes, self.last_spike)
+            if pool.clock.steps > 0:  # (as the first step opens, the mark so far is the user's, no step's)
+                self.last_peak_bytes = peak
+                if self.seen_peak:
+                    self.last_spike = max(0, peak - self.seen_peak)
+                    self.margin = min(budget_bytes, self.last_spike)
         self.seen_peak = 0
         if pool.cuda and budget_bytes is not None and not self.said_over:
             self._say_if_over(pool, alloc)
