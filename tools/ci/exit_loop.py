@@ -100,14 +100,15 @@ print("exit", flush=True)
 
 # gpu: the pressure test's own child, under cost_aware
 GPU_CHILD = os.path.join(os.path.dirname(__file__), "..", "..", "tests", "gpu", "pressure_child.py")
-TORCHRUN = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+GLOO_RANKS = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+GLOO_RANKS += ["--no-python", sys.executable, "-c", GLOO_CHILD]  # two ranks of GLOO_CHILD
 GLOO_POOL = {"SUPERMEM_CONF": "pool:cost_aware,budget:64KiB"}
 CHILDREN = {  # mode -> (arguments to python, environment added)
     "sim": (["-c", SIM_CHILD], {}),
     "gpu": ([GPU_CHILD, "cost_aware"], {}),
     "gpu-native": ([GPU_CHILD, "native"], {}),
-    "gloo": ([*TORCHRUN, "--no-python", sys.executable, "-c", GLOO_CHILD], GLOO_POOL),
-    "gloo-native": ([*TORCHRUN, "--no-python", sys.executable, "-c", GLOO_CHILD], {}),
+    "gloo": (GLOO_RANKS, GLOO_POOL),
+    "gloo-native": (GLOO_RANKS, {}),
 }
 ABORTS = (-6, 134)  # SIGABRT, and as a shell reports it
 RANK_ABORT = re.compile(r"exitcode\s*:\s*-6\b")  # torchrun's report of a rank ended by SIGABRT
