@@ -166,7 +166,7 @@ class Budget:
         alloc = self.allocator() if budget_bytes is not None else None
         if alloc is None and pool.cuda:
             self.last_peak_bytes = self.seen_peak  # what the pool saw: PyTorch's allocator has no watermark
-        if alloc is not None:  # (the allocator is read under a budget only)
+        if alloc is not None and budget_bytes is not None:  # (the allocator is read under a budget only)
             peak = max(self.inside_peak, alloc.take_watermark())
             self.inside_peak = 0
             if pool.clock.steps > 0:  # (as the first step opens, the mark so far is the user's, no step's)
