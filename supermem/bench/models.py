@@ -252,8 +252,8 @@ class Trainer:
     returns its seconds; `host_s` is the host's part of the last step (before the closing device
     sync: about the whole step when the host is the slower side). The tools' shared step."""
 
-    def __init__(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, bf16: bool):
-        self.model, self.x, self.y, self.bf16 = model, x, y, bf16
+    def __init__(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, bf16: bool, loss=logits_loss):
+        self.model, self.x, self.y, self.bf16, self.loss = model, x, y, bf16, loss
         self.device = x.device
         self.opt = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
         self.host_s = 0.0
@@ -266,7 +266,7 @@ class Trainer:
         with device:
             model = preset.build()
         x, y = preset.batch(device, torch.Generator().manual_seed(0))
-        return cls(model, x, y, preset.bf16)
+        return cls(model, x, y, preset.bf16, preset.loss)
 
     def step(self, ctx: Any = None, mark: Callable[[], None] | None = None) -> float:
         """`mark`: called at the step's start (after the device sync), after the loss, after backward
@@ -279,9 +279,13 @@ class Trainer:
         mark()
         with ctx if ctx is not None else contextlib.nullcontext():
             with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
-                out = self.model(self.x)
-            loss = loss_fn(out, self.y)
-            del out  # (held through backward, GPT-24's bf16 logits added 0.77 GiB to every peak)
+                if self.loss is not logits_loss:  # a model that takes its labels (hf_loss)
+                    loss = self.loss(self.model, self.x, self.y)
+                else:
+                    out = self.model(self.x)
+            if self.loss is logits_loss:
+                loss = loss_fn(out, self.y)
+                del out  # (held through backward, GPT-24's bf16 logits added 0.77 GiB to every peak)
             mark()
             loss.backward()
         mark()

@@ -12,6 +12,7 @@ import torch
 
 from .. import torch_private as tp
 from .call_state import CallState
+from .held import thawed
 from .light_graphs import LightGraphs, light_graphs_of
 from .region import _none, _Replaying, _submodules, _tensors, _top_hooks, consumers
 
@@ -155,7 +156,7 @@ class _Light:
     def again(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         """The call once more, with grad on, under its state, the module's buffers put back after; the
         saves it makes stay with autograd (the pool's hooks are not asked)."""
-        leaves = list(self.leaves)
+        leaves = thawed(self.leaves)  # (state frozen at the call: held.py)
         for k, x in zip(self.places, inputs):
             leaves[k] = x
         args, kwargs = (tuple(leaves), {}) if self.spec is None else tp.tree_unflatten(leaves, self.spec)

@@ -19,16 +19,15 @@ Excluded explicitly: a call that changes one of its inputs in place (its replay 
 changed value), calls made with grad disabled, and tensors that are views of the call's inputs.
 
 Trusted only where proven: a call that takes anything but values (a KV cache, a user object: state
-the call may read or change, so that a replay is not the call) is never a region; its children are
-chosen instead (a Hugging Face decoder layer given the cache its training forward builds: its MLP and
-norms are recomputed, its attention's saves kept or offloaded). And the first call of each module at
+the call may read or change) is replayed on a copy of that state as it was at the call (held.py: a
+Hugging Face decoder layer given the cache its training forward builds); where it cannot be copied,
+the call is never a region and its children are chosen instead. And the first call of each module at
 each kind is replayed at once, its saves matched bitwise against the call's own (the replay that
 times it): a module whose replay differs is refused for good, named in one warning.
 """
 
 from __future__ import annotations
 
-import enum
 import time
 import weakref
 from typing import TYPE_CHECKING, Any
@@ -39,6 +38,7 @@ from .. import torch_private as tp
 from ..log import warn
 from .call_state import CallState
 from .entry import Entry, State, _set_version, bitwise_equal
+from .held import freeze_call, thawed
 
 # the saved-tensor hooks on top of this thread's stack (Plan.bypass takes the pool's off around a call)
 _top_hooks = tp.top_saved_hooks
@@ -54,47 +54,9 @@ class _Stop(Exception):  # noqa: N818  every dropped tensor of the region is bac
     pass
 
 
-_VALUES = (
-    torch.Tensor,
-    bool,
-    int,
-    float,
-    complex,
-    str,
-    bytes,
-    type(None),
-    torch.dtype,
-    torch.device,
-    torch.layout,
-    torch.memory_format,
-    enum.Enum,
-    slice,
-    type(Ellipsis),
-)
-
-
 def held_state(tree: Any) -> str | None:
-    """The type name of the first argument of a call that is not a value (tensors, numbers, strings,
-    None, and tuples, lists and dicts of them), or None. Such an argument is state the call may read
-    or change, which a replay would see changed: Hugging Face decoders append each layer's keys and
-    values to the cache their training forward builds, so a replayed layer appended them again and
-    attended over twice the keys (a crash, or on Llama other gradients without a word)."""
-    stack = [tree]
-    while stack:
-        x = stack.pop()
-        if isinstance(x, _VALUES):
-            continue
-        if isinstance(x, (tuple, list)):
-            stack.extend(x)
-        elif isinstance(x, dict):
-            stack.extend(x.values())
-        else:
-            return type(x).__name__
-    return None
-
-
-def _takes_state(held: str) -> str:
-    return f"its call takes a {held}, state a replay would see changed"
+    """Why a call's (args, kwargs) cannot be frozen for its replays (held.py), or None."""
+    return freeze_call(tree)[1]
 
 
 _WARNED: set[tuple[str, str]] = set()
@@ -158,11 +120,12 @@ class Region:
         "__weakref__",
     )
 
-    def __init__(self, module: torch.nn.Module, args: tuple, kwargs: dict, pool: PoolInternals, timed: bool):
+    def __init__(self, module: torch.nn.Module, call: tuple[tuple, dict], pool: PoolInternals, timed: bool):
+        """`call`: its (args, kwargs), state in them frozen (held.freeze_call)."""
         self.module = module
-        self.inputs = [(x, x._version) for x in _tensors((args, kwargs))]
+        self.inputs = [(x, x._version) for x in _tensors(call)]
         self.input_ptrs = {_storage_ptr(x) for x, _ in self.inputs}
-        self.args: Any = (args, kwargs)  # raw until finish() packs them
+        self.args: Any = call  # raw until finish() packs them
         self.state = CallState(pool.device, module)  # RNG, autocast, attention backends, the module
         self.slots: list[weakref.ref[Entry] | None] = []  # one per tensor saved, in save order
         # (slot, entry) of each entry the call made, once: its own (this region their recipe) and those
@@ -281,7 +244,7 @@ class Region:
     def replay_args(self, pool: PoolInternals) -> tuple[tuple, dict]:
         """The call's arguments again, its tensors brought back (or rebuilt) by the pool."""
         leaves, spec = self.args
-        return tp.tree_unflatten([x.get(pool) if isinstance(x, _Input) else x for x in leaves], spec)
+        return tp.tree_unflatten(thawed([x.get(pool) if isinstance(x, _Input) else x for x in leaves]), spec)
 
     def verify(self, pool: PoolInternals, call: tuple, check: bool = True) -> str | None:
         """Calls the module again at once on `call`, the (args, kwargs) it got, as a rebuild would, and
@@ -303,9 +266,9 @@ class Region:
             return None
 
         leaves, spec = tp.tree_flatten(call)
-        leaves = [
-            x.detach().requires_grad_(x.requires_grad) if isinstance(x, torch.Tensor) else x for x in leaves
-        ]
+        leaves = thawed(
+            [x.detach().requires_grad_(x.requires_grad) if isinstance(x, torch.Tensor) else x for x in leaves]
+        )
         args, kwargs = tp.tree_unflatten(leaves, spec)
         try:
             with (

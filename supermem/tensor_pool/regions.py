@@ -14,6 +14,7 @@ from torch.nn.modules import module as _nn
 from .. import torch_private as tp
 from .call_state import CallState
 from .entry import Entry
+from .held import freeze_call
 from .light import _Alive, _Light, _pool_hooks
 from .outside_uses import OutsideUses
 from .region import (
@@ -25,7 +26,6 @@ from .region import (
     _start_timer,
     _stop_timer,
     _storage_ptr,
-    _takes_state,
     _tensors,
     consumers,
     held_state,
@@ -49,7 +49,7 @@ class _Call:
     def __init__(self, module: torch.nn.Module, args: tuple):
         self.module = module
         self.input_ptrs = {_storage_ptr(x) for x in _tensors(args)}
-        self.held: str | None = None  # held_state of its arguments: not a region, its children may be
+        self.held: str | None = None  # why its state cannot be frozen (held_state): not a region
         self.own_bytes = 0
         self.outside: list[tuple[int | None, int]] = []  # saved bytes it did not make: (storage, bytes)
         self.children: list[_Call] = []
@@ -89,7 +89,7 @@ class CallTree(Protocol):
 
 def choose_regions(roots: Sequence[CallTree], refused: Any = None) -> set[Any]:
     """The modules whose calls are regions; `refused` (a dict) gets the calls that would have been
-    chosen but take state (held_state), with why."""
+    chosen but take state that cannot be frozen (held_state), with why."""
     total = sum(c.own_bytes for c in roots) or 1
     chosen: set[Any] = set()
 
@@ -98,7 +98,7 @@ def choose_regions(roots: Sequence[CallTree], refused: Any = None) -> set[Any]:
             return
         kids = [k for k in c.children if k.own_bytes > 0]
         if not top and c.held is not None and refused is not None and c.module not in refused:
-            refused[c.module] = _takes_state(c.held)
+            refused[c.module] = c.held
         if kids and (top or c.own_bytes > MAX_SHARE * total or c.held is not None):
             for k in kids:
                 visit(k, False)
@@ -293,8 +293,9 @@ class Regions:
             return  # (inside a call the pool does not see: under checkpoint or with its hooks off)
         # (a refused module's calls are captured all the same, never ready: a plan's ordinals count
         # the inputs a capture keeps)
-        if module not in self.refused and (held := held_state((args, kwargs))) is not None:
-            self.refuse(module, _takes_state(held))
+        call, held = freeze_call((args, kwargs))  # (its state as it is now: a replay's)
+        if module not in self.refused and held is not None:
+            self.refuse(module, held)
         start = pool.clock.region_start()
         if start is None:
             self.outside_uses.missed(module)  # (a call not counted: its module keeps its slots)
@@ -309,7 +310,7 @@ class Regions:
             light, end, lean = unseen
             self.outside_uses.missed(module)
             if light:
-                self._light(module, args, kwargs, pool, end)
+                self._light(module, call, pool, end)
             else:
                 tp.pop_saved_hooks()  # Plan.bypass: autograd keeps them
                 if lean is not None:  # but for those the plan drops (Plan.drops)
@@ -323,13 +324,11 @@ class Regions:
         cost = self._costs.setdefault(kind, [0.0, 0, [], 0])
         timed = cost[3] < COST_SAMPLES
         cost[3] += timed
-        region = Region(module, args, kwargs, pool, timed)
+        region = Region(module, call, pool, timed)
         region.start = start
         self._stack().append(region)
 
-    def _light(
-        self, module: torch.nn.Module, args: tuple, kwargs: dict, pool: PoolInternals, end: int
-    ) -> None:
+    def _light(self, module: torch.nn.Module, call: tuple, pool: PoolInternals, end: int) -> None:
         """The call runs with grad off (Plan.light): autograd builds no graph in it and saves nothing;
         at its end `_Light` gives its outputs one node, whose backward calls it again with grad on and
         backpropagates through that call (reentrant checkpointing). Non-reentrant checkpointing, which
@@ -338,7 +337,7 @@ class Regions:
         light = _Light(CallState(pool.device, module))
         # The arguments as the call got them: a pre-hook of the user's, which runs after this one,
         # runs with grad off too, and again in the replay; the node must start from its inputs.
-        light.call = (args, kwargs)
+        light.call = call
         light.uses = self.uses.get(module)
         if light.uses is not None:
             light.outside = self.outside_uses.of(module, len(light.uses))

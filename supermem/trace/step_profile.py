@@ -45,7 +45,7 @@ class TraceCall:
     end_ns: int
     module: str
     input_ptr: int  # its first tensor argument's data_ptr (0: none)
-    held: str | None  # the type of an argument that is state, not a value
+    held: str | None  # why its state cannot be frozen for a replay (tensor_pool/held.py), or None
     output_ptrs: tuple[int, ...] = ()  # the data_ptrs of the tensors it returned
     children: list[TraceCall] = field(default_factory=list)
     own_bytes: int = 0  # activation bytes allocated during it

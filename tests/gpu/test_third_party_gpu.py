@@ -28,7 +28,7 @@ def _gpt2():
     )
     model = transformers.GPT2LMHeadModel(config)
     ids = torch.randint(0, 1024, (8, 128), generator=torch.Generator().manual_seed(0))
-    return model, lambda m, x: m(input_ids=x, labels=x, use_cache=False).loss, ids
+    return model, lambda m, x: m(input_ids=x, labels=x).loss, ids  # (use_cache on: its layers get the cache)
 
 
 def _timm(name):

@@ -174,6 +174,39 @@ def report() -> None:
         f"added {plan.added_s * 1e3:.1f} ms, predicted step {plan.predicted_step_s * 1e3:.1f} ms, "
         f"predicted peak {plan.predicted_peak_bytes / GiB:.2f} GiB, plan time {plan.plan_s:.2f} s"
     )
+    top(p, plan)
+
+
+def top(p, plan) -> None:
+    """The plan's highest point: the step's bytes there (with nothing treated, and what the pool did not
+    see) and the saves alive at it, by treatment and by why the planner could not lower them."""
+    if not plan.curve:
+        return
+    e = max(range(len(plan.curve)), key=plan.curve.__getitem__)
+    phase = "backward" if e >= p.backward_event else "forward"
+    print(
+        f"highest point: event {e} of {len(plan.curve)} ({phase}, {p.times_s[e] * 1e3:.1f} ms), "
+        f"planned {plan.curve[e] / GiB:.2f} GiB, untreated {p.base_bytes[e] / GiB:.2f} "
+        f"+ unseen {p.transient_bytes[e] / GiB:.2f}"
+    )
+    rows: dict = collections.defaultdict(lambda: [0, 0])
+    for s in p.saved:
+        if not s.save <= e < s.end:
+            continue
+        why = plan.treatment.get(s.ordinal)
+        if why is None:
+            why = "used now" if s.use <= e else "shared" if s.shared else "kept"
+            if s.unit is None and not s.offloadable:
+                why += ", no unit, not offloadable"
+            elif s.unit is None:
+                why += ", no unit"
+            elif s.save >= p.backward_event:
+                why += ", saved in backward"
+        key = (why, p.kinds.get(s.unit, "-"))
+        rows[key][0] += 1
+        rows[key][1] += s.counted
+    for (why, kind), (n, b) in sorted(rows.items(), key=lambda r: -r[1][1])[:12]:
+        print(f"  {why:<40} {kind:<14} {n:>5} saves {b / GiB:7.3f} GiB")
 
 
 def main() -> None:

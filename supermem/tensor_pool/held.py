@@ -1,0 +1,189 @@
+"""State a call takes beside its values, frozen at the call so that a replay sees what the call saw.
+
+A Hugging Face decoder's training forward builds a KV cache and hands it to every layer, which
+appends its keys and values to it. A replay handed the same cache saw the keys of the whole forward
+and appended its own again (a crash, or on Llama other gradients without a word). So at the call each
+argument that is not a value is frozen: the contents of its objects, lists and dicts copied as they
+are then, each tensor inside them kept as its shape alone. A replay gets a fresh thaw of that copy:
+it reads the state the call read and changes only its own copy; the live object is never touched,
+and the copy holds no memory of the step (no tensor, no reference to the live objects).
+
+A tensor inside the state thaws to a tensor of its shape on the meta device: a replay may read its
+shape (a cache's length), never its values. One whose replay reads values (a static cache that the
+layer writes in place and reads whole) raises on the meta tensor or saves other tensors, at the
+verification replay each kind of call gets at its first call (region.py): it is then refused.
+
+What cannot be frozen, the call is never replayed: an object without a plain `__dict__` (a C type, a
+class with `__slots__`), a module, a method or other callable bound to state, or state over LIMIT
+objects.
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+import types
+from typing import Any
+
+import torch
+
+LIMIT = 4096  # objects, lists, dicts and tensors one argument may hold
+
+_VALUES = (
+    bool,
+    int,
+    float,
+    complex,
+    str,
+    bytes,
+    type(None),
+    torch.dtype,
+    torch.device,
+    torch.layout,
+    torch.memory_format,
+    enum.Enum,
+    slice,
+    type(Ellipsis),
+)
+# held by reference: immutable, or code (a function or class a cache keeps as a factory)
+_SHARED = (*_VALUES, type, types.FunctionType, types.BuiltinFunctionType)
+
+
+def is_value(x: Any) -> bool:
+    return isinstance(x, (torch.Tensor, *_VALUES))
+
+
+class CannotFreeze(Exception):  # noqa: N818  (the reason a call's state cannot be frozen)
+    pass
+
+
+class Frozen:
+    """One argument as it was at the call (`freeze`); `thaw()` gives a fresh copy of it for a replay.
+    `tensors`: how many tensors it held (a call's kind: region.py verifies each kind once)."""
+
+    __slots__ = ("node", "tensors", "name")
+
+    def __init__(self, node: Any, tensors: int, name: str):
+        self.node, self.tensors, self.name = node, tensors, name
+
+    def thaw(self) -> Any:
+        return _thaw(self.node, {})
+
+
+def freeze(x: Any) -> Frozen:
+    """`x` frozen (module docstring); raises CannotFreeze with why not."""
+    walk = _Freezer()
+    node = walk.node(x)
+    return Frozen(node, walk.tensors, type(x).__name__)
+
+
+class _Freezer:
+    def __init__(self) -> None:
+        self.memo: dict[int, Any] = {}  # id(object) -> its node: one object held twice thaws once
+        self.keep: list[Any] = []  # (the objects walked, alive while their ids key memo)
+        self.tensors = 0
+
+    def node(self, x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            self.tensors += 1
+            self._count()
+            return ("t", tuple(x.shape), x.stride(), x.dtype, x.requires_grad and x.is_floating_point())
+        if isinstance(x, _SHARED):
+            return ("v", x)
+        got = self.memo.get(id(x))
+        if got is not None:
+            return got
+        self._count()
+        cls = type(x)
+        if cls in (list, tuple, set, frozenset) or (cls.__bases__ == (tuple,) and hasattr(cls, "_fields")):
+            node: list[Any] = ["s", cls, None]
+            self._remember(x, node)
+            node[2] = [self.node(y) for y in x]
+            return node
+        if cls in (dict, collections.OrderedDict):
+            node = ["d", cls, None]
+            self._remember(x, node)
+            node[2] = [(self.node(k), self.node(v)) for k, v in x.items()]
+            return node
+        if isinstance(x, torch.nn.Module):
+            raise CannotFreeze(f"it holds a module ({cls.__name__})")
+        if isinstance(x, (dict, list, tuple, set, frozenset)):
+            raise CannotFreeze(f"a {cls.__name__} is a container of its own kind")
+        state = getattr(x, "__dict__", None)
+        if type(state) is not dict or any(k.__dict__.get("__slots__") for k in cls.__mro__[:-1]):
+            raise CannotFreeze(f"a {cls.__name__} has no plain __dict__ to copy")
+        node = ["o", cls, None]
+        self._remember(x, node)
+        node[2] = [(k, self.node(v)) for k, v in state.items()]
+        return node
+
+    def _remember(self, x: Any, node: Any) -> None:
+        self.memo[id(x)] = node
+        self.keep.append(x)
+
+    def _count(self) -> None:
+        if len(self.keep) + self.tensors > LIMIT:
+            raise CannotFreeze(f"it holds over {LIMIT} objects")
+
+
+def _thaw(node: Any, made: dict[int, Any]) -> Any:
+    kind = node[0]
+    if kind == "v":
+        return node[1]
+    if kind == "t":
+        _, shape, stride, dtype, grad = node
+        return torch.empty_strided(shape, stride, dtype=dtype, device="meta", requires_grad=grad)
+    got = made.get(id(node))
+    if got is not None:
+        return got
+    _, cls, items = node
+    if kind == "o":
+        obj = cls.__new__(cls)
+        made[id(node)] = obj
+        obj.__dict__.update((k, _thaw(v, made)) for k, v in items)
+        return obj
+    if kind == "d":
+        d = cls()
+        made[id(node)] = d
+        d.update((_thaw(k, made), _thaw(v, made)) for k, v in items)
+        return d
+    if cls is list:
+        out: list[Any] = []
+        made[id(node)] = out
+        out.extend(_thaw(v, made) for v in items)
+        return out
+    values = [_thaw(v, made) for v in items]  # (a tuple or set cannot hold itself but through another)
+    return cls(*values) if hasattr(cls, "_fields") else cls(values)
+
+
+def freeze_call(call: tuple[tuple, dict]) -> tuple[tuple[tuple, dict], str | None]:
+    """The call's (args, kwargs) with each argument that is not a value (nor a tuple, list or dict of
+    values) frozen; and None, or why one cannot be: the call is then never replayed."""
+    args, kwargs = call
+    if not kwargs and all(isinstance(a, torch.Tensor) for a in args):
+        return call, None  # (most calls: no walk)
+    from .. import torch_private as tp
+
+    leaves, spec = tp.tree_flatten(call)
+    if all(is_value(x) for x in leaves):
+        return call, None
+    out = []
+    for x in leaves:
+        if is_value(x):
+            out.append(x)
+            continue
+        try:
+            out.append(freeze(x))
+        except CannotFreeze as e:
+            return call, f"its call takes a {type(x).__name__}, state a replay would see changed: {e}"
+    return tp.tree_unflatten(out, spec), None
+
+
+def thawed(leaves: list) -> list:
+    """A call's flat arguments for a replay: each frozen one thawed afresh."""
+    return [x.thaw() if isinstance(x, Frozen) else x for x in leaves]
+
+
+def held_tensors(leaves: list) -> tuple[int, ...]:
+    """How many tensors each frozen argument holds (a call's kind)."""
+    return tuple(x.tensors for x in leaves if isinstance(x, Frozen))

@@ -1,0 +1,229 @@
+"""State a call takes beside its values (a KV cache, a user object): frozen at the call, each replay
+runs on a fresh copy of it as the call saw it, the live object untouched; what cannot be copied, or a
+replay that reads values the state holds, keeps the call from being replayed. Training stays bitwise
+plain PyTorch's throughout."""
+
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+from corpus import build_and_train
+
+from supermem.policies import live_names
+from supermem.tensor_pool import Pool, region
+from supermem.tensor_pool.held import CannotFreeze, freeze, freeze_call
+
+
+class CacheLayer:
+    def __init__(self):
+        self.keys = None
+
+
+class Cache:
+    """A Hugging Face DynamicCache in miniature: each layer appends its keys and attends over them all."""
+
+    def __init__(self, layers):
+        self.layers = [CacheLayer() for _ in range(layers)]
+        self.updates = 0
+
+    def update(self, i, k):
+        layer = self.layers[i]
+        layer.keys = k if layer.keys is None else torch.cat([layer.keys, k])
+        self.updates += 1
+        return layer.keys
+
+
+class Block(nn.Module):
+    def __init__(self, i, d=32):
+        super().__init__()
+        self.i, self.k, self.fc = i, nn.Linear(d, d), nn.Linear(d, d)
+
+    def forward(self, x, cache):
+        k = cache.update(self.i, self.k(x))  # a replay appending to the live cache: twice the keys
+        return x + self.fc(torch.tanh(torch.softmax(x @ k.T / 8, -1) @ k))
+
+
+class Decoder(nn.Module):
+    def __init__(self, layers=6, block=Block):
+        super().__init__()
+        self.blocks = nn.ModuleList(block(i) for i in range(layers))
+        self.caches = []
+
+    def forward(self, x):
+        cache = Cache(len(self.blocks))
+        for b in self.blocks:
+            x = b(x, cache)
+        self.caches.append(cache)
+        return x
+
+
+def train(pool=None, steps=4, build=Decoder):
+    torch.manual_seed(0)
+    model = build()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    x = torch.randn(16, 32, generator=torch.Generator().manual_seed(1))
+    out = []
+    for _ in range(steps):
+        opt.zero_grad(set_to_none=True)
+        with pool if pool is not None else torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+            loss = model(x).square().mean()
+            loss.backward()
+        out += [loss.detach()] + [p.grad for p in model.parameters()]
+        opt.step()
+    return out, model
+
+
+def slow_link(pool):
+    """Copies priced as over a slow link: the policies recompute what they can."""
+    pool.treatments["offload"].link_bytes_per_s = 1e3
+    return pool
+
+
+def same(a, b):
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("policy", live_names())
+@pytest.mark.parametrize("budget", [0, "4KiB"])
+def test_a_layer_given_the_cache_is_replayed_on_the_cache_as_it_saw_it(policy, budget):
+    ref, _ = train()
+    pool = slow_link(Pool(budget=budget, policy=policy, min_bytes=0))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        got, model = train(pool)
+    assert same(ref, got)
+    assert not pool.regions.refused and not [w for w in seen if "recomputed as one call" in str(w.message)]
+    if policy != "lru":  # (it only copies)
+        assert set(pool.regions.modules) == set(model.blocks)
+        assert pool.stats()["recomputes"] > 0  # the blocks were replayed
+    for cache in model.caches:  # and no replay touched the live caches
+        assert cache.updates == len(model.blocks)
+        assert all(layer.keys.shape == (16, 32) for layer in cache.layers)
+
+
+class Scale:
+    def __init__(self):
+        self.t = torch.full((32,), 0.5)
+
+
+class ScaledBlock(Block):
+    """Reads the values of a tensor its state object holds: a replay on the copy (shapes only) cannot."""
+
+    def forward(self, x, state):
+        return x + self.fc(torch.tanh(self.k(x) * state.t))
+
+
+class Scaled(Decoder):
+    def __init__(self):
+        super().__init__(block=ScaledBlock)
+        self.state = Scale()
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x, self.state)
+        return x
+
+
+class Slotted:
+    __slots__ = ("n",)
+
+    def __init__(self):
+        self.n = 1
+
+
+class SlottedBlock(Block):
+    def forward(self, x, state):
+        return x + self.fc(torch.tanh(self.k(x) * state.n))
+
+
+class WithSlots(Decoder):
+    def __init__(self):
+        super().__init__(block=SlottedBlock)
+        self.state = Slotted()
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x, self.state)
+        return x
+
+
+@pytest.mark.parametrize(
+    "build, why", [(Scaled, "its replay raised"), (WithSlots, "a Slotted has no plain __dict__")]
+)
+@pytest.mark.parametrize("policy", ["cost_aware", "planned"])
+def test_a_call_whose_state_a_copy_cannot_stand_for_is_refused_and_trains_bitwise(
+    build, why, policy, monkeypatch
+):
+    monkeypatch.setattr(region, "_WARNED", set())  # (each kind of module is named once a process)
+    ref, _ = train(build=build)
+    pool = Pool(budget=0, policy=policy, min_bytes=0)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        got, model = train(pool, build=build)
+    assert same(ref, got)
+    refused = dict(pool.regions.refused)
+    assert set(refused) == set(model.blocks), refused
+    assert all(why in w for w in refused.values()), refused
+    assert any("ScaledBlock" in str(w.message) or "SlottedBlock" in str(w.message) for w in seen)
+
+
+def test_a_frozen_copy_has_the_calls_state_and_no_tie_to_the_live_one():
+    cache = Cache(3)
+    cache.update(0, torch.ones(4, 2))
+    cache.me = cache  # a cycle
+    cache.alias = cache.layers[0]  # one object held twice
+    cache.table = {"n": 3, "dims": [4, 2]}
+    frozen = freeze(cache)
+    cache.update(1, torch.ones(4, 2))  # the live one moves on
+    cache.update(0, torch.ones(4, 2))
+    for copy in (frozen.thaw(), frozen.thaw()):
+        assert copy is not cache and copy.me is copy and copy.alias is copy.layers[0]
+        assert copy.updates == 1 and copy.layers[1].keys is None
+        keys = copy.layers[0].keys
+        assert keys.device.type == "meta" and keys.shape == (4, 2)  # its shape, not its memory
+        assert copy.table == {"n": 3, "dims": [4, 2]} and copy.table is not cache.table
+        copy.update(2, torch.ones(1, 2, device="meta"))  # a replay's changes stay in its copy
+    assert cache.layers[2].keys is None and frozen.thaw().layers[2].keys is None
+    assert frozen.tensors == 1
+
+
+@pytest.mark.parametrize(
+    "state, why",
+    [
+        (nn.Linear(2, 2), "it holds a module"),
+        (Slotted(), "no plain __dict__"),
+        (torch.Generator(), "no plain __dict__"),
+    ],
+)
+def test_state_that_cannot_be_copied_says_why(state, why):
+    with pytest.raises(CannotFreeze, match=why):
+        freeze(state)
+    call, reason = freeze_call(((torch.ones(1),), {"state": state}))
+    assert reason is not None and why in reason and call[1]["state"] is state
+
+
+def test_values_and_tensors_are_not_frozen():
+    x = torch.ones(2)
+    call = ((x, 3, "a"), {"mask": None, "shape": (1, 2), "dtype": torch.float32})
+    assert freeze_call(call) == (call, None)
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2", "t5"])
+def test_a_hugging_face_layer_keeps_its_cache_and_is_replayed_bitwise(name):
+    """A decoder's training forward builds a KV cache (use_cache stays on): its layers are replayed
+    on their copies of it, none refused, and training is plain PyTorch's bitwise."""
+    ref = build_and_train(name, "tiny")
+    probe = Pool(policy="lru", min_bytes=0)
+    build_and_train(name, "tiny", probe, steps=2)
+    budget = int(0.4 * probe.stats()["peak_resident_bytes"])
+    pool = Pool(budget=budget, policy="planned", min_bytes=0)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        got = build_and_train(name, "tiny", pool)
+    assert same(ref, got)
+    layers = [m for m in pool.regions.refused if "Layer" in type(m).__name__ or "Block" in type(m).__name__]
+    assert not layers, dict(pool.regions.refused)
+    assert not [w for w in seen if "Cache" in str(w.message)]
+    s = pool.stats()
+    assert s["light_calls"] + s["recomputes"] > 0, s
