@@ -293,7 +293,9 @@ class Region:
 
 def consumers(inputs: list[torch.Tensor], outputs: list[torch.Tensor], limit: int = 10_000) -> list | None:
     """The call's uses of each input: per input, the (node, edge) of each edge of the call's graph (from
-    its outputs back to its inputs) that reaches it. None: an input given twice, or
+    its outputs back to its inputs) that reaches it. None: an input given twice, an input handed back as
+    an output (a T5 block returns the position bias it was given: run light, its node would stand
+    between that tensor and the next blocks' uses, whose gradients then summed in another order), or
     a walk over `limit` nodes (the graph leaves the call through a tensor that is not an argument).
 
     Why it matters: a light call's node hands back each input's gradient, and autograd adds it to the
@@ -305,6 +307,8 @@ def consumers(inputs: list[torch.Tensor], outputs: list[torch.Tensor], limit: in
     # holds it (torch 2.11; 2.13 keeps it), and one made again later may sit at another address, so a
     # key by id() of an object let go would not match (a Llama's norms read 0 uses on an H200: their
     # gradients were summed in the call, 1 ulp off plain from the first light step).
+    if any(o is x for o in outputs for x in inputs):
+        return None
     fns = [x.grad_fn for x in inputs]
     at: dict[Any, int] = {}
     for j, (x, fn) in enumerate(zip(inputs, fns)):
