@@ -6,12 +6,13 @@ and appended its own again (a crash, or on Llama other gradients without a word)
 argument that is not a value is frozen: the contents of its objects, lists and dicts copied as they
 are then, each tensor inside them kept as its shape alone. A replay gets a fresh thaw of that copy:
 it reads the state the call read and changes only its own copy; the live object is never touched,
-and the copy holds no memory of the step (no tensor, no reference to the live objects).
+and the copy holds no memory of the step (no large tensor, no reference to the live objects).
 
 A tensor inside the state thaws to a tensor of its shape on the meta device: a replay may read its
-shape (a cache's length), never its values. One whose replay reads values (a static cache that the
-layer writes in place and reads whole) raises on the meta tensor or saves other tensors, at the
-verification replay each kind of call gets at its first call (region.py): it is then refused.
+shape (a cache's length), never its values. One of SMALL bytes or fewer (the window a sliding-window
+cache keeps as a tensor, a scalar) is copied whole and thaws to a copy. A replay that reads the values
+of a larger one (a static cache, written in place and read whole) raises on the meta tensor or saves
+other tensors at the verification replay of the module's first call (region.py): it is then refused.
 
 What cannot be frozen, the call is never replayed: an object without a plain `__dict__` (a C type, a
 class with `__slots__`), a module, a method or other callable bound to state, or state over LIMIT
@@ -28,6 +29,7 @@ from typing import Any
 import torch
 
 LIMIT = 4096  # objects, lists, dicts and tensors one argument may hold
+SMALL = 256  # bytes: a tensor this small is copied whole
 
 _VALUES = (
     bool,
@@ -59,7 +61,7 @@ class CannotFreeze(Exception):  # noqa: N818  (the reason a call's state cannot 
 
 class Frozen:
     """One argument as it was at the call (`freeze`); `thaw()` gives a fresh copy of it for a replay.
-    `tensors`: how many tensors it held (a call's kind: region.py verifies each kind once)."""
+    `tensors`: how many tensors it holds."""
 
     __slots__ = ("node", "tensors", "name")
 
@@ -87,6 +89,8 @@ class _Freezer:
         if isinstance(x, torch.Tensor):
             self.tensors += 1
             self._count()
+            if x.numel() * x.element_size() <= SMALL and x.layout == torch.strided:
+                return ("c", x.detach().clone())
             return ("t", tuple(x.shape), x.stride(), x.dtype, x.requires_grad and x.is_floating_point())
         if isinstance(x, _SHARED):
             return ("v", x)
@@ -133,6 +137,8 @@ def _thaw(node: Any, made: dict[int, Any]) -> Any:
     if kind == "t":
         _, shape, stride, dtype, grad = node
         return torch.empty_strided(shape, stride, dtype=dtype, device="meta", requires_grad=grad)
+    if kind == "c":
+        return node[1].clone()
     got = made.get(id(node))
     if got is not None:
         return got
@@ -184,6 +190,3 @@ def thawed(leaves: list) -> list:
     return [x.thaw() if isinstance(x, Frozen) else x for x in leaves]
 
 
-def held_tensors(leaves: list) -> tuple[int, ...]:
-    """How many tensors each frozen argument holds (a call's kind)."""
-    return tuple(x.tensors for x in leaves if isinstance(x, Frozen))

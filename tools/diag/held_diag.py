@@ -4,6 +4,7 @@ native's peak as it is, with every light call's inputs given a slot per use, wit
 and with no call that takes state (held.py) run light. Each: bitwise or not, and which modules ran light.
 
     python3 tools/diag/held_diag.py t5 0.6
+    python3 tools/diag/held_diag.py t5,mistral 0.6 all      # several models, the pool as it is only
 """
 
 import collections
@@ -59,7 +60,8 @@ def run(name, pool=None):
 
 
 def main() -> None:
-    name, share = sys.argv[1], float(sys.argv[2])
+    names, share = sys.argv[1].split(","), float(sys.argv[2])
+    modes = sys.argv[3].split(",") if len(sys.argv) > 3 else ["all", "slots", "none", "no-held"]
     if CUDA:
         supermem.install()
     b = torch.backends
@@ -68,27 +70,32 @@ def main() -> None:
     torch.use_deterministic_algorithms(True, warn_only=True)
     patch()
     with sdpa_kernel(SDPBackend.MATH):
-        probe = Pool(policy="lru", min_bytes=0)  # (CPU: the budget is of the bytes saved)
-        if CUDA:
-            torch.cuda.reset_peak_memory_stats()
-        ref = run(name, None if CUDA else probe)
-        peak = torch.cuda.max_memory_allocated() if CUDA else probe.stats()["peak_resident_bytes"]
-        again = run(name)
-        print(f"{name}: native repeats bitwise {all(torch.equal(a, b) for a, b in zip(ref, again))}")
-        for light in ("all", "slots", "none", "no-held"):
-            mode["light"] = light
-            ran_light.clear()
-            pool = Pool(budget=int(share * peak), policy="planned", **({} if CUDA else {"min_bytes": 0}))
-            got = run(name, pool)
-            same = [torch.equal(a, b) for a, b in zip(ref, got)]
-            s = pool.stats()
-            first = same.index(False) if not all(same) else "-"
-            print(
-                f"light {light:<8} bitwise {all(same)} (first differing result {first} of {len(same)}) "
-                f"light_calls {s['light_calls']} split misses {s['light_split_misses']} "
-                f"ran light {dict(ran_light)}",
-                flush=True,
-            )
+        for name in names:
+            compare(name, share, modes)
+
+
+def compare(name: str, share: float, modes: list[str]) -> None:
+    probe = Pool(policy="lru", min_bytes=0)  # (CPU: the budget is of the bytes saved)
+    if CUDA:
+        torch.cuda.reset_peak_memory_stats()
+    ref = run(name, None if CUDA else probe)
+    peak = torch.cuda.max_memory_allocated() if CUDA else probe.stats()["peak_resident_bytes"]
+    again = run(name)
+    print(f"{name}: native repeats bitwise {all(torch.equal(a, b) for a, b in zip(ref, again))}")
+    for light in modes:
+        mode["light"] = light
+        ran_light.clear()
+        pool = Pool(budget=int(share * peak), policy="planned", **({} if CUDA else {"min_bytes": 0}))
+        got = run(name, pool)
+        same = [torch.equal(a, b) for a, b in zip(ref, got)]
+        s = pool.stats()
+        first = same.index(False) if not all(same) else "-"
+        print(
+            f"  light {light:<8} bitwise {all(same)} (first differing result {first} of {len(same)}) "
+            f"light_calls {s['light_calls']} split misses {s['light_split_misses']} "
+            f"ran light {dict(ran_light)} refused {sorted({type(m).__name__ for m in pool.regions.refused})}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -104,7 +104,7 @@ def test_a_layer_given_the_cache_is_replayed_on_the_cache_as_it_saw_it(policy, b
 
 class Scale:
     def __init__(self):
-        self.t = torch.full((32,), 0.5)
+        self.t = torch.full((16, 32), 0.5)  # (over held.SMALL: its shape alone is kept)
 
 
 class ScaledBlock(Block):
@@ -170,18 +170,18 @@ def test_a_call_whose_state_a_copy_cannot_stand_for_is_refused_and_trains_bitwis
 
 def test_a_frozen_copy_has_the_calls_state_and_no_tie_to_the_live_one():
     cache = Cache(3)
-    cache.update(0, torch.ones(4, 2))
+    cache.update(0, torch.ones(64, 2))
     cache.me = cache  # a cycle
     cache.alias = cache.layers[0]  # one object held twice
     cache.table = {"n": 3, "dims": [4, 2]}
     frozen = freeze(cache)
-    cache.update(1, torch.ones(4, 2))  # the live one moves on
-    cache.update(0, torch.ones(4, 2))
+    cache.update(1, torch.ones(64, 2))  # the live one moves on
+    cache.update(0, torch.ones(64, 2))
     for copy in (frozen.thaw(), frozen.thaw()):
         assert copy is not cache and copy.me is copy and copy.alias is copy.layers[0]
         assert copy.updates == 1 and copy.layers[1].keys is None
         keys = copy.layers[0].keys
-        assert keys.device.type == "meta" and keys.shape == (4, 2)  # its shape, not its memory
+        assert keys.device.type == "meta" and keys.shape == (64, 2)  # its shape, not its memory
         assert copy.table == {"n": 3, "dims": [4, 2]} and copy.table is not cache.table
         copy.update(2, torch.ones(1, 2, device="meta"))  # a replay's changes stay in its copy
     assert cache.layers[2].keys is None and frozen.thaw().layers[2].keys is None
@@ -280,3 +280,14 @@ def test_a_block_that_hands_back_an_input_trains_bitwise_when_recomputed(share):
     assert same(ref, got)
     assert pool.stats()["recomputes"] + pool.stats()["light_calls"] > 0
     assert pool.stats()["light_split_misses"] == 0
+
+
+def test_a_small_tensor_in_the_state_keeps_its_values():
+    """A sliding-window cache keeps its window as a one-element tensor and moves it to the device on
+    its first update: a copy of it, not its shape alone (Mistral's layers were refused otherwise)."""
+    state = CacheLayer()
+    state.window = torch.tensor(16)
+    frozen = freeze(state)
+    state.window.fill_(3)  # (the live one changes in place after the call)
+    copy = frozen.thaw()
+    assert copy.window.item() == 16 and copy.window is not frozen.thaw().window
