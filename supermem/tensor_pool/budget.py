@@ -53,6 +53,7 @@ class Budget:
         self.urgent = False  # pricing for the pressure handler: every byte is needed now
         self.high_before: int | None = None  # PyTorch's allocator: its peak before the pool's first step
         self.said_over = False
+        self.stuck_bytes = 0  # the most in use at a moment nothing more could leave: this policy's floor
 
     @property
     def _pool(self) -> PoolOwner:
@@ -205,7 +206,17 @@ class Budget:
         warn(
             f"supermem pool: the device reached {format_bytes(peak)} under the pool, over its budget of"
             f" {format_bytes(pool.budget_bytes)}.{why} What the pool does not move (weights, gradients,"
-            " optimizer state, tensors in use) counts against the budget too."
+            " optimizer state, tensors in use) counts against the budget too." + self.floor_said()
+        )
+
+    def floor_said(self) -> str:
+        """The over-budget warning's last sentence: where nothing more could leave, if it came to that."""
+        budget = self._pool.budget_bytes
+        if budget is None or self.stuck_bytes <= budget:
+            return ""
+        return (
+            f" Nothing more could leave the device at {format_bytes(self.stuck_bytes)}: under this policy"
+            " the step cannot go below about that."
         )
 
     def marks(self) -> Callable[[], tuple[int, int]] | None:
@@ -237,7 +248,8 @@ class Budget:
         if over <= 0:
             return
         # A little below the target, so the next few saves do not each need a decision of their own.
-        over += min(pool.ledger.largest_entry, target // 16)
+        below = min(pool.ledger.largest_entry, target // 16)
+        over += below
         # Ranked all the way down: when a treatment cannot (host memory full), the next choice frees.
         for c in pool.policy.choose(self.choices(CANDIDATES), 1 << 62, pool.ledger.tick):
             t = pool.treatments[c.treatment]
@@ -246,6 +258,8 @@ class Budget:
                     over -= e.nbytes - t.device_bytes(e)  # a compressed entry keeps its payload
             if over <= 0:
                 break
+        if over > below:  # every choice taken, still over the target
+            self.stuck_bytes = max(self.stuck_bytes, target + over - below)
 
     def choices(self, limit: int | None = None) -> list[Choice]:
         """The policy's ways to free bytes now, over the `limit` least recently used resident entries
@@ -314,10 +328,11 @@ class Budget:
         pool.count("pressure_calls")
         pool.clock.left = True
         before = self.used_bytes()
+        # the soft limit asks for the excess over it; a failed allocation, for its size
+        soft = self.soft is not None and self.soft.in_soft_limit_call
+        point = (self.soft.soft_limit_bytes if soft else before) + need_bytes  # in use once it is made
         if pool.plans.rec is not None:  # the plan's curve must hold this point too
-            # the soft limit asks for the excess over it; a failed allocation, for its size
-            soft = self.soft is not None and self.soft.in_soft_limit_call
-            pool.plans.rec.pressed((self.soft.soft_limit_bytes if soft else before) + need_bytes)
+            pool.plans.rec.pressed(point)
         for t in pool.treatments.values():
             t.settle(pool, wait=True)  # e.g. originals kept until their pack is known to fit
         # The stalest CANDIDATES first (used last in backward; pricing all ~1000 entries at each of
@@ -332,7 +347,10 @@ class Budget:
                 break
             if x.tensor is not None and pool.leave(x, x.treatment):
                 pool.copies.wait(x.event)
-        return max(before - self.used_bytes(), 0)
+        freed = max(before - self.used_bytes(), 0)
+        if freed < need_bytes:  # nothing more could leave
+            self.stuck_bytes = max(self.stuck_bytes, point - freed)
+        return freed
 
     def free_by_choices(self, limit: int | None, before: int, need_bytes: int) -> bool:
         """Entries leave, the policy's cheapest choices (priced as urgent) over `limit` resident ones

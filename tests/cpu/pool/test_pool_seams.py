@@ -10,6 +10,7 @@ from stash_treatment import Stash
 
 from supermem.tensor_pool import Pool
 from supermem.tensor_pool.treatments import Treatment, make_treatments, register
+from supermem.units import format_bytes
 
 
 def _train(pool, steps=5):
@@ -162,3 +163,25 @@ def test_a_recorded_steps_own_restores_under_pressure_do_not_raise_the_floor(mon
                 model(x).sum().backward()
     plan = pool.plans.plan
     assert plan.feasible and plan.predicted_peak_bytes <= 100 << 10, plan.predicted_peak_bytes
+
+
+@pytest.mark.parametrize(
+    "policy, treatments, stuck", [("cost_aware", ["compress"], True), ("lru", None, False)]
+)
+def test_where_nothing_more_could_leave_is_named_as_the_policys_floor(policy, treatments, stuck):
+    """A GELU MLP gives compression nothing to take: the step runs over its budget, every choice taken,
+    and the over-budget warning says at how many bytes nothing more could leave. lru copies whatever it
+    must and never gets stuck: no floor to name."""
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.GELU()) for _ in range(4)])
+    x = torch.randn(32, 64)
+    pool = Pool(budget="4KiB", policy=policy, treatments=treatments, min_bytes=0)
+    for _ in range(2):
+        with pool:
+            model(x).square().mean().backward()
+    said = pool.budget.floor_said()
+    if stuck:
+        peak = pool.stats()["peak_resident_bytes"]
+        assert 4096 < pool.budget.stuck_bytes <= peak
+        assert f"at {format_bytes(pool.budget.stuck_bytes)}:" in said and "cannot go below" in said
+    else:
+        assert pool.budget.stuck_bytes == 0 and said == ""
