@@ -188,5 +188,3 @@ def freeze_call(call: tuple[tuple, dict]) -> tuple[tuple[tuple, dict], str | Non
 def thawed(leaves: list) -> list:
     """A call's flat arguments for a replay: each frozen one thawed afresh."""
     return [x.thaw() if isinstance(x, Frozen) else x for x in leaves]
-
-
