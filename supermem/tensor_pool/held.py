@@ -9,10 +9,11 @@ it reads the state the call read and changes only its own copy; the live object 
 and the copy holds no memory of the step (no large tensor, no reference to the live objects).
 
 A tensor inside the state thaws to a tensor of its shape on the meta device: a replay may read its
-shape (a cache's length), never its values. One of SMALL bytes or fewer (the window a sliding-window
-cache keeps as a tensor, a scalar) is copied whole and thaws to a copy. A replay that reads the values
-of a larger one (a static cache, written in place and read whole) raises on the meta tensor or saves
-other tensors at the verification replay of the module's first call (region.py): it is then refused.
+shape (a cache's length), never its values. One of SMALL bytes or fewer that needs no grad (the
+window a sliding-window cache keeps as a tensor, a scalar) is copied whole and thaws to a copy. A
+replay that reads the values of another (a static cache, written in place and read whole) raises on
+the meta tensor or saves other tensors at the verification replay of the module's first call
+(region.py): it is then refused.
 
 What cannot be frozen, the call is never replayed: an object without a plain `__dict__` (a C type, a
 class with `__slots__`), a module, a method or other callable bound to state, or state over LIMIT
@@ -27,6 +28,8 @@ import types
 from typing import Any
 
 import torch
+
+from .. import torch_private as tp
 
 LIMIT = 4096  # objects, lists, dicts and tensors one argument may hold
 SMALL = 256  # bytes: a tensor this small is copied whole
@@ -63,10 +66,10 @@ class Frozen:
     """One argument as it was at the call (`freeze`); `thaw()` gives a fresh copy of it for a replay.
     `tensors`: how many tensors it holds."""
 
-    __slots__ = ("node", "tensors", "name")
+    __slots__ = ("node", "tensors")
 
-    def __init__(self, node: Any, tensors: int, name: str):
-        self.node, self.tensors, self.name = node, tensors, name
+    def __init__(self, node: Any, tensors: int):
+        self.node, self.tensors = node, tensors
 
     def thaw(self) -> Any:
         return _thaw(self.node, {})
@@ -76,7 +79,7 @@ def freeze(x: Any) -> Frozen:
     """`x` frozen (module docstring); raises CannotFreeze with why not."""
     walk = _Freezer()
     node = walk.node(x)
-    return Frozen(node, walk.tensors, type(x).__name__)
+    return Frozen(node, walk.tensors)
 
 
 class _Freezer:
@@ -89,7 +92,9 @@ class _Freezer:
         if isinstance(x, torch.Tensor):
             self.tensors += 1
             self._count()
-            if x.numel() * x.element_size() <= SMALL and x.layout == torch.strided:
+            # (a copy of one that needs grad would cut its gradient in a light call's backward: it goes
+            # as a shape, and a replay that reads it is refused)
+            if x.numel() * x.element_size() <= SMALL and x.layout == torch.strided and not x.requires_grad:
                 return ("c", x.detach().clone())
             return ("t", tuple(x.shape), x.stride(), x.dtype, x.requires_grad and x.is_floating_point())
         if isinstance(x, _SHARED):
@@ -168,8 +173,6 @@ def freeze_call(call: tuple[tuple, dict]) -> tuple[tuple[tuple, dict], str | Non
     args, kwargs = call
     if not kwargs and all(isinstance(a, torch.Tensor) for a in args):
         return call, None  # (most calls: no walk)
-    from .. import torch_private as tp
-
     leaves, spec = tp.tree_flatten(call)
     if all(is_value(x) for x in leaves):
         return call, None

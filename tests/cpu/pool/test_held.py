@@ -287,7 +287,9 @@ def test_a_small_tensor_in_the_state_keeps_its_values():
     its first update: a copy of it, not its shape alone (Mistral's layers were refused otherwise)."""
     state = CacheLayer()
     state.window = torch.tensor(16)
+    state.scale = torch.ones(2, requires_grad=True)  # (a copy would cut its gradient: its shape alone)
     frozen = freeze(state)
     state.window.fill_(3)  # (the live one changes in place after the call)
     copy = frozen.thaw()
     assert copy.window.item() == 16 and copy.window is not frozen.thaw().window
+    assert copy.scale.device.type == "meta" and copy.scale.shape == (2,)
