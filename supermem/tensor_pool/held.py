@@ -75,15 +75,17 @@ class Frozen:
         return _thaw(self.node, {})
 
 
-def freeze(x: Any) -> Frozen:
-    """`x` frozen (module docstring); raises CannotFreeze with why not."""
-    walk = _Freezer()
+def freeze(x: Any, copy: bool = True) -> Frozen:
+    """`x` frozen (module docstring); raises CannotFreeze with why not. Not `copy`: only whether it
+    can be (no small tensor copied)."""
+    walk = _Freezer(copy)
     node = walk.node(x)
     return Frozen(node, walk.tensors)
 
 
 class _Freezer:
-    def __init__(self) -> None:
+    def __init__(self, copy: bool) -> None:
+        self.copy = copy
         self.memo: dict[int, Any] = {}  # id(object) -> its node: one object held twice thaws once
         self.keep: list[Any] = []  # (the objects walked, alive while their ids key memo)
         self.tensors = 0
@@ -94,7 +96,8 @@ class _Freezer:
             self._count()
             # (a copy of one that needs grad would cut its gradient in a light call's backward: it goes
             # as a shape, and a replay that reads it is refused)
-            if x.numel() * x.element_size() <= SMALL and x.layout == torch.strided and not x.requires_grad:
+            small = x.numel() * x.element_size() <= SMALL and x.layout == torch.strided
+            if small and self.copy and not x.requires_grad:
                 return ("c", x.detach().clone())
             return ("t", tuple(x.shape), x.stride(), x.dtype, x.requires_grad and x.is_floating_point())
         if isinstance(x, _SHARED):
@@ -167,9 +170,10 @@ def _thaw(node: Any, made: dict[int, Any]) -> Any:
     return cls(*values) if hasattr(cls, "_fields") else cls(values)
 
 
-def freeze_call(call: tuple[tuple, dict]) -> tuple[tuple[tuple, dict], str | None]:
+def freeze_call(call: tuple[tuple, dict], copy: bool = True) -> tuple[tuple[tuple, dict], str | None]:
     """The call's (args, kwargs) with each argument that is not a value (nor a tuple, list or dict of
-    values) frozen; and None, or why one cannot be: the call is then never replayed."""
+    values) frozen; and None, or why one cannot be: the call is then never replayed. Not `copy`: only
+    the why (freeze's)."""
     args, kwargs = call
     if not kwargs and all(isinstance(a, torch.Tensor) for a in args):
         return call, None  # (most calls: no walk)
@@ -182,7 +186,7 @@ def freeze_call(call: tuple[tuple, dict]) -> tuple[tuple[tuple, dict], str | Non
             out.append(x)
             continue
         try:
-            out.append(freeze(x))
+            out.append(freeze(x, copy))
         except CannotFreeze as e:
             return call, f"its call takes a {type(x).__name__}, state a replay would see changed: {e}"
     return tp.tree_unflatten(out, spec), None

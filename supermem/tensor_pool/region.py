@@ -56,7 +56,7 @@ class _Stop(Exception):  # noqa: N818  every dropped tensor of the region is bac
 
 def held_state(tree: Any) -> str | None:
     """Why a call's (args, kwargs) cannot be frozen for its replays (held.py), or None."""
-    return freeze_call(tree)[1]
+    return freeze_call(tree, copy=False)[1]
 
 
 _WARNED: set[tuple[str, str]] = set()
