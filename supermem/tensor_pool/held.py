@@ -16,8 +16,8 @@ the meta tensor or saves other tensors at the verification replay of the module'
 (region.py): it is then refused.
 
 What cannot be frozen, the call is never replayed: an object without a plain `__dict__` (a C type, a
-class with `__slots__`), a module, a method or other callable bound to state, or state over LIMIT
-objects.
+class with `__slots__`) or with a `__new__` of its own, a module, a method or other callable bound to
+state, or state over LIMIT objects.
 """
 
 from __future__ import annotations
@@ -124,6 +124,8 @@ class _Freezer:
         state = getattr(x, "__dict__", None)
         if type(state) is not dict or any(k.__dict__.get("__slots__") for k in cls.__mro__[:-1]):
             raise CannotFreeze(f"a {cls.__name__} has no plain __dict__ to copy")
+        if cls.__new__ is not object.__new__:  # (a C type's, functools.partial's: a thaw could not make one)
+            raise CannotFreeze(f"a {cls.__name__} is made by a __new__ of its own")
         node = ["o", cls, None]
         self._remember(x, node)
         node[2] = [(k, self.node(v)) for k, v in state.items()]

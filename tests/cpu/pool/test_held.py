@@ -3,6 +3,7 @@ runs on a fresh copy of it as the call saw it, the live object untouched; what c
 replay that reads values the state holds, keeps the call from being replayed. Training stays bitwise
 plain PyTorch's throughout."""
 
+import functools
 import warnings
 
 import pytest
@@ -194,6 +195,7 @@ def test_a_frozen_copy_has_the_calls_state_and_no_tie_to_the_live_one():
         (nn.Linear(2, 2), "it holds a module"),
         (Slotted(), "no plain __dict__"),
         (torch.Generator(), "no plain __dict__"),
+        (functools.partial(print, 1), "a __new__ of its own"),
     ],
 )
 def test_state_that_cannot_be_copied_says_why(state, why):
