@@ -197,3 +197,24 @@ def freeze_call(call: tuple[tuple, dict], copy: bool = True) -> tuple[tuple[tupl
 def thawed(leaves: list) -> list:
     """A call's flat arguments for a replay: each frozen one thawed afresh."""
     return [x.thaw() if isinstance(x, Frozen) else x for x in leaves]
+
+
+_VERDICTS: dict[type, str | None] = {}  # per type of state, the first freeze_call's why (held_state)
+
+
+def held_state(call: tuple[tuple, dict]) -> str | None:
+    """Why a call's (args, kwargs) could not be frozen, or None, from the first verdict on each type of
+    state in it: the trace and the profiling step ask at every module call (a 12-layer KV cache took
+    ~0.1 ms to walk), and a call captured for replay freezes what it got all the same (freeze_call)."""
+    args, kwargs = call
+    if not kwargs and all(isinstance(a, torch.Tensor) for a in args):
+        return None
+    for x in tp.tree_leaves(call):
+        if is_value(x):
+            continue
+        cls = type(x)
+        if cls not in _VERDICTS:
+            _VERDICTS[cls] = freeze_call(((x,), {}), copy=False)[1]
+        if _VERDICTS[cls] is not None:
+            return _VERDICTS[cls]
+    return None

@@ -38,7 +38,7 @@ from .. import torch_private as tp
 from ..log import warn
 from .call_state import CallState
 from .entry import Entry, State, _set_version, bitwise_equal
-from .held import freeze_call, thawed
+from .held import thawed
 
 # the saved-tensor hooks on top of this thread's stack (Plan.bypass takes the pool's off around a call)
 _top_hooks = tp.top_saved_hooks
@@ -52,11 +52,6 @@ COST_SAMPLES = 3  # calls timed per kind of call (each with a timed replay); the
 
 class _Stop(Exception):  # noqa: N818  every dropped tensor of the region is back: end the replay
     pass
-
-
-def held_state(tree: Any) -> str | None:
-    """Why a call's (args, kwargs) cannot be frozen for its replays (held.py), or None."""
-    return freeze_call(tree, copy=False)[1]
 
 
 _WARNED: set[tuple[str, str]] = set()

@@ -14,7 +14,7 @@ from torch.nn.modules import module as _nn
 from .. import torch_private as tp
 from .call_state import CallState
 from .entry import Entry
-from .held import freeze_call
+from .held import freeze_call, held_state
 from .light import _Alive, _Light, _pool_hooks
 from .outside_uses import OutsideUses
 from .region import (
@@ -28,7 +28,6 @@ from .region import (
     _storage_ptr,
     _tensors,
     consumers,
-    held_state,
 )
 
 if TYPE_CHECKING:

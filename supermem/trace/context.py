@@ -103,7 +103,7 @@ class Context:
         self._backward_depth = 0
         self._stop_watch: Any = None
         self._tensor: Any = None  # torch.Tensor, once started
-        self._held_state: Any = None  # tensor_pool.region.held_state, once started
+        self._held_state: Any = None  # tensor_pool.held.held_state, once started
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -112,7 +112,7 @@ class Context:
         from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
         from .. import torch_private as tp
-        from ..tensor_pool.region import held_state
+        from ..tensor_pool.held import held_state
 
         self._tensor, self._held_state = torch.Tensor, held_state
         unwrap = tp.wrap_module_calls(self._pre, self._post)  # (not global module hooks: cheaper)

@@ -13,7 +13,7 @@ from corpus import build_and_train
 
 from supermem.policies import live_names
 from supermem.tensor_pool import Pool, region
-from supermem.tensor_pool.held import CannotFreeze, freeze, freeze_call
+from supermem.tensor_pool.held import CannotFreeze, freeze, freeze_call, held_state
 
 
 class CacheLayer:
@@ -203,6 +203,13 @@ def test_state_that_cannot_be_copied_says_why(state, why):
         freeze(state)
     call, reason = freeze_call(((torch.ones(1),), {"state": state}))
     assert reason is not None and why in reason and call[1]["state"] is state
+    assert held_state(call) == reason  # (what the trace and the profiling step ask, by type)
+
+
+def test_a_cache_is_state_that_can_be_frozen():
+    cache = Cache(2)
+    cache.update(0, torch.ones(64, 2))
+    assert held_state(((torch.ones(1),), {"past_key_values": cache, "use_cache": True})) is None
 
 
 def test_values_and_tensors_are_not_frozen():
