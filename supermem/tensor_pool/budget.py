@@ -251,14 +251,16 @@ class Budget:
         below = min(pool.ledger.largest_entry, target // 16)
         over += below
         # Ranked all the way down: when a treatment cannot (host memory full), the next choice frees.
-        for c in pool.policy.choose(self.choices(CANDIDATES), 1 << 62, pool.ledger.tick):
+        choices = self.choices(CANDIDATES)
+        for c in pool.policy.choose(choices, 1 << 62, pool.ledger.tick):
             t = pool.treatments[c.treatment]
             for e in c.frees:
                 if e.state is State.RESIDENT and e.tensor is not None and pool.leave(e, t):
                     over -= e.nbytes - t.device_bytes(e)  # a compressed entry keeps its payload
             if over <= 0:
                 break
-        if over > below:  # every choice taken, still over the target
+        if over > below and not choices:  # nothing the policy can take (a window of CANDIDATES that
+            # frees too little says nothing: the next save's fit goes on; the pressure handler sees all)
             self.stuck_bytes = max(self.stuck_bytes, target + over - below)
 
     def choices(self, limit: int | None = None) -> list[Choice]:

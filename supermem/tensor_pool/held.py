@@ -15,6 +15,12 @@ replay that reads the values of another (a static cache, written in place and re
 the meta tensor or saves other tensors at the verification replay of the module's first call
 (region.py): it is then refused.
 
+Two more guards (regions.py). A module's replay is verified again for a call whose state holds more
+tensors than the one verified (`signature`: a cache carried into a second chunk, whose layers read the
+first chunk's keys). And a call that puts tensors needing grad into its state (`written`: a cache's
+keys) runs light, with grad off, only where no use outside the call reads them (outside_uses.py): they
+would stay there without a graph.
+
 What cannot be frozen, the call is never replayed: an object without a plain `__dict__` (a C type, a
 class with `__slots__`) or with a `__new__` of its own, a module, a method or other callable bound to
 state, or state over LIMIT objects.
@@ -32,6 +38,7 @@ import torch
 from .. import torch_private as tp
 
 LIMIT = 4096  # objects, lists, dicts and tensors one argument may hold
+DEPTH = 100  # how deep they may nest (a thaw in backward recurses as deep, on a deeper stack)
 SMALL = 256  # bytes: a tensor this small is copied whole
 
 _VALUES = (
@@ -64,12 +71,13 @@ class CannotFreeze(Exception):  # noqa: N818  (the reason a call's state cannot 
 
 class Frozen:
     """One argument as it was at the call (`freeze`); `thaw()` gives a fresh copy of it for a replay.
-    `tensors`: how many tensors it holds."""
+    `tensors`: how many tensors it holds; `before`: those tensors themselves, until the call's
+    verification has compared them with the state after the call (`written`), then None."""
 
-    __slots__ = ("node", "tensors")
+    __slots__ = ("node", "tensors", "before")
 
-    def __init__(self, node: Any, tensors: int):
-        self.node, self.tensors = node, tensors
+    def __init__(self, node: Any, tensors: int, before: list | None):
+        self.node, self.tensors, self.before = node, tensors, before
 
     def thaw(self) -> Any:
         return _thaw(self.node, {})
@@ -79,8 +87,8 @@ def freeze(x: Any, copy: bool = True) -> Frozen:
     """`x` frozen (module docstring); raises CannotFreeze with why not. Not `copy`: only whether it
     can be (no small tensor copied)."""
     walk = _Freezer(copy)
-    node = walk.node(x)
-    return Frozen(node, walk.tensors)
+    node = walk.node(x, 0)
+    return Frozen(node, walk.tensors, walk.seen if copy else None)
 
 
 class _Freezer:
@@ -88,34 +96,42 @@ class _Freezer:
         self.copy = copy
         self.memo: dict[int, Any] = {}  # id(object) -> its node: one object held twice thaws once
         self.keep: list[Any] = []  # (the objects walked, alive while their ids key memo)
+        self.seen: list[torch.Tensor] = []  # the tensors
         self.tensors = 0
 
-    def node(self, x: Any) -> Any:
-        if isinstance(x, torch.Tensor):
-            self.tensors += 1
-            self._count()
-            # (a copy of one that needs grad would cut its gradient in a light call's backward: it goes
-            # as a shape, and a replay that reads it is refused)
-            small = x.numel() * x.element_size() <= SMALL and x.layout == torch.strided
-            if small and self.copy and not x.requires_grad:
-                return ("c", x.detach().clone())
-            return ("t", tuple(x.shape), x.stride(), x.dtype, x.requires_grad and x.is_floating_point())
+    def node(self, x: Any, depth: int) -> Any:
         if isinstance(x, _SHARED):
             return ("v", x)
         got = self.memo.get(id(x))
         if got is not None:
             return got
+        if depth > DEPTH:
+            raise CannotFreeze(f"it nests over {DEPTH} deep")
+        if isinstance(x, torch.Tensor):
+            self.tensors += 1
+            self._count()
+            self.seen.append(x)
+            # (a copy of one that needs grad would cut its gradient in a light call's backward: it goes
+            # as a shape, and a replay that reads it is refused)
+            small = x.numel() * x.element_size() <= SMALL and x.layout == torch.strided
+            if small and self.copy and not x.requires_grad:
+                node: Any = ("c", x.detach().clone())
+            else:
+                node = ("t", tuple(x.shape), x.stride(), x.dtype, x.requires_grad and x.is_floating_point())
+            self._remember(x, node)
+            return node
         self._count()
+        depth += 1
         cls = type(x)
         if cls in (list, tuple, set, frozenset) or (cls.__bases__ == (tuple,) and hasattr(cls, "_fields")):
-            node: list[Any] = ["s", cls, None]
+            node = ["s", cls, None]
             self._remember(x, node)
-            node[2] = [self.node(y) for y in x]
+            node[2] = [self.node(y, depth) for y in x]
             return node
         if cls in (dict, collections.OrderedDict):
             node = ["d", cls, None]
             self._remember(x, node)
-            node[2] = [(self.node(k), self.node(v)) for k, v in x.items()]
+            node[2] = [(self.node(k, depth), self.node(v, depth)) for k, v in x.items()]
             return node
         if isinstance(x, torch.nn.Module):
             raise CannotFreeze(f"it holds a module ({cls.__name__})")
@@ -128,7 +144,7 @@ class _Freezer:
             raise CannotFreeze(f"a {cls.__name__} is made by a __new__ of its own")
         node = ["o", cls, None]
         self._remember(x, node)
-        node[2] = [(k, self.node(v)) for k, v in state.items()]
+        node[2] = [(k, self.node(v, depth)) for k, v in state.items()]
         return node
 
     def _remember(self, x: Any, node: Any) -> None:
@@ -136,7 +152,7 @@ class _Freezer:
         self.keep.append(x)
 
     def _count(self) -> None:
-        if len(self.keep) + self.tensors > LIMIT:
+        if len(self.keep) > LIMIT:
             raise CannotFreeze(f"it holds over {LIMIT} objects")
 
 
@@ -144,14 +160,17 @@ def _thaw(node: Any, made: dict[int, Any]) -> Any:
     kind = node[0]
     if kind == "v":
         return node[1]
-    if kind == "t":
-        _, shape, stride, dtype, grad = node
-        return torch.empty_strided(shape, stride, dtype=dtype, device="meta", requires_grad=grad)
-    if kind == "c":
-        return node[1].clone()
-    got = made.get(id(node))
+    got = made.get(id(node))  # (one object or tensor held twice: one thawed, held twice)
     if got is not None:
         return got
+    if kind == "t":
+        _, shape, stride, dtype, grad = node
+        t = torch.empty_strided(shape, stride, dtype=dtype, device="meta", requires_grad=grad)
+        made[id(node)] = t
+        return t
+    if kind == "c":
+        made[id(node)] = t = node[1].clone()
+        return t
     _, cls, items = node
     if kind == "o":
         obj = cls.__new__(cls)
@@ -218,3 +237,36 @@ def held_state(call: tuple[tuple, dict]) -> str | None:
         if _VERDICTS[cls] is not None:
             return _VERDICTS[cls]
     return None
+
+
+def signature(leaves: list) -> tuple[int, ...]:
+    """How many tensors each frozen argument of a call holds: a call whose state holds more than the
+    one its module's replay was verified on (a cache carried over from an earlier chunk, whose keys
+    a later layer reads) is verified again."""
+    return tuple(x.tensors for x in leaves if isinstance(x, Frozen))
+
+
+def release(leaves: Any) -> None:
+    """The frozen arguments among `leaves` let go of the tensors their state held at the call."""
+    for x in leaves:
+        if isinstance(x, Frozen):
+            x.before = None
+
+
+def written(leaves: list, live: list) -> list[torch.Tensor]:
+    """The tensors needing grad the call put into its state (`live`: its arguments' leaves, as
+    `leaves` are the frozen ones): what a light call, run with grad off, would leave there without a
+    graph. Lets go of each frozen argument's `before`."""
+    out: list[torch.Tensor] = []
+    for x, y in zip(leaves, live):
+        if not isinstance(x, Frozen) or x.before is None:
+            continue
+        before = {id(t) for t in x.before}
+        walk = _Freezer(copy=False)
+        try:
+            walk.node(y, 0)
+        except CannotFreeze:
+            pass  # (what it walked counts)
+        out += [t for t in walk.seen if id(t) not in before and t.grad_fn is not None]
+        x.before = None
+    return out

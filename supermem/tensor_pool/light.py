@@ -12,7 +12,7 @@ import torch
 
 from .. import torch_private as tp
 from .call_state import CallState
-from .held import thawed
+from .held import release, thawed
 from .light_graphs import LightGraphs, light_graphs_of
 from .region import _none, _Replaying, _submodules, _tensors, _top_hooks, consumers
 
@@ -112,6 +112,7 @@ class _Light:
             leaves, self.spec = tp.tree_flatten((args, kwargs))
         self.places = [k for k, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
         self.leaves = [None if isinstance(x, torch.Tensor) else x for x in leaves]
+        release(self.leaves)  # (what its state held at the call: no verification here)
         outs, out_spec = _flatten(output)
         self.out_places = [
             k for k, x in enumerate(outs) if isinstance(x, torch.Tensor) and x.is_floating_point()

@@ -105,6 +105,10 @@ class OutsideUses:
         self.outside: weakref.WeakKeyDictionary[torch.nn.Module, tuple[bool, ...]] = (
             weakref.WeakKeyDictionary()
         )
+        # the tensors calls verified this step put into the state they take, probed as inputs are
+        self.state_pending: dict[int, tuple[torch.nn.Module, list[_Probe]]] = {}
+        # per module taking state: whether a use outside its call may read what it puts there
+        self.state_read: weakref.WeakKeyDictionary[torch.nn.Module, bool] = weakref.WeakKeyDictionary()
 
     def of(self, module: torch.nn.Module, n: int) -> tuple[bool, ...]:
         """Per tensor input of the module's calls: a use outside the call may read it (all, until the
@@ -143,6 +147,22 @@ class OutsideUses:
                 probes.append((j, _Probe(torch.autograd.graph.get_gradient_edge(x), r)))
         calls.append(probes)
 
+    def state_written(self, module: torch.nn.Module, put: list[torch.Tensor], readers: list | None) -> None:
+        """A verified call put `put` (tensors needing grad) into the state it took; `readers`: their
+        uses in the call (consumers; None: unknown). Run light, the call would leave them there
+        without a graph: it may only where no use outside the call reads them (decided as for an
+        input, at the next step's opening: the edges under backward's first node, and their whole
+        gradient against the sum of their uses' in the call). A Hugging Face layer's cached keys are
+        read by the layer's own attention alone."""
+        if readers is None or self.walked:
+            self.state_read[module] = True
+            return
+        if not put:
+            self.state_read.setdefault(module, False)
+            return
+        probes = self.state_pending.setdefault(id(module), (module, []))[1]
+        probes += [_Probe(torch.autograd.graph.get_gradient_edge(t), r) for t, r in zip(put, readers)]
+
     def missed(self, module: torch.nn.Module) -> None:
         """A call of the module went uncounted (run light, not captured): it keeps its slots."""
         got = self.pending.get(id(module))
@@ -152,11 +172,12 @@ class OutsideUses:
 
     def backward_began(self) -> None:
         """The step's backward began: count each probed input's edges under the node running now."""
-        if not self.pending or self.walked:
+        if (not self.pending and not self.state_pending) or self.walked:
             return
         self.walked = True
         root = tp.current_autograd_node()
         probes = [p for _, _, calls in self.pending.values() for c in calls or () for _, p in c]
+        probes += [p for _, ps in self.state_pending.values() for p in ps]
         probes = [p for p in probes if p.node is not None]
         if root is not None and probes:
             counts = _edge_counts(root, [(p.node, p.nr) for p in probes], self.limit)
@@ -168,6 +189,11 @@ class OutsideUses:
     def step_opened(self) -> None:
         """The step before is over (its backward, or none): decide its modules, let their probes go."""
         pending, self.pending, self.walked = self.pending, {}, False
+        state, self.state_pending = self.state_pending, {}
+        for module, probes in state.values():
+            self.state_read[module] = self.state_read.get(module, False) or any(p.outside() for p in probes)
+            for p in probes:
+                p.release()
         for module, uses, calls in pending.values():
             if calls is None:
                 continue

@@ -112,6 +112,7 @@ class Region:
         "timing",
         "start",
         "places",
+        "sig",
         "__weakref__",
     )
 
@@ -129,6 +130,7 @@ class Region:
         self.ready = False
         self.timing: Any = _start_timer(pool) if timed else None
         self.start = 0  # its step's saves before the call (StepClock.region_start)
+        self.sig: tuple[int, ...] = ()  # the state it took, as held.signature: () for none
         self.places: dict[int, int] = {}  # the number of a save in the call -> the ordinal it saved
 
     @property

@@ -14,7 +14,7 @@ from torch.nn.modules import module as _nn
 from .. import torch_private as tp
 from .call_state import CallState
 from .entry import Entry
-from .held import freeze_call, held_state
+from .held import freeze_call, held_state, release, signature, written
 from .light import _Alive, _Light, _pool_hooks
 from .outside_uses import OutsideUses
 from .region import (
@@ -132,6 +132,8 @@ class Regions:
         # modules never replayed, with why: their calls take state, or a replay was not the call
         self.refused: weakref.WeakKeyDictionary[torch.nn.Module, str] = weakref.WeakKeyDictionary()
         self._verified: set[tuple[int, tuple]] = set()  # (id(module), kind) replayed and matched
+        # (id(module), held.signature) of calls taking state, replayed on its copy and matched
+        self._state_verified: set[tuple[int, tuple]] = set()
         # the uses of each tensor input in a module's verified call (consumers); None where unknown:
         # such a module never runs light
         self.uses: weakref.WeakKeyDictionary[torch.nn.Module, tuple | None] = weakref.WeakKeyDictionary()
@@ -292,14 +294,20 @@ class Regions:
             return  # (inside a call the pool does not see: under checkpoint or with its hooks off)
         # (a refused module's calls are captured all the same, never ready: a plan's ordinals count
         # the inputs a capture keeps)
-        call, held = freeze_call((args, kwargs))  # (its state as it is now: a replay's)
+        raw = (args, kwargs)
+        call, held = freeze_call(raw)  # (its state as it is now: a replay's)
+        sig = signature(tp.tree_leaves(call)) if call is not raw else ()
         if module not in self.refused and held is not None:
             self.refuse(module, held)
         start = pool.clock.region_start()
         if start is None:
             self.outside_uses.missed(module)  # (a call not counted: its module keeps its slots)
             return
-        light_ok = self.uses.get(module, ()) is not None and module not in self.refused
+        light_ok = (
+            self.uses.get(module, ()) is not None
+            and module not in self.refused
+            and (not sig or self._state_light(module, sig))
+        )
         unseen, hooks = pool.plans.unseen_call(start, light_ok, False), None  # (run light: no hooks to know)
         if unseen is None:
             hooks = _pool_hooks(pool, args)
@@ -324,8 +332,14 @@ class Regions:
         timed = cost[3] < COST_SAMPLES
         cost[3] += timed
         region = Region(module, call, pool, timed)
-        region.start = start
+        region.start, region.sig = start, sig
         self._stack().append(region)
+
+    def _state_light(self, module: torch.nn.Module, sig: tuple) -> bool:
+        """Whether a call taking state may run light: a call with as much in its state was replayed
+        on the state's copy and matched, and nothing outside the call reads what it put into the state
+        (a light call runs with grad off: those tensors would stay there without a graph)."""
+        return (id(module), sig) in self._state_verified and self.outside_uses.state_read.get(module) is False
 
     def _light(self, module: torch.nn.Module, call: tuple, pool: PoolInternals, end: int) -> None:
         """The call runs with grad off (Plan.light): autograd builds no graph in it and saves nothing;
@@ -392,8 +406,11 @@ class Regions:
             self._costs[self._kind[id(module)]][2].append(_stop_timer(region.timing, pool))
             region.timing = None
         call = region.args  # (as the call got them: finish() packs them)
+        frozen: list = tp.tree_leaves(call) if region.sig else []
         if pool is not None and region.finish(pool):
-            verified = (id(module), self._kind[id(module)]) in self._verified
+            verified = (id(module), self._kind[id(module)]) in self._verified and (
+                not region.sig or (id(module), region.sig) in self._state_verified
+            )
             readers = None  # the call's uses, where its verification walks them
             if module in self.refused:
                 region.unready()
@@ -406,16 +423,22 @@ class Regions:
                     if why is not None:  # (its entries stay; the step records the call all the same)
                         region.unready()
                         self.refuse(module, why)
-                    elif not verified and self.uses.get(module, ()) is not None:  # (unknown stays)
-                        readers = consumers(_tensors(call), _tensors(output))
-                        self.uses[module] = None if readers is None else tuple(len(u) for u in readers)
-                        self.outside_uses.verified(module, self.uses[module])
+                    elif not verified:
+                        if region.sig:
+                            self._state_verified.add((id(module), region.sig))
+                            put = written(frozen, tp.tree_leaves((args, kwargs)))
+                            self.outside_uses.state_written(module, put, consumers(put, _tensors(output)))
+                        if self.uses.get(module, ()) is not None:  # (unknown stays)
+                            readers = consumers(_tensors(call), _tensors(output))
+                            self.uses[module] = None if readers is None else tuple(len(u) for u in readers)
+                            self.outside_uses.verified(module, self.uses[module])
             self.outside_uses.note(module, _tensors(call), _tensors(output), readers)
             if self.uses.get(module, ()) is None and pool.plans.rec is not None and pool.plans.rec.full:
                 pool.plans.rec.no_light.add(region.start)
             pool.region_done(region, _tensors(output))
         else:
             self.outside_uses.missed(module)
+        release(frozen)
 
     def _time_replay(
         self, region: Region, call: tuple, pool: PoolInternals, verify: bool, timed: bool

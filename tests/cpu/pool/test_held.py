@@ -237,7 +237,10 @@ def test_a_hugging_face_layer_keeps_its_cache_and_is_replayed_bitwise(name, trea
     assert not layers, dict(pool.regions.refused)
     assert not [w for w in seen if "Cache" in str(w.message)]
     s = pool.stats()
-    assert s["light_calls"] + s["recomputes"] > 0 and s["light_split_misses"] == 0, s
+    assert s["light_split_misses"] == 0, s
+    if treatments:  # (with copies too, the plan may copy all on a loaded CPU)
+        assert s["light_calls"] > 0 or name == "t5", s  # (T5's blocks hand back the position bias)
+        assert s["recomputes"] + s["light_calls"] > 0, s
 
 
 class BiasFirst(nn.Module):
@@ -302,3 +305,83 @@ def test_a_small_tensor_in_the_state_keeps_its_values():
     copy = frozen.thaw()
     assert copy.window.item() == 16 and copy.window is not frozen.thaw().window
     assert copy.scale.device.type == "meta" and copy.scale.shape == (2,)
+
+
+class Memory:
+    def __init__(self):
+        self.mem = []
+
+
+class Writer(nn.Module):
+    """Puts a tensor into its state that the loss reads after the call: run light (grad off), it would
+    stay there without a graph and its gradients would not come back."""
+
+    def __init__(self, d=32):
+        super().__init__()
+        self.f = nn.Sequential(nn.Linear(d, 4 * d), nn.Tanh(), nn.Linear(4 * d, d))
+        self.m = nn.Linear(d, 4)
+
+    def forward(self, x, state):
+        y = self.f(x)
+        state.mem.append(self.m(y))
+        return x + y
+
+
+class Writers(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(Writer() for _ in range(6))
+
+    def forward(self, x):
+        state = Memory()
+        for b in self.blocks:
+            x = b(x, state)
+        return x + sum(m.square().mean() for m in state.mem)
+
+
+class Chunked(Decoder):
+    """One cache over two chunks: the second chunk's layers read the first's keys (the same kind of
+    call, more held in its state): its replay on the copy would read a shape where keys were."""
+
+    def forward(self, x):
+        cache = Cache(len(self.blocks))
+        outs = []
+        for h in x.chunk(2):
+            for b in self.blocks:
+                h = b(h, cache)
+            outs.append(h)
+        return torch.cat(outs)
+
+
+@pytest.mark.parametrize("build", [Writers, Chunked])
+@pytest.mark.parametrize("share", [0.5, 0.3])
+def test_state_read_after_the_call_keeps_it_from_running_light_and_trains_bitwise(build, share):
+    ref, _ = train(steps=6, build=build)
+    full = Pool(budget="1GiB", policy="planned", min_bytes=0)
+    train(full, steps=3, build=build)
+    budget = int(share * full.stats()["plan"]["measured_peak_bytes"])
+    pool = Pool(budget=budget, policy="planned", min_bytes=0, treatments=["recompute"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the chunked layers are refused: their replay reads keys)
+        got, model = train(pool, steps=6, build=build)
+    assert same(ref, got)
+    assert pool.stats()["light_calls"] == 0
+
+
+def test_state_nested_too_deep_is_not_frozen():
+    head = node = CacheLayer()
+    for _ in range(500):
+        node.keys = CacheLayer()
+        node = node.keys
+    with pytest.raises(CannotFreeze, match="nests over"):
+        freeze(head)
+
+
+def test_a_tensor_held_twice_thaws_once():
+    state = CacheLayer()
+    state.keys = torch.ones(64, 2)
+    state.alias = state.keys
+    state.small = torch.tensor(3)
+    state.again = state.small
+    copy = freeze(state).thaw()
+    assert copy.alias is copy.keys and copy.again is copy.small
