@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn as nn
 from corpus import build_and_train
+from small_models import train_steps
 
 from supermem.policies import live_names
 from supermem.tensor_pool import Pool, region
@@ -60,19 +61,15 @@ class Decoder(nn.Module):
 
 
 def train(pool=None, steps=4, build=Decoder):
-    torch.manual_seed(0)
-    model = build()
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    x = torch.randn(16, 32, generator=torch.Generator().manual_seed(1))
-    out = []
-    for _ in range(steps):
-        opt.zero_grad(set_to_none=True)
-        with pool if pool is not None else torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
-            loss = model(x).square().mean()
-            loss.backward()
-        out += [loss.detach()] + [p.grad for p in model.parameters()]
-        opt.step()
-    return out, model
+    """small_models.train_steps' results, and the model it trained."""
+    made = []
+
+    def built():
+        made.append(build())
+        return made[-1]
+
+    out = train_steps(built, lambda g: (torch.randn(16, 32, generator=g), None), pool, steps)
+    return out, made[-1]
 
 
 def slow_link(pool):
@@ -115,15 +112,21 @@ class ScaledBlock(Block):
         return x + self.fc(torch.tanh(self.k(x) * state.t))
 
 
-class Scaled(Decoder):
-    def __init__(self):
-        super().__init__(block=ScaledBlock)
-        self.state = Scale()
+class Stateful(Decoder):
+    """Its blocks are given one state object of the model's, at every call."""
+
+    def __init__(self, block, state):
+        super().__init__(block=block)
+        self.state = state
 
     def forward(self, x):
         for b in self.blocks:
             x = b(x, self.state)
         return x
+
+
+def Scaled():  # noqa: N802  (a model builder, as the classes beside it)
+    return Stateful(ScaledBlock, Scale())
 
 
 class Slotted:
@@ -138,15 +141,8 @@ class SlottedBlock(Block):
         return x + self.fc(torch.tanh(self.k(x) * state.n))
 
 
-class WithSlots(Decoder):
-    def __init__(self):
-        super().__init__(block=SlottedBlock)
-        self.state = Slotted()
-
-    def forward(self, x):
-        for b in self.blocks:
-            x = b(x, self.state)
-        return x
+def WithSlots():  # noqa: N802
+    return Stateful(SlottedBlock, Slotted())
 
 
 @pytest.mark.parametrize(
