@@ -6,10 +6,11 @@ grows 1..16 over the run. And real training steps on CUDA (the models of `superm
 train_worker.build): `gpt` (GPT-24) and `resnet` (ResNet-152) at their bench batch, `llama-varlen` (HF
 Llama, batch 4, the sequence lengths of `varlen`), `llama-ramp` (HF Llama, the batches of `ramp` at
 sequence 1024). Rows: native, native `expandable_segments:True`, supermem, supermem
-`expandable_segments:true`, each in a fresh process on a GPU. Reported: reserved / allocated at the
-peak, the median step time, and the smallest limit, as a multiple of the allocated peak, under which the
-run completes (LIMIT_FACTORS; each its own process; native caps by set_per_process_memory_fraction,
-supermem by its `limit:` option).
+`expandable_segments:true`, each in a fresh process on a GPU, --repeats processes a row, round robin over
+the rows (a step time moves 10-20% between processes). Reported: reserved / allocated at the peak, the
+median step time of the row's processes and their spread, and the smallest limit, as a multiple of the
+allocated peak, under which the run completes (LIMIT_FACTORS; each its own process; native caps by
+set_per_process_memory_fraction, supermem by its `limit:` option).
 
 On a machine without CUDA the synthetic rows of supermem run on the simulated device: the same mallocs
 and frees on a CachingAllocator (no tensors, no kernels, no step time), in this process. Native rows and
@@ -236,15 +237,16 @@ def run(args: argparse.Namespace) -> dict:
         workloads = [w for w in workloads if w not in MODEL_WORKLOADS]
     rows = []
     for workload in workloads:
-        for name, allocator, option in ROWS:
-            if args.allocator and allocator not in args.allocator:
-                continue
-            if cuda:
-                row = _gpu_row(args, _spec(workload, steps, args.quick), allocator, option)
-            elif allocator == "supermem":
-                row = _sim_row(workload, steps, option is not None)
-            else:
-                continue
+        chosen = [r for r in ROWS if not args.allocator or r[1] in args.allocator]
+        if cuda:
+            got = _gpu_rows(args, _spec(workload, steps, args.quick), chosen)
+        else:
+            got = [
+                (name, _sim_row(workload, steps, option is not None))
+                for name, a, option in chosen
+                if a == "supermem"
+            ]
+        for name, row in got:
             rows.append(dict(row, pattern=workload, config=name + ("" if cuda else " (sim)")))
     print(f"\nfrag: reserved / allocated at the peak, device {args.device} ({steps} steps a run)")
     columns = [
@@ -255,6 +257,7 @@ def run(args: argparse.Namespace) -> dict:
         ("res./alloc", lambda r: r.get("peak_reserved_ratio"), ".3f"),
         ("min limit x", lambda r: r.get("min_limit_x"), ".2f"),
         ("step ms", lambda r: r.get("step_ms"), ".1f"),
+        ("min-max ms", _spread, ""),
         ("reclaims", lambda r: r.get("reclaims"), ""),
         ("note", lambda r: r.get("error"), ""),
     ]
@@ -283,7 +286,9 @@ def targets(rows: list[dict]) -> list[str]:
             ratio = on["peak_reserved_ratio"]
             out.append(f"target frag {w} reserved/allocated <= 1.02: {ratio:.3f}: {verdict(ratio <= 1.02)}")
         x = on["step_ms"] / off["step_ms"]
-        out.append(f"target frag {w} step <= 1.01x supermem: {x:.3f}x: {verdict(x <= 1.01)}")
+        n = f"{on.get('runs', 1)} and {off.get('runs', 1)}"
+        spread = f"medians of {n} processes: {_spread(on)} against {_spread(off)} ms"
+        out.append(f"target frag {w} step <= 1.01x supermem: {x:.3f}x ({spread}): {verdict(x <= 1.01)}")
     on, native = by.get(("llama-varlen", "supermem expandable")), by.get(("llama-varlen", "native"))
     if on and native and "error" not in on and "error" not in native:  # min_limit_x None: not even 1.50
         mine, theirs = on.get("min_limit_x"), native.get("min_limit_x")
@@ -315,25 +320,61 @@ def _sim_row(pattern: str, steps: int, expandable: bool) -> dict:
     return row
 
 
-def _gpu_row(args: argparse.Namespace, spec: dict, allocator: str, option: str | None) -> dict:
-    """One row: the run, then the runs under a cap at LIMIT_FACTORS of its allocated peak until one
-    completes."""
+def _gpu_rows(args: argparse.Namespace, spec: dict, chosen: list) -> list[tuple[str, dict]]:
+    """The rows of one workload: each row's run --repeats times, round robin over the rows, its median
+    (by step time) kept, with the spread; then each row's runs under a cap at LIMIT_FACTORS of its
+    allocated peak until one completes."""
+    specs = {name: _row_spec(args, spec, allocator, option) for name, allocator, option in chosen}
+    runs: dict[str, list[dict]] = {name: [] for name in specs}
+    for i in range(args.repeats):
+        tag = f" ({i + 1}/{args.repeats})" if args.repeats > 1 else ""
+        for name, allocator, option in chosen:
+            label = f"frag {spec['pattern']} {allocator} {option or ''}{tag}"
+            runs[name].append(runner.run(specs[name], args.timeout, label))
+    out = []
+    for name, allocator, _ in chosen:
+        row = _median(runs[name])
+        if "allocated_bytes_peak" in row:
+            row["min_limit_x"] = _min_limit(args, specs[name], allocator, row["allocated_bytes_peak"])
+        out.append((name, row))
+    return out
+
+
+def _row_spec(args: argparse.Namespace, spec: dict, allocator: str, option: str | None) -> dict:
     spec = dict(spec, allocator=allocator)
     if allocator == "supermem":
         spec["conf"] = ",".join(filter(None, [args.conf, option])) or None
     else:
         spec["pytorch_alloc_conf"] = option
-    row = runner.run(spec, args.timeout, f"frag {spec['pattern']} {allocator} {option or ''}")
-    if "allocated_bytes_peak" not in row:
-        return row
+    return spec
+
+
+def _median(runs: list[dict]) -> dict:
+    """The run of median step time among those that completed (its own peaks with it), its spread and
+    count; the first run where none did."""
+    done = sorted((r for r in runs if "step_ms" in r and "error" not in r), key=lambda r: r["step_ms"])
+    if not done:
+        return dict(runs[0])
+    times = [r["step_ms"] for r in done]
+    row = dict(done[(len(done) - 1) // 2])
+    row.update(step_ms=statistics.median(times), step_ms_min=times[0], step_ms_max=times[-1], runs=len(done))
+    return row
+
+
+def _spread(row: dict) -> str:
+    lo, hi = row.get("step_ms_min"), row.get("step_ms_max")
+    return f"{lo:.1f}-{hi:.1f}" if lo is not None and hi is not None else ""
+
+
+def _min_limit(args: argparse.Namespace, spec: dict, allocator: str, peak: int) -> float | None:
+    """The smallest of LIMIT_FACTORS x `peak` under which the row's run completes; None: not even the last."""
     for factor in LIMIT_FACTORS:
-        limit = int(row["allocated_bytes_peak"] * factor)
+        limit = int(peak * factor)
         if allocator == "supermem":
             trial = dict(spec, conf=",".join(filter(None, [spec["conf"], f"limit:{limit}"])))
         else:
             trial = dict(spec, limit_bytes=limit)
         result = runner.run(trial, args.timeout)
         if not result.get("oom") and "error" not in result:
-            row["min_limit_x"] = factor
-            break
-    return row
+            return factor
+    return None

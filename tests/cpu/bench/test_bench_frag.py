@@ -49,12 +49,13 @@ def _record(monkeypatch, fits_at=1.05):
 def _run(*argv):
     args = _args("--device", "cuda", *argv)
     args.device = "cuda"  # what cli.main sets; no GPU is touched: runner.run is replaced
+    args.repeats = args.repeats or 2  # (cli.main's default)
     return frag.run(args)
 
 
 def test_each_row_sends_its_allocator_and_options(monkeypatch):
     specs = _record(monkeypatch)
-    result = _run("--pattern", "llama-varlen", "--conf", "trace:64")
+    result = _run("--pattern", "llama-varlen", "--conf", "trace:64", "--repeats", "1")
     firsts = [s for s in specs if "limit_bytes" not in s and "limit:" not in (s.get("conf") or "")]
     got = [(s["allocator"], s.get("pytorch_alloc_conf"), s.get("conf")) for s in firsts]
     assert got == [
@@ -65,9 +66,10 @@ def test_each_row_sends_its_allocator_and_options(monkeypatch):
     ]
     assert all(s["preset"] == "hf-llama" and s["steps"] == 200 and s["device"] == "cuda" for s in specs)
     # the limit search: native by its memory fraction, supermem by its limit: option, keeping the row's own
-    for s in specs[1:3]:  # native's trials at 1.00, 1.02 OOM, 1.05 completes
+    trials = specs[4:]  # (each row's run first, then each row's trials)
+    for s in trials[:3]:  # native's trials at 1.00, 1.02 OOM, 1.05 completes
         assert s["pytorch_alloc_conf"] is None and "conf" not in s
-    assert [s["limit_bytes"] for s in specs[1:4]] == [int(10 * GIB * f) for f in (1.00, 1.02, 1.05)]
+    assert [s["limit_bytes"] for s in trials[:3]] == [int(10 * GIB * f) for f in (1.00, 1.02, 1.05)]
     expandable = [s for s in specs if s["allocator"] == "supermem" and "expandable" in (s["conf"] or "")]
     assert [s["conf"] for s in expandable[1:]] == [
         f"trace:64,expandable_segments:true,limit:{int(10 * GIB * f)}" for f in (1.00, 1.02, 1.05)
@@ -75,6 +77,39 @@ def test_each_row_sends_its_allocator_and_options(monkeypatch):
     assert all("limit_bytes" not in s for s in specs if s["allocator"] == "supermem")
     assert [r["min_limit_x"] for r in result["rows"]] == [1.05] * 4
     assert [r["config"] for r in result["rows"]] == [name for name, _, _ in frag.ROWS]
+
+
+def test_rows_run_round_robin_and_each_is_its_median_process(monkeypatch, capsys):
+    """--repeats processes a row, interleaved (native, native expandable, supermem, supermem expandable,
+    native, ...): a slow spell of the machine lands on every row. A row is its median process by step
+    time, with the spread; the step target compares medians and prints both spreads."""
+    order, times = [], iter([10.0, 10.0, 10.0, 30.0, 12.0, 11.0, 10.5, 10.4, 11.0, 12.0, 10.2, 10.3])
+
+    def run(spec, timeout_s, label=""):
+        if "limit_bytes" in spec or "limit:" in (spec.get("conf") or ""):
+            return {"allocated_bytes_peak": 10 * GIB, "step_ms": 1.0}
+        order.append((spec["allocator"], spec.get("pytorch_alloc_conf") or spec.get("conf")))
+        peaks = {
+            "allocated_bytes_peak": 10 * GIB,
+            "reserved_bytes_peak": 10 * GIB,
+            "peak_reserved_ratio": 1.0,
+        }
+        return peaks | {"step_ms": next(times)}
+
+    monkeypatch.setattr(frag.runner, "run", run)
+    result = _run("--pattern", "llama-varlen", "--repeats", "3")
+    rows = [(a, o) for _, a, o in frag.ROWS]
+    assert order == rows * 3
+    by = {r["config"]: r for r in result["rows"]}
+    assert [by[n]["step_ms"] for n, _, _ in frag.ROWS] == [11.0, 11.0, 10.2, 10.4]  # (30 ms: one slow run)
+    assert (by["supermem expandable"]["step_ms_min"], by["supermem expandable"]["step_ms_max"]) == (
+        10.3,
+        30.0,
+    )
+    assert all(r["runs"] == 3 for r in result["rows"])
+    out = capsys.readouterr().out
+    spreads = "medians of 3 and 3 processes: 10.3-30.0 against 10.0-10.5 ms"
+    assert f"step <= 1.01x supermem: 1.020x ({spreads}): MISSED" in out
 
 
 def test_allocator_picks_the_rows_of_one_allocator(monkeypatch):
@@ -95,7 +130,7 @@ def test_native_rows_alone_without_cuda_is_a_usage_error():
 
 def test_varlen_lengths_are_seeded_in_range_and_the_same_in_every_row(monkeypatch):
     specs = _record(monkeypatch)
-    _run("--pattern", "llama-varlen", "--pattern", "llama-ramp", "--steps", "50")
+    _run("--pattern", "llama-varlen", "--pattern", "llama-ramp", "--steps", "50", "--repeats", "1")
     varlen = [s["shapes"] for s in specs if s["pattern"] == "llama-varlen"]
     assert len(varlen) == 4 * 4  # four rows, each its run and three limit trials
     assert all(shapes == varlen[0] for shapes in varlen)
@@ -145,7 +180,8 @@ def test_targets_judge_supermem_expandable_against_its_baselines(monkeypatch, ca
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("target ")]
     assert lines == [
         "target frag llama-varlen reserved/allocated <= 1.02: 1.100: MISSED",
-        "target frag llama-varlen step <= 1.01x supermem: 1.000x: met",
+        "target frag llama-varlen step <= 1.01x supermem: 1.000x (medians of 2 and 2 processes: 5.0-5.0 "
+        "against 5.0-5.0 ms): met",
         "target frag llama-varlen completes at 1.05x, native not (min limit x): 1.05 vs native 1.05: MISSED",
     ]
     rows = [
@@ -155,4 +191,4 @@ def test_targets_judge_supermem_expandable_against_its_baselines(monkeypatch, ca
         | {"peak_reserved_ratio": 1.01, "min_limit_x": 1.02},
     ]
     assert [line.rsplit(": ", 1)[1] for line in frag.targets(rows)] == ["met"] * 3
-    assert len(specs) == 4 * 4  # each row: its run, then 1.00 and 1.02 OOM, 1.05 completes
+    assert len(specs) == 4 * (2 + 3)  # each row: its 2 runs, then 1.00 and 1.02 OOM, 1.05 completes
