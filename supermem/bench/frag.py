@@ -313,10 +313,9 @@ def _spec(workload: str, steps: int, quick: bool) -> dict:
 
 def _sim_row(pattern: str, steps: int, expandable: bool) -> dict:
     row = simulated(pattern, steps, expandable)
-    for factor in LIMIT_FACTORS:
-        if not simulated(pattern, steps, expandable, int(row["allocated_bytes_peak"] * factor))["oom"]:
-            row["min_limit_x"] = factor
-            break
+    row["min_limit_x"] = _min_limit(
+        row["allocated_bytes_peak"], lambda limit: not simulated(pattern, steps, expandable, limit)["oom"]
+    )
     return row
 
 
@@ -332,10 +331,10 @@ def _gpu_rows(args: argparse.Namespace, spec: dict, chosen: list) -> list[tuple[
             label = f"frag {spec['pattern']} {allocator} {option or ''}{tag}"
             runs[name].append(runner.run(specs[name], args.timeout, label))
     out = []
-    for name, allocator, _ in chosen:
+    for name in specs:
         row = _median(runs[name])
         if "allocated_bytes_peak" in row:
-            row["min_limit_x"] = _min_limit(args, specs[name], allocator, row["allocated_bytes_peak"])
+            row["min_limit_x"] = _min_limit(row["allocated_bytes_peak"], _completes(args, specs[name]))
         out.append((name, row))
     return out
 
@@ -366,15 +365,22 @@ def _spread(row: dict) -> str:
     return f"{lo:.1f}-{hi:.1f}" if lo is not None and hi is not None else ""
 
 
-def _min_limit(args: argparse.Namespace, spec: dict, allocator: str, peak: int) -> float | None:
-    """The smallest of LIMIT_FACTORS x `peak` under which the row's run completes; None: not even the last."""
-    for factor in LIMIT_FACTORS:
-        limit = int(peak * factor)
-        if allocator == "supermem":
+def _min_limit(peak: int, completes: Callable[[int], bool]) -> float | None:
+    """The smallest of LIMIT_FACTORS x `peak` as a cap under which the run completes, tried in order;
+    None: not even the last."""
+    return next((f for f in LIMIT_FACTORS if completes(int(peak * f))), None)
+
+
+def _completes(args: argparse.Namespace, spec: dict) -> Callable[[int], bool]:
+    """Whether the row's run completes under a cap of `limit` bytes, in a process of its own (native
+    caps by its memory fraction, supermem by its `limit:` option)."""
+
+    def completes(limit: int) -> bool:
+        if spec["allocator"] == "supermem":
             trial = dict(spec, conf=",".join(filter(None, [spec["conf"], f"limit:{limit}"])))
         else:
             trial = dict(spec, limit_bytes=limit)
         result = runner.run(trial, args.timeout)
-        if not result.get("oom") and "error" not in result:
-            return factor
-    return None
+        return not result.get("oom") and "error" not in result
+
+    return completes
