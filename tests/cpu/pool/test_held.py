@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn as nn
 from corpus import build_and_train
-from small_models import train_steps
+from small_models import same, train_steps
 
 from supermem.policies import live_names
 from supermem.tensor_pool import Pool, region
@@ -76,10 +76,6 @@ def slow_link(pool):
     """Copies priced as over a slow link: the policies recompute what they can."""
     pool.treatments["offload"].link_bytes_per_s = 1e3
     return pool
-
-
-def same(a, b):
-    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
 
 
 @pytest.mark.parametrize("policy", live_names())
