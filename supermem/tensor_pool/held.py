@@ -195,9 +195,8 @@ def freeze_call(call: tuple[tuple, dict], copy: bool = True) -> tuple[tuple[tupl
     """The call's (args, kwargs) with each argument that is not a value (nor a tuple, list or dict of
     values) frozen; and None, or why one cannot be: the call is then never replayed. Not `copy`: only
     the why (freeze's)."""
-    args, kwargs = call
-    if not kwargs and all(isinstance(a, torch.Tensor) for a in args):
-        return call, None  # (most calls: no walk)
+    if _tensors_only(call):
+        return call, None
     leaves, spec = tp.tree_flatten(call)
     if all(is_value(x) for x in leaves):
         return call, None
@@ -213,6 +212,12 @@ def freeze_call(call: tuple[tuple, dict], copy: bool = True) -> tuple[tuple[tupl
     return tp.tree_unflatten(out, spec), None
 
 
+def _tensors_only(call: tuple[tuple, dict]) -> bool:
+    """Most calls: tensors by position, nothing to walk."""
+    args, kwargs = call
+    return not kwargs and all(isinstance(a, torch.Tensor) for a in args)
+
+
 def thawed(leaves: list) -> list:
     """A call's flat arguments for a replay: each frozen one thawed afresh."""
     return [x.thaw() if isinstance(x, Frozen) else x for x in leaves]
@@ -225,8 +230,7 @@ def held_state(call: tuple[tuple, dict]) -> str | None:
     """Why a call's (args, kwargs) could not be frozen, or None, from the first verdict on each type of
     state in it: the trace and the profiling step ask at every module call (a 12-layer KV cache took
     ~0.1 ms to walk), and a call captured for replay freezes what it got all the same (freeze_call)."""
-    args, kwargs = call
-    if not kwargs and all(isinstance(a, torch.Tensor) for a in args):
+    if _tensors_only(call):
         return None
     for x in tp.tree_leaves(call):
         if is_value(x):
