@@ -57,7 +57,11 @@ class _Probe:
         weakref.finalize(token, _let_go, weakref.ref(self))
         self.handles = [node.register_hook(self._read(sorted(i), token)) for node, i in by_node.values()]
         me = weakref.ref(self)  # (the node holds its hook: a strong one would hold the node for good)
-        self.handles.append(self.node.register_prehook(lambda grads: _whole(me, grads)))
+        # A tensor the call put into its state and did not read itself (a sliding window cache keeps
+        # a slice of the keys its attention read whole) has no reader to hold the token: its own node
+        # does, so that the walk still finds it, and finds nothing reaching it where nothing reads it.
+        held = token if not by_node else None
+        self.handles.append(self.node.register_prehook(lambda grads, _held=held: _whole(me, grads)))
 
     def _read(self, edges: list[int], _token: _Token) -> Any:
         def hook(grad_inputs: tuple, _grad_outputs: tuple) -> None:
@@ -84,7 +88,9 @@ class _Probe:
         if self.total is not None and self.total > self.inside:
             return True
         d = self.differs
-        return d is None or bool(d)
+        if d is None:  # its node never ran: read by no use the step's backward went through, or unsure
+            return self.total != 0
+        return bool(d)
 
     def release(self) -> None:
         for h in self.handles:

@@ -211,7 +211,7 @@ def test_values_and_tensors_are_not_frozen():
 
 
 @pytest.mark.parametrize("treatments", [None, ["recompute"]])
-@pytest.mark.parametrize("name", ["llama", "gpt2", "t5"])
+@pytest.mark.parametrize("name", ["llama", "mistral", "gpt2", "t5"])
 def test_a_hugging_face_layer_keeps_its_cache_and_is_replayed_bitwise(name, treatments):
     """A decoder's training forward builds a KV cache (use_cache stays on): its layers are replayed
     on their copies of it, none refused, and training is plain PyTorch's bitwise (recompute alone:
@@ -343,6 +343,39 @@ class Chunked(Decoder):
                 h = b(h, cache)
             outs.append(h)
         return torch.cat(outs)
+
+
+class WindowCache(Cache):
+    """A sliding window cache (Mistral's): it keeps the last keys, a slice of what its layer read whole."""
+
+    def update(self, i, k):
+        layer = self.layers[i]
+        full = k if layer.keys is None else torch.cat([layer.keys, k])
+        layer.keys = full[-8:]
+        self.updates += 1
+        return full
+
+
+class Windowed(Decoder):
+    def forward(self, x):
+        cache = WindowCache(len(self.blocks))
+        for b in self.blocks:
+            x = b(x, cache)
+        return x
+
+
+@pytest.mark.parametrize("share", [0.5, 0.4])  # (at 0.3 no plan fits: none runs light)
+def test_state_the_call_keeps_but_nothing_reads_lets_it_run_light_and_train_bitwise(share):
+    """The slice a sliding window keeps is read by no use, in the call or after it: the call runs light
+    (a Mistral layer ran light in no step before), and trains bitwise."""
+    ref, _ = train(steps=6, build=Windowed)
+    full = Pool(budget="1GiB", policy="planned", min_bytes=0)
+    train(full, steps=3, build=Windowed)
+    budget = int(share * full.stats()["plan"]["measured_peak_bytes"])
+    pool = Pool(budget=budget, policy="planned", min_bytes=0, treatments=["recompute"])
+    got, _ = train(pool, steps=6, build=Windowed)
+    assert same(ref, got)
+    assert pool.stats()["light_calls"] > 0 and pool.stats()["light_split_misses"] == 0
 
 
 @pytest.mark.parametrize("build", [Writers, Chunked])
