@@ -1,5 +1,10 @@
 """A weight's autocast copy saved for backward: found (autocast_copy_of) and rebuilt by casting its
-parameter again (Cast, a recipe)."""
+parameter again (Cast, a recipe).
+
+Autocast keeps the copies it makes of fp32 weights (leaves that require grad, cast to its own dtype,
+with its cache on: autocast_mode.cpp, `cached_cast`) until its outermost region exits, which is before
+backward in the usual step: a Linear called twice saves one storage twice, and dropping such a copy in
+the forward frees nothing before then (Cast.cached: docs/design.md, "Autocast's weight copies")."""
 
 from __future__ import annotations
 
@@ -16,7 +21,7 @@ if TYPE_CHECKING:
 class Cast:
     """Recipe for an autocast copy of a parameter (about 8% of GPT-24's saved bytes): cast it again."""
 
-    __slots__ = ("param", "dtype", "shape", "stride", "offset", "param_version")
+    __slots__ = ("param", "dtype", "shape", "stride", "offset", "param_version", "cached")
     ready = True
 
     def __init__(self, param: torch.Tensor, t: torch.Tensor):
@@ -24,6 +29,7 @@ class Cast:
         self.dtype = t.dtype
         self.shape, self.stride, self.offset = t.shape, t.stride(), t.storage_offset()
         self.param_version = param._version
+        self.cached = autocast_caches(param, t)  # its bytes stay on the device until autocast exits
 
     @property
     def group(self) -> Cast:
@@ -59,3 +65,20 @@ def autocast_copy_of(t: torch.Tensor) -> torch.Tensor | None:
     if param.shape != base.shape or not param.is_contiguous() or param.device != base.device:
         return None
     return param
+
+
+def autocast_caches(param: torch.Tensor, t: torch.Tensor) -> bool:
+    """Whether autocast's cache holds the copy `t` of `param` (its conditions in cached_cast): the copy
+    is made under autocast with its cache on, to autocast's dtype, of an fp32 leaf that requires grad.
+    An explicit `param.to(dtype)` under autocast reads as cached too: the plan then waits for backward
+    to count its bytes freed, which is safe."""
+    dev = t.device.type
+    return (
+        torch.is_autocast_enabled(dev)
+        and torch.is_autocast_cache_enabled()
+        and t.dtype == torch.get_autocast_dtype(dev)
+        and param.dtype == torch.float32
+        and param.requires_grad
+        and param.is_leaf
+        and param._base is None
+    )

@@ -1685,3 +1685,40 @@ def test_a_live_pool_says_once_that_no_plan_meets_its_budget_and_nothing_at_one_
         assert len(ours) == said, [str(w.message) for w in caught]
         if said:
             assert "budget of 1.00 KiB" in str(ours[0].message) and not pool.stats()["plan"]["feasible"]
+
+
+def test_an_autocast_weight_copy_left_in_the_forward_is_away_from_backward_on():
+    """On a GPU the curve is the allocator's bytes plus those away. Autocast's cache holds the weight
+    copies it makes until it exits, before backward: one dropped in the forward freed nothing there, so
+    it counts as away only from backward's first event, and its unit may leave only from there."""
+    from supermem.tensor_pool.profile import Recorder
+
+    class Cast:  # a weight copy autocast's cache holds (Cast.cached)
+        cached = True
+
+    rec = Recorder(cuda=True, timed=False)
+    rec.packed(1, MiB, 5 * MiB)  # the copy
+    rec.recomputable(Cast(), 1e-5, [1], offloadable=False)
+    rec.left(1, MiB)  # dropped: the allocator still holds its bytes
+    rec.packed(2, MiB, 6 * MiB)
+    rec.used(2, 5 * MiB)  # backward: autocast exited, the copy's bytes are free
+    rec.used(1, 4 * MiB)
+    p = rec.profile(0, 1e9, sync_copies=False)
+    assert p.base_bytes == [5 * MiB, 6 * MiB, 6 * MiB, 5 * MiB]
+    assert p.unit_ready[p.saved[0].unit] == p.backward_event == 2
+
+
+def test_a_weight_copy_is_cached_as_autocast_caches_it():
+    """Cast.cached: a Linear's weight copy under autocast with its cache on; not with the cache off, not
+    a copy of a weight that requires no grad (autocast_mode.cpp, cached_cast)."""
+    from supermem.tensor_pool.cast import Cast, autocast_caches
+
+    w = nn.Parameter(torch.randn(4, 4))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert Cast(w, w.to(torch.bfloat16)).cached
+        assert not autocast_caches(w, w.to(torch.float16))  # not autocast's dtype
+        frozen = w.detach().requires_grad_(False)
+        assert not autocast_caches(frozen, frozen.to(torch.bfloat16))
+    with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
+        assert not autocast_caches(w, w.to(torch.bfloat16))
+    assert not autocast_caches(w, w.to(torch.bfloat16))  # no autocast
