@@ -12,7 +12,10 @@ before=$1
 shift
 export OUT=${OUT:-$(mktemp -d)}
 t0=$SECONDS
-python -m pip install -q --no-build-isolation --no-deps -e . >"$OUT/build.log" 2>&1 || { tail -20 "$OUT/build.log"; exit 1; }
+if [ "${BUILT:-0}" != 1 ]; then  # BUILT=1: the caller built it already (as tools/ci/gpu_groups.sh)
+  python -m pip install -q --no-build-isolation --no-deps -e . >"$OUT/build.log" 2>&1 ||
+    { tail -20 "$OUT/build.log"; exit 1; }
+fi
 cp supermem/_C*.so "$before/supermem/"
 echo "built in $((SECONDS - t0)) s on $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
 (cd "$before" && PYTHONPATH=$PWD python -c "import supermem; print('before:', supermem.__file__)")
