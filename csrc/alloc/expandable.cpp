@@ -7,7 +7,7 @@
 // that lacks the fewest pages, and maps them; so the free space at a segment's end, which a plain
 // segment strands, is part of the next larger request. Free pages are unmapped when cached memory is
 // released (the OOM protocol's stage 2, empty_cache, a lower limit), and when new pages would take
-// the memory that may count over the allocated peak by more than 1/64 or 32 MiB (reclaim_holes): then
+// the memory that may count over the allocated peak by more than 1/128 or 32 MiB (reclaim_holes): then
 // free pages in holes between live blocks move to where the request lacks them instead. Not at every
 // free: unmapping waits for the device, and mapping costs driver calls.
 //
@@ -25,7 +25,7 @@ namespace {
 
 size_t round_up(size_t n, size_t multiple) { return (n + multiple - 1) / multiple * multiple; }
 
-// Growth within this much over the allocated peak (or 1/64 of it, if more) moves no pages: a small
+// Growth within this much over the allocated peak (or 1/128 of it, if more) moves no pages: a small
 // workload's few pages are not worth a device synchronisation.
 constexpr int64_t kReclaimFloor = 32 << 20;
 
@@ -106,7 +106,7 @@ Block* CachingAllocator::find_run(Pool& pool, bool small, Stream stream, size_t 
 // Before map_bytes more pages are mapped for a request of `size` bytes whose run starts at `run` (or
 // nullptr: a fresh range): unmaps whole free pages of holes, the smallest free blocks first (large ones
 // are the cache's most useful), so that live bytes, the holes' pages left, the run's free blocks and
-// the new pages stay within 1/64 (or kReclaimFloor) over the highest allocated bytes since the
+// the new pages stay within 1/128 (or kReclaimFloor) over the highest allocated bytes since the
 // allocator began (this request counted). What no reclaim can move (pending blocks, pages shared with
 // live blocks, private pools) counts on neither side, so it never makes the allocator squeeze the holes
 // at every miss. Only the default pool's holes move (a captured graph's kernels still address its
@@ -138,7 +138,7 @@ bool CachingAllocator::reclaim_holes(size_t map_bytes, size_t size, const Block*
   int64_t now = allocated.s[kAll].current;
   int64_t peak = std::max({allocated_high_, allocated.s[kAll].peak, now + static_cast<int64_t>(size)});
   int64_t after = now + movable + run_free + static_cast<int64_t>(map_bytes);  // what may count, grown
-  int64_t excess = after - (peak + std::max<int64_t>(peak / 64, kReclaimFloor));
+  int64_t excess = after - (peak + std::max<int64_t>(peak / 128, kReclaimFloor));
   if (excess <= 0 || movable < excess) return false;
   std::sort(holes.begin(), holes.end(), [](auto& x, auto& y) { return x.first < y.first; });
   int64_t freed = 0;

@@ -99,7 +99,7 @@ def test_out_of_memory_moves_free_pages_to_where_the_request_fits():
 
 def test_growing_past_the_allocated_peak_moves_pages_out_of_holes_first():
     """A request no cached block fits, whose new pages would take reserved memory over the allocated
-    peak (by more than 1/64 or 32 MiB): the pages of holes between live blocks (smallest first) are
+    peak (by more than 1/128 or 32 MiB): the pages of holes between live blocks (smallest first) are
     unmapped and mapped where the request goes, so reserved stays at the peak. Without that the same
     calls reserve 832 MiB."""
     a = make()
