@@ -452,6 +452,10 @@ class Pool:
             return None
         return time.perf_counter() - step.started_s, self.clock.last_forward_s, step.offloaded
 
+    def room_for(self, nbytes: int, spare: list[Entry]) -> None:
+        """A rebuild is about to bring `nbytes` back at once: room first (Budget.room_for)."""
+        self.budget.room_for(nbytes, spare)
+
     def payload_resized(self, e: Entry, delta: int) -> None:
         """The payload `e`'s treatment keeps on the device while `e` is away grew by `delta` bytes."""
         self.ledger.device_bytes += delta

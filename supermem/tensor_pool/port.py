@@ -70,6 +70,10 @@ class PoolInternals(PoolPort, Protocol):
     device_total_bytes: int | None  # the card's memory; None on CPU
     light_graphs: Any  # LightGraphs (light_graphs.py), made at the first light call on CUDA
 
+    def room_for(self, nbytes: int, spare: list[Any]) -> None:
+        """A rebuild is about to bring `nbytes` back at once: entries backward has not used yet, but
+        those in `spare`, leave first where nothing else would make room for them."""
+
     def active_here(self) -> bool:
         """Whether the pool's hooks serve this thread now."""
 

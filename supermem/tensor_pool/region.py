@@ -203,6 +203,9 @@ class Region:
         if not want:
             return
         args, kwargs = self.replay_args(pool)
+        inputs = [x.packed for x in self.args[0] if isinstance(x, _Input)]
+        nbytes = sum(x.nbytes - x.left_by.device_bytes(x) for x in want.values())
+        pool.room_for(nbytes, inputs)
         arrived = pool.arrived
         k = -1  # the slot of the tensor being saved
 

@@ -30,6 +30,7 @@ class Step:
         "early_plan",
         "started_s",
         "backward_s",
+        "backward_tick",
         "events",
         "ordinals",
         "saved_bytes",
@@ -41,6 +42,7 @@ class Step:
         self.index = index
         self.started_s = time.perf_counter()
         self.backward_s: float | None = None  # when its first entry was unpacked (host clock)
+        self.backward_tick: int | None = None  # the ledger's tick then: an entry touched after was used
         self.events: list | None = None  # on a GPU: the forward's start and end, on the compute stream
         if cuda:
             self.events = [torch.cuda.Event(enable_timing=True)]
@@ -136,6 +138,7 @@ class StepClock:
         whole: the calls verified in it count their inputs' uses outside them, outside_uses.py)."""
         if s is not None and s.backward_s is None:
             s.unpacked()
+            s.backward_tick = self._pool.ledger.tick
             if s is self.step:
                 self._pool.regions.outside_uses.backward_began()
 
