@@ -135,14 +135,14 @@ def install_from_env() -> None:
     os.environ.setdefault("SUPERMEM", "1")  # child processes (spawn workers, torchrun) inherit it
     install()
     if config.current().pool != "off":
-        _pool_every_backward()
+        pool_every_backward()
     if config.current().stream != "off":
         from .streaming import activate_from_config as stream_from_config
 
         stream_from_config(config.current())
 
 
-def _pool_every_backward() -> None:
+def pool_every_backward() -> None:
     """SUPERMEM_CONF=pool:...: the pool serves every backward of this thread. tensor_pool is imported
     at the first saved tensor, not now: this runs inside `import torch`, which tensor_pool itself may
     have started, and the Pool must not touch CUDA before the program does."""

@@ -47,7 +47,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
             help="processes per compared config (default 2; train --sweep: 3 for every row, interleaved)",
         )
         b.add_argument(
-            "--conf", type=conf, default=None, help="SUPERMEM_CONF-style options for the supermem rows"
+            "--conf",
+            type=conf,
+            default=None,
+            help="SUPERMEM_CONF-style options for the supermem rows (pool:...: a pool for every backward)",
         )
         b.add_argument(
             "--timeout", type=positive_float, default=300, help="seconds per process (default 300)"

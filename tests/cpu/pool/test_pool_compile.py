@@ -228,7 +228,7 @@ def test_inductor(policy):
 ENV_SCRIPT = """
 import json, sys, torch
 from supermem import activate, tensor_pool
-activate._pool_every_backward()  # what SUPERMEM_CONF=pool:... sets up, without the CUDA allocator
+activate.pool_every_backward()  # what SUPERMEM_CONF=pool:... sets up, without the CUDA allocator
 torch.manual_seed(0)
 model = torch.compile(torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU()), backend="aot_eager")
 for _ in range(3):
