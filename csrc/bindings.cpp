@@ -380,7 +380,8 @@ PYBIND11_MODULE(_C, m) {
       .def("_vm_map", [](SimDevice& d, uint64_t addr, size_t n) { return d.vm_map(as_ptr(addr), n); })
       .def("_vm_unmap", [](SimDevice& d, uint64_t addr, size_t n) { d.vm_unmap(as_ptr(addr), n, true); })
       .def_property_readonly("used_bytes", &SimDevice::used_bytes)
-      .def_property_readonly("live_events", &SimDevice::live_events);
+      .def_property_readonly("live_events", &SimDevice::live_events)
+      .def_property_readonly("waits", &SimDevice::waits);
 
 #ifdef SUPERMEM_WITH_CUDA
   py::class_<CudaDevice, Device, std::shared_ptr<CudaDevice>>(m, "CudaDevice")

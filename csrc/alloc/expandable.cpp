@@ -9,10 +9,11 @@
 // released (the OOM protocol's stage 2, empty_cache, a lower limit), and when new pages would take
 // the memory that may count over the allocated peak by more than 1/128 or 32 MiB (reclaim_holes): then
 // free pages in holes between live blocks move to where the request lacks them instead. Not at every
-// free: unmapping waits for the device, and mapping costs driver calls.
+// free: unmapping waits for the stream that last used the pages, and mapping costs driver calls.
 //
 // Stream-ordered reuse is unchanged: a segment belongs to one stream, a block is free only once the
-// events of the other streams that used it completed, and unmapping waits for the device.
+// events of the other streams that used it completed, and unmapping waits for the segment's stream
+// (moving holes) or for the device (releasing cached memory).
 #include <algorithm>
 #include <stdexcept>
 #include <unordered_set>
@@ -110,8 +111,8 @@ Block* CachingAllocator::find_run(Pool& pool, bool small, Stream stream, size_t 
 // allocator began (this request counted). What no reclaim can move (pending blocks, pages shared with
 // live blocks, private pools) counts on neither side, so it never makes the allocator squeeze the holes
 // at every miss. Only the default pool's holes move (a captured graph's kernels still address its
-// pool's free blocks), never during a capture (the unmap's device synchronisation is illegal then),
-// and only when they cover the excess. One synchronisation for all. True if it unmapped anything.
+// pool's free blocks), never during a capture (the wait before the unmap is illegal then), and only
+// when they cover the excess. One wait per stream whose holes move. True if it unmapped anything.
 bool CachingAllocator::reclaim_holes(size_t map_bytes, size_t size, const Block* run) {
   if (!captures_.empty()) return false;
   std::unordered_set<const Block*> in_run;  // the request's run: its free blocks are about to be used
@@ -142,9 +143,21 @@ bool CachingAllocator::reclaim_holes(size_t map_bytes, size_t size, const Block*
   if (excess <= 0 || movable < excess) return false;
   std::sort(holes.begin(), holes.end(), [](auto& x, auto& y) { return x.first < y.first; });
   int64_t freed = 0;
+  std::vector<Stream> waited;  // (the lock: no block is freed after its stream's one wait)
   for (auto& [bytes, b] : holes) {  // (unmapping one relinks only its own neighbours, never another hole)
     if (freed >= excess) break;
-    unmap_free_pages(b, /*wait=*/freed == 0);  // (the lock: no block is freed after that one wait)
+    // A free block's pages were last used by work queued on its segment's stream (a use on another
+    // stream keeps the block pending, not free, until that stream's event completes): the unmap waits
+    // for that stream only, as PyTorch's ExpandableSegment does, and the pool's copies on their own
+    // streams run on.
+    Stream st = b->segment->stream;
+    if (std::find(waited.begin(), waited.end(), st) == waited.end()) {
+      Event e = device_->event_record(st);
+      device_->event_wait(e);
+      device_->event_release(e);
+      waited.push_back(st);
+    }
+    unmap_free_pages(b, /*wait=*/false);
     freed += static_cast<int64_t>(bytes);
     ++stats_.num_reclaims;
   }

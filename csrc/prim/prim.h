@@ -9,6 +9,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <utility>
 
 #include "../core/types.h"
 
@@ -98,6 +99,7 @@ class SimDevice : public Device {
   void hold_events(bool hold);             // see above
   size_t used_bytes();
   size_t live_events();
+  std::pair<size_t, size_t> waits();  // (vm_unmap calls that waited for the device, event_wait calls)
 
  private:
   struct State;

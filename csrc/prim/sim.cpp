@@ -33,6 +33,8 @@ struct SimDevice::State {
   bool hold = false;
   std::vector<SimEvent*> held;        // events recorded while holding
   std::unordered_set<SimEvent*> live; // events not yet released
+  size_t device_waits = 0;             // vm_unmap calls that waited for the whole device
+  size_t event_waits = 0;              // event_wait calls
 };
 
 SimDevice::SimDevice(size_t capacity, size_t page_bytes)
@@ -84,6 +86,7 @@ void SimDevice::event_wait(Event e) {
   // A held event completes when waited on: the simulated "GPU" finishes the work the host waits for.
   std::lock_guard<std::mutex> g(st_->mu);
   static_cast<SimEvent*>(e)->done = true;
+  ++st_->event_waits;
 }
 
 void SimDevice::event_release(Event e) {
@@ -157,8 +160,9 @@ bool SimDevice::vm_map(void* addr, size_t nbytes) {
   return true;
 }
 
-void SimDevice::vm_unmap(void* addr, size_t nbytes, bool /*wait: nothing runs on it*/) {
+void SimDevice::vm_unmap(void* addr, size_t nbytes, bool wait) {
   std::lock_guard<std::mutex> g(st_->mu);
+  if (wait) ++st_->device_waits;  // (nothing runs on it: counted for the tests)
   auto [r, first] = find_range(st_->ranges, addr, nbytes, page_bytes_, "vm_unmap");
   size_t n = nbytes / page_bytes_;
   for (size_t i = first; i < first + n; ++i)
@@ -208,6 +212,11 @@ size_t SimDevice::used_bytes() {
 size_t SimDevice::live_events() {
   std::lock_guard<std::mutex> g(st_->mu);
   return st_->live.size();
+}
+
+std::pair<size_t, size_t> SimDevice::waits() {
+  std::lock_guard<std::mutex> g(st_->mu);
+  return {st_->device_waits, st_->event_waits};
 }
 
 }  // namespace supermem

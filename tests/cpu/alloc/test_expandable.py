@@ -116,6 +116,22 @@ def test_growing_past_the_allocated_peak_moves_pages_out_of_holes_first():
         a.free(p)
 
 
+def test_moving_holes_waits_for_their_segments_stream_not_the_device():
+    """A free block's last uses were queued on its segment's stream (another stream's keep it pending):
+    moving its pages waits for that stream once, so copies on other streams (the pool's) run on.
+    Releasing cached memory still waits for the device."""
+    a = make()
+    blocks = [a.malloc(64 * MiB) for _ in range(10)]
+    for p in blocks[0:8:2]:
+        a.free(p)
+    big = a.malloc(192 * MiB)  # three holes move
+    assert a.stats()["num_reclaims"] == 3
+    assert a.device.waits == (0, 1) and a.device.live_events == 0  # one stream wait, its event given back
+    a.free(big)
+    a.empty_cache()
+    assert a.device.waits[0] == 1
+
+
 def test_holes_below_the_allocators_all_time_peak_stay_cached_after_a_peak_reset():
     """torch.cuda.reset_peak_memory_stats between steps changes no allocation: growth within the
     highest allocated bytes ever leaves the holes mapped (they serve the next step)."""
