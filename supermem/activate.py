@@ -82,14 +82,33 @@ def install(conf: str | dict | None = None) -> bool:
     """Swaps supermem's caching allocator into PyTorch. Call before CUDA is initialised.
 
     conf: options as a SUPERMEM_CONF string ("limit:12GiB,trace:100000") or a dict; they update the
-    process's options (supermem.config.current()), all or none. Returns True when supermem serves
-    CUDA memory, False when there is nothing to swap (`allocator:native`, or a PyTorch build without
-    CUDA). Raises ActivationError when CUDA is already initialised, ConfigError for bad options.
+    process's options (supermem.config.current()), all or none. As under SUPERMEM_CONF, `pool` gives
+    every backward of the process a pool and `stream` streams the weights (once a process). Returns
+    True when supermem serves CUDA memory, False when there is nothing to swap (`allocator:native`, or
+    a PyTorch build without CUDA). Raises ActivationError when CUDA is already initialised,
+    ConfigError for bad options.
     """
-    global _said_no_cuda
     cfg = config.current()
     if conf:
         cfg.set(**(config.parse_conf(conf) if isinstance(conf, str) else conf))
+    swapped = _swap(cfg)
+    if cfg.pool != "off" and "pool" not in _serving:
+        _serving.add("pool")
+        pool_every_backward()
+    if cfg.stream != "off" and "stream" not in _serving:
+        _serving.add("stream")
+        from .streaming import activate_from_config as stream_from_config
+
+        stream_from_config(cfg)
+    return swapped
+
+
+_serving: set[str] = set()  # what install() turned on for the whole process: "pool", "stream"
+
+
+def _swap(cfg: config.Config) -> bool:
+    """install()'s allocator half."""
+    global _said_no_cuda
     import torch  # under SUPERMEM=1 this may run the autoload hook, which installs: look after it
 
     if registry.installed():
@@ -134,12 +153,6 @@ def install_from_env() -> None:
     the tensor pool for every backward when `pool` is set."""
     os.environ.setdefault("SUPERMEM", "1")  # child processes (spawn workers, torchrun) inherit it
     install()
-    if config.current().pool != "off":
-        pool_every_backward()
-    if config.current().stream != "off":
-        from .streaming import activate_from_config as stream_from_config
-
-        stream_from_config(config.current())
 
 
 def pool_every_backward() -> None:

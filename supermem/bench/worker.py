@@ -63,16 +63,6 @@ def measure(spec: dict) -> dict:
     return row
 
 
-def install(conf: str | None) -> None:
-    """supermem's allocator with the row's options; `pool:` among them gives the run a pool for every
-    backward, as SUPERMEM_CONF does (`supermem bench frag --conf pool:cost_aware,budget:8GiB`)."""
-    from .. import activate, config
-
-    activate.install(conf)
-    if config.current().pool != "off":
-        activate.pool_every_backward()
-
-
 def main(argv: list[str]) -> int:
     spec = json.loads(argv[0])
     if spec.get(
@@ -82,7 +72,9 @@ def main(argv: list[str]) -> int:
 
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = spec["pytorch_alloc_conf"]
     if spec["allocator"] == "supermem":
-        install(spec.get("conf") or None)
+        import supermem
+
+        supermem.install(spec.get("conf") or None)
     try:
         row = measure(spec)
     except Exception:  # noqa: BLE001  (the parent prints the reason in its table)

@@ -23,29 +23,6 @@ def _bench(tmp_path, *args, timeout=300):
     return r.stdout, json.loads(out.read_text())
 
 
-WORKER_WITH_A_POOL = """
-import json, torch
-from supermem import tensor_pool
-from supermem.bench import worker
-worker.install("pool:lru,budget:1KiB")  # a row's --conf
-model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU())
-model(torch.randn(32, 64)).square().mean().backward()
-print(json.dumps(tensor_pool.global_pool().stats()))
-"""
-
-
-def test_a_rows_pool_options_give_its_process_a_pool_for_every_backward():
-    """`supermem bench frag --conf pool:...`: the rows' processes train under the pool, as under
-    SUPERMEM_CONF, not under the allocator alone."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SUPERMEM")}
-    r = subprocess.run(
-        [sys.executable, "-c", WORKER_WITH_A_POOL], capture_output=True, text=True, timeout=120, env=env
-    )
-    assert r.returncode == 0, r.stderr
-    s = json.loads(r.stdout.splitlines()[-1])
-    assert s["packed"] > 0 and s["budget_bytes"] == 1024, s
-
-
 TOOLS = os.path.join(os.path.dirname(__file__), "..", "..", "..", "tools", "diag")
 
 

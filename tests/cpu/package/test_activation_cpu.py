@@ -1,6 +1,7 @@
 """Activation paths that need no GPU: the torch.backends hook and `supermem run` on a CPU build."""
 
 import ast
+import json
 import os
 import pkgutil
 import subprocess
@@ -75,6 +76,25 @@ def test_the_switch_on_a_torch_without_cuda_is_silent_unless_supermem_log_asks()
     r = run(code, env={"SUPERMEM": "1", "SUPERMEM_LOG": "loud"})
     assert r.returncode == 0 and "SUPERMEM_LOG='loud' is not one of debug, info" in r.stderr, r.stderr
     assert "has no CUDA" not in r.stderr
+
+
+INSTALL_WITH_A_POOL = """
+import json, torch, supermem
+from supermem import tensor_pool
+supermem.install("pool:lru,budget:1KiB")
+model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU())
+model(torch.randn(32, 64)).square().mean().backward()
+print(json.dumps(tensor_pool.global_pool().stats()))
+"""
+
+
+def test_install_with_pool_options_gives_every_backward_a_pool_as_supermem_conf_does():
+    """`supermem.install("pool:...")` (the README's way to set options in code, and `bench --conf`'s):
+    the process's backwards run under a pool, as under SUPERMEM_CONF."""
+    r = run([sys.executable, "-c", INSTALL_WITH_A_POOL])
+    assert r.returncode == 0, r.stderr
+    s = json.loads(r.stdout.splitlines()[-1])
+    assert s["packed"] > 0 and s["budget_bytes"] == 1024, s
 
 
 def test_python_dash_m_supermem_with_a_bad_conf_fails_the_same_way():
