@@ -120,9 +120,9 @@ OPTIONS: tuple[Option, ...] = (
         "Grow each stream's segment in a reserved virtual address range, mapping 2 MiB pages on demand, "
         "moving the pages of free holes to where a tensor needs them instead of growing past the allocated "
         "peak, and unmapping free ones when memory runs short (PyTorch's key): far less memory reserved but "
-        "unallocated when tensor sizes change from step to step (1.015x the allocated peak on a "
-        "variable-length Llama run, against 1.077x for PyTorch's own). Off by default: it costs steps "
-        "time (docs/allocator.md).",
+        "unallocated when tensor sizes change from step to step (1.019x the allocated peak on a "
+        "variable-length Llama run, against 1.077x for PyTorch's own). Off by default: under a pool, "
+        "which holds memory at its budget, moving pages costs steps time (docs/allocator.md).",
     ),
     Option(
         "trace",
