@@ -17,10 +17,10 @@ The link rate comes from the copy engine.
 
 A recompute choice is a unit, whatever rebuilds it (a module call replayed, an autocast weight copy
 cast again, an op replayed from its kept inputs): its members (the saved tensors one rebuild brings
-back: `Saved.unit`), the event from which they may leave (`unit_ready`; on a GPU, backward's first
-for a weight copy autocast's cache holds till then: Cast.cached), the measured seconds of one rebuild
-(`unit_cost_s`) and the saved tensors the rebuild reads (`unit_inputs`: they must be on the device
-when it runs, so an offloaded input is prefetched for it and a recomputed one is rebuilt first).
+back: `Saved.unit`), the event from which they may leave (`unit_ready`; on a GPU, for a weight copy
+autocast's cache holds, the first after autocast exited: Cast.cached), the measured seconds of one
+rebuild (`unit_cost_s`) and the saved tensors the rebuild reads (`unit_inputs`: they must be on the
+device when it runs, so an offloaded input is prefetched for it and a recomputed one is rebuilt first).
 A recipe becomes a unit through `Recorder.recomputable(recipe, cost, members, offloadable, inputs)`;
 the planner needs nothing else to weigh it against the others.
 """
@@ -281,11 +281,12 @@ class Recorder:
         # span): Saved.counted
         self.storages: dict[int, tuple[Any, int, int, int]] = {}
         self.away = 0  # bytes of this step's entries off the device now
-        # Autocast's cached weight copies (Cast.cached) on a GPU: their ordinals, and the bytes of those
-        # that left in the forward, which the allocator still counts (autocast's cache holds them): away
-        # only from backward's first event on
+        # Autocast's cached weight copies (Cast.cached) on a GPU: their ordinals; the bytes of those that
+        # left while autocast's cache held them (the allocator still counts them: away only once it let
+        # go); the first event after autocast exited, from which they free what they hold (None: not yet)
         self.cached: set[int] = set()
         self.cached_away = 0
+        self.cache_gone: int | None = None
         # id(recipe) -> (its cost in seconds, or a call that measures it; ordinals; ready event; input
         # ordinals; kind; a region's start and end). Not the recipe itself: a region holds its inputs'
         # entries, which must die with the step.
@@ -326,6 +327,10 @@ class Recorder:
             self.seg_used = self.watermark()[0]
 
     def _event(self, used: int) -> int:
+        if self.cached and self.cache_gone is None and not torch.is_autocast_enabled("cuda"):
+            self.away += self.cached_away  # autocast exited (often before the loss): its cache let go
+            self.cached_away = 0
+            self.cache_gone = len(self.bytes)
         self.bytes.append(used + self.away)
         self.segs.append(self.clock.take())
         self.rises.append(self.peak_rise)
@@ -371,7 +376,7 @@ class Recorder:
         s = self.saved.get(ordinal)
         if s is not None and s.counted != s.nbytes:
             nbytes = (1 if nbytes > 0 else -1) * (abs(nbytes) * s.counted // max(1, s.nbytes))
-        if self.backward_event is None and ordinal in self.cached:
+        if self.cache_gone is None and ordinal in self.cached:
             self.cached_away += nbytes
         else:
             self.away += nbytes
@@ -385,9 +390,6 @@ class Recorder:
         s = self.saved.get(ordinal)
         if s is None or s.use >= 0:
             return None
-        if self.backward_event is None:  # autocast exited: its cache let go of the copies that left
-            self.away += self.cached_away
-            self.cached_away = 0
         i = self._event(used)
         s.use = i
         if self.backward_event is None:
@@ -492,7 +494,7 @@ class Recorder:
             else:
                 cost = max(cost, host)
             if all(o in self.cached for o in ordinals):  # freed by autocast's exit, not by their drop
-                ready = max(ready, p.backward_event)
+                ready = max(ready, self.cache_gone if self.cache_gone is not None else n)
             p.unit_ready[k] = ready
             p.unit_cost_s[k] = cost
             p.unit_inputs[k] = tuple(dict.fromkeys(inputs))

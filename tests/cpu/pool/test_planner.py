@@ -1687,25 +1687,32 @@ def test_a_live_pool_says_once_that_no_plan_meets_its_budget_and_nothing_at_one_
             assert "budget of 1.00 KiB" in str(ours[0].message) and not pool.stats()["plan"]["feasible"]
 
 
-def test_an_autocast_weight_copy_left_in_the_forward_is_away_from_backward_on():
+def test_an_autocast_weight_copy_left_in_the_forward_is_away_once_autocast_exits():
     """On a GPU the curve is the allocator's bytes plus those away. Autocast's cache holds the weight
-    copies it makes until it exits, before backward: one dropped in the forward freed nothing there, so
-    it counts as away only from backward's first event, and its unit may leave only from there."""
+    copies it makes until it exits (here before the loss, as most steps do): one dropped under autocast
+    freed nothing there, so it counts as away only from the first event after the exit, and its unit
+    may leave only from there."""
     from supermem.tensor_pool.profile import Recorder
 
     class Cast:  # a weight copy autocast's cache holds (Cast.cached)
         cached = True
 
     rec = Recorder(cuda=True, timed=False)
-    rec.packed(1, MiB, 5 * MiB)  # the copy
-    rec.recomputable(Cast(), 1e-5, [1], offloadable=False)
-    rec.left(1, MiB)  # dropped: the allocator still holds its bytes
-    rec.packed(2, MiB, 6 * MiB)
-    rec.used(2, 5 * MiB)  # backward: autocast exited, the copy's bytes are free
+    torch.set_autocast_enabled("cuda", True)  # (what `with torch.autocast("cuda")` sets, on a CPU build too)
+    try:
+        rec.packed(1, MiB, 5 * MiB)  # the copy
+        rec.recomputable(Cast(), 1e-5, [1], offloadable=False)
+        rec.left(1, MiB)  # dropped: the allocator still holds its bytes
+        rec.packed(2, MiB, 6 * MiB)
+    finally:
+        torch.set_autocast_enabled("cuda", False)
+    rec.packed(3, MiB, 6 * MiB)  # the loss, after autocast let go of the copy
+    rec.used(3, 6 * MiB)
+    rec.used(2, 5 * MiB)
     rec.used(1, 4 * MiB)
     p = rec.profile(0, 1e9, sync_copies=False)
-    assert p.base_bytes == [5 * MiB, 6 * MiB, 6 * MiB, 5 * MiB]
-    assert p.unit_ready[p.saved[0].unit] == p.backward_event == 2
+    assert p.base_bytes == [5 * MiB, 6 * MiB, 7 * MiB, 7 * MiB, 6 * MiB, 5 * MiB]
+    assert p.unit_ready[p.saved[0].unit] == 2 and p.backward_event == 3
 
 
 def test_a_weight_copy_is_cached_as_autocast_caches_it():
