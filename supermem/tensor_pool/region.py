@@ -28,6 +28,7 @@ times it): a module whose replay differs is refused for good, named in one warni
 
 from __future__ import annotations
 
+import threading
 import time
 import weakref
 from typing import TYPE_CHECKING, Any
@@ -42,6 +43,7 @@ from .held import thawed
 
 # the saved-tensor hooks on top of this thread's stack (Plan.bypass takes the pool's off around a call)
 _top_hooks = tp.top_saved_hooks
+_rebuilding = threading.local()  # .depth: this thread's rebuilds bringing back their arguments now
 
 if TYPE_CHECKING:
     from .port import PoolInternals
@@ -202,10 +204,19 @@ class Region:
         }
         if not want:
             return
-        args, kwargs = self.replay_args(pool)
-        inputs = [x.packed for x in self.args[0] if isinstance(x, _Input)]
-        nbytes = sum(x.nbytes - x.left_by.device_bytes(x) for x in want.values())
-        pool.room_for(nbytes, inputs)
+        depth = getattr(_rebuilding, "depth", 0)
+        _rebuilding.depth = depth + 1
+        try:
+            args, kwargs = self.replay_args(pool)  # (an input dropped too is rebuilt here: nested)
+        finally:
+            _rebuilding.depth = depth
+        # Room for what comes back, but for its inputs and the entries the call made (the replay makes
+        # them anyway); not in a rebuild nested in another's arguments (it would move those of the
+        # outer one it brought back already)
+        if depth == 0:
+            spare = [x.packed for x in self.args[0] if isinstance(x, _Input)]
+            spare += [x for _, ref in self.made if (x := ref()) is not None]
+            pool.room_for(sum(x.nbytes - x.left_by.device_bytes(x) for x in want.values()), spare)
         arrived = pool.arrived
         k = -1  # the slot of the tensor being saved
 
