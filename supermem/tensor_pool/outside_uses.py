@@ -88,8 +88,8 @@ class _Probe:
         if self.total is not None and self.total > self.inside:
             return True
         d = self.differs
-        if d is None:  # its node never ran: read by no use the step's backward went through, or unsure
-            return self.total != 0
+        if d is None:  # its node never ran: unsure, but where nothing reads it and nothing reached it
+            return not (self.inside == 0 and self.total == 0)
         return bool(d)
 
     def release(self) -> None:
