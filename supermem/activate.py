@@ -93,13 +93,13 @@ def install(conf: str | dict | None = None) -> bool:
         cfg.set(**(config.parse_conf(conf) if isinstance(conf, str) else conf))
     swapped = _swap(cfg)
     if cfg.pool != "off" and "pool" not in _serving:
-        _serving.add("pool")
         pool_every_backward()
+        _serving.add("pool")
     if cfg.stream != "off" and "stream" not in _serving:
-        _serving.add("stream")
         from .streaming import activate_from_config as stream_from_config
 
         stream_from_config(cfg)
+        _serving.add("stream")
     return swapped
 
 

@@ -153,7 +153,12 @@ bool CachingAllocator::reclaim_holes(size_t map_bytes, size_t size, const Block*
     Stream st = b->segment->stream;
     if (std::find(waited.begin(), waited.end(), st) == waited.end()) {
       Event e = device_->event_record(st);
-      device_->event_wait(e);
+      try {
+        device_->event_wait(e);
+      } catch (...) {
+        device_->event_release(e);
+        throw;
+      }
       device_->event_release(e);
       waited.push_back(st);
     }
