@@ -269,7 +269,8 @@ class Budget:
             return
         over = self.used_bytes() + nbytes - self.target()
         if over > 0:
-            self._take(self.choices(None, lambda e: _untouched(e) and not any(e is x for x in spare)), over)
+            spared = {id(x) for x in spare}
+            self._take(self.choices(None, lambda e: _untouched(e) and id(e) not in spared), over)
 
     def _take(self, choices: list[Choice], over: int) -> int:
         """The policy's cheapest choices leave until `over` bytes are off the device; what is left over."""
