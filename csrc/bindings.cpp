@@ -271,7 +271,8 @@ py::dict nested_stats(CachingAllocator& a) {
                            py::arg("limit_bytes") = limit,
                            py::arg("expandable_segments") = a.options().expandable,
                            py::arg("address_space_bytes") = s.address_space_bytes,
-                           py::arg("num_reclaims") = s.num_reclaims);
+                           py::arg("num_reclaims") = s.num_reclaims,
+                           py::arg("pending_at_reserved_peak") = s.pending_at_reserved_peak);
   return d;
 }
 

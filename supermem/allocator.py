@@ -96,6 +96,7 @@ class AllocatorStats(TypedDict):
     expandable_segments: bool
     address_space_bytes: int
     num_reclaims: int
+    pending_at_reserved_peak: int
     fragmentation: float
     peak_unallocated_bytes: int
     peak_reserved_ratio: float
@@ -238,7 +239,9 @@ class CachingAllocator:
             allocation), what a tight memory limit has to leave room for.
         reserved_bytes is memory (for expandable segments, their mapped pages); address_space_bytes is
         the address space expandable segments reserved, with or without memory behind it; num_reclaims
-        counts the free blocks whose pages expandable segments moved to a request instead of growing."""
+        counts the free blocks whose pages expandable segments moved to a request instead of growing;
+        pending_at_reserved_peak: of peak_unallocated_bytes, the freed blocks still awaiting another
+        stream's work (record_stream) when reserved memory set its peak: in flight, not fragmentation."""
         n = self._impl.nested_stats()
         out: dict = {}
         for key in ("allocated_bytes", "reserved_bytes", "active_bytes", "requested_bytes"):

@@ -310,10 +310,17 @@ Block* CachingAllocator::new_segment(Pool& pool, bool small, Stream stream, size
   b->segment = s;
   s->head = b;
   segments_.emplace(s->base, s);
-  stats_.reserved_bytes.add(small, got);
+  grow_reserved(small, got);
   stats_.segment.add(small, 1);
   trace_.push(TraceKind::segment_alloc, s->base, got, stream);
   return b;
+}
+
+void CachingAllocator::grow_reserved(bool small, int64_t bytes) {
+  stats_.reserved_bytes.add(small, bytes);
+  const Stat& r = stats_.reserved_bytes.s[kAll];
+  if (r.current == r.peak)
+    stats_.pending_at_reserved_peak = stats_.active_bytes.s[kAll].current - stats_.allocated_bytes.s[kAll].current;
 }
 
 void CachingAllocator::release_segment(Segment* s) {
@@ -619,6 +626,7 @@ void CachingAllocator::reset_peak_stats() {
   std::lock_guard<std::mutex> g(mu_);
   allocated_high_ = std::max(allocated_high_, stats_.allocated_bytes.s[kAll].peak);
   for (StatArray* a : all_stat_arrays()) a->reset_peak();
+  stats_.pending_at_reserved_peak = stats_.active_bytes.s[kAll].current - stats_.allocated_bytes.s[kAll].current;
 }
 
 void CachingAllocator::reset_accumulated_stats() {

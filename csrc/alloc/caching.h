@@ -139,6 +139,7 @@ class CachingAllocator {
   bool release_expandable(Segment* s, bool wait);
   Block* insert_free(Block* b);                      // coalesce with free neighbours, into the free set
   void count_inactive_split(Block* b, int sign);     // b in/out of the inactive split stats
+  void grow_reserved(bool small, int64_t bytes);     // reserved_bytes up; at a new peak, what is pending
   void check_expandable(Segment* s);                 // the walker's page checks
   Block* new_block();          // from spare_blocks_ when it can: no heap call on the fast path
   void recycle(Block* b);

@@ -218,7 +218,7 @@ Block* CachingAllocator::map_front(Block* u, size_t nbytes) {
   }
   m->state = BlockState::free;
   s->mapped_bytes += nbytes;
-  stats_.reserved_bytes.add(s->small, static_cast<int64_t>(nbytes));
+  grow_reserved(s->small, static_cast<int64_t>(nbytes));
   ++stats_.num_device_alloc;
   trace_.push(TraceKind::segment_alloc, m->ptr, nbytes, s->stream);
   return insert_free(m);

@@ -119,6 +119,9 @@ struct Stats {
   int64_t pressure_freed_bytes = 0;
   int64_t address_space_bytes = 0;  // reserved by expandable segments (their memory is in reserved_bytes)
   int64_t num_reclaims = 0;  // free blocks whose pages an expandable segment moved to a request
+  // Pending bytes (freed, awaiting another stream's event) when reserved bytes last set their peak: the
+  // part of reserved - allocated at the peak that is copies in flight, not cached free memory.
+  int64_t pending_at_reserved_peak = 0;
 };
 
 // What the user did wrong; the binding turns it into a Python ValueError subclass.

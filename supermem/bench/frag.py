@@ -124,6 +124,7 @@ def simulated(pattern: str, steps: int, expandable: bool, limit_bytes: int | Non
     s = a.stats()
     row.update({k: s[k] for k in ("allocated_bytes_peak", "reserved_bytes_peak", "peak_reserved_ratio")})
     row["reclaims"] = s["num_reclaims"] or None
+    row["pending_at_peak"] = s["pending_at_reserved_peak"] or None
     return row
 
 
@@ -143,6 +144,7 @@ def measure(spec: dict) -> dict:
     allocated, reserved = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
     from .. import registry
 
+    mine = [a.stats() for _, a in registry.allocators()]
     return {
         "steps": len(times_ms),
         "step_ms": statistics.median(times_ms),
@@ -150,7 +152,9 @@ def measure(spec: dict) -> dict:
         "reserved_bytes_peak": reserved,
         "peak_reserved_ratio": reserved / allocated if allocated else 1.0,
         # supermem's: free blocks whose pages moved to a request (one device wait per miss that moves any)
-        "reclaims": sum(a.stats()["num_reclaims"] for _, a in registry.allocators()) or None,
+        "reclaims": sum(s["num_reclaims"] for s in mine) or None,
+        # of reserved - allocated at the peak, the freed blocks awaiting another stream (copies in flight)
+        "pending_at_peak": sum(s["pending_at_reserved_peak"] for s in mine) or None,
     }
 
 
@@ -218,6 +222,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="append",
         help="the rows of one allocator only, again for both (default: both)",
     )
+    p.add_argument(
+        "--no-limits",
+        action="store_true",
+        help="skip the search for the smallest limit each row completes under (a process per factor)",
+    )
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -259,6 +268,7 @@ def run(args: argparse.Namespace) -> dict:
         ("step ms", lambda r: r.get("step_ms"), ".1f"),
         ("min-max ms", _spread, ""),
         ("reclaims", lambda r: r.get("reclaims"), ""),
+        ("in flight GiB", lambda r: (r.get("pending_at_peak") or 0) / 2**30 or None, ".2f"),
         ("note", lambda r: r.get("error"), ""),
     ]
     print(table.render(columns, rows))
@@ -333,7 +343,7 @@ def _gpu_rows(args: argparse.Namespace, spec: dict, chosen: list) -> list[tuple[
     out = []
     for name in specs:
         row = _median(runs[name])
-        if "allocated_bytes_peak" in row:
+        if "allocated_bytes_peak" in row and not args.no_limits:
             row["min_limit_x"] = _min_limit(row["allocated_bytes_peak"], _completes(args, specs[name]))
         out.append((name, row))
     return out

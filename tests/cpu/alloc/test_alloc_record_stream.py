@@ -137,3 +137,23 @@ def test_cached_blocks_of_a_stream_no_longer_used_are_released_under_pressure(de
     p = alloc.malloc(40 * MiB, ALLOC_STREAM)  # fits only once both streams' caches are released
     assert alloc.stats()["reserved_bytes"] == 40 * MiB
     alloc.free(p)
+
+
+@pytest.mark.parametrize("expandable", [False, True], ids=["segments", "expandable"])
+def test_the_reserved_peak_names_the_bytes_in_flight_when_it_was_set(expandable):
+    device = SimulatedDevice(64 * MiB)
+    alloc = CachingAllocator(device, expandable_segments=expandable)
+    p = alloc.malloc(12 * MiB, ALLOC_STREAM)
+    alloc.record_stream(p, OTHER_STREAM)
+    device.hold_events(True)
+    alloc.free(p)  # pending: the other stream's copy of it has not finished
+    q = alloc.malloc(12 * MiB, ALLOC_STREAM)  # cannot take p's block: reserved grows to its peak
+    s = alloc.stats()
+    assert s["reserved_bytes_peak"] == s["reserved_bytes"] > s["allocated_bytes_peak"]
+    assert s["pending_at_reserved_peak"] == rounded(12 * MiB)
+    device.hold_events(False)
+    alloc.free(q)
+    alloc.reset_peak_stats()  # the peak restarts at the current: nothing in flight now
+    alloc.malloc(MiB, ALLOC_STREAM)
+    assert alloc.stats()["pending_at_reserved_peak"] == 0
+    alloc.check()
