@@ -57,6 +57,8 @@ CachingAllocator::~CachingAllocator() {
   // Return what we can. Live blocks belong to someone else's tensors: their memory stays mapped.
   try {
     std::lock_guard<std::mutex> g(mu_);
+    for (auto& [stream, q] : fences_)
+      for (auto& [e, tick] : q) device_->event_release(e);
     for (auto& [base, s] : segments_) {
       if (s->expandable()) {
         bool in_use = false;
@@ -175,6 +177,7 @@ Block* CachingAllocator::split(Block* b, size_t size, bool small) {
   rest->size = remaining;
   rest->stream = b->stream;
   rest->segment = b->segment;
+  rest->freed_at = b->freed_at;
   rest->prev = b;
   rest->next = b->next;
   if (b->next) b->next->prev = rest;
@@ -195,6 +198,7 @@ void CachingAllocator::recycle(Block* b) {
   b->stream_uses.clear();
   b->requested = 0;
   b->pending_events = 0;
+  b->freed_at = 0;
   b->state = BlockState::free;
   b->prev = b->next = nullptr;
   spare_blocks_.push_back(b);
@@ -207,12 +211,14 @@ void CachingAllocator::free_block(Block* b) {
   stats_.active.add(small, -1);
   b->state = BlockState::free;
   b->stream_uses.clear();
+  b->freed_at = ++free_tick_;
   trace_.push(TraceKind::free_completed, b->ptr, b->size, b->stream);
   b = insert_free(b);
   bool pool_gone = s->pool != &default_pool_ && s->pool->users == 0;
   if (!captures_.empty()) return;  // nothing goes back to the device during a capture
   if (s->expandable()) {
     if (pool_gone) unmap_free_pages(b, true);  // may release the segment
+    else if (s->pool == &default_pool_) add_fence(s->stream, kFenceEvery);
     return;
   }
   bool whole = !b->prev && !b->next;
@@ -239,6 +245,7 @@ Block* CachingAllocator::insert_free(Block* b) {
       if (b->next) b->next->prev = b;
     }
     b->size += n->size;
+    b->freed_at = std::max(b->freed_at, n->freed_at);
     recycle(n);
   }
   if (b->prev || b->next) ++split_blocks, split_bytes += static_cast<int64_t>(b->size);
@@ -353,6 +360,7 @@ bool CachingAllocator::release_cached() {
   for (Segment* s : whole) release_segment(s);
   bool wait = true;  // one wait for the device before the first unmap covers them all (under the lock)
   for (Segment* s : expandable) wait = release_expandable(s, wait);
+  for (auto& [stream, q] : fences_) fence_tick(stream);  // completed fences' events go back
   for (auto it = private_pools_.begin(); it != private_pools_.end();) {  // forget empty dead pools
     Pool* p = it->second;
     bool empty = p->small_free.empty() && p->large_free.empty();
@@ -633,7 +641,7 @@ void CachingAllocator::reset_accumulated_stats() {
   std::lock_guard<std::mutex> g(mu_);
   for (StatArray* a : all_stat_arrays()) a->reset_totals();
   stats_.num_alloc_retries = stats_.num_ooms = stats_.num_sync_all_streams = 0;
-  stats_.num_device_alloc = stats_.num_device_free = stats_.num_reclaims = 0;
+  stats_.num_device_alloc = stats_.num_device_free = stats_.num_reclaims = stats_.num_reclaim_waits = 0;
   stats_.num_pressure_calls = stats_.pressure_freed_bytes = 0;
 }
 

@@ -135,6 +135,12 @@ class CachingAllocator {
   // the caller did since the block was freed)
   bool unmap_free_pages(Block* b, bool wait);
   bool reclaim_holes(size_t map_bytes, size_t size, const Block* run);  // holes' pages, before growing
+  uint64_t fence_tick(Stream stream);  // blocks freed by this tick need no wait before an unmap
+  // A fence on `stream` at the current free tick unless its newest (outstanding or completed) is fewer
+  // than `every` frees old, or kMaxFences are outstanding
+  void add_fence(Stream stream, uint64_t every = 1);
+  static constexpr size_t kMaxFences = 4;      // outstanding fence events per stream
+  static constexpr uint64_t kFenceEvery = 16;  // frees of expandable blocks between fences at a free
   // Unmaps its free pages (waiting first if `wait`), releases it if empty; whether a wait is still due
   bool release_expandable(Segment* s, bool wait);
   Block* insert_free(Block* b);                      // coalesce with free neighbours, into the free set
@@ -183,6 +189,11 @@ class CachingAllocator {
   std::atomic<int64_t> allocated_now_{0};  // stats_.allocated_bytes' current, for allocated_now()
   int64_t allocated_high_ = 0;  // the allocated peak before the last reset_peak_stats (reclaim_holes')
   int64_t watermark_ = 0;  // like the allocated peak, but the tensor pool's own (user peaks untouched)
+  // Expandable segments' fences (reclaim_holes): per stream, events recorded with the free tick then;
+  // once one completed, the stream has run all work queued before any block freed by that tick.
+  uint64_t free_tick_ = 0;
+  std::map<Stream, std::deque<std::pair<Event, uint64_t>>> fences_;
+  std::map<Stream, uint64_t> fenced_;  // per stream: the free tick of its newest completed fence
   TraceRing trace_;
 };
 

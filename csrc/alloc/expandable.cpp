@@ -15,6 +15,7 @@
 // events of the other streams that used it completed, and unmapping waits for the segment's stream
 // (moving holes) or for the device (releasing cached memory).
 #include <algorithm>
+#include <map>
 #include <stdexcept>
 #include <unordered_set>
 
@@ -112,7 +113,7 @@ Block* CachingAllocator::find_run(Pool& pool, bool small, Stream stream, size_t 
 // live blocks, private pools) counts on neither side, so it never makes the allocator squeeze the holes
 // at every miss. Only the default pool's holes move (a captured graph's kernels still address its
 // pool's free blocks), never during a capture (the wait before the unmap is illegal then), and only
-// when they cover the excess. One wait per stream whose holes move. True if it unmapped anything.
+// when they cover the excess. At most one wait per stream whose holes move. True if it unmapped anything.
 bool CachingAllocator::reclaim_holes(size_t map_bytes, size_t size, const Block* run) {
   if (!captures_.empty()) return false;
   std::unordered_set<const Block*> in_run;  // the request's run: its free blocks are about to be used
@@ -123,7 +124,13 @@ bool CachingAllocator::reclaim_holes(size_t map_bytes, size_t size, const Block*
     covered += c->size;
     if (is_free(c)) run_free += static_cast<int64_t>(c->size);
   }
-  std::vector<std::pair<size_t, Block*>> holes;  // (whole pages' bytes, block)
+  struct Hole {
+    size_t bytes;  // its whole pages'
+    Block* b;
+    bool fenced;  // its stream ran all work queued before it was freed: it moves without a wait
+  };
+  std::vector<Hole> holes;
+  std::map<Stream, uint64_t> ticks;  // each hole stream's fence_tick, read once
   int64_t movable = 0;
   for (auto& [base, s] : segments_) {
     if (!s->expandable() || s->pool != &default_pool_) continue;
@@ -131,7 +138,9 @@ bool CachingAllocator::reclaim_holes(size_t map_bytes, size_t size, const Block*
       if (!is_free(b) || in_run.count(b)) continue;
       auto [lo, hi] = whole_pages(b);
       if (hi <= lo) continue;
-      holes.emplace_back(static_cast<size_t>(hi - lo), b);
+      auto t = ticks.try_emplace(s->stream, 0);
+      if (t.second) t.first->second = fence_tick(s->stream);
+      holes.push_back({static_cast<size_t>(hi - lo), b, b->freed_at <= t.first->second});
       movable += hi - lo;
     }
   }
@@ -140,18 +149,31 @@ bool CachingAllocator::reclaim_holes(size_t map_bytes, size_t size, const Block*
   int64_t peak = std::max({allocated_high_, allocated.s[kAll].peak, now + static_cast<int64_t>(size)});
   int64_t after = now + movable + run_free + static_cast<int64_t>(map_bytes);  // what may count, grown
   int64_t excess = after - (peak + std::max<int64_t>(peak / 128, kReclaimFloor));
-  if (excess <= 0 || movable < excess) return false;
-  std::sort(holes.begin(), holes.end(), [](auto& x, auto& y) { return x.first < y.first; });
+  // A free block's pages were last used by work queued on its segment's stream before it was freed (a
+  // use on another stream keeps the block pending, not free, until that stream's event completes).
+  // A fence recorded at a miss lets a later one move the holes freed before it without a wait.
+  auto fence_rest = [&](size_t from, const std::vector<Stream>& waited) {
+    for (size_t i = from; i < holes.size(); ++i) {
+      Stream st = holes[i].b->segment->stream;
+      if (!holes[i].fenced && std::find(waited.begin(), waited.end(), st) == waited.end()) add_fence(st);
+    }
+  };
+  if (excess <= 0 || movable < excess) {
+    fence_rest(0, {});
+    return false;
+  }
+  // Fenced holes first; the others wait for their stream (only it, as PyTorch's ExpandableSegment
+  // does: the pool's copies on their own streams run on), once per stream. Smallest first in each.
+  std::sort(holes.begin(), holes.end(), [](const Hole& x, const Hole& y) {
+    return x.fenced != y.fenced ? x.fenced : x.bytes < y.bytes;
+  });
   int64_t freed = 0;
-  std::vector<Stream> waited;  // (the lock: no block is freed after its stream's one wait)
-  for (auto& [bytes, b] : holes) {  // (unmapping one relinks only its own neighbours, never another hole)
-    if (freed >= excess) break;
-    // A free block's pages were last used by work queued on its segment's stream (a use on another
-    // stream keeps the block pending, not free, until that stream's event completes): the unmap waits
-    // for that stream only, as PyTorch's ExpandableSegment does, and the pool's copies on their own
-    // streams run on.
-    Stream st = b->segment->stream;
-    if (std::find(waited.begin(), waited.end(), st) == waited.end()) {
+  size_t moved = 0;
+  std::vector<Stream> waited;  // (the lock: no block is freed after its stream's wait until we are done)
+  for (; moved < holes.size() && freed < excess; ++moved) {  // (unmapping one relinks only its own
+    const Hole& h = holes[moved];                              // neighbours, never another hole)
+    Stream st = h.b->segment->stream;
+    if (!h.fenced && std::find(waited.begin(), waited.end(), st) == waited.end()) {
       Event e = device_->event_record(st);
       try {
         device_->event_wait(e);
@@ -160,13 +182,38 @@ bool CachingAllocator::reclaim_holes(size_t map_bytes, size_t size, const Block*
         throw;
       }
       device_->event_release(e);
+      fenced_[st] = free_tick_;
       waited.push_back(st);
+      ++stats_.num_reclaim_waits;
     }
-    unmap_free_pages(b, /*wait=*/false);
-    freed += static_cast<int64_t>(bytes);
+    unmap_free_pages(h.b, /*wait=*/false);
+    freed += static_cast<int64_t>(h.bytes);
     ++stats_.num_reclaims;
   }
+  fence_rest(moved, waited);
   return true;
+}
+
+// The free tick of `stream`'s newest completed fence (completed fences are given back on the way).
+uint64_t CachingAllocator::fence_tick(Stream stream) {
+  auto q = fences_.find(stream);
+  if (q != fences_.end()) {
+    while (!q->second.empty() && device_->event_done(q->second.front().first)) {
+      fenced_[stream] = std::max(fenced_[stream], q->second.front().second);
+      device_->event_release(q->second.front().first);
+      q->second.pop_front();
+    }
+  }
+  auto f = fenced_.find(stream);
+  return f == fenced_.end() ? 0 : f->second;
+}
+
+void CachingAllocator::add_fence(Stream stream, uint64_t every) {
+  auto& q = fences_[stream];
+  uint64_t newest = q.empty() ? fenced_[stream] : q.back().second;
+  if (free_tick_ < newest + every) return;  // (no device call on a free's way, mostly)
+  fence_tick(stream);  // gives completed ones back
+  if (q.size() < kMaxFences) q.emplace_back(device_->event_record(stream), free_tick_);
 }
 
 Segment* CachingAllocator::reserve_segment(Pool& pool, bool small, Stream stream) {
@@ -217,6 +264,7 @@ Block* CachingAllocator::map_front(Block* u, size_t nbytes) {
     u->size -= nbytes;
   }
   m->state = BlockState::free;
+  m->freed_at = 0;  // fresh pages: no work queued before this used them
   s->mapped_bytes += nbytes;
   grow_reserved(s->small, static_cast<int64_t>(nbytes));
   ++stats_.num_device_alloc;
@@ -247,6 +295,7 @@ bool CachingAllocator::unmap_free_pages(Block* b, bool wait) {
     r->size = size;
     r->stream = b->stream;
     r->segment = s;
+    r->freed_at = b->freed_at;
     r->prev = prev;
     r->next = next;
     if (prev) prev->next = r;

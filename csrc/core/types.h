@@ -59,6 +59,7 @@ struct Block {
   Block* next = nullptr;
   std::vector<Stream> stream_uses;  // other streams that used it (record_stream)
   int pending_events = 0;           // events still outstanding before a pending block is free
+  uint64_t freed_at = 0;  // free blocks: the allocator's free tick when its memory was last freed (0: never used)
 };
 
 struct BlockLess {  // free sets are ordered (stream, size, address): per-stream best fit
@@ -119,6 +120,7 @@ struct Stats {
   int64_t pressure_freed_bytes = 0;
   int64_t address_space_bytes = 0;  // reserved by expandable segments (their memory is in reserved_bytes)
   int64_t num_reclaims = 0;  // free blocks whose pages an expandable segment moved to a request
+  int64_t num_reclaim_waits = 0;  // host waits for a stream before such moves (a fence spared the rest)
   // Pending bytes (freed, awaiting another stream's event) when reserved bytes last set their peak: the
   // part of reserved - allocated at the peak that is copies in flight, not cached free memory.
   int64_t pending_at_reserved_peak = 0;

@@ -132,6 +132,29 @@ def test_moving_holes_waits_for_their_segments_stream_not_the_device():
     assert a.device.waits[0] == 1
 
 
+@pytest.mark.parametrize("caught_up", [True, False], ids=["stream-ran-past-the-fence", "stream-behind"])
+def test_holes_freed_before_a_completed_fence_move_without_a_wait(caught_up):
+    """A miss that grows within the slack records a fence on the holes' stream; once the stream ran past
+    it, a later miss moves the holes freed before it with no wait. While the stream is still behind the
+    fence, the move waits for it as before."""
+    a = make()
+    blocks = [a.malloc(64 * MiB) for _ in range(10)]  # peak 640 MiB
+    for i in (0, 2, 9):
+        a.free(blocks[i])  # two holes, and free space at the run's end
+    a.device.hold_events(not caught_up)
+    x = a.malloc(96 * MiB)  # the end's 64 MiB and 32 new: within 1/128 or 32 MiB of the peak, no move
+    assert a.stats()["num_reclaims"] == 0 and a.device.live_events == 1  # the fence
+    y = a.malloc(128 * MiB)  # the holes' pages move to it
+    s = a.stats()
+    assert s["num_reclaims"] == 2 and s["reserved_bytes"] == 672 * MiB
+    assert s["num_reclaim_waits"] == a.device.waits[1] == (0 if caught_up else 1)
+    a.device.hold_events(False)
+    for p in [x, y] + [b for i, b in enumerate(blocks) if i not in (0, 2, 9)]:
+        a.free(p)
+    a.empty_cache()
+    assert a.device.live_events == 0 and a.stats()["reserved_bytes"] == 0
+
+
 def test_holes_below_the_allocators_all_time_peak_stay_cached_after_a_peak_reset():
     """torch.cuda.reset_peak_memory_stats between steps changes no allocation: growth within the
     highest allocated bytes ever leaves the holes mapped (they serve the next step)."""
