@@ -5,7 +5,7 @@ with the first share of the joint graph's nodes marked (forward order; 1.0: all)
 where the partitioner puts it or sunk to the forward's end (sink). Prints per config: the tensors
 offloaded, the peak, the median step, and whether losses and gradients are bitwise the compiled run's.
 
-    python3 tools/diag/compile_offload_probe.py
+    python3 tools/diag/compile_offload_probe.py ["offload all" ...]     # (default: every config)
 """
 
 import statistics
@@ -51,7 +51,12 @@ def spy() -> None:
 
 
 def run(
-    share: float | None, sink: bool = False, compiled_share: float = 1.0, eager: bool = False, steps: int = 6
+    share: float | None,
+    sink: bool = False,
+    compiled_share: float = 1.0,
+    eager: bool = False,
+    stream: bool = True,
+    steps: int = 6,
 ):
     torch._dynamo.reset()
     offloaded[0] = 0
@@ -62,8 +67,8 @@ def run(
     on = share is not None
     with fc.patch(
         enable_activation_offloading=on,
-        activation_offload_separate_stream=on,
-        activation_reload_prefetch=on,
+        activation_offload_separate_stream=on and stream,
+        activation_reload_prefetch=on and stream,
         activation_offload_sink_wait=sink,
         joint_custom_pass=marker(share) if on else None,
         activation_memory_budget=compiled_share,
@@ -99,13 +104,16 @@ def main() -> int:
         "offload all": {"share": 1.0},
         "offload first half": {"share": 0.5},
         "offload all, sink": {"share": 1.0, "sink": True},
+        "offload all, no stream": {"share": 1.0, "stream": False},  # device_put in the graph, in order
     }
     ref = None
     for name, kw in configs.items():
+        if sys.argv[1:] and name not in sys.argv[1:]:
+            continue
         try:
             losses, grads, peak, ms = run(**kw)
         except Exception as e:  # noqa: BLE001  (a probe: say what failed)
-            print(f"{name}: failed: {type(e).__name__}: {str(e)[:300]}")
+            print(f"{name}: failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
             continue
         same = ref is None or (
             all(torch.equal(a, b) for a, b in zip(losses, ref[0]))
@@ -113,7 +121,7 @@ def main() -> int:
         )
         ref = ref or (losses, grads)
         what = f"offloaded {offloaded[0]:3d}  peak {peak / 2**30:6.2f} GiB  step {ms:7.1f} ms"
-        print(f"{name:20s} {what}  bitwise {same}")
+        print(f"{name:20s} {what}  bitwise {same}", flush=True)
     return 0
 
 
