@@ -35,8 +35,9 @@ under compile.
 
 Tensors saved by eager code around a compiled graph (a loss outside it, an uncompiled head, the code
 between graph breaks) stay the pool's. Not yet: the partitioner's CPU offload (enable_activation_offloading,
-nodes marked should_offload by a joint_custom_pass), and per-graph shares (one share for every graph
-compiled under the pool).
+nodes marked should_offload by a joint_custom_pass; on torch 2.11 its stream version does not compile
+and its in-order version raised the peak: docs/measurements.md), and per-graph shares (one share for
+every graph compiled under the pool).
 
 How the pool tells: the pack hook runs inside torch.autograd.Function.apply of AOTAutograd's
 CompiledFunction (nothing on the tensor says so). One frame walk per saved tensor: well under a
