@@ -57,8 +57,8 @@ CachingAllocator::~CachingAllocator() {
   // Return what we can. Live blocks belong to someone else's tensors: their memory stays mapped.
   try {
     std::lock_guard<std::mutex> g(mu_);
-    for (auto& [stream, q] : fences_)
-      for (auto& [e, tick] : q) device_->event_release(e);
+    for (auto& [stream, f] : fences_)
+      for (auto& [e, tick] : f.outstanding) device_->event_release(e);
     for (auto& [base, s] : segments_) {
       if (s->expandable()) {
         bool in_use = false;
@@ -360,7 +360,7 @@ bool CachingAllocator::release_cached() {
   for (Segment* s : whole) release_segment(s);
   bool wait = true;  // one wait for the device before the first unmap covers them all (under the lock)
   for (Segment* s : expandable) wait = release_expandable(s, wait);
-  for (auto& [stream, q] : fences_) fence_tick(stream);  // completed fences' events go back
+  for (auto& [stream, f] : fences_) fence_tick(stream);  // completed fences' events go back
   for (auto it = private_pools_.begin(); it != private_pools_.end();) {  // forget empty dead pools
     Pool* p = it->second;
     bool empty = p->small_free.empty() && p->large_free.empty();

@@ -136,8 +136,8 @@ class CachingAllocator {
   bool unmap_free_pages(Block* b, bool wait);
   bool reclaim_holes(size_t map_bytes, size_t size, const Block* run);  // holes' pages, before growing
   uint64_t fence_tick(Stream stream);  // blocks freed by this tick need no wait before an unmap
-  // A fence on `stream` at the current free tick unless its newest (outstanding or completed) is fewer
-  // than `every` frees old, or kMaxFences are outstanding
+  // At most every `every` frees of `stream`: gives its completed fences back and records one at the
+  // current free tick if fewer than kMaxFences are outstanding. A device error records none.
   void add_fence(Stream stream, uint64_t every = 1);
   static constexpr size_t kMaxFences = 4;      // outstanding fence events per stream
   static constexpr uint64_t kFenceEvery = 16;  // frees of expandable blocks between fences at a free
@@ -191,9 +191,13 @@ class CachingAllocator {
   int64_t watermark_ = 0;  // like the allocated peak, but the tensor pool's own (user peaks untouched)
   // Expandable segments' fences (reclaim_holes): per stream, events recorded with the free tick then;
   // once one completed, the stream has run all work queued before any block freed by that tick.
+  struct Fences {
+    std::deque<std::pair<Event, uint64_t>> outstanding;  // (event, free tick when recorded), oldest first
+    uint64_t done = 0;    // the free tick of the newest completed one
+    uint64_t polled = 0;  // the free tick when add_fence last looked (it looks every `every` frees)
+  };
   uint64_t free_tick_ = 0;
-  std::map<Stream, std::deque<std::pair<Event, uint64_t>>> fences_;
-  std::map<Stream, uint64_t> fenced_;  // per stream: the free tick of its newest completed fence
+  std::map<Stream, Fences> fences_;
   TraceRing trace_;
 };
 

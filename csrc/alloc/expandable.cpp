@@ -162,10 +162,10 @@ bool CachingAllocator::reclaim_holes(size_t map_bytes, size_t size, const Block*
     fence_rest(0, {});
     return false;
   }
-  // Fenced holes first; the others wait for their stream (only it, as PyTorch's ExpandableSegment
-  // does: the pool's copies on their own streams run on), once per stream. Smallest first in each.
+  // Smallest first (fenced first among equals): an unfenced one waits for its stream (only it, as
+  // PyTorch's ExpandableSegment does: the pool's copies on their own streams run on), once per stream.
   std::sort(holes.begin(), holes.end(), [](const Hole& x, const Hole& y) {
-    return x.fenced != y.fenced ? x.fenced : x.bytes < y.bytes;
+    return x.bytes != y.bytes ? x.bytes < y.bytes : x.fenced > y.fenced;
   });
   int64_t freed = 0;
   size_t moved = 0;
@@ -182,7 +182,7 @@ bool CachingAllocator::reclaim_holes(size_t map_bytes, size_t size, const Block*
         throw;
       }
       device_->event_release(e);
-      fenced_[st] = free_tick_;
+      fences_[st].done = free_tick_;
       waited.push_back(st);
       ++stats_.num_reclaim_waits;
     }
@@ -196,24 +196,26 @@ bool CachingAllocator::reclaim_holes(size_t map_bytes, size_t size, const Block*
 
 // The free tick of `stream`'s newest completed fence (completed fences are given back on the way).
 uint64_t CachingAllocator::fence_tick(Stream stream) {
-  auto q = fences_.find(stream);
-  if (q != fences_.end()) {
-    while (!q->second.empty() && device_->event_done(q->second.front().first)) {
-      fenced_[stream] = std::max(fenced_[stream], q->second.front().second);
-      device_->event_release(q->second.front().first);
-      q->second.pop_front();
-    }
+  auto it = fences_.find(stream);
+  if (it == fences_.end()) return 0;
+  Fences& f = it->second;
+  while (!f.outstanding.empty() && device_->event_done(f.outstanding.front().first)) {
+    f.done = std::max(f.done, f.outstanding.front().second);
+    device_->event_release(f.outstanding.front().first);
+    f.outstanding.pop_front();
   }
-  auto f = fenced_.find(stream);
-  return f == fenced_.end() ? 0 : f->second;
+  return f.done;
 }
 
 void CachingAllocator::add_fence(Stream stream, uint64_t every) {
-  auto& q = fences_[stream];
-  uint64_t newest = q.empty() ? fenced_[stream] : q.back().second;
-  if (free_tick_ < newest + every) return;  // (no device call on a free's way, mostly)
-  fence_tick(stream);  // gives completed ones back
-  if (q.size() < kMaxFences) q.emplace_back(device_->event_record(stream), free_tick_);
+  Fences& f = fences_[stream];
+  if (free_tick_ < f.polled + every) return;  // (no device call on most frees' way)
+  f.polled = free_tick_;
+  try {
+    fence_tick(stream);
+    if (f.outstanding.size() < kMaxFences) f.outstanding.emplace_back(device_->event_record(stream), free_tick_);
+  } catch (const DeviceError&) {  // (at exit, say): a fence less only means a wait before a move
+  }
 }
 
 Segment* CachingAllocator::reserve_segment(Pool& pool, bool small, Stream stream) {

@@ -155,6 +155,21 @@ def test_holes_freed_before_a_completed_fence_move_without_a_wait(caught_up):
     assert a.device.live_events == 0 and a.stats()["reserved_bytes"] == 0
 
 
+def test_frees_record_fences_too_so_a_first_move_need_not_wait():
+    """Every 16 frees of a stream's expandable blocks record a fence on it: holes freed before one that
+    completed move without a wait even where no miss came between."""
+    a = make()
+    blocks = [a.malloc(64 * MiB) for _ in range(10)]
+    a.free(blocks[0])
+    a.free(blocks[2])
+    for _ in range(16):  # frees of small blocks, the same stream: a fence at the 16th free
+        a.free(a.malloc(4096))
+    big = a.malloc(128 * MiB)  # moves both holes' pages (and the small blocks' free page first)
+    s = a.stats()
+    assert s["num_reclaims"] == 3 and s["num_reclaim_waits"] == a.device.waits[1] == 0
+    a.free(big)
+
+
 def test_holes_below_the_allocators_all_time_peak_stay_cached_after_a_peak_reset():
     """torch.cuda.reset_peak_memory_stats between steps changes no allocation: growth within the
     highest allocated bytes ever leaves the holes mapped (they serve the next step)."""
