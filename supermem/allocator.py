@@ -97,6 +97,7 @@ class AllocatorStats(TypedDict):
     address_space_bytes: int
     num_reclaims: int
     num_reclaim_waits: int
+    reclaimed_bytes: int
     pending_at_reserved_peak: int
     fragmentation: float
     peak_unallocated_bytes: int
@@ -241,7 +242,7 @@ class CachingAllocator:
         reserved_bytes is memory (for expandable segments, their mapped pages); address_space_bytes is
         the address space expandable segments reserved, with or without memory behind it; num_reclaims
         counts the free blocks whose pages expandable segments moved to a request instead of growing,
-        num_reclaim_waits the host's waits for a stream before such moves;
+        num_reclaim_waits the host's waits for a stream before such moves, reclaimed_bytes their pages;
         pending_at_reserved_peak: of peak_unallocated_bytes, the freed blocks still awaiting another
         stream's work (record_stream) when reserved memory set its peak: in flight, not fragmentation."""
         n = self._impl.nested_stats()

@@ -642,6 +642,7 @@ void CachingAllocator::reset_accumulated_stats() {
   for (StatArray* a : all_stat_arrays()) a->reset_totals();
   stats_.num_alloc_retries = stats_.num_ooms = stats_.num_sync_all_streams = 0;
   stats_.num_device_alloc = stats_.num_device_free = stats_.num_reclaims = stats_.num_reclaim_waits = 0;
+  stats_.reclaimed_bytes = 0;
   stats_.num_pressure_calls = stats_.pressure_freed_bytes = 0;
 }
 

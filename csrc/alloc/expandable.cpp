@@ -189,6 +189,7 @@ bool CachingAllocator::reclaim_holes(size_t map_bytes, size_t size, const Block*
     unmap_free_pages(h.b, /*wait=*/false);
     freed += static_cast<int64_t>(h.bytes);
     ++stats_.num_reclaims;
+    stats_.reclaimed_bytes += static_cast<int64_t>(h.bytes);
   }
   fence_rest(moved, waited);
   return true;

@@ -125,6 +125,7 @@ def simulated(pattern: str, steps: int, expandable: bool, limit_bytes: int | Non
     row.update({k: s[k] for k in ("allocated_bytes_peak", "reserved_bytes_peak", "peak_reserved_ratio")})
     row["reclaims"] = s["num_reclaims"] or None
     row["reclaim_waits"] = s["num_reclaim_waits"] or None
+    row["reclaimed_bytes"] = s["reclaimed_bytes"] or None
     row["pending_at_peak"] = s["pending_at_reserved_peak"] or None
     return row
 
@@ -155,6 +156,7 @@ def measure(spec: dict) -> dict:
         # supermem's: free blocks whose pages moved to a request (one device wait per miss that moves any)
         "reclaims": sum(s["num_reclaims"] for s in mine) or None,
         "reclaim_waits": sum(s["num_reclaim_waits"] for s in mine) or None,  # the host's, before moves
+        "reclaimed_bytes": sum(s["reclaimed_bytes"] for s in mine) or None,  # the pages the moves took
         # of reserved - allocated at the peak, the freed blocks awaiting another stream (copies in flight)
         "pending_at_peak": sum(s["pending_at_reserved_peak"] for s in mine) or None,
     }
@@ -271,6 +273,7 @@ def run(args: argparse.Namespace) -> dict:
         ("min-max ms", _spread, ""),
         ("reclaims", lambda r: r.get("reclaims"), ""),
         ("waits", lambda r: r.get("reclaim_waits"), ""),
+        ("moved GiB", lambda r: (r.get("reclaimed_bytes") or 0) / 2**30 or None, ".1f"),
         ("in flight GiB", lambda r: (r.get("pending_at_peak") or 0) / 2**30 or None, ".2f"),
         ("note", lambda r: r.get("error"), ""),
     ]
