@@ -13,7 +13,8 @@
 //
 // Stream-ordered reuse is unchanged: a segment belongs to one stream, a block is free only once the
 // events of the other streams that used it completed, and unmapping waits for the segment's stream
-// (moving holes) or for the device (releasing cached memory).
+// (moving holes, unless a completed fence shows that stream ran past their frees) or for the device
+// (releasing cached memory).
 #include <algorithm>
 #include <map>
 #include <stdexcept>
