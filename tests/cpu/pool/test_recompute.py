@@ -774,7 +774,8 @@ def test_a_block_is_priced_by_a_timed_replay_when_its_recorded_call_ran_slow():
     """The step the pool records runs at its host's pace (on an H100 its CUDA events timed GPT-24's
     blocks at 7.2 ms, kernels ~0.8): a block's price is the least of its calls' and of a timed replay
     of it, and blocks of one kind (type, input shapes) share it. Here each block's first call is slow
-    and its replays are not."""
+    and its replays are not (a replay priced as slow as half the call failed: on a loaded 2-core
+    machine a replay of this block once took a 24 ms scheduler slice)."""
     import time
 
     class Slow(_Block):
@@ -782,7 +783,7 @@ def test_a_block_is_priced_by_a_timed_replay_when_its_recorded_call_ran_slow():
 
         def forward(self, x):
             if not getattr(self.pool.regions._local, "replaying", False):
-                time.sleep(0.03)
+                time.sleep(0.1)
             return super().forward(x)
 
     pool = Pool(budget="1GiB", policy="planned")
@@ -793,7 +794,7 @@ def test_a_block_is_priced_by_a_timed_replay_when_its_recorded_call_ran_slow():
         with pool:
             model(x).square().mean().backward()
     prices = [pool.regions.cost_s(m) for m in model]
-    assert all(p is not None and p < 0.01 for p in prices), prices
+    assert all(p is not None and p < 0.05 for p in prices), prices
 
 
 @pytest.mark.parametrize("through", [True, False])
