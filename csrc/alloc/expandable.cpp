@@ -153,14 +153,13 @@ bool CachingAllocator::reclaim_holes(size_t map_bytes, size_t size, const Block*
   // A free block's pages were last used by work queued on its segment's stream before it was freed (a
   // use on another stream keeps the block pending, not free, until that stream's event completes).
   // A fence recorded at a miss lets a later one move the holes freed before it without a wait.
-  auto fence_rest = [&](size_t from, const std::vector<Stream>& waited) {
-    for (size_t i = from; i < holes.size(); ++i) {
-      Stream st = holes[i].b->segment->stream;
-      if (!holes[i].fenced && std::find(waited.begin(), waited.end(), st) == waited.end()) add_fence(st);
-    }
+  auto unfenced = [&](const Block* b) { return b->freed_at > fences_[b->segment->stream].done; };
+  auto fence_rest = [&](size_t from) {
+    for (size_t i = from; i < holes.size(); ++i)
+      if (unfenced(holes[i].b)) add_fence(holes[i].b->segment->stream);
   };
   if (excess <= 0 || movable < excess) {
-    fence_rest(0, {});
+    fence_rest(0);
     return false;
   }
   // Smallest first (fenced first among equals): an unfenced one waits for its stream (only it, as
@@ -170,11 +169,10 @@ bool CachingAllocator::reclaim_holes(size_t map_bytes, size_t size, const Block*
   });
   int64_t freed = 0;
   size_t moved = 0;
-  std::vector<Stream> waited;  // (the lock: no block is freed after its stream's wait until we are done)
   for (; moved < holes.size() && freed < excess; ++moved) {  // (unmapping one relinks only its own
     const Hole& h = holes[moved];                              // neighbours, never another hole)
     Stream st = h.b->segment->stream;
-    if (!h.fenced && std::find(waited.begin(), waited.end(), st) == waited.end()) {
+    if (unfenced(h.b)) {  // (after the wait none of its stream's is: no block is freed until we are done)
       Event e = device_->event_record(st);
       try {
         device_->event_wait(e);
@@ -184,7 +182,6 @@ bool CachingAllocator::reclaim_holes(size_t map_bytes, size_t size, const Block*
       }
       device_->event_release(e);
       fences_[st].done = free_tick_;
-      waited.push_back(st);
       ++stats_.num_reclaim_waits;
     }
     unmap_free_pages(h.b, /*wait=*/false);
@@ -192,7 +189,7 @@ bool CachingAllocator::reclaim_holes(size_t map_bytes, size_t size, const Block*
     ++stats_.num_reclaims;
     stats_.reclaimed_bytes += static_cast<int64_t>(h.bytes);
   }
-  fence_rest(moved, waited);
+  fence_rest(moved);
   return true;
 }
 

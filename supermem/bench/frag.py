@@ -123,11 +123,21 @@ def simulated(pattern: str, steps: int, expandable: bool, limit_bytes: int | Non
     row["wall_s"] = round(time.perf_counter() - t, 3)
     s = a.stats()
     row.update({k: s[k] for k in ("allocated_bytes_peak", "reserved_bytes_peak", "peak_reserved_ratio")})
-    row["reclaims"] = s["num_reclaims"] or None
-    row["reclaim_waits"] = s["num_reclaim_waits"] or None
-    row["reclaimed_bytes"] = s["reclaimed_bytes"] or None
-    row["pending_at_peak"] = s["pending_at_reserved_peak"] or None
+    row.update(_moves([s]))
     return row
+
+
+def _moves(stats: list) -> dict:
+    """Summed over supermem's allocators' stats: the holes whose pages moved to a request, the host's
+    waits before such moves and the bytes moved; and of reserved - allocated at the peak, the freed
+    blocks awaiting another stream (copies in flight). None where 0 (or no allocator of supermem's)."""
+    keys = {
+        "reclaims": "num_reclaims",
+        "reclaim_waits": "num_reclaim_waits",
+        "reclaimed_bytes": "reclaimed_bytes",
+        "pending_at_peak": "pending_at_reserved_peak",
+    }
+    return {row: sum(s[key] for s in stats) or None for row, key in keys.items()}
 
 
 def measure(spec: dict) -> dict:
@@ -146,19 +156,13 @@ def measure(spec: dict) -> dict:
     allocated, reserved = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
     from .. import registry
 
-    mine = [a.stats() for _, a in registry.allocators()]
     return {
         "steps": len(times_ms),
         "step_ms": statistics.median(times_ms),
         "allocated_bytes_peak": allocated,
         "reserved_bytes_peak": reserved,
         "peak_reserved_ratio": reserved / allocated if allocated else 1.0,
-        # supermem's: free blocks whose pages moved to a request (one device wait per miss that moves any)
-        "reclaims": sum(s["num_reclaims"] for s in mine) or None,
-        "reclaim_waits": sum(s["num_reclaim_waits"] for s in mine) or None,  # the host's, before moves
-        "reclaimed_bytes": sum(s["reclaimed_bytes"] for s in mine) or None,  # the pages the moves took
-        # of reserved - allocated at the peak, the freed blocks awaiting another stream (copies in flight)
-        "pending_at_peak": sum(s["pending_at_reserved_peak"] for s in mine) or None,
+        **_moves([a.stats() for _, a in registry.allocators()]),
     }
 
 
