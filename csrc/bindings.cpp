@@ -274,6 +274,7 @@ py::dict nested_stats(CachingAllocator& a) {
                            py::arg("num_reclaims") = s.num_reclaims,
                            py::arg("num_reclaim_waits") = s.num_reclaim_waits,
                            py::arg("reclaimed_bytes") = s.reclaimed_bytes,
+                           py::arg("num_borrows") = s.num_borrows,
                            py::arg("pending_at_reserved_peak") = s.pending_at_reserved_peak);
   return d;
 }

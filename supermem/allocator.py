@@ -98,6 +98,7 @@ class AllocatorStats(TypedDict):
     num_reclaims: int
     num_reclaim_waits: int
     reclaimed_bytes: int
+    num_borrows: int
     pending_at_reserved_peak: int
     fragmentation: float
     peak_unallocated_bytes: int
@@ -243,6 +244,7 @@ class CachingAllocator:
         the address space expandable segments reserved, with or without memory behind it; num_reclaims
         counts the free blocks whose pages expandable segments moved to a request instead of growing,
         num_reclaim_waits the host's waits for a stream before such moves, reclaimed_bytes their pages;
+        num_borrows: misses served by another stream's free block whose last use had completed;
         pending_at_reserved_peak: of peak_unallocated_bytes, the freed blocks still awaiting another
         stream's work (record_stream) when reserved memory set its peak: in flight, not fragmentation."""
         n = self._impl.nested_stats()

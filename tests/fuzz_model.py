@@ -8,7 +8,11 @@ Every operation is applied to the allocator and to the model, then `check()` com
   - reserved bytes equal what the simulated device says it handed out, and a segment is never
     added beyond the limit;
   - an OOM happens only when it may: an allocator with no live blocks and no graph pools must
-    serve any request that fits under the limit and the device.
+    serve any request that fits under the limit and the device;
+  - a block freed on its own stream while events are held (that stream's work may still be queued) is
+    never handed to another stream before the hold ends. A block lent by another stream (a miss served
+    by another stream's settled free block: `num_borrows`) is pending after its free, like one that
+    another stream used.
 Graph captures route one stream to a private pool; frees of blocks other streams used are deferred
 while a capture runs (no events may be recorded then) and handled by the first malloc after it.
 """
@@ -33,6 +37,7 @@ class Block:
     size: int  # allocation_size: the rounded size, or more when the rest was too small to split
     stream: int
     other_streams: set[int] = field(default_factory=set)
+    borrowed: bool = False  # another stream's free block: its free waits for an event of `stream`
 
 
 class AllocatorModel:
@@ -56,6 +61,10 @@ class AllocatorModel:
         self.deferred: dict[int, int] = {}
         self.waiting: dict[int, int] = {}
         self.done: dict[int, int] = {}
+        # (start, end, stream) of blocks freed on their own stream while events are held: that stream's
+        # work may still use them, so no other stream may be given them until the hold ends.
+        self.unsettled: list[tuple[int, int, int]] = []
+        self.waits = (0, 0)  # the device's waits (device, event): a waited stream's work is done
         self.capture: tuple[int, int] | None = None  # the pool allocations are routed to
         self.capture_stream = streams[-1]
         self.pools: list[tuple[int, int]] = []  # pools whose graphs are alive
@@ -74,6 +83,7 @@ class AllocatorModel:
             self._process_deferred()
             self._retire(self.done)
         empty = not self.blocks and not self.pools and not self.capture
+        borrows = self.alloc.stats()["num_borrows"]
         try:
             p = self.alloc.malloc(nbytes, stream)
         except OutOfMemoryError as e:
@@ -93,14 +103,24 @@ class AllocatorModel:
         size = self.alloc.allocation_size(p)
         assert size >= rounded(nbytes), f"malloc({nbytes}) gave a block of {size} bytes"
         self.live.add(p, nbytes, rounded(nbytes))
-        self.blocks[p] = Block(nbytes, size, stream)
+        for lo, hi, other in self.unsettled:
+            assert other == stream or p + size <= lo or hi <= p, (
+                f"stream {stream} got [{p:#x}, +{size}) which stream {other} freed while its work may run"
+            )
+        self.blocks[p] = Block(nbytes, size, stream, borrowed=self.alloc.stats()["num_borrows"] > borrows)
         return p
 
     def free(self, p: int) -> None:
         b = self.blocks.pop(p)
-        self.live.remove(p, keep_range=bool(b.other_streams))
+        pending = bool(b.other_streams) or b.borrowed
+        self.live.remove(p, keep_range=pending)
+        device_frees = self.alloc.stats()["num_segment_frees"]
         self.alloc.free(p)
-        if b.other_streams:
+        if self.alloc.stats()["num_segment_frees"] != device_frees:  # cudaFree synchronizes the device
+            self.unsettled.clear()
+        elif self.held and not pending:
+            self.unsettled.append((p, p + b.size, b.stream))
+        if pending:
             pending = self.deferred if self.capture else self.waiting if self.held else self.done
             pending[p] = b.size
 
@@ -115,6 +135,7 @@ class AllocatorModel:
         if self.held and not hold:
             self.done.update(self.waiting)
             self.waiting.clear()
+            self.unsettled.clear()
         self.held = hold
 
     def begin_capture(self) -> None:
@@ -173,9 +194,14 @@ class AllocatorModel:
         self.deferred.clear()
 
     def _after_possible_sync(self) -> None:
+        waits = self.device.waits
+        if waits != self.waits:  # a stream's work or the device's was waited for
+            self.waits = waits
+            self.unsettled.clear()
         syncs = self.alloc.stats()["num_sync_all_streams"]
-        if syncs != self.syncs:  # every outstanding event was waited for
-            self.syncs = syncs
+        if syncs != self.syncs:  # every outstanding event was waited for (cached memory went back,
+            self.syncs = syncs  # which on CUDA synchronizes the device)
+            self.unsettled.clear()
             self._retire(self.deferred)
             self._retire(self.waiting)
             self._retire(self.done)

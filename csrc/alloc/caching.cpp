@@ -165,6 +165,47 @@ Block* CachingAllocator::take_free(Pool& pool, bool small, Stream stream, size_t
   return b;
 }
 
+// A free block of another stream's default-pool segments that no work queued on that stream can
+// still use: the stream ran past a fence recorded after the block's free (or the block was never used).
+// It stays its owner's (its free list, its segment) and goes to `stream` as a use recorded there: its
+// free waits for an event on `stream` before the owner reuses it. The best fit over the other streams;
+// nullptr if none. A stream whose fitting blocks are all too recent gets a fence for the next miss.
+// Not during a capture (events may not be queried then) nor for private pools.
+Block* CachingAllocator::borrow(Pool& pool, bool small, Stream stream, size_t size) {
+  if (&pool != &default_pool_ || !captures_.empty() || opts_.passthrough) return nullptr;
+  auto& set = pool.free_set(small);
+  Block* best = nullptr;
+  Block key;
+  for (auto it = set.begin(); it != set.end();) {
+    Stream owner = (*it)->stream;
+    if (owner != stream) {
+      key.stream = owner;
+      key.size = size;
+      key.ptr = nullptr;
+      uint64_t done = fence_tick(owner);
+      bool recent = false;
+      for (auto c = set.lower_bound(&key); c != set.end() && (*c)->stream == owner; ++c) {
+        if ((*c)->freed_at > done) {
+          recent = true;
+          continue;
+        }
+        if (!best || (*c)->size < best->size) best = *c;
+        break;
+      }
+      if (recent) add_fence(owner);
+    }
+    key.stream = owner;  // past the owner's largest: the next stream's first block
+    key.size = SIZE_MAX;
+    key.ptr = reinterpret_cast<char*>(UINTPTR_MAX);
+    it = set.upper_bound(&key);
+  }
+  if (!best) return nullptr;
+  set.erase(best);
+  best->stream_uses.push_back(stream);
+  ++stats_.num_borrows;
+  return best;
+}
+
 Block* CachingAllocator::split(Block* b, size_t size, bool small) {
   size_t remaining = b->size - size;
   // An expandable segment splits as the small pool does: its rest is not stranded in a fixed segment
@@ -265,6 +306,7 @@ Pool& CachingAllocator::pool_for(Stream stream) {
 
 Block* CachingAllocator::malloc_slow(Lock& lk, Pool& pool, bool small, Stream stream, size_t size,
                                      size_t nbytes) {
+  if (Block* b = borrow(pool, small, stream, size)) return b;
   if (Block* b = new_segment(pool, small, stream, size)) return b;
   // Stage 2: give cached segments back to the device and try again.
   ++stats_.num_alloc_retries;
@@ -642,6 +684,7 @@ void CachingAllocator::reset_accumulated_stats() {
   for (StatArray* a : all_stat_arrays()) a->reset_totals();
   stats_.num_alloc_retries = stats_.num_ooms = stats_.num_sync_all_streams = 0;
   stats_.num_device_alloc = stats_.num_device_free = stats_.num_reclaims = stats_.num_reclaim_waits = 0;
+  stats_.num_borrows = 0;
   stats_.reclaimed_bytes = 0;
   stats_.num_pressure_calls = stats_.pressure_freed_bytes = 0;
 }

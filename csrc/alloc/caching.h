@@ -124,6 +124,7 @@ class CachingAllocator {
   }
   Pool& pool_for(Stream stream);
   Block* take_free(Pool& pool, bool small, Stream stream, size_t size);
+  Block* borrow(Pool& pool, bool small, Stream stream, size_t size);  // another stream's settled free block
   Block* malloc_slow(Lock& lk, Pool& pool, bool small, Stream stream, size_t size, size_t nbytes);
   Block* new_segment(Pool& pool, bool small, Stream stream, size_t size);
   // expandable.cpp

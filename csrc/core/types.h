@@ -122,6 +122,7 @@ struct Stats {
   int64_t num_reclaims = 0;  // free blocks whose pages an expandable segment moved to a request
   int64_t num_reclaim_waits = 0;  // host waits for a stream before such moves (a fence spared the rest)
   int64_t reclaimed_bytes = 0;    // the pages those moves unmapped (each mapped again where needed)
+  int64_t num_borrows = 0;  // misses served by another stream's free block whose last use completed
   // Pending bytes (freed, awaiting another stream's event) when reserved bytes last set their peak: the
   // part of reserved - allocated at the peak that is copies in flight, not cached free memory.
   int64_t pending_at_reserved_peak = 0;

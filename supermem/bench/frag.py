@@ -129,12 +129,14 @@ def simulated(pattern: str, steps: int, expandable: bool, limit_bytes: int | Non
 
 def _moves(stats: list) -> dict:
     """Summed over supermem's allocators' stats: the holes whose pages moved to a request, the host's
-    waits before such moves and the bytes moved; and of reserved - allocated at the peak, the freed
+    waits before such moves and the bytes moved; the misses another stream's settled free block served;
+    and of reserved - allocated at the peak, the freed
     blocks awaiting another stream (copies in flight). None where 0 (or no allocator of supermem's)."""
     keys = {
         "reclaims": "num_reclaims",
         "reclaim_waits": "num_reclaim_waits",
         "reclaimed_bytes": "reclaimed_bytes",
+        "borrows": "num_borrows",
         "pending_at_peak": "pending_at_reserved_peak",
     }
     return {row: sum(s[key] for s in stats) or None for row, key in keys.items()}
@@ -278,6 +280,7 @@ def run(args: argparse.Namespace) -> dict:
         ("reclaims", lambda r: r.get("reclaims"), ""),
         ("waits", lambda r: r.get("reclaim_waits"), ""),
         ("moved GiB", lambda r: (r.get("reclaimed_bytes") or 0) / 2**30 or None, ".1f"),
+        ("borrows", lambda r: r.get("borrows"), ""),
         ("in flight GiB", lambda r: (r.get("pending_at_peak") or 0) / 2**30 or None, ".2f"),
         ("note", lambda r: r.get("error"), ""),
     ]
