@@ -50,6 +50,11 @@ def push(get_pool: Callable[[], Any]) -> None:
     atexit.register(drain)
 
 
+def pushed() -> bool:
+    """Whether the pool's process-wide hooks are on (they stay on for the process)."""
+    return bool(_hooks)
+
+
 def _pack_refs() -> int:
     return sys.getrefcount(_hooks[0])
 

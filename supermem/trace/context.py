@@ -18,7 +18,9 @@ Activations are named from the phases when the trace is built (owners.py: made i
 a backward begun after it). For the first `hook_backwards` backwards a saved-tensor pack hook also observes
 what autograd saves (the default hooks, innermost wins: the pool's own hooks, checkpointing's, a user's
 save_on_cpu, shadow this one inside them; the pool says what it saves through supermem.events): those
-blocks are named by it, and it is what the rule is checked against. It costs ~2 us per saved tensor and
+blocks are named by it, and it is what the rule is checked against. Under a pool for every backward
+(SUPERMEM_CONF=pool:...) it is never on: pushed after the pool's, it would shadow the pool, and the
+recorded steps would run without it. It costs ~2 us per saved tensor and
 a Python call per unpack (+20% of a host-bound step), so it is taken off at the end of the backward that
 completes the count, where it is on top of this thread's hook stack (else at a later backward's end);
 hook_backwards None keeps it for the whole recording. The pack hook returns a detached alias, not the
@@ -111,6 +113,7 @@ class Context:
         import torch
         from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
+        from .. import process_hooks
         from .. import torch_private as tp
         from ..tensor_pool.held import held_state
 
@@ -122,7 +125,7 @@ class Context:
         ]
         self._unwrap = unwrap
         self._stop_watch = tp.watch_backward(self._backward_begins, self._backward_ends)
-        if self.hook_backwards != 0:
+        if self.hook_backwards != 0 and not process_hooks.pushed():
             tp.push_saved_hooks(self._pack, self._unpack)
             self._hook_thread = threading.get_ident()
         else:

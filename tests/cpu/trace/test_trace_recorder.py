@@ -298,3 +298,29 @@ def test_discovered_allocators_are_attached_once(tmp_path, monkeypatch):
     with rec:
         alloc.free(alloc.malloc(4096))
     assert rec.status()["devices"] == [0]
+
+
+def test_a_pool_for_every_backward_sees_the_recorded_steps_saves(tmp_path):
+    """The recorder's activation hook is pushed after the pool's process-wide hooks (SUPERMEM_CONF=pool:
+    installs them at import): it must not shadow them, or the first backwards run without the pool."""
+    code = f"""
+import torch
+from supermem import process_hooks
+from supermem.trace import recorder
+packed = []
+class Pool:
+    def pack(self, t):
+        packed.append(t.shape)
+        return t
+    def unpack(self, t):
+        return t
+process_hooks.push(Pool)
+rec = recorder.Recorder(capacity_events=1000).start()
+lin = torch.nn.Linear(8, 8)
+lin(torch.randn(4, 8)).relu().sum().backward()
+rec.stop({str(tmp_path / "t.smtrace")!r})
+print("packed", len(packed))
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "packed 0" not in r.stdout and "packed" in r.stdout, r.stdout
