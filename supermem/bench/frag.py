@@ -192,9 +192,11 @@ def _pattern_steps(spec: dict) -> Iterator[Callable[[], None]]:
 
 def _model_steps(spec: dict) -> Iterator[Callable[[], None]]:
     """Training steps of the workload's model: forward under its autocast, backward, SGD. spec["shapes"]:
-    (batch, sequence) of each step's tokens, or null for the preset's own batch every step."""
+    (batch, sequence) of each step's tokens, or null for the preset's own batch every step. spec["loss"]
+    "chunked": GPT's head and loss through supermem.linear_cross_entropy (no full logits)."""
     import torch
 
+    from ..losses import linear_cross_entropy
     from . import train_worker
 
     device = torch.device(spec["device"])  # cuda; cpu in the tests
@@ -205,7 +207,10 @@ def _model_steps(spec: dict) -> Iterator[Callable[[], None]]:
 
     def train_step(x: torch.Tensor, y: torch.Tensor) -> None:
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=preset.bf16 and device.type == "cuda"):
-            loss = preset.loss(model, x, y)
+            if spec.get("loss") == "chunked":
+                loss = linear_cross_entropy(model.hidden(x), model.head.weight, y)
+            else:
+                loss = preset.loss(model, x, y)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -233,6 +238,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="the rows of one allocator only, again for both (default: both)",
     )
     p.add_argument(
+        "--loss",
+        choices=("plain", "chunked"),
+        default="plain",
+        help="gpt's loss: its full logits, or supermem.linear_cross_entropy a chunk of rows at a time",
+    )
+    p.add_argument(
         "--no-limits",
         action="store_true",
         help="skip the search for the smallest limit each row completes under (a process per factor)",
@@ -248,6 +259,8 @@ def run(args: argparse.Namespace) -> dict:
     if not cuda and args.allocator == ["native"]:
         raise UsageError(f"--allocator native: PyTorch's rows need CUDA (device {args.device})")
     models = [w for w in workloads if w in MODEL_WORKLOADS]
+    if args.loss == "chunked" and set(workloads) != {"gpt"}:
+        raise UsageError("--loss chunked: gpt's head only (--pattern gpt)")
     if models and not cuda:
         if not args.quick:
             need = f"--pattern {'/'.join(models)}: model workloads need CUDA (device {args.device})"
@@ -258,7 +271,7 @@ def run(args: argparse.Namespace) -> dict:
     for workload in workloads:
         chosen = [r for r in ROWS if not args.allocator or r[1] in args.allocator]
         if cuda:
-            got = _gpu_rows(args, _spec(workload, steps, args.quick), chosen)
+            got = _gpu_rows(args, dict(_spec(workload, steps, args.quick), loss=args.loss), chosen)
         else:
             got = [
                 (name, _sim_row(workload, steps, option is not None))

@@ -174,6 +174,25 @@ def test_model_steps_train_on_cpu(preset, shapes):
     assert done == 2
 
 
+def test_chunked_loss_reaches_gpts_rows_and_trains_and_is_refused_elsewhere(monkeypatch):
+    """--loss chunked: GPT's head and loss through supermem.linear_cross_entropy, in every row's spec."""
+    from supermem.errors import UsageError
+
+    specs = _record(monkeypatch)
+    _run("--pattern", "gpt", "--loss", "chunked", "--no-limits", "--repeats", "1")
+    assert len(specs) == 4 and all(s["loss"] == "chunked" for s in specs)
+    with pytest.raises(UsageError, match="--loss chunked"):
+        _run("--pattern", "resnet", "--loss", "chunked")
+    import supermem.losses
+
+    calls = []
+    real = supermem.losses.linear_cross_entropy
+    monkeypatch.setattr(supermem.losses, "linear_cross_entropy", lambda *a: calls.append(1) or real(*a))
+    for step in frag._model_steps({"device": "cpu", "preset": "gpt-quick", "steps": 2, "loss": "chunked"}):
+        step()
+    assert calls == [1, 1]
+
+
 def test_targets_judge_supermem_expandable_against_its_baselines(monkeypatch, capsys):
     specs = _record(monkeypatch)
     _run("--pattern", "llama-varlen")  # every row: 11/10 GiB, 5 ms, completes at 1.05x
