@@ -383,9 +383,18 @@ PYBIND11_MODULE(_C, m) {
       // For tests of the invariant walker: change the mapping behind the allocator's back.
       .def("_vm_map", [](SimDevice& d, uint64_t addr, size_t n) { return d.vm_map(as_ptr(addr), n); })
       .def("_vm_unmap", [](SimDevice& d, uint64_t addr, size_t n) { d.vm_unmap(as_ptr(addr), n, true); })
+      .def("_vm_set_aside", [](SimDevice& d, uint64_t addr, size_t n) { d.vm_set_aside(as_ptr(addr), n); })
+      .def("_vm_trim", &SimDevice::vm_trim)
+      .def("_vm_reserve", [](SimDevice& d, size_t n) { return reinterpret_cast<uint64_t>(d.vm_reserve(n)); })
+      .def("_vm_release", [](SimDevice& d, uint64_t addr, size_t n) { d.vm_release(as_ptr(addr), n); })
       .def_property_readonly("used_bytes", &SimDevice::used_bytes)
       .def_property_readonly("live_events", &SimDevice::live_events)
-      .def_property_readonly("waits", &SimDevice::waits);
+      .def_property_readonly("waits", &SimDevice::waits)
+      .def_property_readonly("page_calls", [](SimDevice& d) {
+        auto c = d.page_calls();
+        return py::dict(py::arg("created") = c.created, py::arg("aliased") = c.aliased,
+                        py::arg("in_place") = c.in_place, py::arg("unmapped") = c.unmapped);
+      });
 
 #ifdef SUPERMEM_WITH_CUDA
   py::class_<CudaDevice, Device, std::shared_ptr<CudaDevice>>(m, "CudaDevice")

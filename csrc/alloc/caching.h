@@ -129,12 +129,13 @@ class CachingAllocator {
   Block* new_segment(Pool& pool, bool small, Stream stream, size_t size);
   // expandable.cpp
   Block* map_for(Pool& pool, bool small, Stream stream, size_t size);  // new_segment's expandable twin
+  Block* map_run(Pool& pool, bool small, Stream stream, size_t size);  // map_for before the trim
   Block* find_run(Pool& pool, bool small, Stream stream, size_t size, size_t& map_bytes);
   Segment* reserve_segment(Pool& pool, bool small, Stream stream);
   Block* map_front(Block* unmapped, size_t nbytes);  // the merged free block, or nullptr (no room)
   // A free block's whole pages go back (false: it has none); wait: first wait for the device (false:
-  // the caller did since the block was freed)
-  bool unmap_free_pages(Block* b, bool wait);
+  // the caller did since the block was freed); aside: their memory kept for the next mapping (a move)
+  bool unmap_free_pages(Block* b, bool wait, bool aside = false);
   bool reclaim_holes(size_t map_bytes, size_t size, const Block* run);  // holes' pages, before growing
   uint64_t fence_tick(Stream stream);  // blocks freed by this tick need no wait before an unmap
   // At most every `every` frees of `stream`: gives its completed fences back and records one at the

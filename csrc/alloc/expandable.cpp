@@ -46,6 +46,12 @@ bool is_unmapped(const Block* b) { return b && b->state == BlockState::unmapped;
 }  // namespace
 
 Block* CachingAllocator::map_for(Pool& pool, bool small, Stream stream, size_t size) {
+  Block* b = map_run(pool, small, stream, size);
+  device_->vm_trim();  // the moved pages no new mapping took go back
+  return b;
+}
+
+Block* CachingAllocator::map_run(Pool& pool, bool small, Stream stream, size_t size) {
   size_t map_bytes = 0;
   Block* b = find_run(pool, small, stream, size, map_bytes);
   if (!b) {  // a new range; none for a request larger than any range (it cannot fit the device either)
@@ -184,7 +190,7 @@ bool CachingAllocator::reclaim_holes(size_t map_bytes, size_t size, const Block*
       fences_[st].done = free_tick_;
       ++stats_.num_reclaim_waits;
     }
-    unmap_free_pages(h.b, /*wait=*/false);
+    unmap_free_pages(h.b, /*wait=*/false, /*aside=*/true);
     freed += static_cast<int64_t>(h.bytes);
     ++stats_.num_reclaims;
     stats_.reclaimed_bytes += static_cast<int64_t>(h.bytes);
@@ -282,11 +288,12 @@ void CachingAllocator::count_inactive_split(Block* b, int sign) {
 // Unmaps the whole pages inside free block b (PyTorch's unmap_block): what is left of b at either end
 // stays a free block (a page shared with a neighbour stays mapped). Releases the segment once nothing
 // of it is mapped.
-bool CachingAllocator::unmap_free_pages(Block* b, bool wait) {
+bool CachingAllocator::unmap_free_pages(Block* b, bool wait, bool aside) {
   Segment* s = b->segment;
   auto [lo, hi] = whole_pages(b);
   if (lo >= hi) return false;
-  device_->vm_unmap(lo, static_cast<size_t>(hi - lo), wait);
+  if (aside) device_->vm_set_aside(lo, static_cast<size_t>(hi - lo));
+  else device_->vm_unmap(lo, static_cast<size_t>(hi - lo), wait);
   auto& set = s->pool->free_set(s->small);
   set.erase(b);
   count_inactive_split(b, -1);

@@ -3,6 +3,11 @@
 // page back. One physical allocation per page, as PyTorch's ExpandableSegment does: the driver cannot
 // unmap part of an allocation, and a page is what the allocator gives back.
 //
+// A page moved to another address (vm_set_aside, then vm_map) keeps its memory and stays mapped where it
+// was, unused: a stale view. When the allocator moves it back there, the page is taken as it is, with no
+// driver call; elsewhere the memory is mapped once more (cuMemMap + cuMemSetAccess, about half a new
+// page's cost, docs/allocator.md). The memory is freed with its last view.
+//
 // The driver API is reached through cudaGetDriverEntryPointByVersion, not by linking libcuda: the
 // module must import on machines with no driver (cudart itself only dlopens libcuda when first used).
 #include <cuda.h>
@@ -14,6 +19,7 @@
 #include <mutex>
 #include <string>
 #include <type_traits>
+#include <unordered_map>
 #include <vector>
 
 #include "../core/fork.h"
@@ -95,10 +101,16 @@ struct CudaDevice::Vm {
   ForkRegistration fork{&mu, ForkLevel::device};
   size_t page = 0;  // 0: no virtual memory management on this device or driver
   CUmemAllocationProp prop{};
-  std::map<CUdeviceptr, std::vector<bool>> ranges;  // reserved ranges: which of their pages are mapped
+  struct Page {
+    bool mapped = false;
+    CUmemGenericAllocationHandle h = 0;  // the memory this address maps (unused: a stale view); 0: none
+  };
+  std::map<CUdeviceptr, std::vector<Page>> ranges;  // reserved ranges, by page
+  std::unordered_map<CUmemGenericAllocationHandle, std::vector<CUdeviceptr>> views;  // memory -> its addresses
+  std::vector<CUmemGenericAllocationHandle> aside;  // memory set aside for the next vm_map
 
   // The range holding [p, p + n) and its first page; DeviceError for anything else (an allocator bug).
-  std::pair<std::vector<bool>*, size_t> find(CUdeviceptr p, size_t n, const char* what) {
+  std::pair<std::vector<Page>*, size_t> find(CUdeviceptr p, size_t n, const char* what) {
     auto it = ranges.upper_bound(p);
     if (it != ranges.begin()) {
       --it;
@@ -144,73 +156,129 @@ void* CudaDevice::vm_reserve(size_t nbytes) {
   if (r == CUDA_ERROR_OUT_OF_MEMORY) return nullptr;
   check_cu(r, "cuMemAddressReserve");
   std::lock_guard<std::mutex> l(v.mu);
-  v.ranges[p].assign(nbytes / v.page, false);
+  v.ranges[p].assign(nbytes / v.page, Vm::Page{});
   return reinterpret_cast<void*>(p);
 }
 
 void CudaDevice::vm_release(void* base, size_t nbytes) {
   Vm& v = vm();
   CUdeviceptr p = reinterpret_cast<CUdeviceptr>(base);
+  DeviceGuard g(index_);
   {
     std::lock_guard<std::mutex> l(v.mu);
     auto it = v.ranges.find(p);
     if (it == v.ranges.end() || it->second.size() * v.page != nbytes)
       throw DeviceError("supermem: vm_release of a range that was not reserved");
-    if (std::find(it->second.begin(), it->second.end(), true) != it->second.end())
-      throw DeviceError("supermem: vm_release of a range with pages still mapped");
+    for (const Vm::Page& page : it->second)
+      if (page.mapped) throw DeviceError("supermem: vm_release of a range with pages still mapped");
+    for (size_t i = 0; i < it->second.size(); ++i)  // stale views: their memory lives on elsewhere
+      if (it->second[i].h) drop_view(it->second[i].h, p + i * v.page);
     v.ranges.erase(it);
   }
-  DeviceGuard g(index_);
   check_cu(driver().address_free(p, nbytes), "cuMemAddressFree");
+}
+
+// (With the lock) `va`, a page mapping h that is not in use, is unmapped.
+void CudaDevice::drop_view(CUmemGenericAllocationHandle h, CUdeviceptr va) {
+  Vm& v = *vm_;
+  check_cu(driver().unmap(va, v.page), "cuMemUnmap");
+  auto& views = v.views[h];
+  views.erase(std::find(views.begin(), views.end(), va));
+  if (views.empty()) v.views.erase(h);
+}
+
+// (With the lock) every address mapping h unmapped, and its memory freed.
+void CudaDevice::free_page(CUmemGenericAllocationHandle h) {
+  Vm& v = *vm_;
+  auto it = v.views.find(h);
+  if (it != v.views.end()) {
+    for (CUdeviceptr va : it->second) {
+      check_cu(driver().unmap(va, v.page), "cuMemUnmap");
+      auto [pages, i] = v.find(va, v.page, "vm_unmap");
+      (*pages)[i].h = 0;
+    }
+    v.views.erase(it);
+  }
+  check_cu(driver().release(h), "cuMemRelease");
 }
 
 bool CudaDevice::vm_map(void* addr, size_t nbytes) {
   Vm& v = vm();
   const Driver& d = driver();
   CUdeviceptr p = reinterpret_cast<CUdeviceptr>(addr);
-  size_t first = 0, n = nbytes / v.page;
-  {
-    std::lock_guard<std::mutex> l(v.mu);
-    auto [pages, at] = v.find(p, nbytes, "vm_map");
-    first = at;
-    for (size_t i = first; i < first + n; ++i)
-      if ((*pages)[i]) throw DeviceError("supermem: vm_map of a page already mapped");
-  }
+  size_t n = nbytes / v.page;
   DeviceGuard g(index_);
   RelaxedCapture relaxed;
-  size_t mapped = 0;
-  auto undo = [&] {  // nothing has used these pages yet: no need to wait for the device
-    for (size_t i = 0; i < mapped; ++i) d.unmap(p + i * v.page, v.page);
+  std::lock_guard<std::mutex> l(v.mu);  // (no call below waits for the device)
+  auto [pages, first] = v.find(p, nbytes, "vm_map");
+  Vm::Page* at = pages->data() + first;
+  for (size_t k = 0; k < n; ++k)
+    if (at[k].mapped) throw DeviceError("supermem: vm_map of a page already mapped");
+  std::vector<char> how(n, 0);  // 1: set-aside memory still mapped here; 2: set-aside memory; 3: new
+  for (size_t k = 0; k < n; ++k) {
+    auto it = at[k].h ? std::find(v.aside.begin(), v.aside.end(), at[k].h) : v.aside.end();
+    if (it == v.aside.end()) continue;
+    v.aside.erase(it);
+    how[k] = 1;
+  }
+  auto undo = [&](size_t upto) {  // nothing has used these pages yet: no need to wait for the device
+    for (size_t k = 0; k < upto; ++k) {
+      if (how[k] == 1) v.aside.push_back(at[k].h);
+      if (how[k] < 2) continue;
+      drop_view(at[k].h, p + k * v.page);
+      if (how[k] == 2) v.aside.push_back(at[k].h);
+      else d.release(at[k].h);
+      at[k].h = 0;
+    }
   };
-  for (; mapped < n; ++mapped) {
+  for (size_t k = 0; k < n; ++k) {
+    if (how[k] == 1) continue;
+    CUdeviceptr va = p + k * v.page;
+    CUresult r = CUDA_SUCCESS;
+    if (at[k].h) {  // a stale view of memory in use elsewhere
+      drop_view(at[k].h, va);
+      at[k].h = 0;
+    }
     CUmemGenericAllocationHandle h = 0;
-    CUresult r = d.create(&h, v.page, &v.prop, 0);
-    if (r == CUDA_ERROR_OUT_OF_MEMORY) {
-      undo();
-      return false;
+    if (!v.aside.empty()) {
+      h = v.aside.back();
+      v.aside.pop_back();
+      how[k] = 2;
+    } else {
+      r = d.create(&h, v.page, &v.prop, 0);
+      how[k] = 3;
     }
-    if (r == CUDA_SUCCESS) {
-      r = d.map(p + mapped * v.page, v.page, 0, h, 0);
-      d.release(h);  // the mapping keeps the memory until it is unmapped
-    }
+    if (r == CUDA_SUCCESS && (r = d.map(va, v.page, 0, h, 0)) != CUDA_SUCCESS && how[k] == 3) d.release(h);
     if (r != CUDA_SUCCESS) {
-      undo();
+      if (how[k] == 2) v.aside.push_back(h);
+      how[k] = 0;
+      undo(k);
+      if (r == CUDA_ERROR_OUT_OF_MEMORY) return false;
       check_cu(r, "cuMemCreate/cuMemMap");
     }
+    at[k].h = h;
+    v.views[h].push_back(va);
   }
   CUmemAccessDesc access{};
   access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
   access.location.id = index_;
   access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-  CUresult r = d.set_access(p, nbytes, &access, 1);
-  if (r != CUDA_SUCCESS) {
-    undo();
-    if (r == CUDA_ERROR_OUT_OF_MEMORY) return false;
-    check_cu(r, "cuMemSetAccess");
+  for (size_t k = 0; k < n;) {  // each run of newly mapped pages (a stale view kept its access)
+    size_t e = k;
+    while (e < n && how[e] >= 2) ++e;
+    if (e == k) {
+      ++k;
+      continue;
+    }
+    CUresult r = d.set_access(p + k * v.page, (e - k) * v.page, &access, 1);
+    if (r != CUDA_SUCCESS) {
+      undo(n);
+      if (r == CUDA_ERROR_OUT_OF_MEMORY) return false;
+      check_cu(r, "cuMemSetAccess");
+    }
+    k = e;
   }
-  std::lock_guard<std::mutex> l(v.mu);
-  auto [pages, at] = v.find(p, nbytes, "vm_map");
-  std::fill(pages->begin() + at, pages->begin() + at + n, true);
+  for (size_t k = 0; k < n; ++k) at[k].mapped = true;
   return true;
 }
 
@@ -222,16 +290,40 @@ void CudaDevice::vm_unmap(void* addr, size_t nbytes, bool wait) {
     std::lock_guard<std::mutex> l(v.mu);
     auto [pages, first] = v.find(p, nbytes, "vm_unmap");
     for (size_t i = first; i < first + n; ++i)
-      if (!(*pages)[i]) throw DeviceError("supermem: vm_unmap of a page not mapped");
+      if (!(*pages)[i].mapped) throw DeviceError("supermem: vm_unmap of a page not mapped");
   }
   DeviceGuard g(index_);
   // Unlike cudaFree, cuMemUnmap does not wait for kernels still using the pages (PyTorch found the
   // same): a block freed on its own stream may still be read by work queued there.
   if (wait) check(cudaDeviceSynchronize(), "cudaDeviceSynchronize before cuMemUnmap");
-  for (size_t i = 0; i < n; ++i) check_cu(driver().unmap(p + i * v.page, v.page), "cuMemUnmap");
   std::lock_guard<std::mutex> l(v.mu);
   auto [pages, first] = v.find(p, nbytes, "vm_unmap");
-  std::fill(pages->begin() + first, pages->begin() + first + n, false);
+  for (size_t i = first; i < first + n; ++i) {
+    (*pages)[i].mapped = false;
+    free_page((*pages)[i].h);  // (every view of it, this one included)
+  }
+}
+
+void CudaDevice::vm_set_aside(void* addr, size_t nbytes) {
+  Vm& v = vm();
+  std::lock_guard<std::mutex> l(v.mu);
+  auto [pages, first] = v.find(reinterpret_cast<CUdeviceptr>(addr), nbytes, "vm_set_aside");
+  size_t n = nbytes / v.page;
+  for (size_t i = first; i < first + n; ++i)
+    if (!(*pages)[i].mapped) throw DeviceError("supermem: vm_set_aside of a page not mapped");
+  for (size_t i = first; i < first + n; ++i) {
+    (*pages)[i].mapped = false;
+    v.aside.push_back((*pages)[i].h);
+  }
+}
+
+void CudaDevice::vm_trim() {
+  Vm& v = vm();
+  std::lock_guard<std::mutex> l(v.mu);
+  if (v.aside.empty()) return;
+  DeviceGuard g(index_);
+  for (CUmemGenericAllocationHandle h : v.aside) free_page(h);
+  v.aside.clear();
 }
 
 size_t CudaDevice::vm_mapped_bytes(void* addr, size_t nbytes) {
@@ -244,7 +336,7 @@ size_t CudaDevice::vm_mapped_bytes(void* addr, size_t nbytes) {
     for (CUdeviceptr q = b; q < e;) {
       size_t i = (q - base) / v.page;
       CUdeviceptr page_end = std::min(e, base + (i + 1) * v.page);
-      if (pages[i]) total += page_end - q;
+      if (pages[i].mapped) total += page_end - q;
       q = page_end;
     }
   }

@@ -56,6 +56,12 @@ class Device {
   // the caller waited since they were last used). Throws DeviceError for a page not mapped. Must not be
   // called during a graph capture.
   virtual void vm_unmap(void* addr, size_t nbytes, bool wait) {}
+  // Unmaps the mapped pages [addr, addr + nbytes) as vm_unmap(..., false) does, but keeps their memory
+  // aside for the next vm_map, which takes it before any new memory: for a page that still names one of
+  // them (its old address, left as it was), with no driver call at all; else mapped there too. vm_trim
+  // frees what no vm_map took. Lets pages move between addresses back and forth without new memory.
+  virtual void vm_set_aside(void* addr, size_t nbytes) { vm_unmap(addr, nbytes, false); }
+  virtual void vm_trim() {}
   // Bytes of [addr, addr + nbytes) that are mapped, as the device itself counts them (the walker
   // compares them with the allocator's blocks).
   virtual size_t vm_mapped_bytes(void* addr, size_t nbytes) { return 0; }
@@ -90,6 +96,8 @@ class SimDevice : public Device {
   void vm_release(void* base, size_t nbytes) override;
   bool vm_map(void* addr, size_t nbytes) override;
   void vm_unmap(void* addr, size_t nbytes, bool wait) override;
+  void vm_set_aside(void* addr, size_t nbytes) override;
+  void vm_trim() override;
   size_t vm_mapped_bytes(void* addr, size_t nbytes) override;
   size_t total_bytes() override { return capacity_; }
   size_t free_bytes() override;
@@ -100,8 +108,17 @@ class SimDevice : public Device {
   size_t used_bytes();
   size_t live_events();
   std::pair<size_t, size_t> waits();  // (vm_unmap calls that waited for the device, event_wait calls)
+  struct PageCalls {  // what a GPU's driver would have been asked, in pages
+    size_t created = 0;   // new memory mapped (cuMemCreate + cuMemMap)
+    size_t aliased = 0;   // memory set aside mapped at another address (cuMemMap)
+    size_t in_place = 0;  // memory set aside taken back where it was still mapped (nothing)
+    size_t unmapped = 0;  // addresses unmapped (cuMemUnmap), stale ones included
+  };
+  PageCalls page_calls();
 
  private:
+  void drop_view(int64_t phys, char* page);  // (with the lock) `page` no longer maps phys
+  void free_phys(int64_t phys);              // (with the lock) every page mapping it unmapped; memory freed
   struct State;
   std::unique_ptr<State> st_;
   size_t capacity_;
@@ -129,6 +146,8 @@ class CudaDevice : public Device {
   void vm_release(void* base, size_t nbytes) override;
   bool vm_map(void* addr, size_t nbytes) override;
   void vm_unmap(void* addr, size_t nbytes, bool wait) override;
+  void vm_set_aside(void* addr, size_t nbytes) override;
+  void vm_trim() override;
   size_t vm_mapped_bytes(void* addr, size_t nbytes) override;
   size_t total_bytes() override;
   size_t free_bytes() override;
@@ -138,6 +157,8 @@ class CudaDevice : public Device {
  private:
   struct State;
   struct Vm;  // cuda_vm.cpp: the driver's page size and which reserved pages are mapped
+  void drop_view(unsigned long long h, unsigned long long va);  // (cuda_vm.cpp, with Vm's lock)
+  void free_page(unsigned long long h);
   Vm& vm();
   std::unique_ptr<State> st_;
   std::once_flag vm_once_;

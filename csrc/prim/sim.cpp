@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <map>
 #include <mutex>
+#include <unordered_map>
 #include <unordered_set>
 #include <vector>
 
@@ -19,17 +20,23 @@ struct SimEvent {
 };
 }  // namespace
 
-// A reserved range and which of its pages are mapped.
+// A reserved range: which of its pages are mapped, and the physical page each maps (-1: none). A page
+// set aside (vm_set_aside) or mapped elsewhere since still names its physical page: a stale view.
 struct SimRange {
   size_t size = 0;
   std::vector<bool> mapped;
+  std::vector<int64_t> phys;
 };
 
 struct SimDevice::State {
   std::mutex mu;
   ForkRegistration fork{&mu, ForkLevel::device};
-  size_t used = 0;                     // segments and mapped pages
+  size_t used = 0;                     // segments and physical pages (mapped or set aside)
   std::map<char*, SimRange> ranges;    // reserved ranges by base address
+  std::unordered_map<int64_t, std::vector<char*>> views;  // physical page -> the pages mapping it
+  std::vector<int64_t> aside;          // physical pages set aside for the next vm_map
+  int64_t next_phys = 0;
+  SimDevice::PageCalls calls;
   bool hold = false;
   std::vector<SimEvent*> held;        // events recorded while holding
   std::unordered_set<SimEvent*> live; // events not yet released
@@ -133,6 +140,7 @@ void* SimDevice::vm_reserve(size_t nbytes) {
   SimRange& r = st_->ranges[static_cast<char*>(p)];
   r.size = nbytes;
   r.mapped.assign(nbytes / page_bytes_, false);
+  r.phys.assign(nbytes / page_bytes_, -1);
   return p;
 }
 
@@ -143,8 +151,30 @@ void SimDevice::vm_release(void* base, size_t nbytes) {
     throw DeviceError("supermem: simulated vm_release of a range that was not reserved");
   for (bool m : it->second.mapped)
     if (m) throw DeviceError("supermem: simulated vm_release of a range with pages still mapped");
+  for (size_t i = 0; i < it->second.phys.size(); ++i)  // stale views: their pages live on elsewhere
+    if (it->second.phys[i] >= 0) drop_view(it->second.phys[i], static_cast<char*>(base) + i * page_bytes_);
   st_->ranges.erase(it);
   munmap(base, nbytes);
+}
+
+void SimDevice::drop_view(int64_t phys, char* page) {
+  auto& v = st_->views[phys];
+  v.erase(std::find(v.begin(), v.end(), page));
+  if (v.empty()) st_->views.erase(phys);
+  ++st_->calls.unmapped;
+}
+
+void SimDevice::free_phys(int64_t phys) {
+  auto it = st_->views.find(phys);
+  if (it != st_->views.end()) {
+    for (char* page : it->second) {
+      auto [r, i] = find_range(st_->ranges, page, page_bytes_, page_bytes_, "unmap");
+      r->phys[i] = -1;
+      ++st_->calls.unmapped;
+    }
+    st_->views.erase(it);
+  }
+  st_->used -= page_bytes_;
 }
 
 bool SimDevice::vm_map(void* addr, size_t nbytes) {
@@ -153,10 +183,36 @@ bool SimDevice::vm_map(void* addr, size_t nbytes) {
   size_t n = nbytes / page_bytes_;
   for (size_t i = first; i < first + n; ++i)
     if (r->mapped[i]) throw DeviceError("supermem: simulated vm_map of a page already mapped");
-  if (nbytes > capacity_ - st_->used) return false;
+  size_t fresh = n > st_->aside.size() ? n - st_->aside.size() : 0;
+  if (fresh * page_bytes_ > capacity_ - st_->used) return false;
   if (!remap(addr, nbytes, true)) return false;  // the host is out of memory maps: a full device
+  auto& aside = st_->aside;
+  std::vector<bool> done(n);
+  for (size_t k = 0; k < n; ++k) {  // a page set aside that this page still maps: taken where it is
+    int64_t p = r->phys[first + k];
+    auto it = p < 0 ? aside.end() : std::find(aside.begin(), aside.end(), p);
+    if (it == aside.end()) continue;
+    aside.erase(it);
+    done[k] = true;
+    ++st_->calls.in_place;
+  }
+  for (size_t k = 0; k < n; ++k) {
+    if (done[k]) continue;
+    char* page = static_cast<char*>(addr) + k * page_bytes_;
+    int64_t& p = r->phys[first + k];
+    if (p >= 0) drop_view(p, page);
+    if (!aside.empty()) {  // mapped here too: no new memory
+      p = aside.back();
+      aside.pop_back();
+      ++st_->calls.aliased;
+    } else {
+      p = st_->next_phys++;
+      st_->used += page_bytes_;
+      ++st_->calls.created;
+    }
+    st_->views[p].push_back(page);
+  }
   for (size_t i = first; i < first + n; ++i) r->mapped[i] = true;
-  st_->used += nbytes;
   return true;
 }
 
@@ -168,8 +224,34 @@ void SimDevice::vm_unmap(void* addr, size_t nbytes, bool wait) {
   for (size_t i = first; i < first + n; ++i)
     if (!r->mapped[i]) throw DeviceError("supermem: simulated vm_unmap of a page not mapped");
   if (!remap(addr, nbytes, false)) throw DeviceError("supermem: simulated vm_unmap: mmap failed");
-  for (size_t i = first; i < first + n; ++i) r->mapped[i] = false;
-  st_->used -= nbytes;
+  for (size_t i = first; i < first + n; ++i) {
+    r->mapped[i] = false;
+    free_phys(r->phys[i]);  // (every view of it, this one included)
+  }
+}
+
+void SimDevice::vm_set_aside(void* addr, size_t nbytes) {
+  std::lock_guard<std::mutex> g(st_->mu);
+  auto [r, first] = find_range(st_->ranges, addr, nbytes, page_bytes_, "vm_set_aside");
+  size_t n = nbytes / page_bytes_;
+  for (size_t i = first; i < first + n; ++i)
+    if (!r->mapped[i]) throw DeviceError("supermem: simulated vm_set_aside of a page not mapped");
+  if (!remap(addr, nbytes, false)) throw DeviceError("supermem: simulated vm_set_aside: mmap failed");
+  for (size_t i = first; i < first + n; ++i) {
+    r->mapped[i] = false;
+    st_->aside.push_back(r->phys[i]);
+  }
+}
+
+void SimDevice::vm_trim() {
+  std::lock_guard<std::mutex> g(st_->mu);
+  for (int64_t p : st_->aside) free_phys(p);
+  st_->aside.clear();
+}
+
+SimDevice::PageCalls SimDevice::page_calls() {
+  std::lock_guard<std::mutex> g(st_->mu);
+  return st_->calls;
 }
 
 size_t SimDevice::vm_mapped_bytes(void* addr, size_t nbytes) {

@@ -116,6 +116,25 @@ def test_growing_past_the_allocated_peak_moves_pages_out_of_holes_first():
         a.free(p)
 
 
+def test_a_move_maps_the_holes_memory_where_the_request_goes():
+    """Moved pages keep their memory: mapped where the request goes, with no new memory and none freed
+    (the device's own test shows them taken back in place where they were)."""
+    a = make()
+    blocks = [a.malloc(64 * MiB) for _ in range(10)]  # peak 640 MiB: 320 pages created
+    for p in blocks[0:8:2]:
+        a.free(p)
+    created = a.device.page_calls["created"]
+    big = a.malloc(192 * MiB)  # three holes' 96 pages move
+    calls = a.device.page_calls
+    assert calls["created"] == created == 320 and calls["aliased"] == 96
+    assert a.stats()["reserved_bytes"] == a.device.used_bytes == 640 * MiB
+    a.free(big)
+    for p in blocks[1::2] + [blocks[8]]:
+        a.free(p)
+    a.empty_cache()
+    assert a.device.used_bytes == 0 and a.stats()["reserved_bytes"] == 0
+
+
 def test_moving_holes_waits_for_their_segments_stream_not_the_device():
     """A free block's last uses were queued on its segment's stream (another stream's keep it pending):
     moving its pages waits for that stream once, so copies on other streams (the pool's) run on.
@@ -295,6 +314,29 @@ def test_the_walker_checks_the_devices_page_map():
         a.check()
     a.device._vm_unmap(hole, PAGE)
     a.free(p)
+
+
+def test_pages_set_aside_are_taken_back_in_place_mapped_elsewhere_or_freed():
+    d = SimulatedDevice(64 * MiB)
+    a, b = d._vm_reserve(8 * PAGE), d._vm_reserve(8 * PAGE)
+    d._vm_map(a, 2 * PAGE)
+    d._vm_set_aside(a, 2 * PAGE)
+    assert d.mapped_bytes(a, 2 * PAGE) == 0 and d.used_bytes == 2 * PAGE  # unmapped, memory kept
+    d._vm_map(a, 2 * PAGE)  # taken back where they still were
+    assert d.page_calls == {"created": 2, "aliased": 0, "in_place": 2, "unmapped": 0}
+    d._vm_set_aside(a, 2 * PAGE)
+    d._vm_map(b, 2 * PAGE)  # the same memory, now at b
+    assert d.page_calls == {"created": 2, "aliased": 2, "in_place": 2, "unmapped": 0}
+    assert d.used_bytes == 2 * PAGE
+    d._vm_map(a, PAGE)  # a's page still names memory in use at b: new memory, a's stale view dropped
+    assert d.page_calls == {"created": 3, "aliased": 2, "in_place": 2, "unmapped": 1}
+    d._vm_unmap(b, 2 * PAGE)  # freed, with a's other stale view
+    assert d.used_bytes == PAGE and d.page_calls["unmapped"] == 4
+    d._vm_set_aside(a, PAGE)
+    d._vm_trim()  # what no mapping took is freed
+    assert d.used_bytes == 0
+    d._vm_release(a, 8 * PAGE)
+    d._vm_release(b, 8 * PAGE)
 
 
 def test_the_device_refuses_what_the_allocator_must_never_do():
