@@ -64,7 +64,9 @@ class AllocatorModel:
         # (start, end, stream) of blocks freed on their own stream while events are held: that stream's
         # work may still use them, so no other stream may be given them until the hold ends.
         self.unsettled: list[tuple[int, int, int]] = []
-        self.waits = (0, 0)  # the device's waits (device, event): a waited stream's work is done
+        # The device's waits (device, event): a waited stream's work is done. The model does not know
+        # which stream an event wait was for, so any wait forgets every stream's (a looser check).
+        self.waits = (0, 0)
         self.capture: tuple[int, int] | None = None  # the pool allocations are routed to
         self.capture_stream = streams[-1]
         self.pools: list[tuple[int, int]] = []  # pools whose graphs are alive

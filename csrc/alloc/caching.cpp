@@ -402,6 +402,7 @@ bool CachingAllocator::release_cached() {
   for (Segment* s : whole) release_segment(s);
   bool wait = true;  // one wait for the device before the first unmap covers them all (under the lock)
   for (Segment* s : expandable) wait = release_expandable(s, wait);
+  if (opts_.expandable) device_->vm_trim();  // (memory a failed move left set aside)
   for (auto& [stream, f] : fences_) fence_tick(stream);  // completed fences' events go back
   for (auto it = private_pools_.begin(); it != private_pools_.end();) {  // forget empty dead pools
     Pool* p = it->second;

@@ -133,8 +133,8 @@ class CachingAllocator {
   Block* find_run(Pool& pool, bool small, Stream stream, size_t size, size_t& map_bytes);
   Segment* reserve_segment(Pool& pool, bool small, Stream stream);
   Block* map_front(Block* unmapped, size_t nbytes);  // the merged free block, or nullptr (no room)
-  // A free block's whole pages go back (false: it has none); wait: first wait for the device (false:
-  // the caller did since the block was freed); aside: their memory kept for the next mapping (a move)
+  // A free block's whole pages are unmapped (false: it has none); wait: first wait for the device
+  // (false: the caller did since the block was freed); aside: their memory kept for the next mapping (a move)
   bool unmap_free_pages(Block* b, bool wait, bool aside = false);
   bool reclaim_holes(size_t map_bytes, size_t size, const Block* run);  // holes' pages, before growing
   uint64_t fence_tick(Stream stream);  // blocks freed by this tick need no wait before an unmap

@@ -46,8 +46,22 @@ bool is_unmapped(const Block* b) { return b && b->state == BlockState::unmapped;
 }  // namespace
 
 Block* CachingAllocator::map_for(Pool& pool, bool small, Stream stream, size_t size) {
-  Block* b = map_run(pool, small, stream, size);
-  device_->vm_trim();  // the moved pages no new mapping took go back
+  Block* b = nullptr;
+  try {
+    b = map_run(pool, small, stream, size);
+  } catch (...) {  // (a wait, the driver): what was set aside still goes back
+    try {
+      device_->vm_trim();
+    } catch (...) {
+    }
+    throw;
+  }
+  try {
+    device_->vm_trim();  // the moved pages no new mapping took go back
+  } catch (...) {
+    if (b) b->segment->pool->free_set(small).insert(b);  // (map_run took it out)
+    throw;
+  }
   return b;
 }
 
@@ -120,7 +134,8 @@ Block* CachingAllocator::find_run(Pool& pool, bool small, Stream stream, size_t 
 // live blocks, private pools) counts on neither side, so it never makes the allocator squeeze the holes
 // at every miss. Only the default pool's holes move (a captured graph's kernels still address its
 // pool's free blocks), never during a capture (the wait before the unmap is illegal then), and only
-// when they cover the excess. At most one wait per stream whose holes move. True if it unmapped anything.
+// when they cover the excess. At most one wait per stream whose holes move. The holes' pages are set
+// aside, not freed: the mapping that follows takes their memory (vm_set_aside). True if it moved any.
 bool CachingAllocator::reclaim_holes(size_t map_bytes, size_t size, const Block* run) {
   if (!captures_.empty()) return false;
   std::unordered_set<const Block*> in_run;  // the request's run: its free blocks are about to be used

@@ -16,7 +16,7 @@ namespace supermem {
 // Kinds mirror PyTorch's snapshot trace actions first, then supermem's pool actions.
 enum class TraceKind : uint8_t {
   alloc = 0,
-  free_requested,   // the user freed a block that other streams still use: reuse is deferred
+  free_requested,   // the user freed a block that other streams still use (or borrowed): reuse is deferred
   free_completed,   // the block is reusable
   segment_alloc,
   segment_free,

@@ -121,10 +121,11 @@ struct Stats {
   int64_t address_space_bytes = 0;  // reserved by expandable segments (their memory is in reserved_bytes)
   int64_t num_reclaims = 0;  // free blocks whose pages an expandable segment moved to a request
   int64_t num_reclaim_waits = 0;  // host waits for a stream before such moves (a fence spared the rest)
-  int64_t reclaimed_bytes = 0;    // the pages those moves unmapped (each mapped again where needed)
+  int64_t reclaimed_bytes = 0;    // the pages those moves took (their memory mapped again where needed)
   int64_t num_borrows = 0;  // misses served by another stream's free block whose last use completed
-  // Pending bytes (freed, awaiting another stream's event) when reserved bytes last set their peak: the
-  // part of reserved - allocated at the peak that is copies in flight, not cached free memory.
+  // Pending bytes (freed, awaiting another stream's event: record_stream or a borrow) when reserved bytes
+  // last set their peak: the part of reserved - allocated at the peak that is copies in flight, not
+  // cached free memory.
   int64_t pending_at_reserved_peak = 0;
 };
 

@@ -20,6 +20,7 @@
 #include <string>
 #include <type_traits>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include "../core/fork.h"
@@ -97,7 +98,7 @@ class RelaxedCapture {
 }  // namespace
 
 struct CudaDevice::Vm {
-  std::mutex mu;  // guards `ranges`; never held across a driver call that waits for the device
+  std::mutex mu;  // guards what follows; never held across a driver call that waits for the device
   ForkRegistration fork{&mu, ForkLevel::device};
   size_t page = 0;  // 0: no virtual memory management on this device or driver
   CUmemAllocationProp prop{};
@@ -215,16 +216,16 @@ bool CudaDevice::vm_map(void* addr, size_t nbytes) {
   for (size_t k = 0; k < n; ++k)
     if (at[k].mapped) throw DeviceError("supermem: vm_map of a page already mapped");
   std::vector<char> how(n, 0);  // 1: set-aside memory still mapped here; 2: set-aside memory; 3: new
-  for (size_t k = 0; k < n; ++k) {
-    auto it = at[k].h ? std::find(v.aside.begin(), v.aside.end(), at[k].h) : v.aside.end();
-    if (it == v.aside.end()) continue;
-    v.aside.erase(it);
-    how[k] = 1;
-  }
+  std::unordered_set<CUmemGenericAllocationHandle> aside(v.aside.begin(), v.aside.end());
+  for (size_t k = 0; k < n; ++k)
+    if (at[k].h && aside.erase(at[k].h)) how[k] = 1;
+  auto taken = [&](CUmemGenericAllocationHandle h) { return !aside.count(h); };
+  v.aside.erase(std::remove_if(v.aside.begin(), v.aside.end(), taken), v.aside.end());
+  // Pages [0, upto) of the second pass go back; every page taken in place goes back to the aside list.
   auto undo = [&](size_t upto) {  // nothing has used these pages yet: no need to wait for the device
-    for (size_t k = 0; k < upto; ++k) {
+    for (size_t k = 0; k < n; ++k) {
       if (how[k] == 1) v.aside.push_back(at[k].h);
-      if (how[k] < 2) continue;
+      if (k >= upto || how[k] < 2) continue;
       drop_view(at[k].h, p + k * v.page);
       if (how[k] == 2) v.aside.push_back(at[k].h);
       else d.release(at[k].h);

@@ -56,10 +56,13 @@ class Device {
   // the caller waited since they were last used). Throws DeviceError for a page not mapped. Must not be
   // called during a graph capture.
   virtual void vm_unmap(void* addr, size_t nbytes, bool wait) {}
-  // Unmaps the mapped pages [addr, addr + nbytes) as vm_unmap(..., false) does, but keeps their memory
-  // aside for the next vm_map, which takes it before any new memory: for a page that still names one of
-  // them (its old address, left as it was), with no driver call at all; else mapped there too. vm_trim
-  // frees what no vm_map took. Lets pages move between addresses back and forth without new memory.
+  // The mapped pages [addr, addr + nbytes) are unmapped for the caller (as after vm_unmap(..., false):
+  // no queued work uses them), but their memory is kept aside for the next vm_map, which takes it before
+  // any new memory: for a page that still names one of them (its old address), with no driver call at
+  // all; else mapped there too. The old address may stay mapped, unused (CUDA: a stray write there lands
+  // in the memory wherever it went, as a write to a freed block does in any caching allocator; the
+  // simulated device makes it inaccessible). vm_trim frees what no vm_map took. Pages move between
+  // addresses and back without new memory.
   virtual void vm_set_aside(void* addr, size_t nbytes) { vm_unmap(addr, nbytes, false); }
   virtual void vm_trim() {}
   // Bytes of [addr, addr + nbytes) that are mapped, as the device itself counts them (the walker

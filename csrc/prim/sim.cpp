@@ -188,14 +188,14 @@ bool SimDevice::vm_map(void* addr, size_t nbytes) {
   if (!remap(addr, nbytes, true)) return false;  // the host is out of memory maps: a full device
   auto& aside = st_->aside;
   std::vector<bool> done(n);
+  std::unordered_set<int64_t> kept(aside.begin(), aside.end());
   for (size_t k = 0; k < n; ++k) {  // a page set aside that this page still maps: taken where it is
     int64_t p = r->phys[first + k];
-    auto it = p < 0 ? aside.end() : std::find(aside.begin(), aside.end(), p);
-    if (it == aside.end()) continue;
-    aside.erase(it);
+    if (p < 0 || !kept.erase(p)) continue;
     done[k] = true;
     ++st_->calls.in_place;
   }
+  aside.erase(std::remove_if(aside.begin(), aside.end(), [&](int64_t p) { return !kept.count(p); }), aside.end());
   for (size_t k = 0; k < n; ++k) {
     if (done[k]) continue;
     char* page = static_cast<char*>(addr) + k * page_bytes_;

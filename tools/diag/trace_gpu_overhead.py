@@ -1,0 +1,96 @@
+#!/usr/bin/env python3
+"""Where a recording's cost on a GPU step goes: a corpus model (default timm-resnet50, its "real" size,
+bf16 autocast, AdamW) trained in one process under SUPERMEM=1, rounds interleaved (the order rotates),
+each round a fresh recording whose first 3 steps (the saved-tensor hook's two backwards) run untimed;
+medians over rounds of each round's median step:
+    untraced
+    traced              supermem.trace(): what `supermem trace` records
+    no context          supermem.trace(context=False): no module calls, phases or activation names
+    given model         supermem.trace(model=, optimizer=): no gc walk for them
+    cuda-synced         untraced, a torch.cuda.synchronize() after every step's forward (what one hidden
+                        sync in the recording would cost)
+
+    SUPERMEM=1 python3 tools/diag/trace_gpu_overhead.py [model] [--rounds 5] [--steps 10]
+"""
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
+
+import torch  # noqa: E402
+from corpus import CASES  # noqa: E402
+
+import supermem  # noqa: E402
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("model", nargs="?", default="timm-resnet50")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--size", default="real", help="the corpus size (tiny: a CPU check of this script)")
+    args = p.parse_args()
+    cuda = torch.cuda.is_available()
+    dev = "cuda" if cuda else "cpu"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    torch.manual_seed(0)
+    model, batch, loss_of = CASES[args.model](args.size)
+    model = model.to(dev).train()
+    inputs = batch(torch.Generator().manual_seed(1))
+    inputs = inputs.to(dev) if isinstance(inputs, torch.Tensor) else tuple(x.to(dev) for x in inputs)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def step(sync_forward: bool = False) -> float:
+        sync()
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast(dev, torch.bfloat16, enabled=cuda):
+            loss = loss_of(model, inputs)
+        if sync_forward:
+            sync()
+        loss.backward()
+        opt.step()
+        sync()
+        return time.perf_counter() - t0
+
+    tmp = tempfile.mkdtemp()
+    configs = {
+        "untraced": None,
+        "traced": {},
+        "no context": {"context": False},
+        "given model": {"model": model, "optimizer": opt},
+        "cuda-synced": None,
+    }
+    for _ in range(3):
+        step()
+    got: dict[str, list[float]] = {name: [] for name in configs}
+    names = list(configs)
+    for r in range(args.rounds):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            kw = configs[name]
+            rec = supermem.trace(f"{tmp}/{name.replace(' ', '_')}.smtrace", **kw) if kw is not None else None
+            if rec is not None:
+                rec.__enter__()
+            for _ in range(3):
+                step()
+            times = [step(sync_forward=name == "cuda-synced") for _ in range(args.steps)]
+            if rec is not None:
+                rec.__exit__(None, None, None)
+            got[name].append(statistics.median(times))
+    base = statistics.median(got["untraced"])
+    where = f"{args.model} on {torch.cuda.get_device_name() if cuda else 'cpu'}"
+    print(f"{where}: medians of {args.rounds} rounds of {args.steps} steps")
+    for name, xs in got.items():
+        ms = statistics.median(xs)
+        spread = f"{min(xs) * 1e3:.2f}-{max(xs) * 1e3:.2f}"
+        print(f"  {name:12s} {ms * 1e3:7.2f} ms  {ms / base:.3f}x  (rounds {spread})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
