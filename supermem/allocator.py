@@ -246,7 +246,8 @@ class CachingAllocator:
         num_reclaim_waits the host's waits for a stream before such moves, reclaimed_bytes their pages;
         num_borrows: misses served by another stream's free block whose last use had completed;
         pending_at_reserved_peak: of peak_unallocated_bytes, the freed blocks still awaiting another
-        stream's work (record_stream) when reserved memory set its peak: in flight, not fragmentation."""
+        stream's work (record_stream, a borrow) when reserved memory set its peak: in flight, not
+        fragmentation."""
         n = self._impl.nested_stats()
         out: dict = {}
         for key in ("allocated_bytes", "reserved_bytes", "active_bytes", "requested_bytes"):

@@ -130,8 +130,8 @@ def simulated(pattern: str, steps: int, expandable: bool, limit_bytes: int | Non
 def _moves(stats: list) -> dict:
     """Summed over supermem's allocators' stats: the holes whose pages moved to a request, the host's
     waits before such moves and the bytes moved; the misses another stream's settled free block served;
-    and of reserved - allocated at the peak, the freed
-    blocks awaiting another stream (copies in flight). None where 0 (or no allocator of supermem's)."""
+    and of reserved - allocated at the peak, the freed blocks awaiting another stream (copies in
+    flight). None where 0 (or no allocator of supermem's)."""
     keys = {
         "reclaims": "num_reclaims",
         "reclaim_waits": "num_reclaim_waits",
