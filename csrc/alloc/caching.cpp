@@ -169,9 +169,10 @@ Block* CachingAllocator::take_free(Pool& pool, bool small, Stream stream, size_t
 // still use: the stream ran past a fence recorded after the block's free (or the block was never used).
 // It stays its owner's (its free list, its segment) and goes to `stream` as a use recorded there: its
 // free waits for an event on `stream` before the owner reuses it. The best fit over the other streams;
-// nullptr if none. A stream whose fitting blocks are all too recent gets a fence for the next miss.
+// nullptr if none. A stream whose fitting blocks are all too recent gets a fence for the next miss, or
+// with settle_streams (before an out-of-memory error) a wait for its queued work, and then lends.
 // Not during a capture (events may not be queried then) nor for private pools.
-Block* CachingAllocator::borrow(Pool& pool, bool small, Stream stream, size_t size) {
+Block* CachingAllocator::borrow(Pool& pool, bool small, Stream stream, size_t size, bool settle_streams) {
   if (&pool != &default_pool_ || !captures_.empty() || opts_.passthrough) return nullptr;
   auto& set = pool.free_set(small);
   Block* best = nullptr;
@@ -182,9 +183,15 @@ Block* CachingAllocator::borrow(Pool& pool, bool small, Stream stream, size_t si
       key.stream = owner;
       key.size = size;
       key.ptr = nullptr;
+      auto fit = set.lower_bound(&key);
+      bool fits = fit != set.end() && (*fit)->stream == owner;
       uint64_t done = fence_tick(owner);
+      if (fits && (*fit)->freed_at > done && settle_streams) {  // (the best fit alone tells: one wait)
+        settle(owner);
+        done = free_tick_;
+      }
       bool recent = false;
-      for (auto c = set.lower_bound(&key); c != set.end() && (*c)->stream == owner; ++c) {
+      for (auto c = fit; fits && c != set.end() && (*c)->stream == owner; ++c) {
         if ((*c)->freed_at > done) {
           recent = true;
           continue;
@@ -312,6 +319,7 @@ Block* CachingAllocator::malloc_slow(Lock& lk, Pool& pool, bool small, Stream st
   ++stats_.num_alloc_retries;
   if (release_cached()) {
     if (Block* b = take_free(pool, small, stream, size)) return b;  // a synced block may fit now
+    if (Block* b = borrow(pool, small, stream, size, /*settle_streams=*/true)) return b;
     if (Block* b = new_segment(pool, small, stream, size)) return b;
   }
   // Stage 3: ask the pressure handlers (tensor pool eviction) to free memory, then retry.

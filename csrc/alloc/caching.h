@@ -124,7 +124,8 @@ class CachingAllocator {
   }
   Pool& pool_for(Stream stream);
   Block* take_free(Pool& pool, bool small, Stream stream, size_t size);
-  Block* borrow(Pool& pool, bool small, Stream stream, size_t size);  // another stream's settled free block
+  // Another stream's settled free block; settle: wait for a stream whose fitting blocks are not (OOM path)
+  Block* borrow(Pool& pool, bool small, Stream stream, size_t size, bool settle_streams = false);
   Block* malloc_slow(Lock& lk, Pool& pool, bool small, Stream stream, size_t size, size_t nbytes);
   Block* new_segment(Pool& pool, bool small, Stream stream, size_t size);
   // expandable.cpp
@@ -138,6 +139,7 @@ class CachingAllocator {
   bool unmap_free_pages(Block* b, bool wait, bool aside = false);
   bool reclaim_holes(size_t map_bytes, size_t size, const Block* run);  // holes' pages, before growing
   uint64_t fence_tick(Stream stream);  // blocks freed by this tick need no wait before an unmap
+  void settle(Stream stream);  // waits for the stream's queued work: every block it freed is settled
   // At most every `every` frees of `stream`: gives its completed fences back and records one at the
   // current free tick if fewer than kMaxFences are outstanding. A device error records none.
   void add_fence(Stream stream, uint64_t every = 1);

@@ -194,15 +194,7 @@ bool CachingAllocator::reclaim_holes(size_t map_bytes, size_t size, const Block*
     const Hole& h = holes[moved];                              // neighbours, never another hole)
     Stream st = h.b->segment->stream;
     if (unfenced(h.b)) {  // (after the wait none of its stream's is: no block is freed until we are done)
-      Event e = device_->event_record(st);
-      try {
-        device_->event_wait(e);
-      } catch (...) {
-        device_->event_release(e);
-        throw;
-      }
-      device_->event_release(e);
-      fences_[st].done = free_tick_;
+      settle(st);
       ++stats_.num_reclaim_waits;
     }
     unmap_free_pages(h.b, /*wait=*/false, /*aside=*/true);
@@ -212,6 +204,18 @@ bool CachingAllocator::reclaim_holes(size_t map_bytes, size_t size, const Block*
   }
   fence_rest(moved);
   return true;
+}
+
+void CachingAllocator::settle(Stream stream) {
+  Event e = device_->event_record(stream);
+  try {
+    device_->event_wait(e);
+  } catch (...) {
+    device_->event_release(e);
+    throw;
+  }
+  device_->event_release(e);
+  fences_[stream].done = free_tick_;
 }
 
 // The free tick of `stream`'s newest completed fence (completed fences are given back on the way).

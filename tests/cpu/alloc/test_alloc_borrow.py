@@ -83,3 +83,21 @@ def test_the_best_fit_of_the_other_streams_is_lent():
     a.free(own)
     a.free(q)
     a.check()
+
+
+def test_before_running_out_of_memory_a_stream_is_waited_for_and_lends():
+    """At the limit, another stream's block that fits but was freed after its last completed fence: the
+    miss waits for that stream once, then takes the block, rather than raising."""
+    a = CachingAllocator(SimulatedDevice(512 * MiB), limit_bytes=20 * MiB)
+    p = a.malloc(9 * MiB, OWNER)  # one 20 MiB segment: p, q and 2 MiB
+    q = a.malloc(9 * MiB, OWNER)
+    a.device.hold_events(True)  # the owner's work is still queued
+    a.free(p)  # its segment keeps q: nothing to give back
+    r = a.malloc(9 * MiB, BORROWER)
+    s = a.stats()
+    assert r == p and s["num_borrows"] == 1 and s["num_ooms"] == 0 and s["reserved_bytes"] == 20 * MiB
+    assert a.device.waits[1] == 1  # one wait, for the owner
+    a.device.hold_events(False)
+    a.free(r)
+    a.free(q)
+    a.check()
