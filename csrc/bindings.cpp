@@ -390,6 +390,7 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("used_bytes", &SimDevice::used_bytes)
       .def_property_readonly("live_events", &SimDevice::live_events)
       .def_property_readonly("waits", &SimDevice::waits)
+      .def_property_readonly("stream_waits", &SimDevice::stream_waits)
       .def_property_readonly("page_calls", [](SimDevice& d) {
         auto c = d.page_calls();
         return py::dict(py::arg("created") = c.created, py::arg("aliased") = c.aliased,

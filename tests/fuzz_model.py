@@ -64,9 +64,10 @@ class AllocatorModel:
         # (start, end, stream) of blocks freed on their own stream while events are held: that stream's
         # work may still use them, so no other stream may be given them until the hold ends.
         self.unsettled: list[tuple[int, int, int]] = []
-        # The device's waits (device, event): a waited stream's work is done. The model does not know
-        # which stream an event wait was for, so any wait forgets every stream's (a looser check).
-        self.waits = (0, 0)
+        # The device's waits: for the whole device (it forgets every stream's), for a stream's event (that
+        # stream's work is done).
+        self.device_waits = 0
+        self.stream_waits: dict[int, int] = {}
         self.capture: tuple[int, int] | None = None  # the pool allocations are routed to
         self.capture_stream = streams[-1]
         self.pools: list[tuple[int, int]] = []  # pools whose graphs are alive
@@ -196,10 +197,14 @@ class AllocatorModel:
         self.deferred.clear()
 
     def _after_possible_sync(self) -> None:
-        waits = self.device.waits
-        if waits != self.waits:  # a stream's work or the device's was waited for
-            self.waits = waits
+        device_waits, stream_waits = self.device.waits[0], self.device.stream_waits
+        if device_waits != self.device_waits:
+            self.device_waits = device_waits
             self.unsettled.clear()
+        waited = {st for st, n in stream_waits.items() if self.stream_waits.get(st) != n}
+        if waited:
+            self.stream_waits = stream_waits
+            self.unsettled = [u for u in self.unsettled if u[2] not in waited]
         syncs = self.alloc.stats()["num_sync_all_streams"]
         if syncs != self.syncs:  # every outstanding event was waited for (cached memory went back,
             self.syncs = syncs  # which on CUDA synchronizes the device)

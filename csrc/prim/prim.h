@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstddef>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -118,6 +119,7 @@ class SimDevice : public Device {
     size_t unmapped = 0;  // addresses unmapped (cuMemUnmap), stale ones included
   };
   PageCalls page_calls();
+  std::map<Stream, size_t> stream_waits();  // event_wait calls by the stream each event was recorded on
 
  private:
   void drop_view(int64_t phys, char* page);  // (with the lock) `page` no longer maps phys

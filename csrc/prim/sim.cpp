@@ -17,6 +17,7 @@ namespace supermem {
 namespace {
 struct SimEvent {
   bool done = false;
+  Stream stream = 0;
 };
 }  // namespace
 
@@ -42,6 +43,7 @@ struct SimDevice::State {
   std::unordered_set<SimEvent*> live; // events not yet released
   size_t device_waits = 0;             // vm_unmap calls that waited for the whole device
   size_t event_waits = 0;              // event_wait calls
+  std::map<Stream, size_t> waits_by_stream;  // event_wait calls by the stream of the event
 };
 
 SimDevice::SimDevice(size_t capacity, size_t page_bytes)
@@ -75,10 +77,11 @@ void SimDevice::segment_free(void* ptr, size_t nbytes) {
   st_->used -= nbytes;
 }
 
-Event SimDevice::event_record(Stream) {
+Event SimDevice::event_record(Stream stream) {
   std::lock_guard<std::mutex> g(st_->mu);
   auto* e = new SimEvent;
   e->done = !st_->hold;
+  e->stream = stream;
   if (st_->hold) st_->held.push_back(e);
   st_->live.insert(e);
   return e;
@@ -94,6 +97,7 @@ void SimDevice::event_wait(Event e) {
   std::lock_guard<std::mutex> g(st_->mu);
   static_cast<SimEvent*>(e)->done = true;
   ++st_->event_waits;
+  ++st_->waits_by_stream[static_cast<SimEvent*>(e)->stream];
 }
 
 void SimDevice::event_release(Event e) {
@@ -247,6 +251,11 @@ void SimDevice::vm_trim() {
   std::lock_guard<std::mutex> g(st_->mu);
   for (int64_t p : st_->aside) free_phys(p);
   st_->aside.clear();
+}
+
+std::map<Stream, size_t> SimDevice::stream_waits() {
+  std::lock_guard<std::mutex> g(st_->mu);
+  return st_->waits_by_stream;
 }
 
 SimDevice::PageCalls SimDevice::page_calls() {
