@@ -193,8 +193,8 @@ class CachingAllocator {
   std::atomic<int64_t> allocated_now_{0};  // stats_.allocated_bytes' current, for allocated_now()
   int64_t allocated_high_ = 0;  // the allocated peak before the last reset_peak_stats (reclaim_holes')
   int64_t watermark_ = 0;  // like the allocated peak, but the tensor pool's own (user peaks untouched)
-  // Expandable segments' fences (reclaim_holes): per stream, events recorded with the free tick then;
-  // once one completed, the stream has run all work queued before any block freed by that tick.
+  // Fences (reclaim_holes, borrow): per stream, events recorded with the free tick then; once one
+  // completed, the stream has run all work queued before any block freed by that tick.
   struct Fences {
     std::deque<std::pair<Event, uint64_t>> outstanding;  // (event, free tick when recorded), oldest first
     uint64_t done = 0;    // the free tick of the newest completed one

@@ -122,6 +122,13 @@ struct CudaDevice::Vm {
     throw DeviceError(std::string("supermem: ") + what + " of " + std::to_string(n) +
                       " bytes that are not whole pages of a reserved range");
   }
+  // find(), where every page must be mapped.
+  std::pair<std::vector<Page>*, size_t> find_mapped(CUdeviceptr p, size_t n, const char* what) {
+    auto found = find(p, n, what);
+    for (size_t i = found.second; i < found.second + n / page; ++i)
+      if (!(*found.first)[i].mapped) throw DeviceError(std::string("supermem: ") + what + " of a page not mapped");
+    return found;
+  }
 };
 
 CudaDevice::Vm& CudaDevice::vm() {
@@ -289,9 +296,7 @@ void CudaDevice::vm_unmap(void* addr, size_t nbytes, bool wait) {
   size_t n = nbytes / v.page;
   {
     std::lock_guard<std::mutex> l(v.mu);
-    auto [pages, first] = v.find(p, nbytes, "vm_unmap");
-    for (size_t i = first; i < first + n; ++i)
-      if (!(*pages)[i].mapped) throw DeviceError("supermem: vm_unmap of a page not mapped");
+    v.find_mapped(p, nbytes, "vm_unmap");
   }
   DeviceGuard g(index_);
   // Unlike cudaFree, cuMemUnmap does not wait for kernels still using the pages (PyTorch found the
@@ -308,11 +313,8 @@ void CudaDevice::vm_unmap(void* addr, size_t nbytes, bool wait) {
 void CudaDevice::vm_set_aside(void* addr, size_t nbytes) {
   Vm& v = vm();
   std::lock_guard<std::mutex> l(v.mu);
-  auto [pages, first] = v.find(reinterpret_cast<CUdeviceptr>(addr), nbytes, "vm_set_aside");
-  size_t n = nbytes / v.page;
-  for (size_t i = first; i < first + n; ++i)
-    if (!(*pages)[i].mapped) throw DeviceError("supermem: vm_set_aside of a page not mapped");
-  for (size_t i = first; i < first + n; ++i) {
+  auto [pages, first] = v.find_mapped(reinterpret_cast<CUdeviceptr>(addr), nbytes, "vm_set_aside");
+  for (size_t i = first; i < first + nbytes / v.page; ++i) {
     (*pages)[i].mapped = false;
     v.aside.push_back((*pages)[i].h);
   }

@@ -133,6 +133,19 @@ bool remap(void* p, size_t n, bool accessible) {
   return mmap(p, n, prot, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0) != MAP_FAILED;
 }
 
+// The mapped pages [addr, addr + nbytes) made inaccessible and marked unmapped (their physical pages are
+// the caller's to free or set aside): the range and its first page. DeviceError for a page not mapped.
+std::pair<SimRange*, size_t> unmap_range(std::map<char*, SimRange>& ranges, void* addr, size_t nbytes,
+                                         size_t page, const char* what) {
+  auto [r, first] = find_range(ranges, addr, nbytes, page, what);
+  size_t n = nbytes / page;
+  for (size_t i = first; i < first + n; ++i)
+    if (!r->mapped[i]) throw DeviceError(std::string("supermem: simulated ") + what + " of a page not mapped");
+  if (!remap(addr, nbytes, false)) throw DeviceError(std::string("supermem: simulated ") + what + ": mmap failed");
+  for (size_t i = first; i < first + n; ++i) r->mapped[i] = false;
+  return {r, first};
+}
+
 }  // namespace
 
 void* SimDevice::vm_reserve(size_t nbytes) {
@@ -223,28 +236,15 @@ bool SimDevice::vm_map(void* addr, size_t nbytes) {
 void SimDevice::vm_unmap(void* addr, size_t nbytes, bool wait) {
   std::lock_guard<std::mutex> g(st_->mu);
   if (wait) ++st_->device_waits;  // (nothing runs on it: counted for the tests)
-  auto [r, first] = find_range(st_->ranges, addr, nbytes, page_bytes_, "vm_unmap");
-  size_t n = nbytes / page_bytes_;
-  for (size_t i = first; i < first + n; ++i)
-    if (!r->mapped[i]) throw DeviceError("supermem: simulated vm_unmap of a page not mapped");
-  if (!remap(addr, nbytes, false)) throw DeviceError("supermem: simulated vm_unmap: mmap failed");
-  for (size_t i = first; i < first + n; ++i) {
-    r->mapped[i] = false;
+  auto [r, first] = unmap_range(st_->ranges, addr, nbytes, page_bytes_, "vm_unmap");
+  for (size_t i = first; i < first + nbytes / page_bytes_; ++i)
     free_phys(r->phys[i]);  // (every view of it, this one included)
-  }
 }
 
 void SimDevice::vm_set_aside(void* addr, size_t nbytes) {
   std::lock_guard<std::mutex> g(st_->mu);
-  auto [r, first] = find_range(st_->ranges, addr, nbytes, page_bytes_, "vm_set_aside");
-  size_t n = nbytes / page_bytes_;
-  for (size_t i = first; i < first + n; ++i)
-    if (!r->mapped[i]) throw DeviceError("supermem: simulated vm_set_aside of a page not mapped");
-  if (!remap(addr, nbytes, false)) throw DeviceError("supermem: simulated vm_set_aside: mmap failed");
-  for (size_t i = first; i < first + n; ++i) {
-    r->mapped[i] = false;
-    st_->aside.push_back(r->phys[i]);
-  }
+  auto [r, first] = unmap_range(st_->ranges, addr, nbytes, page_bytes_, "vm_set_aside");
+  for (size_t i = first; i < first + nbytes / page_bytes_; ++i) st_->aside.push_back(r->phys[i]);
 }
 
 void SimDevice::vm_trim() {
