@@ -200,10 +200,37 @@ def enable_partitioner_offload() -> None:
             node.meta["should_offload"] = True
         return graph
 
+    repair_record_stream_fake()
     config.enable_activation_offloading = True
     config.activation_offload_separate_stream = True
     config.activation_reload_prefetch = True
     config.joint_custom_pass = mark_all
+
+
+def repair_record_stream_fake() -> bool:
+    """The partitioner's offload on a side stream puts streams::record_stream(tensor, stream_index) in
+    the forward graph. torch 2.11 registered that op's fake implementation with another op's parameters
+    (src_stream_index, wait_event_index, to_dealloc), so Inductor fails to compile any graph that holds
+    it ("missing 1 required positional argument: 'to_dealloc'"), and did not mark the op side-effectful,
+    so a graph pass may drop it as dead (it returns nothing). Later releases fix both (a fake of the
+    op's own two parameters; has_side_effect). Repairs both where they are broken; whether it did."""
+    import inspect
+
+    try:
+        from torch._dynamo.variables import streams
+    except ImportError:
+        return False
+    op = getattr(streams, "record_stream", None)
+    fake = getattr(op, "_abstract_fn", None)
+    if op is None or fake is None or len(inspect.signature(fake).parameters) == 2:
+        return False
+
+    def record_stream_fake(tensor: Any, stream_index: int) -> None:
+        return None
+
+    op.register_fake(record_stream_fake)
+    torch.fx.has_side_effect(torch.ops.streams.record_stream.default)
+    return True
 
 
 def in_backward() -> bool:
@@ -282,6 +309,14 @@ def dynamo_code_calling(frame: Any, depth: int = 64) -> Any:
             return frame.f_code
         frame, depth = frame.f_back, depth - 1
     return None
+
+
+def source_code(code: Any) -> Any:
+    """The code of the user's frame that dynamo made `code` of (dynamo_code_calling's): the same for
+    every cache entry of that frame, recompiles included; `code` itself where dynamo knows none."""
+    from torch._dynamo.utils import orig_code_map
+
+    return orig_code_map.get(code, code) if code is not None else None
 
 
 def recompile_at_next_call(code: Any, why: str) -> bool:
