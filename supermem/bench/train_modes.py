@@ -130,6 +130,8 @@ def sweep_modes(device: str) -> list[Mode]:
         compiles.append(
             Mode("compile partitioner offload", "native", "compile", options=opts, models=BLOCK_MODELS)
         )
+    blocks = {"memory_budget": 1.0, "per_block": True}  # each block compiled alone: the pool plans it
+    compiles.append(Mode("compile per block", "native", "compile", options=blocks, models=BLOCK_MODELS))
     out += compiles
     out += [_chunked(m) for m in ckpts + compiles]
     budgets = [(f"{b:.0%}", b, "native") for b in SWEEP_BUDGETS] + [("ckpt peak", 1.0, "checkpoint")]
@@ -146,6 +148,12 @@ def sweep_modes(device: str) -> list[Mode]:
     opts = {"policy": "planned", "compile": True, "memory_budget": 1.0}
     for label, b, of in budgets if cuda else budgets[-1:]:
         name = f"compiled planned {label}"
+        pools.append(Mode(name, "supermem", "pool", b, options=opts, models=BLOCK_MODELS, budget_of=of))
+    # The planned pool around each block compiled alone: it plans what the blocks' graphs save as eager
+    # code's (tensor_pool/compiled.py, MOVABLE_SHARE)
+    opts = {"policy": "planned", "compile": True, "memory_budget": 1.0, "per_block": True}
+    for label, b, of in budgets if cuda else budgets[-1:]:
+        name = f"per block planned {label}"
         pools.append(Mode(name, "supermem", "pool", b, options=opts, models=BLOCK_MODELS, budget_of=of))
     out += pools
     for policy in ("cost_aware", "planned"):  # "cost_aware hf ckpt peak", "... hf ckpt reentrant peak"

@@ -187,6 +187,10 @@ def _prepare(model, spec: dict):
         tp.set_compile_memory_budget(spec["memory_budget"])  # read when the backward graph is partitioned
         if spec.get("partitioner_offload"):
             tp.enable_partitioner_offload()
+        if spec.get("per_block"):  # each block a graph of its own (torchtitan's way); the rest eager
+            for i, block in enumerate(model.blocks):
+                model.blocks[i] = torch.compile(block)
+            return model
         return torch.compile(model)
     return model
 

@@ -66,6 +66,7 @@ _AOT_MODULE = tp.AOT_MODULE  # where CompiledFunction classes are made
 _OWN = __name__.split(".")[0] + "."  # the pool's own frames, between the hook and its caller
 
 MAX_RECOMPILES = 3  # per pool: each is a compile of every graph that saved in the step (seconds each)
+MOVABLE_SHARE = 0.25  # of a step's compiled bytes: a graph whose calls each save no more is the pool's
 MARGIN = 0.05  # of the budget: aimed under it, for the partitioner's estimate and the next step's noise
 
 MESSAGE = (
@@ -129,8 +130,10 @@ class CompiledGraphs:
         self._counting = False  # PyTorch's peak counter was reset at this step's first save (_count_peak)
         self._compiles: int | None = -1  # tp.compiles() at the last step's end (-1: none yet, measured)
         self._step_bytes = 0
-        self._codes_in_step: dict[Any, int] = {}  # dynamo's code of each graph saved in the step: bytes
-        self._code_of: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # CompiledFunction -> code
+        self._calls: list[list] = []  # [dynamo's code, bytes saved] of each graph call in the step
+        self._call_args: Any = None  # the args of the call saving now (held until its step's backward)
+        self.movable: set = set()  # the user's code of graphs whose calls each save a small part of a step
+        self._code_of: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # CompiledFunction -> codes
         self._backward = False  # the step's compiled backward began
         self._backward_bytes = 0  # bytes allocated on the device then
         self._warned = False
@@ -152,9 +155,14 @@ class CompiledGraphs:
         if not getattr(cls, "__module__", "").startswith(_AOT_MODULE):
             return False
         nbytes = t.numel() * t.element_size()
-        code = self._code_of.get(cls, False)
-        if code is False:  # once per graph: the dynamo code that runs it (what a recompile drops)
-            code = self._code_of[cls] = tp.dynamo_code_calling(f.f_back)
+        codes = self._code_of.get(cls)
+        if codes is None:  # once per graph: the dynamo code that runs it (what a recompile drops), and
+            code = tp.dynamo_code_calling(f.f_back)  # the user's code it was made of (a recompile's too)
+            codes = self._code_of[cls] = (code, tp.source_code(code))
+        code, source = codes
+        if source in self.movable:
+            return False
+        args = f.f_locals.get("args")  # the call's own tuple: a new one tells the next call
         replay = tp.in_backward()  # a graph run again inside backward (a region's replay): not the step's
         with self._lock:
             self.kept += 1
@@ -163,12 +171,15 @@ class CompiledGraphs:
                 self._backward = False
                 self._counting = False
                 self._step_bytes = 0
-                self._codes_in_step.clear()
+                self._calls.clear()
             if not (self._counting or replay):
                 self._count_peak()  # (it asks whether the pool still plans)
             if not alive_anyway(t) and not replay:
+                if args is not self._call_args or not self._calls:
+                    self._call_args = args
+                    self._calls.append([code, 0])
                 self._step_bytes += nbytes
-                self._codes_in_step[code] = self._codes_in_step.get(code, 0) + nbytes
+                self._calls[-1][1] += nbytes
             if not self._warned:
                 self._warned = True
                 pool = self._pool()
@@ -205,6 +216,7 @@ class CompiledGraphs:
             if self._backward:
                 return
             self._backward = True
+            self._call_args = None
             if pool is None or pool.budget_bytes is None:
                 return
             self._backward_bytes = torch.cuda.memory_allocated(pool.device) if pool.cuda else 0
@@ -221,9 +233,10 @@ class CompiledGraphs:
         with self._lock:
             if not self._backward:
                 return
-            graph_bytes, codes = self._step_bytes, dict(self._codes_in_step)
-            self._step_bytes = 0
-            self._codes_in_step.clear()
+            graph_bytes, calls = self._step_bytes, self._calls
+            self._step_bytes, self._calls = 0, []
+            codes = self._codes_kept(calls, graph_bytes)
+            graph_bytes = sum(codes.values())
             peak = self._peak(pool, graph_bytes)
             compiles, self._compiles = self._compiles, tp.compiles()
             if pool.cuda and compiles != self._compiles:  # (the first step too: compiled here or before)
@@ -231,6 +244,29 @@ class CompiledGraphs:
             self.last_step_bytes, self.last_peak_bytes = graph_bytes, peak
             if graph_bytes:
                 self._plan(pool, graph_bytes, peak, codes)
+
+    def _codes_kept(self, calls: list[list], graph_bytes: int) -> dict[Any, int]:
+        """Caller holds the lock. The step's graphs that stay the compiler's to plan, and the bytes each
+        saved; the others join `movable`. A graph whose every call saves at most MOVABLE_SHARE of the
+        step's compiled bytes (a block compiled on its own, called once per block) saves while later
+        graphs still run and reads back in its own backward only: the pool plans its saved tensors
+        from the next step on as it does eager code's (offload ahead, recompute by regions). A graph
+        that saves more at once (a whole model) stays with the compile budget share."""
+        most: dict[Any, int] = {}
+        for code, nbytes in calls:
+            most[code] = max(most.get(code, 0), nbytes)
+        codes: dict[Any, int] = {}
+        for code, nbytes in calls:
+            codes[code] = codes.get(code, 0) + nbytes
+        moved = [c for c in most if c is not None and most[c] <= MOVABLE_SHARE * graph_bytes]
+        if moved:
+            self.movable.update(tp.source_code(c) for c in moved)
+            logger.info(
+                "supermem: %d torch.compile'd graph(s) save at most %s a call of the step's %s: the pool "
+                "plans their saved tensors as it does eager code's",
+                *(len(moved), format_bytes(max(most[c] for c in moved)), format_bytes(graph_bytes)),
+            )
+        return {c: b for c, b in codes.items() if c not in moved}
 
     def _peak(self, pool: Any, graph_bytes: int) -> int:
         """The step's peak as the budget counts it: on CPU the graphs' saved bytes and the most the pool

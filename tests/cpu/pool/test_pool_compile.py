@@ -17,9 +17,10 @@ import torch
 import torch.nn as nn
 
 from supermem import torch_private as tp
-from supermem.bench.models import PRESETS, loss_fn
+from supermem.bench.models import GPT, PRESETS, loss_fn
 from supermem.policies import live_names
 from supermem.tensor_pool import Pool
+from supermem.tensor_pool import compiled as compiled_module
 from supermem.tensor_pool.compiled import CompiledGraphs, next_share
 
 dynamo = pytest.importorskip("torch._dynamo")
@@ -92,8 +93,17 @@ def gpt_batch(g):
     return PRESETS["gpt-quick"].batch(torch.device("cpu"), g)
 
 
+def gpt_blocks(backend):
+    """GPT's blocks compiled one by one (torchtitan's way), the embeddings, norm and head eager."""
+    model = GPT(layers=8, d=64, heads=2, vocab=512, ctx=64)
+    for i, block in enumerate(model.blocks):
+        model.blocks[i] = torch.compile(block, backend=backend)
+    return model
+
+
 CASES = {
     "mlp": (lambda backend: torch.compile(MLP(), backend=backend), mlp_batch),
+    "gpt-blocks": (gpt_blocks, gpt_batch),
     "gpt-quick": (lambda backend: torch.compile(PRESETS["gpt-quick"].build(), backend=backend), gpt_batch),
     "eager-head": (Head, mlp_batch),
     "mixed": (Mixed, mlp_batch),
@@ -170,6 +180,7 @@ def test_compiled_training_is_bitwise_without_recompiles(case, policy):
     assert sum(compiles[2:]) == 0, compiles
     s = pool.stats()
     assert s["compiled_kept_bytes"] > 0 and s["dropped"] == 0, s
+    assert not pool.compiled.movable  # one graph saves all: the compiler's to plan
     if case == "mlp":  # the only tensor saved outside the graph: the loss's input, the model's output
         assert s["offloaded_bytes"] == STEPS * 32 * 64 * 4, s
 
@@ -497,3 +508,33 @@ def test_a_lower_share_that_peaks_no_lower_goes_back_to_the_best_share(monkeypat
     assert measured[0] == 1.0 and measured[1] < 1.0, measured
     assert pool.compiled.share == 1.0 and pool.compiled.recompiles == 2, pool.compiled.measures
     assert sum(compiles[1:]) == 2 and compiles[-3:] == [0, 0, 0], compiles
+
+
+@pytest.mark.parametrize("policy", live_names())
+def test_blocks_compiled_alone_are_the_pools_to_plan_from_the_second_step_bitwise(policy, monkeypatch):
+    """Each of 8 blocks saves an eighth of the step: from the second step the pool plans their saved
+    tensors as eager code's; the graphs keep only the first step's."""
+    ref, _ = train("gpt-blocks")
+    first = Pool(budget=0, policy=policy, host_limit="256MiB")
+    train("gpt-blocks", first, steps=1)
+    pool = Pool(budget=0, policy=policy, host_limit="256MiB")
+    got, compiles = train("gpt-blocks", pool)
+    assert same(ref, got) and sum(compiles[2:]) == 0, compiles
+    s = pool.stats()
+    assert pool.compiled.movable and s["compiled_kept_bytes"] == first.stats()["compiled_kept_bytes"], s
+    monkeypatch.setattr(compiled_module, "MOVABLE_SHARE", 0.0)  # every graph the compiler's, as before
+    kept = Pool(budget=0, policy=policy, host_limit="256MiB")
+    got_kept, _ = train("gpt-blocks", kept)
+    assert same(ref, got_kept) and not kept.compiled.movable
+    k = kept.stats()
+    assert k["compiled_kept_bytes"] > s["compiled_kept_bytes"]  # (at lower shares: compiled.py)
+    assert s["offloaded_bytes"] + s["dropped_bytes"] > k["offloaded_bytes"] + k["dropped_bytes"], (s, k)
+
+
+def test_a_graph_is_the_pools_when_each_of_its_calls_saves_a_quarter_of_the_step_or_less():
+    graphs = Pool(budget=0).compiled
+    a, b, c = object(), object(), object()
+    calls = [[a, 10], [b, 60], [a, 10], [a, 15], [None, 5]]
+    assert graphs._codes_kept(calls, 100) == {b: 60, None: 5}
+    assert graphs.movable == {a}
+    assert graphs._codes_kept([[c, 26], [c, 24]], 50) == {c: 50} and graphs.movable == {a}
