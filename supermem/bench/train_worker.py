@@ -30,6 +30,10 @@ def _pool(spec: dict) -> Callable[[], contextlib.AbstractContextManager]:
 
     # Treatments by name: supermem.pool reuses one Pool for the same names on every step.
     treatments = tuple(spec["treatments"]) if spec.get("treatments") else None  # None: Pool's default
+    if spec.get("blocks") is False:  # (tools/diag/per_block_pool.py) no compiled graph a block's: the
+        from ..tensor_pool import compiled as graphs  # share alone plans them all
+
+        graphs.BLOCK_SHARE = 0.0
     return lambda: supermem.pool(
         budget=spec["budget_bytes"], policy=spec.get("policy", "lru"), treatments=treatments
     )
@@ -72,7 +76,8 @@ def measure(spec: dict) -> dict:
     torch_chunked_loss = spec.get("loss") == "torch_chunked"
     hidden: Any = None  # what the chunked losses read: the model up to its head, compiled as the model is
     if chunked_loss or torch_chunked_loss:
-        hidden = torch.compile(model.hidden) if compiled(spec) else model.hidden
+        whole = compiled(spec) and not spec.get("per_block")  # (per block: its blocks are compiled)
+        hidden = torch.compile(model.hidden) if whole else model.hidden
     amp = preset.bf16 and cuda
     entered: list = []  # the saver's `as` value, when it keeps stats (the pool)
     # CPU has no allocator watermark: --sweep counts the bytes saved for backward (what the pool budgets)

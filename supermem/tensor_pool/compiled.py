@@ -33,11 +33,17 @@ steps as if of one shape: a step of a larger batch at a lower share can read as 
 Without a budget nothing changes: the pool says once that it steps aside, and how to save memory
 under compile.
 
-Tensors saved by eager code around a compiled graph (a loss outside it, an uncompiled head, the code
-between graph breaks) stay the pool's. Not yet: the partitioner's CPU offload (enable_activation_offloading,
-nodes marked should_offload by a joint_custom_pass; on torch 2.11 its stream version does not compile
-and its in-order version raised the peak: docs/measurements.md), and per-graph shares (one share for
-every graph compiled under the pool).
+Blocks compiled one by one (a graph whose every call saves at most BLOCK_SHARE of the step's compiled
+bytes) are the exception where the share cannot fit: such a graph saves while later blocks still run
+and reads back in its own backward only, so from then on the pool plans what it saves as it does eager
+code's (offload, recompute by regions: a replay calls the compiled block again), at the share reached.
+Not before: on GPT-24 (blocks compiled alone, an H200) the pool's plan of the blocks' saves took 2.0x
+native's step at 75% of its peak, where the share took 1.23x (docs/measurements.md). Tensors saved by
+eager code around a compiled graph (a loss outside it, an uncompiled head, the code between graph
+breaks) stay the pool's. Not yet: the partitioner's CPU offload (enable_activation_offloading, nodes
+marked should_offload by a joint_custom_pass; torch 2.11's side-stream version compiles once
+torch_private.repair_record_stream_fake has run, but raised the peak: docs/measurements.md), and
+per-graph shares (one share for every graph compiled under the pool).
 
 How the pool tells: the pack hook runs inside torch.autograd.Function.apply of AOTAutograd's
 CompiledFunction (nothing on the tensor says so). One frame walk per saved tensor: well under a
@@ -66,7 +72,7 @@ _AOT_MODULE = tp.AOT_MODULE  # where CompiledFunction classes are made
 _OWN = __name__.split(".")[0] + "."  # the pool's own frames, between the hook and its caller
 
 MAX_RECOMPILES = 3  # per pool: each is a compile of every graph that saved in the step (seconds each)
-MOVABLE_SHARE = 0.25  # of a step's compiled bytes: a graph whose calls each save no more is the pool's
+BLOCK_SHARE = 0.25  # of a step's compiled bytes: a graph whose calls each save no more is a block's
 MARGIN = 0.05  # of the budget: aimed under it, for the partitioner's estimate and the next step's noise
 
 MESSAGE = (
@@ -132,7 +138,8 @@ class CompiledGraphs:
         self._step_bytes = 0
         self._calls: list[list] = []  # [dynamo's code, bytes saved] of each graph call in the step
         self._call_args: Any = None  # the args of the call saving now (held until its step's backward)
-        self.movable: set = set()  # the user's code of graphs whose calls each save a small part of a step
+        self.blocks: set = set()  # the user's code of graphs whose calls each save a small part of a step
+        self.movable: set = set()  # those of them the pool plans as eager code (where the share cannot fit)
         self._code_of: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # CompiledFunction -> codes
         self._backward = False  # the step's compiled backward began
         self._backward_bytes = 0  # bytes allocated on the device then
@@ -235,8 +242,7 @@ class CompiledGraphs:
                 return
             graph_bytes, calls = self._step_bytes, self._calls
             self._step_bytes, self._calls = 0, []
-            codes = self._codes_kept(calls, graph_bytes)
-            graph_bytes = sum(codes.values())
+            codes = self._note_blocks(calls, graph_bytes)
             peak = self._peak(pool, graph_bytes)
             compiles, self._compiles = self._compiles, tp.compiles()
             if pool.cuda and compiles != self._compiles:  # (the first step too: compiled here or before)
@@ -245,28 +251,19 @@ class CompiledGraphs:
             if graph_bytes:
                 self._plan(pool, graph_bytes, peak, codes)
 
-    def _codes_kept(self, calls: list[list], graph_bytes: int) -> dict[Any, int]:
-        """Caller holds the lock. The step's graphs that stay the compiler's to plan, and the bytes each
-        saved; the others join `movable`. A graph whose every call saves at most MOVABLE_SHARE of the
-        step's compiled bytes (a block compiled on its own, called once per block) saves while later
-        graphs still run and reads back in its own backward only: the pool plans its saved tensors
-        from the next step on as it does eager code's (offload ahead, recompute by regions). A graph
-        that saves more at once (a whole model) stays with the compile budget share."""
+    def _note_blocks(self, calls: list[list], graph_bytes: int) -> dict[Any, int]:
+        """Caller holds the lock. The bytes each graph saved in the step; a graph whose every call saved
+        at most BLOCK_SHARE of the step's compiled bytes (a block compiled on its own, called once per
+        block) joins `blocks`."""
         most: dict[Any, int] = {}
-        for code, nbytes in calls:
-            most[code] = max(most.get(code, 0), nbytes)
         codes: dict[Any, int] = {}
         for code, nbytes in calls:
+            most[code] = max(most.get(code, 0), nbytes)
             codes[code] = codes.get(code, 0) + nbytes
-        moved = [c for c in most if c is not None and most[c] <= MOVABLE_SHARE * graph_bytes]
-        if moved:
-            self.movable.update(tp.source_code(c) for c in moved)
-            logger.info(
-                "supermem: %d torch.compile'd graph(s) save at most %s a call of the step's %s: the pool "
-                "plans their saved tensors as it does eager code's",
-                *(len(moved), format_bytes(max(most[c] for c in moved)), format_bytes(graph_bytes)),
-            )
-        return {c: b for c, b in codes.items() if c not in moved}
+        self.blocks.update(
+            tp.source_code(c) for c in most if c is not None and most[c] <= BLOCK_SHARE * graph_bytes
+        )
+        return codes
 
     def _peak(self, pool: Any, graph_bytes: int) -> int:
         """The step's peak as the budget counts it: on CPU the graphs' saved bytes and the most the pool
@@ -346,9 +343,19 @@ class CompiledGraphs:
         return dropped
 
     def _unfit(self, pool: Any, peak: int, why: str) -> None:
+        """The share cannot fit the budget: where graphs are blocks', the pool plans what they save from
+        the next step on, as eager code's (module docstring); else it says so, once."""
         if self._said_unfit:
             return
         self._said_unfit = True
+        if self.blocks:
+            self.movable.update(self.blocks)
+            logger.info(
+                "supermem: a step with torch.compile'd blocks peaked at %s over a budget of %s (%s): the "
+                "pool plans what %d block graph(s) save as it does eager code's",
+                *(format_bytes(peak), format_bytes(pool.budget_bytes), why, len(self.blocks)),
+            )
+            return
         warn(
             f"supermem pool: a step with torch.compile'd graphs peaked at {format_bytes(peak)}, over the"
             f" budget of {format_bytes(pool.budget_bytes)}, and the pool cannot lower what the graphs save:"
