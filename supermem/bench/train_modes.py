@@ -130,7 +130,7 @@ def sweep_modes(device: str) -> list[Mode]:
         compiles.append(
             Mode("compile partitioner offload", "native", "compile", options=opts, models=BLOCK_MODELS)
         )
-    blocks = {"memory_budget": 1.0, "per_block": True}  # each block compiled alone: the pool plans it
+    blocks = {"memory_budget": 1.0, "per_block": True}  # each block compiled alone (torchtitan's way)
     compiles.append(Mode("compile per block", "native", "compile", options=blocks, models=BLOCK_MODELS))
     out += compiles
     out += [_chunked(m) for m in ckpts + compiles]
@@ -149,8 +149,8 @@ def sweep_modes(device: str) -> list[Mode]:
     for label, b, of in budgets if cuda else budgets[-1:]:
         name = f"compiled planned {label}"
         pools.append(Mode(name, "supermem", "pool", b, options=opts, models=BLOCK_MODELS, budget_of=of))
-    # The planned pool around each block compiled alone: it plans what the blocks' graphs save as eager
-    # code's (tensor_pool/compiled.py, MOVABLE_SHARE)
+    # The planned pool around each block compiled alone: the compile budget share first, then, where the
+    # share cannot fit, what the blocks' graphs save planned as eager code's (tensor_pool/compiled.py)
     opts = {"policy": "planned", "compile": True, "memory_budget": 1.0, "per_block": True}
     for label, b, of in budgets if cuda else budgets[-1:]:
         name = f"per block planned {label}"
