@@ -92,7 +92,8 @@ class Rest:
                 return False
             self.resting = True  # (this step counts in "steps", the next ones in "rest_steps")
             self.calls, self.k = calls, 0
-            self.params = [weakref.ref(w) for r in pool.regions.roots if (m := r()) for w in m.parameters()]
+            roots = (m for r in pool.regions.roots if (m := r()) is not None)  # (not bool(m): a compiled
+            self.params = [weakref.ref(w) for m in roots for w in m.parameters()]  # module has __len__)
             self.grads = self.grad_flags()
         return True
 
