@@ -541,3 +541,30 @@ def test_a_graph_is_a_block_when_each_of_its_calls_saves_a_quarter_of_the_step_o
     assert graphs.blocks == {a} and not graphs.movable
     graphs._unfit(pool, 200, "a reason")  # the share cannot fit: the blocks are the pool's
     assert graphs.movable == {a}
+
+
+def test_a_planned_pool_rests_around_blocks_compiled_alone():
+    """A plan that moves nothing rests: the pool reads its region roots' parameters. Called from plain
+    code, not from a module, the compiled blocks are the roots (a compiled module's truth value raises:
+    it has __len__)."""
+    blocks = torch.nn.ModuleList(gpt_blocks("aot_eager").blocks[:4])
+    head = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))  # eager: the plan's saves
+    x = torch.randn(2, 16, 64, generator=torch.Generator().manual_seed(0))
+
+    def step():
+        blocks.zero_grad(set_to_none=True)
+        head.zero_grad(set_to_none=True)
+        h = x
+        for b in blocks:
+            h = b(h)
+        head(h).square().mean().backward()
+        return [p.grad.clone() for p in [*blocks.parameters(), *head.parameters()]]
+
+    torch._dynamo.reset()
+    ref = [step() for _ in range(6)]
+    pool = Pool(budget=2**30, policy="planned")
+    got = []
+    for _ in range(6):
+        with pool:
+            got.append(step())
+    assert all(same(a, b) for a, b in zip(ref, got)) and pool.stats()["rest_steps"] > 0, pool.stats()
