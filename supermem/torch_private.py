@@ -180,6 +180,71 @@ def compile_memory_budget() -> float:
     return torch._functorch.config.activation_memory_budget
 
 
+class RandomGraphsAt:
+    """A joint-graph pass (torch._functorch.config.joint_custom_pass), after the one it wraps: a graph
+    that draws random numbers (an op tagged nondeterministic_seeded: dropout, rand_like) partitions at
+    `share`, whatever the config's activation_memory_budget (the partitioner takes a float
+    node.meta["memory_budget"] before the config's). Below 1.0 the min-cut partitioner may put a
+    random op in the backward too, where it draws fresh randomness: dropout's backward then applies
+    another mask than its forward did, and the gradients are silently wrong (pytorch/pytorch#190758,
+    open; torch 2.11 and 2.13, CUDA and CPU). `pinned`: the graphs it kept at `share`."""
+
+    def __init__(self, inner: Any, share: float):
+        self.inner = inner
+        self.share = share
+        self.pinned = 0
+
+    def __call__(self, graph: Any, inputs: Any) -> Any:
+        if self.inner is not None:
+            graph = self.inner(graph, inputs)
+        if any(n.op == "call_function" and draws_random(n) for n in graph.graph.nodes):
+            next(iter(graph.graph.nodes)).meta["memory_budget"] = float(self.share)
+            self.pinned += 1
+        return graph
+
+
+def draws_random(node: Any) -> bool:
+    """Whether an fx call draws random numbers: its op is tagged nondeterministic_seeded, and a dropout
+    probability it takes ("p", "dropout_p": native_dropout, the attention kernels) is not a literal 0
+    (the attention kernels are tagged so at dropout_p 0.0 too, where they draw nothing)."""
+    if torch.Tag.nondeterministic_seeded not in getattr(node.target, "tags", ()):
+        return False
+    schema = getattr(node.target, "_schema", None)
+    for i, arg in enumerate(schema.arguments if schema is not None else ()):
+        if arg.name in ("p", "dropout_p"):
+            value = node.kwargs.get(arg.name, node.args[i] if i < len(node.args) else arg.default_value)
+            return not (isinstance(value, (int, float)) and value == 0)
+    return True
+
+
+def keep_random_graphs_at(share: float | None) -> RandomGraphsAt | None:
+    """Graphs compiled from now on that draw random numbers partition at `share` (RandomGraphsAt, put
+    in front of the config's joint_custom_pass), and AOTAutograd's cache is off meanwhile (its key
+    leaves the joint pass out: an entry partitioned without it would be reused). None: both as they
+    were. The pass in force, or None."""
+    import torch._functorch.config as config
+
+    global _random_at, _cache_before
+    if share is None:
+        if _random_at is not None:
+            if config.joint_custom_pass is _random_at:
+                config.joint_custom_pass = _random_at.inner
+            config.enable_autograd_cache = _cache_before
+            _random_at = None
+        return None
+    if _random_at is None:
+        _random_at = RandomGraphsAt(config.joint_custom_pass, share)
+        _cache_before = config.enable_autograd_cache
+        config.joint_custom_pass = _random_at
+        config.enable_autograd_cache = False
+    _random_at.share = share
+    return _random_at
+
+
+_random_at: RandomGraphsAt | None = None
+_cache_before: Any = None
+
+
 def has_partitioner_offload() -> bool:
     """This PyTorch's partitioner can offload what compiled graphs save to the CPU
     (torch._functorch.config.enable_activation_offloading: the nodes a joint-graph pass marks)."""

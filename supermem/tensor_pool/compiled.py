@@ -147,6 +147,7 @@ class CompiledGraphs:
         self._said_unfit = False
         self._entered = 0  # the pool's contexts entered, all threads: the share is on while any is
         self._share_before: float | None = None  # the config's share, to put back at the last exit
+        self._random: tp.RandomGraphsAt | None = None  # the pass keeping random graphs at the user's share
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ recognising
@@ -348,6 +349,12 @@ class CompiledGraphs:
         if self._said_unfit:
             return
         self._said_unfit = True
+        if self._random is not None and self._random.pinned:
+            why += (
+                f"; {self._random.pinned} graph compile(s) drew random numbers (dropout) and kept the share"
+                f" {self._random.share:.3f}: below it PyTorch's partitioner may recompute them with fresh"
+                " randomness in backward, and the gradients would be wrong (pytorch/pytorch#190758)"
+            )
         if self.blocks:
             self.movable.update(self.blocks)
             logger.info(
@@ -370,17 +377,23 @@ class CompiledGraphs:
         self.share = share
         pool = self._pool()
         if self._entered or (pool is not None and pool.always_active):
-            if self._share_before is None:
-                self._share_before = tp.compile_memory_budget()
-            tp.set_compile_memory_budget(share)
+            self._put_share(share)
+
+    def _put_share(self, share: float) -> None:
+        """Caller holds the lock. The config's share becomes `share`; graphs that draw random numbers
+        keep the user's (torch_private.RandomGraphsAt: below it PyTorch's partitioner may recompute
+        dropout with fresh randomness in backward, and the gradients would be wrong)."""
+        if self._share_before is None:
+            self._share_before = tp.compile_memory_budget()
+        tp.set_compile_memory_budget(share)
+        self._random = tp.keep_random_graphs_at(self._share_before)
 
     def entered(self) -> None:
         """A context of the pool was entered (any thread): graphs compiled inside compile at its share."""
         with self._lock:
             self._entered += 1
             if self._entered == 1 and self.share is not None and self._share_before is None:
-                self._share_before = tp.compile_memory_budget()
-                tp.set_compile_memory_budget(self.share)
+                self._put_share(self.share)
 
     def exited(self) -> None:
         with self._lock:
@@ -388,4 +401,5 @@ class CompiledGraphs:
             pool = self._pool()
             if self._entered == 0 and self._share_before is not None and not (pool and pool.always_active):
                 tp.set_compile_memory_budget(self._share_before)
+                tp.keep_random_graphs_at(None)
                 self._share_before = None
