@@ -59,17 +59,19 @@ def test_bench_alloc_quick_cpu(tmp_path):
 
 
 def test_bench_train_sweep_quick_cpu(tmp_path):
-    # ~250 s on an idle 2-core machine: 45 rows, 4 of them compiled (inductor builds ~20 s a row)
+    # ~330 s on an idle 2-core machine: 49 rows, 8 of them compiled (inductor builds ~20 s a row)
     stdout, result = _bench(tmp_path, "train", "--sweep", "--model", "gpt", timeout=900)
     by_name = {r["config"]: r for r in result["models"]["gpt"]}
     parts = ("quarter", "half", "three quarters")
     baselines = ["native", "checkpoint", "checkpoint reentrant"] + [f"checkpoint first {p}" for p in parts]
     budgets = ["90%", "75%", "60%", "50%", "ckpt peak"]
     pool_rows = [f"{policy} {b}" for policy in ("cost_aware", "planned") for b in budgets]
-    pool_rows.append("compiled planned ckpt peak")  # CPU: one compiled pool row (inductor's build)
+    pool_rows.append("compiled planned ckpt peak")  # CPU: one compiled pool row of each kind (inductor's
+    pool_rows.append("per block planned ckpt peak")  # build)
     pool_rows += [f"{name} + chunked loss" for name in pool_rows]
-    extra = ["compile budget 0.5", "chunked loss", "torch chunked loss"]  # CPU: no save_on_cpu
-    extra += [f"{name} + chunked loss" for name in baselines[1:] + ["compile budget 0.5"]]
+    compiles = ["compile budget 0.5", "compile per block"]
+    extra = compiles + ["chunked loss", "torch chunked loss"]  # CPU: no save_on_cpu
+    extra += [f"{name} + chunked loss" for name in baselines[1:] + compiles]
     assert set(by_name) == set(baselines + extra + pool_rows)
     for name, row in by_name.items():
         assert "error" not in row, f"{name}: {row['error']}"
@@ -77,7 +79,7 @@ def test_bench_train_sweep_quick_cpu(tmp_path):
     native, ckpt = by_name["native"], by_name["checkpoint"]
     # torch.compile runs the same model (other kernels: close, not bitwise), also under the pool and with
     # the chunked loss
-    for name in ("compile budget 0.5", "compiled planned ckpt peak"):
+    for name in compiles + ["compiled planned ckpt peak", "per block planned ckpt peak"]:
         for loss in ("", " + chunked loss"):
             assert math.isclose(native["loss"], by_name[name + loss]["loss"], rel_tol=1e-3), name + loss
     # the chunked loss is the same loss (sums in another order), and backward keeps no logits
@@ -93,7 +95,7 @@ def test_bench_train_sweep_quick_cpu(tmp_path):
         < native["peak_alloc_bytes"]
     )
     ckpt_chunked = by_name["checkpoint + chunked loss"]
-    for policy in ("cost_aware", "planned", "compiled planned"):
+    for policy in ("cost_aware", "planned", "compiled planned", "per block planned"):
         assert by_name[f"{policy} ckpt peak"]["budget_bytes"] == ckpt["peak_alloc_bytes"]
         peak = ckpt_chunked["peak_alloc_bytes"]
         assert by_name[f"{policy} ckpt peak + chunked loss"]["budget_bytes"] == peak
