@@ -30,8 +30,9 @@ a recompile that saved no fewer bytes: a backend without the min-cut partitioner
 or a lower share that peaked no lower than a higher one, when they compile once more at the share of
 the lowest peak), and plans no more (a budget changed later included). Peaks are compared between
 steps as if of one shape: a step of a larger batch at a lower share can read as no lower.
-Without a budget nothing changes: the pool says once that it steps aside, and how to save memory
-under compile.
+A graph that draws random numbers (dropout) keeps the user's share (torch_private.RandomGraphsAt):
+below it the partitioner may recompute its dropout in backward with a new mask. Without a budget
+nothing changes: the pool says once that it steps aside, and how to save memory under compile.
 
 Blocks compiled one by one (a graph whose every call saves at most BLOCK_SHARE of the step's compiled
 bytes) are the exception where the share cannot fit: such a graph saves while later blocks still run
