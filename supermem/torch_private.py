@@ -226,15 +226,16 @@ def keep_random_graphs_at(share: float | None) -> RandomGraphsAt | None:
 
     global _random_at, _cache_before
     if share is None:
-        if _random_at is not None:
-            if config.joint_custom_pass is _random_at:
-                config.joint_custom_pass = _random_at.inner
+        at, _random_at = _random_at, None
+        if at is not None:
+            inner = at.inner
+            if getattr(config, "joint_custom_pass", None) is at:
+                config.joint_custom_pass = inner
             config.enable_autograd_cache = _cache_before
-            _random_at = None
         return None
-    if _random_at is None:
-        _random_at = RandomGraphsAt(config.joint_custom_pass, share)
-        _cache_before = config.enable_autograd_cache
+    if _random_at is None:  # (getattr: a config key deleted, as unittest.mock does, reads as absent)
+        _random_at = RandomGraphsAt(getattr(config, "joint_custom_pass", None), share)
+        _cache_before = getattr(config, "enable_autograd_cache", True)
         config.joint_custom_pass = _random_at
         config.enable_autograd_cache = False
     _random_at.share = share

@@ -61,16 +61,18 @@ def test_the_compiled_pool_rows_wrap_a_compiled_model_from_compile_budget_1():
 
 
 @pytest.fixture
-def functorch_config(monkeypatch):
-    """torch._functorch.config's keys the bench sets, restored after the test."""
+def functorch_config():
+    """torch._functorch.config's keys the bench sets, restored after the test (by setattr: pytest's
+    monkeypatch would delete them, and a deleted key of torch's config reads as absent after)."""
     import torch._functorch.config as config
 
     keys = ["activation_memory_budget", "joint_custom_pass"]
     keys += [k for k in dir(config) if k.startswith(("enable_activation_offloading", "activation_offload"))]
     keys += [k for k in dir(config) if k == "activation_reload_prefetch"]
-    for k in keys:
-        monkeypatch.setattr(config, k, getattr(config, k))
-    return config
+    before = {k: getattr(config, k) for k in keys}
+    yield config
+    for k, v in before.items():
+        setattr(config, k, v)
 
 
 @pytest.mark.skipif(not tp.has_partitioner_offload(), reason="this torch has no partitioner offload")
