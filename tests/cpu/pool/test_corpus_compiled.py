@@ -1,8 +1,8 @@
-"""The corpus' decoders with each layer compiled on its own (torch.compile per block, aot_eager), 8
-layers at a tiny width, under every live policy at 40% of the bytes the compiled step saves outside the
-pool: every loss, gradient, weight and optimizer state bitwise the compiled run's without the pool.
-The pool lowers the compile budget share of graphs that draw no random numbers, and takes the layers'
-saved tensors as eager code's where the share cannot fit (tensor_pool/compiled.py)."""
+"""The corpus' decoders compiled whole, or each layer on its own (torch.compile per block), with
+aot_eager, 8 layers at a tiny width, under every live policy at 40% of the bytes the compiled step
+saves outside the pool: every loss, gradient, weight and optimizer state bitwise the compiled run's
+without the pool. The pool lowers the compile budget share of graphs that draw no random numbers, and
+takes the layers' saved tensors as eager code's where the share cannot fit (tensor_pool/compiled.py)."""
 
 import warnings
 
@@ -18,11 +18,13 @@ pytest.importorskip("torch._dynamo")
 DECODERS = ("gpt2", "llama", "mistral", "qwen2")
 
 
-def _layers_compiled(name):
-    """CASES[name] at tiny-deep size, each decoder layer compiled alone."""
+def _compiled(name, how):
+    """CASES[name] at tiny-deep size, compiled whole or each decoder layer alone."""
 
     def build(_size):
         model, batch, loss_of = corpus.CASES[name]("tiny-deep")
+        if how == "whole":
+            return torch.compile(model, backend="aot_eager"), batch, loss_of
         layers = next(m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) > 1)
         for i, layer in enumerate(layers):
             layers[i] = torch.compile(layer, backend="aot_eager")
@@ -49,14 +51,20 @@ def reference(case):
     return _reference[case]
 
 
+# compiled whole: GPT-2 (dropout) and Llama (none) stand for the rest (Mistral and Qwen2 are Llama's
+# layers with other attention and config; they run per layer)
+COMPILES = [(name, "layers") for name in DECODERS] + [("gpt2", "whole"), ("llama", "whole")]
+
+
 @pytest.mark.parametrize("policy", live_names())
-@pytest.mark.parametrize("name", DECODERS)
-def test_a_decoder_with_its_layers_compiled_trains_bitwise_under_the_pool(name, policy, monkeypatch):
-    """GPT-2 draws dropout inside its layers: the share the pool lowers would have its partitioner
-    recompute dropout in backward with another mask (torch_private.RandomGraphsAt)."""
+@pytest.mark.parametrize(("name", "how"), COMPILES)
+def test_a_compiled_decoder_trains_bitwise_under_the_pool(name, how, policy, monkeypatch):
+    """GPT-2 draws dropout: the share the pool lowers would have its partitioner recompute dropout in
+    backward with another mask (torch_private.RandomGraphsAt). Compiled whole, HF's decoders break
+    into graphs at their cache and mask code."""
     pytest.importorskip("transformers")
-    case = f"{name}-layers-compiled"
-    monkeypatch.setitem(corpus.CASES, case, _layers_compiled(name))
+    case = f"{name}-{how}-compiled"
+    monkeypatch.setitem(corpus.CASES, case, _compiled(name, how))
     torch._dynamo.reset()  # (what earlier tests compiled and dropped counts toward dynamo's limits)
     ref, saved = reference(case)
     assert saved > 0, f"{case}: no compiled graph saved a tensor"
@@ -66,6 +74,8 @@ def test_a_decoder_with_its_layers_compiled_trains_bitwise_under_the_pool(name, 
         got = build_and_train(case, "tiny", pool)
     assert _same(got, ref), f"{case} under {policy} at 40%: training differs from the compiled run's"
     s = pool.stats()
+    if how == "whole":
+        return
     if name == "gpt2":  # its layers keep their share: the pool takes what they save
         assert pool.compiled.movable and s["offloaded_bytes"] + s["dropped_bytes"] > 0, s
     else:  # the share is lowered (a dropout-free graph may recompute), or the pool takes them
