@@ -95,6 +95,7 @@ class Context:
         self.phase_events: collections.deque[tuple[int, str]] = collections.deque(maxlen=capacity)
         self.paths: list[str] = []
         self._path_ids: dict[str, int] = {}
+        self.module_types: dict[str, str] = {}  # path -> the module's class name (step_profile.py's op units)
         self._module_path: dict[int, int] = {}  # id(module) -> path id, while the module lives
         self._local = threading.local()
         self.phase = NONE
@@ -196,6 +197,7 @@ class Context:
             path = names.get(id(m))
             if path is not None and id(m) not in self._module_path:
                 self._module_path[id(m)] = self._path_id(path)
+                self.module_types.setdefault(path, type(m).__name__)
                 weakref.finalize(m, self._module_path.pop, id(m), None)
         return self._module_path[id(module)]
 

@@ -335,6 +335,7 @@ class Recorder:
                     **check.meta(context),
                     "hook_backwards": self.context.hooked_backwards,
                 }
+                trace.meta["module_types"] = dict(self.context.module_types)
             trace.meta["link_bytes_per_s"] = self._link_rates()
             return trace
 

@@ -12,11 +12,16 @@
   leave once it returned, rebuilt for its seconds in the traced forward, reading the activation its
   first tensor argument lives in (context.py records it: another call's output, kept as the live pool
   keeps a region's input, not dropped with the call that made it);
+- a call of a module that runs one op the live pool replays alone (OP_MODULES: a BatchNorm, a LayerNorm,
+  a ReLU, a GELU; op_replay.py's OPS) is a unit of its own: the tensor it returned, rebuilt from its first
+  argument for the call's seconds, as the live pool rebuilds a ResNet block's ReLU output from its
+  BatchNorm's input;
 - copies are priced at the link the recording probed (copy_rate).
 
-Not in a trace, so not offered: the live pool's smaller units inside a call (an op's replay from its kept
-inputs, an autocast weight copy cast again), compression, and the host's costs of the pool's entries. A
-trace recorded without module calls (context off, or by an older supermem) plans copies alone.
+Not in a trace, so not offered: the live pool's op replays the trace cannot see (ops run outside a module
+of their own: a residual add, a cast), autocast weight copies cast again, compression, and the host's
+costs of the pool's entries. A trace recorded without module calls (context off, or by an older
+supermem) plans copies alone; one without module types (an older supermem) offers no op units.
 """
 
 from __future__ import annotations
@@ -34,6 +39,9 @@ from .timeline import lifetimes, series
 
 if TYPE_CHECKING:
     from ..tensor_pool.profile import Profile
+
+# Module types whose call runs one op that op_replay.py's OPS rebuilds from its input
+OP_MODULES = frozenset({"BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "LayerNorm", "ReLU", "GELU"})
 
 
 @dataclass(eq=False)
@@ -59,8 +67,9 @@ class StepProfile:
     profile: Profile
     chosen: np.ndarray
     step_peak: int
-    unit_calls: dict[int, TraceCall]
+    unit_calls: dict[int, TraceCall]  # the region units' calls
     has_calls: bool  # the trace records module calls (else no recompute units)
+    op_calls: dict[int, TraceCall] = field(default_factory=dict)  # the op units' calls
 
 
 def last_step(trace: Trace) -> tuple[int, int] | None:
@@ -204,12 +213,18 @@ def step_profile(trace: Trace, device: int) -> StepProfile | None:
     roots = module_calls(trace, w0, w1)
     out = StepProfile(profile, chosen, step_peak, {}, bool(roots))
     if roots and n:
-        _add_regions(out, roots, lt, saves, end_t[chosen], np.sort(times))
+        _add_regions(out, roots, lt, saves, end_t[chosen], np.sort(times), trace.meta.get("module_types", {}))
     return out
 
 
 def _add_regions(
-    out: StepProfile, roots: list[TraceCall], lt, saves: np.ndarray, ends: np.ndarray, event_times: np.ndarray
+    out: StepProfile,
+    roots: list[TraceCall],
+    lt,
+    saves: np.ndarray,
+    ends: np.ndarray,
+    event_times: np.ndarray,
+    module_types: dict[str, str],
 ) -> None:
     """The module calls the live pool would make regions, as the profile's recompute units (Recorder
     .recomputable's: members, the event they may leave from, seconds, the saves the replay reads, and
@@ -266,3 +281,42 @@ def _add_regions(
         p.unit_start[u], p.unit_end[u] = lo, int(own[-1]) + 1
         for k in own.tolist():
             p.saved[k].unit = u
+    # Op units (the live pool's op recipes take their tensor from the region it was saved in): not one
+    # whose input another op unit rebuilds (op_replay.py's cascades)
+    rebuilt: set[int] = set()
+    for x, parent in _leaves(roots):
+        if module_types.get(x.module) not in OP_MODULES:
+            continue
+        lo = int(np.searchsorted(saves, x.start_ns, "left"))
+        hi = int(np.searchsorted(saves, x.end_ns, "right"))
+        made = np.flatnonzero(holding(x.output_ptrs, lo, hi, x.end_ns))
+        if len(made) != 1:
+            continue
+        k = lo + int(made[0])
+        inputs = [int(i) for i in np.flatnonzero(holding((x.input_ptr,), 0, lo, x.start_ns))[-1:]]
+        # A tensor its caller returns was changed in place after the op (a ResNet block's BatchNorm
+        # output: the residual added to it, then ReLU): the live pool's chain reads the caller's input too.
+        if inputs and parent is not None and holding(parent.output_ptrs, k, k + 1, parent.end_ns)[0]:
+            inputs += [int(i) for i in np.flatnonzero(holding((parent.input_ptr,), 0, lo, x.start_ns))[-1:]]
+        if not inputs or rebuilt.intersection(inputs):
+            continue
+        u = len(p.unit_cost_s)
+        out.op_calls[u] = x
+        p.unit_ready[u] = int(np.searchsorted(event_times, x.end_ns, "right"))
+        p.unit_cost_s[u] = (x.end_ns - x.start_ns) / 1e9
+        p.unit_inputs[u] = tuple(i + 1 for i in inputs)
+        p.saved[k].unit = u
+        rebuilt.add(k)
+
+
+def _leaves(roots: list[TraceCall]) -> list[tuple[TraceCall, TraceCall | None]]:
+    """The calls that made no call, each with its caller, in call order."""
+    out = []
+    todo: list[tuple[TraceCall, TraceCall | None]] = [(r, None) for r in reversed(roots)]
+    while todo:
+        x, parent = todo.pop()
+        if x.children:
+            todo.extend((k, x) for k in reversed(x.children))
+        else:
+            out.append((x, parent))
+    return out

@@ -115,7 +115,8 @@ def what_if(trace: Trace, budget_bytes: int, device: int | None = None) -> WhatI
         rows.values(), key=lambda r: (-r["offload_bytes"] - r["recompute_bytes"], -r["keep_bytes"])
     )
     replayed = {s.unit for s in profile.saved if plan.treatment.get(s.ordinal) == "recompute"}
-    out.recomputed_calls = [x.module for u, x in sorted(made.unit_calls.items()) if u in replayed]
+    calls = {**made.unit_calls, **made.op_calls}
+    out.recomputed_calls = [x.module for u, x in sorted(calls.items()) if u in replayed]
     if floor_bytes > budget_bytes:
         out.notes.append("the budget is under the floor: no treatment of activations makes the step fit")
     return out

@@ -223,3 +223,61 @@ def test_the_calls_a_trace_replays_are_the_live_pools_regions(name):
     paths = {id(m): path or type(m).__name__ for path, m in model.named_modules()}
     live = {paths[id(m)] for m in pool.regions.modules}
     assert traced == live and len(live) > 3
+
+
+def _wide_resnet():
+    from small_models import ResNet
+
+    def batch(g):
+        return torch.randn(8, 3, 32, 32, generator=g), torch.randint(0, 10, (8,), generator=g)
+
+    return ResNet(16, 6), batch, lambda m, x: nn.functional.cross_entropy(m(x[0]), x[1])
+
+
+def test_a_batchnorm_call_is_a_unit_of_its_own_as_the_live_pools_op_replays():
+    """A BatchNorm's call rebuilds the tensor it returned (its in-place ReLU's output) from its input,
+    conv's output; a block's last one also reads the block's input (the residual summed into it in
+    place), so it is no unit where the block before's is (op_replay.py's cascades). At 75% of the step's
+    saves, recompute only, the what-if then predicts the live pool's planned peak within 5%: a pool
+    that meets it by replaying BatchNorms, not whole blocks. Without module types (a trace by an older
+    supermem) the whole blocks alone land far under it."""
+    trace = train_traced(_wide_resnet, "cpu", [ProfiledCPU()], steps=3)[0]
+    made = step_profile(trace, 0)
+    p = made.profile
+    types = trace.meta["module_types"]
+    ops = {made.op_calls[u].module: u for u in made.op_calls}
+    assert {types[m] for m in ops} == {"BatchNorm2d"}
+    assert {f"blocks.{k}.b1" for k in range(6)} <= set(ops)
+    by = {s.ordinal: s for s in p.saved}
+    members = {s.ordinal for s in p.saved if s.unit in made.op_calls}
+    for m, u in ops.items():
+        (member,) = [s for s in p.saved if s.unit == u]
+        reads = p.unit_inputs[u]
+        assert [by[o].nbytes for o in reads] == [member.nbytes] * (2 if m.endswith(".b2") else 1)
+        assert all(by[o].save < member.save and o not in members for o in reads)
+    assert any(m.endswith(".b2") for m in ops)
+
+    traced = _saves_only(p)
+    budget = int(0.75 * max(traced.base_bytes))
+    torch.manual_seed(0)
+    model, batch, loss_of = _wide_resnet()
+    x = batch(torch.Generator().manual_seed(1))
+    opt = _sgd(model.parameters())
+    pool = Pool(budget=budget, policy="planned", treatments=(Recompute(),))
+    for _ in range(6):
+        opt.zero_grad()
+        with pool:
+            loss_of(model, x).backward()
+        opt.step()
+    ran = pool.plans.plan
+    plan = make_plan(traced, budget)
+    assert plan.feasible and ran.feasible
+    assert any(plan.treatment.get(s.ordinal) == "recompute" for s in p.saved if s.unit in made.op_calls)
+    assert abs(plan.predicted_peak_bytes - ran.predicted_peak_bytes) <= 0.05 * ran.predicted_peak_bytes
+
+    older = copy.copy(trace)
+    older.meta = {k: v for k, v in trace.meta.items() if k != "module_types"}
+    coarse = step_profile(older, 0)
+    assert not coarse.op_calls
+    blocks_only = make_plan(_saves_only(coarse.profile), budget)
+    assert blocks_only.predicted_peak_bytes < 0.95 * ran.predicted_peak_bytes
