@@ -44,6 +44,12 @@ BACKWARD_HOST_FREE = 0.5
 # 1.25 us against 7.8.
 KEPT_SHARE = 1.2
 
+# What a saved tensor costs the host through the pool (its entry, unpack and release) where no pool ran to
+# measure it: `report --budget` plans from a step traced without one. The live pool's own measure of an
+# entry's making (Profile.entry_s), H200 host, autocast bf16: 39 us on timm ResNet-50, 45 us on an HF
+# Llama; times KEPT_SHARE for the rest.
+SAVE_HOST_PRIOR_S = KEPT_SHARE * 40e-6
+
 # What a drop and its rebuild cost the host in a lean call (lean_call.py), as a share of what they cost
 # through the pool (an entry, a pool rebuild): tiny GPT-24 on a CPU, a plan's drops run either way, 41
 # and 60 us a drop against 78 and 104 (kernels included).

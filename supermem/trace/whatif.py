@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import costs
 from .breakdown import NO_MODULE
 from .owners import stack_owners
 from .step_profile import copy_rate, step_profile
@@ -38,6 +39,7 @@ class WhatIf:
     predicted_peak_bytes: int
     predicted_step_s: float
     measured_step_s: float  # the step planned from, as traced
+    pool_host_s: float = 0.0  # of the predicted step, the pool's host work on the step's saves
     # module, keep_bytes, offload_bytes, recompute_bytes (of the activations allocated in it)
     by_module: list[dict[str, Any]] = field(default_factory=list)
     recomputed_calls: list[str] = field(default_factory=list)  # the module calls the plan replays, by path
@@ -94,7 +96,8 @@ def what_if(trace: Trace, budget_bytes: int, device: int | None = None) -> WhatI
         out.notes.append("the trace records no module calls (traced without context): copies alone planned")
     plan = make_plan(profile, budget_bytes)
     out.measured_step_s = profile.step_s
-    out.predicted_step_s = plan.predicted_step_s or profile.step_s
+    out.pool_host_s = len(profile.saved) * costs.SAVE_HOST_PRIOR_S  # (the trace ran without a pool)
+    out.predicted_step_s = (plan.predicted_step_s or profile.step_s) + out.pool_host_s
     out.predicted_peak_bytes = step_peak
     if profile.saved:
         out.predicted_peak_bytes = max(int(plan.predicted_peak_bytes), floor_bytes)
@@ -130,8 +133,9 @@ def summary(w: WhatIf) -> str:
     step = ""
     if w.measured_step_s:
         step = (
-            f", step {w.predicted_step_s * 1e3:.1f} ms (traced {w.measured_step_s * 1e3:.1f} ms; copies at "
-            f"{w.link_bytes_per_s / 1e9:.1f} GB/s, {w.link_source})"
+            f", step {w.predicted_step_s * 1e3:.1f} ms (traced {w.measured_step_s * 1e3:.1f} ms; the pool's "
+            f"host work on the saves {w.pool_host_s * 1e3:.1f} ms; copies at {w.link_bytes_per_s / 1e9:.1f} "
+            f"GB/s, {w.link_source})"
         )
     lines = [
         f"what if the budget were {fb(w.budget_bytes)} (device {w.device}, traced peak {fb(w.peak_bytes)}):",

@@ -54,6 +54,16 @@ for i in range(steps):
         row.update({{k: s.get(k) for k in ("replans", "plans", "sync_restores", "regions", "margin_bytes")}})
         row["away"] = s.get("away_bytes_by_treatment")
     rows.append(row)
+if pool is not None:
+    prof = list(pool.plans.profiles.values())[-1]
+    regions = set(prof.unit_start)
+    rows.append({{"entry_us": prof.entry_s * 1e6, "step_ms": prof.step_s * 1e3, "saves": len(prof.saved),
+                 "saved_gib": sum(s.nbytes for s in prof.saved) / 2**30,
+                 "untreated_peak_gib": max(map(sum, zip(prof.base_bytes, prof.transient_bytes))) / 2**30,
+                 "base_max_gib": max(prof.base_bytes) / 2**30, "regions": len(regions),
+                 "other_units": len(set(prof.unit_cost_s) - regions),
+                 "recomputed_in_regions": sum(1 for s in prof.saved if s.unit in regions
+                                              and pool.plans.plan.treatment.get(s.ordinal) == "recompute")}})
 print("@@ROWS " + json.dumps(rows))
 """
 
@@ -94,7 +104,7 @@ def main():
         f"{len(made.unit_calls)} units, base max {max(p.base_bytes) / 2**30:.3f} GiB, "
         f"step peak {made.step_peak / 2**30:.3f} GiB, step {p.step_s * 1e3:.1f} ms"
     )
-    print("units:", sorted({x.module for x in made.unit_calls.values()})[:12])
+    print("units:", sorted({x.module for x in made.unit_calls.values()})[:12], len(made.op_calls), "op units")
     for r in run([sys.executable, str(script), name, steps, str(budget)]):
         print(json.dumps(r))
 

@@ -53,6 +53,21 @@ def test_a_budget_under_the_floor_does_not_fit_and_one_over_the_peak_moves_nothi
     assert w.predicted_peak_bytes <= w.peak_bytes
 
 
+def test_a_step_that_moves_nothing_still_pays_the_pools_host_work_on_its_saves(trace):
+    """Traced without a pool, a step's saves cost the host nothing; under one each is an entry
+    (costs.SAVE_HOST_PRIOR_S): a budget over the peak predicts the traced step plus that, for the two
+    activations this MLP saves (ReLU's output, the second Linear's input; that Linear's output, the
+    loss's input)."""
+    from supermem import costs
+    from supermem.trace.step_profile import step_profile
+
+    w = what_if(trace, 1 << 30)
+    made = step_profile(trace, 0)
+    assert [s.nbytes for s in made.profile.saved] == [HIDDEN_BYTES, B * D * 4]
+    assert w.pool_host_s == pytest.approx(len(made.profile.saved) * costs.SAVE_HOST_PRIOR_S)
+    assert w.predicted_step_s == pytest.approx(w.measured_step_s + w.pool_host_s)
+
+
 def test_report_budget_prints_the_verdict(trace, tmp_path, capsys):
     path = tmp_path / "mlp.smtrace"
     fmt.write(trace, path)
