@@ -4,8 +4,9 @@
 
 - each activation block of the step is a saved tensor, saved at its alloc and used at its free (its last
   use in backward: the trace holds no unpack times);
-- the curve is the trace's active bytes at those events; what rises above it between them (the loss's
-  spike) is the transient the planner puts at backward's start;
+- the curve is the trace's active bytes at those events; what rises above it before the next event (the
+  loss's spike at backward's start, the optimizer step's temporaries at the end) is that event's
+  transient, as the live pool's Recorder counts its rises;
 - the recompute units are module calls, chosen as the live pool chooses its regions (regions.py's
   choose_regions over each call's activation bytes, from the top call down; a call given state, a KV
   cache, is split into its parts): a call's members are the activations allocated during it, free to
@@ -118,6 +119,18 @@ def copy_rate(trace: Trace, device: int) -> tuple[float, bool, str]:
     return costs.GPU_LINK_BYTES_PER_S, False, "default: the trace holds no probe"
 
 
+def _rises(t: np.ndarray, active: np.ndarray, events: np.ndarray, base: list[int], end: int) -> list[int]:
+    """Per event, what the active bytes `active` (at times `t`) reach above its base strictly between it
+    and the next event (the last: up to `end`)."""
+    out = np.zeros(len(events), np.int64)
+    if not len(events):
+        return []
+    k = np.searchsorted(events, t, side="right") - 1
+    inside = (k >= 0) & (t > events[k.clip(0)]) & (t <= end)
+    np.maximum.at(out, k[inside], active[inside])
+    return np.maximum(out - np.asarray(base, np.int64), 0).tolist()
+
+
 def module_calls(trace: Trace, t0: int, t1: int) -> list[TraceCall]:
     """The top module calls begun in [t0, t1) (context.py's "call" and "return" events), each with the
     calls nested in it (by time: calls on one thread nest)."""
@@ -193,10 +206,8 @@ def step_profile(trace: Trace, device: int) -> StepProfile | None:
     for sv in saved:
         sv.end = min(sv.use + 1, len(base))
     backward = min((sv.use for sv in saved), default=len(base))
-    transient = [0] * len(base)
     step_peak = int(s.active[sel].max()) if sel.any() else int(s.active.max(initial=s.initial_active))
-    if base and backward < len(base):
-        transient[backward] = max(0, step_peak - max(base))
+    transient = _rises(s.time_ns[sel], s.active[sel], times[order], base, w1)
     link_bytes_per_s, sync_copies, _ = copy_rate(trace, device)
     step_s = max((w1 - w0) / 1e9, step_period_s(trace) or 0.0)
     profile = Profile(

@@ -4,6 +4,7 @@ from the trace, then trains under supermem.pool at that budget and prints, step 
 counts, predicted and measured peaks beside the trace's.
 
     python3 tools/diag/whatif_gap.py llama [share=0.75] [steps=12]
+    KEEP=dir python3 tools/diag/whatif_gap.py llama    # keeps both traces, the pooled run's traced too
 """
 
 import json
@@ -105,7 +106,14 @@ def main():
         f"step peak {made.step_peak / 2**30:.3f} GiB, step {p.step_s * 1e3:.1f} ms"
     )
     print("units:", sorted({x.module for x in made.unit_calls.values()})[:12], len(made.op_calls), "op units")
-    for r in run([sys.executable, str(script), name, steps, str(budget)]):
+    pooled = [str(script), name, steps, str(budget)]
+    if os.environ.get("KEEP"):  # a directory: both runs' traces go there (the pooled run traced too)
+        keep = Path(os.environ["KEEP"])
+        (keep / f"{name}.smtrace").write_bytes(out.read_bytes())
+        pooled = [*trace_cmd[:4], "-o", str(keep / f"{name}-pooled.smtrace"), "--", "python", *pooled]
+    else:
+        pooled = [sys.executable, *pooled]
+    for r in run(pooled):
         print(json.dumps(r))
 
 

@@ -104,3 +104,33 @@ def test_copies_are_priced_at_the_link_the_recording_probed(trace, tmp_path):
     fmt.write(probed, path)
     with pytest.raises(TraceFormatError, match="link_bytes_per_s"):
         load(path)
+
+
+def test_the_profile_reaches_the_steps_peak_where_backward_frees_a_save_before_it():
+    """exp's backward makes its gradient (B x V), then frees the output exp saved (B x V): the step's
+    peak is reached between the forward's last event and that free, while the free's event already
+    reads one B x V less. The profile counts what rises between events at the event before, so its
+    untreated curve reaches the recorded peak; counted at the free, it stopped B x V short."""
+    from supermem.trace.step_profile import step_profile
+
+    V = 4096
+
+    def build():
+        model = torch.nn.Sequential(torch.nn.Linear(D, D), torch.nn.Tanh(), torch.nn.Linear(D, V))
+
+        def batch(g):
+            return torch.randn(B, D, generator=g), torch.zeros(1)
+
+        return model, batch, lambda m, x: m(x[0]).exp().mean()
+
+    trace = train_traced(
+        build, "cpu", [ProfiledCPU()], steps=3, optimizer=lambda ps: torch.optim.SGD(ps, lr=1e-3)
+    )[0]
+    made = step_profile(trace, 0)
+    p = made.profile
+    untreated = [b + t for b, t in zip(p.base_bytes, p.transient_bytes, strict=True)]
+    assert max(untreated) == made.step_peak
+    big = B * V * 4
+    assert max(s.nbytes for s in p.saved) == big  # exp's output
+    assert max(p.base_bytes) - p.base_bytes[p.backward_event] >= 0.99 * big  # freed first in backward
+    assert max(untreated) >= max(p.base_bytes) + 0.99 * big  # its gradient, made before
