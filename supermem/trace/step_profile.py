@@ -15,14 +15,15 @@
   keeps a region's input, not dropped with the call that made it);
 - a call of a module that runs one op the live pool replays alone (OP_MODULES: a BatchNorm, a LayerNorm,
   a ReLU, a GELU; op_replay.py's OPS) is a unit of its own: the tensor it returned, rebuilt from its first
-  argument for the call's seconds, as the live pool rebuilds a ResNet block's ReLU output from its
-  BatchNorm's input;
+  argument (and its caller's, where the caller returns that tensor changed in place) for the call's
+  seconds, as the live pool rebuilds a ResNet block's ReLU output from its BatchNorm's input;
 - copies are priced at the link the recording probed (copy_rate).
 
 Not in a trace, so not offered: the live pool's op replays the trace cannot see (ops run outside a module
-of their own: a residual add, a cast), autocast weight copies cast again, compression, and the host's
-costs of the pool's entries. A trace recorded without module calls (context off, or by an older
-supermem) plans copies alone; one without module types (an older supermem) offers no op units.
+of their own: a residual add, a cast), autocast weight copies cast again, and compression. The host's cost
+of the pool's entries, which a step traced without a pool never paid, whatif.py adds at a prior. A trace
+recorded without module calls (context off, or by an older supermem) plans copies alone; one without
+module types (an older supermem) offers no op units.
 """
 
 from __future__ import annotations
@@ -122,9 +123,9 @@ def copy_rate(trace: Trace, device: int) -> tuple[float, bool, str]:
 def _rises(t: np.ndarray, active: np.ndarray, events: np.ndarray, base: list[int], end: int) -> list[int]:
     """Per event, what the active bytes `active` (at times `t`) reach above its base strictly between it
     and the next event (the last: up to `end`)."""
-    out = np.zeros(len(events), np.int64)
     if not len(events):
         return []
+    out = np.zeros(len(events), np.int64)
     k = np.searchsorted(events, t, side="right") - 1
     inside = (k >= 0) & (t > events[k.clip(0)]) & (t <= end)
     np.maximum.at(out, k[inside], active[inside])
