@@ -151,16 +151,11 @@ def _saves_only(p):
     return p
 
 
-def test_the_what_if_plans_the_step_as_a_live_pool_at_that_budget(trace):
-    """A pool on CPU counts its own saved tensors, so the two are compared on that count: the trace's
-    step with its saves alone, against a live pool (recompute only: both plans free bytes by replaying
-    blocks, whatever this machine's timings) at half of it. The same units, members and inputs, the
-    same number of blocks replayed and the same predicted peak. The pool's own count of its planned
-    step is lower still: it leaves out the inputs its light calls hold (a block's 0.5 MiB)."""
-    traced = _saves_only(step_profile(trace, 0).profile)
-    budget = max(traced.base_bytes) // 2
+def _trained_under_a_pool(build, budget):
+    """A planned pool at `budget` that may only recompute (whatever this machine's copy timings), after
+    six SGD steps of `build()` under it."""
     torch.manual_seed(0)
-    model, batch, loss_of = _build()
+    model, batch, loss_of = build()
     x = batch(torch.Generator().manual_seed(1))
     opt = _sgd(model.parameters())
     pool = Pool(budget=budget, policy="planned", treatments=(Recompute(),))
@@ -169,6 +164,18 @@ def test_the_what_if_plans_the_step_as_a_live_pool_at_that_budget(trace):
         with pool:
             loss_of(model, x).backward()
         opt.step()
+    return pool
+
+
+def test_the_what_if_plans_the_step_as_a_live_pool_at_that_budget(trace):
+    """A pool on CPU counts its own saved tensors, so the two are compared on that count: the trace's
+    step with its saves alone, against a live pool (recompute only: both plans free bytes by replaying
+    blocks, whatever this machine's timings) at half of it. The same units, members and inputs, the
+    same number of blocks replayed and the same predicted peak. The pool's own count of its planned
+    step is lower still: it leaves out the inputs its light calls hold (a block's 0.5 MiB)."""
+    traced = _saves_only(step_profile(trace, 0).profile)
+    budget = max(traced.base_bytes) // 2
+    pool = _trained_under_a_pool(_build, budget)
     (live,) = pool.plans.profiles.values()
     assert max(live.base_bytes) == max(traced.base_bytes)  # the same saves, the batch's shift included
 
@@ -259,17 +266,7 @@ def test_a_batchnorm_call_is_a_unit_of_its_own_as_the_live_pools_op_replays():
 
     traced = _saves_only(p)
     budget = int(0.75 * max(traced.base_bytes))
-    torch.manual_seed(0)
-    model, batch, loss_of = _wide_resnet()
-    x = batch(torch.Generator().manual_seed(1))
-    opt = _sgd(model.parameters())
-    pool = Pool(budget=budget, policy="planned", treatments=(Recompute(),))
-    for _ in range(6):
-        opt.zero_grad()
-        with pool:
-            loss_of(model, x).backward()
-        opt.step()
-    ran = pool.plans.plan
+    ran = _trained_under_a_pool(_wide_resnet, budget).plans.plan
     plan = make_plan(traced, budget)
     assert plan.feasible and ran.feasible
     assert any(plan.treatment.get(s.ordinal) == "recompute" for s in p.saved if s.unit in made.op_calls)
