@@ -283,10 +283,13 @@ class Recorder:
         self.away = 0  # bytes of this step's entries off the device now
         # Autocast's cached weight copies (Cast.cached) on a GPU: their ordinals; the bytes of those that
         # left while autocast's cache held them (the allocator still counts them: away only once it let
-        # go); the first event after autocast exited, from which they free what they hold (None: not yet)
+        # go) and their storages, weakly; the first event after autocast exited, from which they free
+        # what they hold (None: not yet)
         self.cached: set[int] = set()
         self.cached_away = 0
+        self.cached_held: list[Any] = []
         self.cache_gone: int | None = None
+        self.storage_refs: dict[int, Any] = {}  # ordinal -> its storage, weakly (on a GPU)
         # id(recipe) -> (its cost in seconds, or a call that measures it; ordinals; ready event; input
         # ordinals; kind; a region's start and end). Not the recipe itself: a region holds its inputs'
         # entries, which must die with the step.
@@ -326,9 +329,16 @@ class Recorder:
         if self.watermark is not None and not self.clock.paused:  # the pool's own bytes are not the model's
             self.seg_used = self.watermark()[0]
 
+    def _cache_let_go(self) -> bool:
+        """Whether autocast exited and its cache let the weight copies go (often before the loss): it is
+        off here, and every copy the pool dropped is freed. Its state is this thread's: backward's
+        events run on autograd's device thread, where it reads off while the autocast the program runs
+        its backward in still holds the copies until after the step."""
+        return not torch.is_autocast_enabled("cuda") and all(r() is None for r in self.cached_held)
+
     def _event(self, used: int) -> int:
-        if self.cached and self.cache_gone is None and not torch.is_autocast_enabled("cuda"):
-            self.away += self.cached_away  # autocast exited (often before the loss): its cache let go
+        if self.cached and self.cache_gone is None and self._cache_let_go():
+            self.away += self.cached_away
             self.cached_away = 0
             self.cache_gone = len(self.bytes)
         self.bytes.append(used + self.away)
@@ -367,8 +377,10 @@ class Recorder:
                 s.counted = max(0, min(hi, a) - lo) + max(0, hi - max(lo, b))
                 s.shared = self.saved[ordinal].shared = True
                 self.storages[ptr] = (ref, ordinal, min(a, lo), max(b, hi))
+                self.storage_refs[s.ordinal] = ref
                 return
-        self.storages[ptr] = (weakref.ref(storage), s.ordinal, lo, hi)
+        ref = self.storage_refs[s.ordinal] = weakref.ref(storage)
+        self.storages[ptr] = (ref, s.ordinal, lo, hi)
 
     def left(self, ordinal: int, nbytes: int) -> None:
         """`nbytes` of save `ordinal` left the device (came back: negative); a save that shares its
@@ -378,6 +390,9 @@ class Recorder:
             nbytes = (1 if nbytes > 0 else -1) * (abs(nbytes) * s.counted // max(1, s.nbytes))
         if self.cache_gone is None and ordinal in self.cached:
             self.cached_away += nbytes
+            ref = self.storage_refs.get(ordinal)
+            if nbytes > 0 and ref is not None:
+                self.cached_held.append(ref)
         else:
             self.away += nbytes
 

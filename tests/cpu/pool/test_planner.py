@@ -1715,6 +1715,37 @@ def test_an_autocast_weight_copy_left_in_the_forward_is_away_once_autocast_exits
     assert p.unit_ready[p.saved[0].unit] == 2 and p.backward_event == 3
 
 
+def test_a_weight_copy_dropped_stays_counted_until_autocast_lets_it_go_after_backward():
+    """A program that runs its backward inside autocast: its cache holds the weight copies until the
+    step's end, while backward's events run on autograd's device thread, where autocast reads off. A
+    copy the pool dropped is away only once its storage is freed, and its unit may leave only from
+    there; counted away at backward's first event, the curve read its bytes twice (an HF Llama
+    profiled 0.21 GiB over its recorded step, and its plan replayed a layer more)."""
+    from supermem.tensor_pool.profile import Recorder
+
+    class Cast:  # a weight copy autocast's cache holds (Cast.cached)
+        cached = True
+
+    rec = Recorder(cuda=True, timed=False)
+    copy = torch.empty(MiB // 4)  # its storage, which autocast's cache holds
+    torch.set_autocast_enabled("cuda", True)
+    try:
+        rec.packed(1, MiB, 5 * MiB, copy)
+        rec.recomputable(Cast(), 1e-5, [1], offloadable=False)
+        rec.left(1, MiB)  # dropped: the allocator still holds its bytes
+        rec.packed(2, MiB, 6 * MiB, torch.empty(MiB // 4))
+    finally:
+        torch.set_autocast_enabled("cuda", False)  # backward's thread
+    rec.used(2, 6 * MiB)  # the cache still holds the copy: the allocator's bytes are all there is
+    rec.used(1, 5 * MiB)
+    del copy  # autocast exits after backward: its cache lets go
+    rec.died(2)
+    rec.packed(3, MiB, 4 * MiB)
+    p = rec.profile(0, 1e9, sync_copies=False)
+    assert p.base_bytes == [5 * MiB, 6 * MiB, 6 * MiB, 5 * MiB, 5 * MiB]
+    assert p.unit_ready[p.saved[0].unit] == 4 and p.backward_event == 2
+
+
 def test_a_weight_copy_is_cached_as_autocast_caches_it():
     """Cast.cached: a Linear's weight copy under autocast with its cache on; not with the cache off, not
     a copy of a weight that requires no grad (autocast_mode.cpp, cached_cast)."""
