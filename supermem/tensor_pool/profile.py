@@ -331,10 +331,13 @@ class Recorder:
 
     def _cache_let_go(self) -> bool:
         """Whether autocast exited and its cache let the weight copies go (often before the loss): it is
-        off here, and every copy the pool dropped is freed. Its state is this thread's: backward's
-        events run on autograd's device thread, where it reads off while the autocast the program runs
-        its backward in still holds the copies until after the step."""
-        return not torch.is_autocast_enabled("cuda") and all(r() is None for r in self.cached_held)
+        off here and, where the pool dropped copies, one of them is freed (another may live on in a
+        save the pool keeps: a Linear called twice). Its state is this thread's: backward's events run
+        on autograd's device thread, where it reads off while the autocast the program runs its
+        backward in still holds the copies until after the step."""
+        if torch.is_autocast_enabled("cuda"):
+            return False
+        return not self.cached_held or any(r() is None for r in self.cached_held)
 
     def _event(self, used: int) -> int:
         if self.cached and self.cache_gone is None and self._cache_let_go():

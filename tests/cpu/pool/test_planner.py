@@ -1746,6 +1746,29 @@ def test_a_weight_copy_dropped_stays_counted_until_autocast_lets_it_go_after_bac
     assert p.unit_ready[p.saved[0].unit] == 4 and p.backward_event == 2
 
 
+def test_autocast_exit_reads_from_one_dropped_copy_freed_where_another_lives_on():
+    """Two weight copies dropped under autocast; at its exit one is freed, the other lives on in a
+    save the pool keeps (a Linear called twice): the exit is taken at the next event all the same."""
+    from supermem.tensor_pool.profile import Recorder
+
+    class Cast:
+        cached = True
+
+    rec = Recorder(cuda=True, timed=False)
+    shared, alone = torch.empty(MiB // 4), torch.empty(MiB // 4)
+    torch.set_autocast_enabled("cuda", True)
+    try:
+        for k, copy in enumerate((shared, alone), 1):
+            rec.packed(k, MiB, (4 + k) * MiB, copy)
+            rec.recomputable(Cast(), 1e-5, [k], offloadable=False)
+            rec.left(k, MiB)
+    finally:
+        torch.set_autocast_enabled("cuda", False)
+    del alone, copy  # autocast exited: its cache let go
+    rec.used(2, 4 * MiB)
+    assert rec.cache_gone == 2 and rec.bytes[-1] == 6 * MiB and shared.numel()
+
+
 def test_a_weight_copy_is_cached_as_autocast_caches_it():
     """Cast.cached: a Linear's weight copy under autocast with its cache on; not with the cache off, not
     a copy of a weight that requires no grad (autocast_mode.cpp, cached_cast)."""
