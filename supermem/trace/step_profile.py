@@ -259,9 +259,22 @@ def _add_regions(
                 hit |= (a <= ptr) & (ptr < a + size[lo:hi]) & (z > alive_ns)
         return hit
 
+    def span(x: TraceCall) -> tuple[int, int]:
+        """The saves made during call `x`: lo..hi."""
+        return int(np.searchsorted(saves, x.start_ns, "left")), int(np.searchsorted(saves, x.end_ns, "right"))
+
+    def read(ptr: int, x: TraceCall, lo: int) -> list[int]:
+        """The save before `lo` whose block holds `ptr` when call `x` begins (the latest), or none."""
+        return [int(i) for i in np.flatnonzero(holding((ptr,), 0, lo, x.start_ns))[-1:]]
+
+    def add_unit(u: int, x: TraceCall, inputs: list[int]) -> None:
+        """Unit `u` rebuilds by running call `x` again, for its seconds, reading the saves `inputs`."""
+        p.unit_ready[u] = int(np.searchsorted(event_times, x.end_ns, "right"))
+        p.unit_cost_s[u] = (x.end_ns - x.start_ns) / 1e9
+        p.unit_inputs[u] = tuple(i + 1 for i in inputs)
+
     def count(x: TraceCall) -> None:
-        lo = int(np.searchsorted(saves, x.start_ns, "left"))
-        hi = int(np.searchsorted(saves, x.end_ns, "right"))
+        lo, hi = span(x)
         own = lo + np.flatnonzero(~holding(x.output_ptrs, lo, hi, x.end_ns))
         owned[id(x)] = own
         x.own_bytes = int(size[own].sum())
@@ -285,11 +298,8 @@ def _add_regions(
             continue
         u = len(out.unit_calls)
         out.unit_calls[u] = x
-        lo = int(np.searchsorted(saves, x.start_ns, "left"))
-        p.unit_ready[u] = int(np.searchsorted(event_times, x.end_ns, "right"))
-        p.unit_cost_s[u] = (x.end_ns - x.start_ns) / 1e9
-        read = np.flatnonzero(holding((x.input_ptr,), 0, lo, x.start_ns))
-        p.unit_inputs[u] = (int(read[-1]) + 1,) if len(read) else ()
+        lo = span(x)[0]
+        add_unit(u, x, read(x.input_ptr, x, lo))
         p.unit_start[u], p.unit_end[u] = lo, int(own[-1]) + 1
         for k in own.tolist():
             p.saved[k].unit = u
@@ -299,24 +309,21 @@ def _add_regions(
     for x, parent in _leaves(roots):
         if module_types.get(x.module) not in OP_MODULES:
             continue
-        lo = int(np.searchsorted(saves, x.start_ns, "left"))
-        hi = int(np.searchsorted(saves, x.end_ns, "right"))
+        lo, hi = span(x)
         made = np.flatnonzero(holding(x.output_ptrs, lo, hi, x.end_ns))
         if len(made) != 1:
             continue
         k = lo + int(made[0])
-        inputs = [int(i) for i in np.flatnonzero(holding((x.input_ptr,), 0, lo, x.start_ns))[-1:]]
+        inputs = read(x.input_ptr, x, lo)
         # A tensor its caller returns was changed in place after the op (a ResNet block's BatchNorm
         # output: the residual added to it, then ReLU): the live pool's chain reads the caller's input too.
         if inputs and parent is not None and holding(parent.output_ptrs, k, k + 1, parent.end_ns)[0]:
-            inputs += [int(i) for i in np.flatnonzero(holding((parent.input_ptr,), 0, lo, x.start_ns))[-1:]]
+            inputs += read(parent.input_ptr, x, lo)
         if not inputs or rebuilt.intersection(inputs):
             continue
         u = len(p.unit_cost_s)
         out.op_calls[u] = x
-        p.unit_ready[u] = int(np.searchsorted(event_times, x.end_ns, "right"))
-        p.unit_cost_s[u] = (x.end_ns - x.start_ns) / 1e9
-        p.unit_inputs[u] = tuple(i + 1 for i in inputs)
+        add_unit(u, x, inputs)
         p.saved[k].unit = u
         rebuilt.add(k)
 
