@@ -303,9 +303,9 @@ def _add_regions(
         p.unit_start[u], p.unit_end[u] = lo, int(own[-1]) + 1
         for k in own.tolist():
             p.saved[k].unit = u
-    # Op units (the live pool's op recipes take their tensor from the region it was saved in): not one
-    # whose input another op unit rebuilds (op_replay.py's cascades)
-    rebuilt: set[int] = set()
+    # Op units (the live pool's op recipes take their tensor from the region it was saved in). One may read
+    # another's member (a ResNet block's input, the block before's output), as in the live pool's
+    # profile: the planner never drops what an op replay reads (simulate.py; op_replay.py's cascades)
     for x, parent in _leaves(roots):
         if module_types.get(x.module) not in OP_MODULES:
             continue
@@ -319,13 +319,12 @@ def _add_regions(
         # output: the residual added to it, then ReLU): the live pool's chain reads the caller's input too.
         if inputs and parent is not None and holding(parent.output_ptrs, k, k + 1, parent.end_ns)[0]:
             inputs += read(parent.input_ptr, x, lo)
-        if not inputs or rebuilt.intersection(inputs):
+        if not inputs:
             continue
         u = len(p.unit_cost_s)
         out.op_calls[u] = x
         add_unit(u, x, inputs)
         p.saved[k].unit = u
-        rebuilt.add(k)
 
 
 def _leaves(roots: list[TraceCall]) -> list[tuple[TraceCall, TraceCall | None]]:

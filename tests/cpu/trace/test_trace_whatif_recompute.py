@@ -4,6 +4,7 @@ pool meets by replaying whole blocks is predicted at the plan's simulated peak, 
 it. Checked on a model of residual blocks against the recording's own bytes and against a live pool
 planning the same step."""
 
+import collections
 import copy
 
 import pytest
@@ -232,41 +233,57 @@ def test_the_calls_a_trace_replays_are_the_live_pools_regions(name):
     assert traced == live and len(live) > 3
 
 
-def _wide_resnet():
+def _deep_resnet():
+    """Sixteen blocks: one BatchNorm's output is 2% of the step's saves, so plans that differ by a unit
+    (this machine's timings, which move under load) land within 5% of each other."""
     from small_models import ResNet
 
     def batch(g):
-        return torch.randn(8, 3, 32, 32, generator=g), torch.randint(0, 10, (8,), generator=g)
+        return torch.randn(8, 3, 16, 16, generator=g), torch.randint(0, 10, (8,), generator=g)
 
-    return ResNet(16, 6), batch, lambda m, x: nn.functional.cross_entropy(m(x[0]), x[1])
+    return ResNet(16, 16), batch, lambda m, x: nn.functional.cross_entropy(m(x[0]), x[1])
+
+
+def _unit_kinds(p):
+    """A profile's recompute units in the order of their first save: an op replay (one member) by the
+    bytes it reads, a call by its name."""
+    first: dict[int, int] = {}
+    for s in p.saved:
+        if s.unit in p.unit_cost_s:
+            first[s.unit] = min(first.get(s.unit, s.save), s.save)
+    by = {s.ordinal: s for s in p.saved}
+    ones = collections.Counter(s.unit for s in p.saved)
+    order = sorted(first, key=first.get)
+    return [tuple(by[o].nbytes for o in p.unit_inputs[u]) if ones[u] == 1 else "call" for u in order]
 
 
 def test_a_batchnorm_call_is_a_unit_of_its_own_as_the_live_pools_op_replays():
     """A BatchNorm's call rebuilds the tensor it returned (its in-place ReLU's output) from its input,
     conv's output; a block's last one also reads the block's input (the residual summed into it in
-    place), so it is no unit where the block before's is (op_replay.py's cascades). At 75% of the step's
-    saves, recompute only, the what-if then predicts the live pool's planned peak within 5%: a pool
-    that meets it by replaying BatchNorms, not whole blocks. Without module types (a trace by an older
-    supermem) the whole blocks alone land far under it."""
-    trace = train_traced(_wide_resnet, "cpu", [ProfiledCPU()], steps=3)[0]
+    place), which the block before's last one rebuilds, as the live pool's op replays read it. The
+    trace's units are the live pool's, one for one; at 75% of the step's saves, recompute only, the
+    what-if then predicts the live pool's planned peak within 5%, replaying BatchNorms. Without module
+    types (a trace by an older supermem) it has whole blocks alone."""
+    trace = train_traced(_deep_resnet, "cpu", [ProfiledCPU()], steps=3)[0]
     made = step_profile(trace, 0)
     p = made.profile
     types = trace.meta["module_types"]
     ops = {made.op_calls[u].module: u for u in made.op_calls}
     assert {types[m] for m in ops} == {"BatchNorm2d"}
-    assert {f"blocks.{k}.b1" for k in range(6)} <= set(ops)
+    assert {f"blocks.{k}.b{i}" for k in range(16) for i in (1, 2)} <= set(ops)
     by = {s.ordinal: s for s in p.saved}
-    members = {s.ordinal for s in p.saved if s.unit in made.op_calls}
     for m, u in ops.items():
         (member,) = [s for s in p.saved if s.unit == u]
         reads = p.unit_inputs[u]
         assert [by[o].nbytes for o in reads] == [member.nbytes] * (2 if m.endswith(".b2") else 1)
-        assert all(by[o].save < member.save and o not in members for o in reads)
-    assert any(m.endswith(".b2") for m in ops)
+        assert all(by[o].save < member.save for o in reads)
 
     traced = _saves_only(p)
     budget = int(0.75 * max(traced.base_bytes))
-    ran = _trained_under_a_pool(_wide_resnet, budget).plans.plan
+    pool = _trained_under_a_pool(_deep_resnet, budget)
+    (live,) = pool.plans.profiles.values()
+    assert _unit_kinds(traced) == _unit_kinds(live)
+    ran = pool.plans.plan
     plan = make_plan(traced, budget)
     assert plan.feasible and ran.feasible
     assert any(plan.treatment.get(s.ordinal) == "recompute" for s in p.saved if s.unit in made.op_calls)
@@ -276,5 +293,4 @@ def test_a_batchnorm_call_is_a_unit_of_its_own_as_the_live_pools_op_replays():
     older.meta = {k: v for k, v in trace.meta.items() if k != "module_types"}
     coarse = step_profile(older, 0)
     assert not coarse.op_calls
-    blocks_only = make_plan(_saves_only(coarse.profile), budget)
-    assert blocks_only.predicted_peak_bytes < 0.95 * ran.predicted_peak_bytes
+    assert set(_unit_kinds(_saves_only(coarse.profile))) == {"call"}
