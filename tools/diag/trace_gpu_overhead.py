@@ -9,6 +9,9 @@ medians over rounds of each round's median step:
     given model         supermem.trace(model=, optimizer=): no gc walk for them
     cuda-synced         untraced, a torch.cuda.synchronize() after every step's forward (what one hidden
                         sync in the recording would cost)
+Each row also gives the host's part of the step (until the closing sync): a step whose host part is
+its whole is host-bound, and pays the recording's Python hooks in full. --inside runs backward inside
+autocast too (tests/gpu/test_trace_owners_gpu.py's script does).
 
     SUPERMEM=1 python3 tools/diag/trace_gpu_overhead.py [model] [--rounds 5] [--steps 10]
 """
@@ -34,6 +37,7 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--size", default="real", help="the corpus size (tiny: a CPU check of this script)")
+    p.add_argument("--inside", action="store_true", help="backward inside autocast")
     args = p.parse_args()
     cuda = torch.cuda.is_available()
     dev = "cuda" if cuda else "cpu"
@@ -45,16 +49,22 @@ def main() -> int:
     inputs = inputs.to(dev) if isinstance(inputs, torch.Tensor) else tuple(x.to(dev) for x in inputs)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
+    host: list[float] = []
+
     def step(sync_forward: bool = False) -> float:
         sync()
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         with torch.autocast(dev, torch.bfloat16, enabled=cuda):
             loss = loss_of(model, inputs)
-        if sync_forward:
-            sync()
-        loss.backward()
+            if sync_forward:
+                sync()
+            if args.inside:
+                loss.backward()
+        if not args.inside:
+            loss.backward()
         opt.step()
+        host.append(time.perf_counter() - t0)
         sync()
         return time.perf_counter() - t0
 
@@ -69,6 +79,7 @@ def main() -> int:
     for _ in range(3):
         step()
     got: dict[str, list[float]] = {name: [] for name in configs}
+    hosts: dict[str, list[float]] = {name: [] for name in configs}
     names = list(configs)
     for r in range(args.rounds):
         for name in names[r % len(names) :] + names[: r % len(names)]:
@@ -78,17 +89,22 @@ def main() -> int:
                 rec.__enter__()
             for _ in range(3):
                 step()
+            host.clear()
             times = [step(sync_forward=name == "cuda-synced") for _ in range(args.steps)]
+            hosts[name].append(statistics.median(host))
             if rec is not None:
                 rec.__exit__(None, None, None)
             got[name].append(statistics.median(times))
     base = statistics.median(got["untraced"])
     where = f"{args.model} on {torch.cuda.get_device_name() if cuda else 'cpu'}"
-    print(f"{where}: medians of {args.rounds} rounds of {args.steps} steps")
+    print(
+        f"{where}: medians of {args.rounds} rounds of {args.steps} steps; backward in autocast: {args.inside}"
+    )
     for name, xs in got.items():
         ms = statistics.median(xs)
         spread = f"{min(xs) * 1e3:.2f}-{max(xs) * 1e3:.2f}"
-        print(f"  {name:12s} {ms * 1e3:7.2f} ms  {ms / base:.3f}x  (rounds {spread})")
+        hs = statistics.median(hosts[name]) * 1e3
+        print(f"  {name:12s} {ms * 1e3:7.2f} ms  {ms / base:.3f}x  host {hs:7.2f} ms  (rounds {spread})")
     return 0
 
 
