@@ -47,7 +47,7 @@ def push_saved_hooks_importing(pack: Any, unpack: Any) -> None:
 
 import torch  # noqa: E402  (below the functions above, which must exist while torch is importing)
 from torch.nn.modules import module as _module  # noqa: E402
-from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten  # noqa: E402, F401
+from torch.utils._pytree import tree_flatten, tree_is_leaf, tree_leaves, tree_map, tree_unflatten  # noqa: E402, F401
 
 # ---------------------------------------------------------------- autograd
 

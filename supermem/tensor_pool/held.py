@@ -61,8 +61,11 @@ _VALUES = (
 _SHARED = (*_VALUES, type, types.FunctionType, types.BuiltinFunctionType)
 
 
+_VALUE_TYPES = (torch.Tensor, *_VALUES)
+
+
 def is_value(x: Any) -> bool:
-    return isinstance(x, (torch.Tensor, *_VALUES))
+    return isinstance(x, _VALUE_TYPES)
 
 
 class CannotFreeze(Exception):  # noqa: N818  (the reason a call's state cannot be frozen)
@@ -195,7 +198,7 @@ def freeze_call(call: tuple[tuple, dict], copy: bool = True) -> tuple[tuple[tupl
     """The call's (args, kwargs) with each argument that is not a value (nor a tuple, list or dict of
     values) frozen; and None, or why one cannot be: the call is then never replayed. Not `copy`: only
     the why (freeze's)."""
-    if _tensors_only(call):
+    if _values_only(call):
         return call, None
     leaves, spec = tp.tree_flatten(call)
     if all(is_value(x) for x in leaves):
@@ -212,10 +215,11 @@ def freeze_call(call: tuple[tuple, dict], copy: bool = True) -> tuple[tuple[tupl
     return tp.tree_unflatten(out, spec), None
 
 
-def _tensors_only(call: tuple[tuple, dict]) -> bool:
-    """Most calls: tensors by position, nothing to walk."""
+def _values_only(call: tuple[tuple, dict]) -> bool:
+    """Most calls: tensors and values (a mask, a flag, None), nothing to walk."""
     args, kwargs = call
-    return not kwargs and all(isinstance(a, torch.Tensor) for a in args)
+    values = _VALUE_TYPES
+    return all(isinstance(a, values) for a in args) and all(isinstance(v, values) for v in kwargs.values())
 
 
 def thawed(leaves: list) -> list:
@@ -230,16 +234,19 @@ def held_state(call: tuple[tuple, dict]) -> str | None:
     """Why a call's (args, kwargs) could not be frozen, or None, from the first verdict on each type of
     state in it: the trace and the profiling step ask at every module call (a 12-layer KV cache took
     ~0.1 ms to walk), and a call captured for replay freezes what it got all the same (freeze_call)."""
-    if _tensors_only(call):
-        return None
-    for x in tp.tree_leaves(call):
-        if is_value(x):
+    args, kwargs = call
+    for top in (*args, *kwargs.values()):  # (tree_leaves(call), in its order, without a walk of values)
+        if isinstance(top, _VALUE_TYPES):
             continue
-        cls = type(x)
-        if cls not in _VERDICTS:
-            _VERDICTS[cls] = freeze_call(((x,), {}), copy=False)[1]
-        if _VERDICTS[cls] is not None:
-            return _VERDICTS[cls]
+        # (a type with a verdict is a leaf: only leaves get one)
+        for x in (top,) if type(top) in _VERDICTS or tp.tree_is_leaf(top) else tp.tree_leaves(top):
+            if is_value(x):
+                continue
+            cls = type(x)
+            if cls not in _VERDICTS:
+                _VERDICTS[cls] = freeze_call(((x,), {}), copy=False)[1]
+            if _VERDICTS[cls] is not None:
+                return _VERDICTS[cls]
     return None
 
 
