@@ -1,8 +1,9 @@
 """`supermem bench trace`: what recording a trace costs a training step, and the trace itself.
 
-One fresh process with supermem's allocator trains GPT-24 (or ResNet-152) in interleaved rounds:
-steps without a recording (the baseline) and steps inside `supermem.trace(...)`. Overhead is the
-ratio of the median step times. Each recording's first two steps, whose backwards a saved-tensor hook
+One fresh process with supermem's allocator trains GPT-24 (or ResNet-152) in rounds, each of steps
+without a recording (the baseline) and steps inside `supermem.trace(...)`, the order alternating.
+Overhead is the median of the rounds' ratios of their median steps (the host's pace drifts between
+rounds). Each recording's first two steps, whose backwards a saved-tensor hook
 observes to check how activations are named (trace/context.py), run untimed: a run pays them once.
 The last recording is written to --out (run.smtrace, and with --report the HTML and PNG report beside it).
 """
@@ -46,24 +47,29 @@ def measure(spec: dict) -> dict:
         step()
     out = Path(spec["out"])
     out.mkdir(parents=True, exist_ok=True)
-    plain, traced, events = [], [], 0
+    plain, traced, ratios, events = [], [], [], 0
     for r in range(spec["rounds"]):
-        plain += [_timed(step, cuda) for _ in range(spec["steps"])]
         last = r == spec["rounds"] - 1
-        rec = supermem.trace.record(  # (what supermem.trace(...) calls)
-            str(out / "run.smtrace"), model=model, optimizer=opt, report=spec["report"] and last
-        )
-        with rec:
-            for _ in range(recorder.ACTIVATION_HOOK_BACKWARDS):
-                step()
-            traced += [_timed(step, cuda) for _ in range(spec["steps"])]
-        events = rec.status()["drained_events"]
-    base, with_trace = statistics.median(plain), statistics.median(traced)
+        for mode in ("plain", "traced")[:: 1 if r % 2 == 0 else -1]:
+            if mode == "plain":
+                plain.append([_timed(step, cuda) for _ in range(spec["steps"])])
+                continue
+            rec = supermem.trace.record(  # (what supermem.trace(...) calls)
+                str(out / "run.smtrace"), model=model, optimizer=opt, report=spec["report"] and last
+            )
+            with rec:
+                for _ in range(recorder.ACTIVATION_HOOK_BACKWARDS):
+                    step()
+                traced.append([_timed(step, cuda) for _ in range(spec["steps"])])
+            events = rec.status()["drained_events"]
+        ratios.append(statistics.median(traced[-1]) / statistics.median(plain[-1]))
+    base = statistics.median(t for round_ in plain for t in round_)
+    with_trace = statistics.median(t for round_ in traced for t in round_)
     return {
         "preset": preset.label,
         "plain_ms": round(base, 2),
         "traced_ms": round(with_trace, 2),
-        "overhead": with_trace / base - 1,
+        "overhead": statistics.median(ratios) - 1,
         "events": events,
         "files": sorted(p.name for p in out.iterdir()),
     }
@@ -98,7 +104,7 @@ def run(args: argparse.Namespace) -> dict:
     print(f"\ntrace overhead: {row['preset']}, {args.device} (baseline: untraced steps, same process)")
     print(
         f"untraced {row['plain_ms']:.2f} ms/step, traced {row['traced_ms']:.2f} ms/step: "
-        f"{100 * row['overhead']:+.2f}% (target < 3%)"
+        f"{100 * row['overhead']:+.2f}% (target <= 5%)"
     )
     print(f"files in {args.out}: {', '.join(row['files'])}")
     return {"rows": [row]}
