@@ -58,6 +58,21 @@ def test_bench_alloc_quick_cpu(tmp_path):
     assert "pair us" in stdout
 
 
+def test_bench_trace_quick_cpu(tmp_path):
+    """Rounds of untraced and traced steps in one process: the overhead is the median of the rounds'
+    ratios, the last recording written where asked."""
+    out = tmp_path / "rows.json"
+    cmd = [sys.executable, "-m", "supermem", "bench", "trace", "--quick", "--device", "cpu"]
+    cmd += ["--rounds", "3", "--steps", "2", "--out", str(tmp_path / "t"), "--json", str(out)]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SUPERMEM")}
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["plain_ms"] > 0 and row["traced_ms"] > 0 and -1 < row["overhead"] < 10
+    assert row["files"] == ["run.smtrace"] and row["events"] == 0  # (CPU tensors: no allocator events)
+    assert f"{100 * row['overhead']:+.2f}%" in r.stdout
+
+
 def test_bench_train_sweep_quick_cpu(tmp_path):
     # ~330 s on an idle 2-core machine: 49 rows, 8 of them compiled (inductor builds ~20 s a row)
     stdout, result = _bench(tmp_path, "train", "--sweep", "--model", "gpt", timeout=900)
