@@ -9,6 +9,8 @@ medians over rounds of each round's median step:
     given model         supermem.trace(model=, optimizer=): no gc walk for them
     cuda-synced         untraced, a torch.cuda.synchronize() after every step's forward (what one hidden
                         sync in the recording would cost)
+    no-op wrapper       untraced, every module call through the context's wrapper, its hooks doing nothing
+    no-op watch         untraced, every backward through the context's watch, doing nothing
 Each row also gives the host's part of the step (until the closing sync): a step whose host part is
 its whole is host-bound, and pays the recording's Python hooks in full. --inside runs backward inside
 autocast too (tests/gpu/test_trace_owners_gpu.py's script does).
@@ -75,6 +77,17 @@ def main() -> int:
         "no context": {"context": False},
         "given model": {"model": model, "optimizer": opt},
         "cuda-synced": None,
+        "no-op wrapper": None,
+        "no-op watch": None,
+    }
+    from supermem import torch_private as tp
+
+    def noop(*_):
+        return None
+
+    parts = {
+        "no-op wrapper": lambda: tp.wrap_module_calls(noop, noop),
+        "no-op watch": lambda: tp.watch_backward(noop, noop),
     }
     for _ in range(3):
         step()
@@ -87,6 +100,7 @@ def main() -> int:
             rec = supermem.trace(f"{tmp}/{name.replace(' ', '_')}.smtrace", **kw) if kw is not None else None
             if rec is not None:
                 rec.__enter__()
+            undo = parts[name]() if name in parts else None
             for _ in range(3):
                 step()
             host.clear()
@@ -94,6 +108,8 @@ def main() -> int:
             hosts[name].append(statistics.median(host))
             if rec is not None:
                 rec.__exit__(None, None, None)
+            if undo is not None:
+                undo()
             got[name].append(statistics.median(times))
     base = statistics.median(got["untraced"])
     where = f"{args.model} on {torch.cuda.get_device_name() if cuda else 'cpu'}"
