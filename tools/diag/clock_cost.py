@@ -1,0 +1,56 @@
+#!/usr/bin/env python3
+"""What this host's clock and supermem's trace ring cost: time.monotonic_ns() per call, the kernel's
+clocksource, and on a GPU a torch.empty + del pair under SUPERMEM=1 with the allocator's ring off and
+on (each allocator event reads the clock once). A clocksource other than tsc (a VM's hpet or xen)
+makes each read a system call.
+
+    SUPERMEM=1 python3 tools/diag/clock_cost.py
+"""
+
+import statistics
+import time
+from pathlib import Path
+
+
+def per_call_us(fn, n: int) -> float:
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    return (time.perf_counter() - t) / n * 1e6
+
+
+def main() -> None:
+    src = Path("/sys/devices/system/clocksource/clocksource0/current_clocksource")
+    print(f"clocksource: {src.read_text().strip() if src.exists() else 'unknown'}")
+    print(
+        f"time.monotonic_ns: {min(per_call_us(time.monotonic_ns, 200_000) for _ in range(5)):.3f} us a call"
+    )
+    import torch
+
+    if not torch.cuda.is_available():
+        return
+    import supermem
+
+    torch.empty(1, device="cuda")
+    alloc = supermem.device_allocator(0)
+    if alloc is None:
+        print("supermem's allocator does not serve CUDA here (run with SUPERMEM=1)")
+        return
+
+    def pair() -> None:
+        del_me = torch.empty(4096, device="cuda")
+        del del_me
+
+    before = alloc.trace_capacity
+    rows = {}
+    for _ in range(5):
+        for cap in (0, 1 << 20):
+            alloc.trace_capacity = cap
+            rows.setdefault(cap, []).append(per_call_us(pair, 50_000))
+    alloc.trace_capacity = before
+    off, on = statistics.median(rows[0]), statistics.median(rows[1 << 20])
+    print(f"torch.empty + del: ring off {off:.3f} us, ring on {on:.3f} us ({on - off:+.3f} us a pair)")
+
+
+if __name__ == "__main__":
+    main()
