@@ -238,6 +238,8 @@ def held_state(call: tuple[tuple, dict]) -> str | None:
     for top in (*args, *kwargs.values()):  # (tree_leaves(call), in its order, without a walk of values)
         if isinstance(top, _VALUE_TYPES):
             continue
+        if type(top) is tuple and all(isinstance(v, _VALUE_TYPES) for v in top):  # (RoPE's cos and sin)
+            continue
         # (a type with a verdict is a leaf: only leaves get one)
         for x in (top,) if type(top) in _VERDICTS or tp.tree_is_leaf(top) else tp.tree_leaves(top):
             if is_value(x):
