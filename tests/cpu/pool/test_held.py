@@ -198,6 +198,24 @@ def test_state_that_cannot_be_copied_says_why(state, why):
     assert held_state(call) == reason  # (what the trace and the profiling step ask, by type)
 
 
+def test_held_state_finds_state_wherever_freeze_call_does():
+    """held_state skips what needs no walk (tensors, values, a tuple of them: RoPE's cos and sin) and
+    answers freeze_call's verdict where state sits inside a tuple, a list or a dict, or after a cache."""
+    x, module = torch.ones(2), nn.Linear(2, 2)
+    cache = Cache(2)
+    for call in [
+        ((x,), {"pos": (x, x), "mask": None}),
+        ((x, (x, None)), {"flag": True}),
+        ((x,), {"past_key_values": cache, "pos": (x, x)}),
+        ((x, (x, module)), {}),
+        ((x,), {"extra": [x, {"inner": module}]}),
+        ((x,), {"past_key_values": cache, "hook": module}),
+        ((module,), {}),
+    ]:
+        assert held_state(call) == freeze_call(call, copy=False)[1]
+    assert held_state(((x, (x, module)), {})) is not None
+
+
 def test_a_cache_is_state_that_can_be_frozen():
     cache = Cache(2)
     cache.update(0, torch.ones(64, 2))
