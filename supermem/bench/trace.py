@@ -3,8 +3,8 @@
 One fresh process with supermem's allocator trains GPT-24 (or ResNet-152) in rounds, each of steps
 without a recording (the baseline) and steps inside `supermem.trace(...)`, the order alternating.
 Overhead is the median of the rounds' ratios of their median steps (the host's pace drifts between
-rounds). Each recording's first two steps, whose backwards a saved-tensor hook
-observes to check how activations are named (trace/context.py), run untimed: a run pays them once.
+rounds). Each recording's first two steps, whose backwards a saved-tensor hook observes to check how
+activations are named (trace/context.py), run untimed: a run pays them once.
 The last recording is written to --out (run.smtrace, and with --report the HTML and PNG report beside it).
 """
 

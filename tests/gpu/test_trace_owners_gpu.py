@@ -6,9 +6,9 @@ Llama and timm ResNet-50 (tests/corpus.py, real sizes), then `supermem report`. 
 - tracing costs <= 5% of step time: in one process under SUPERMEM=1, rounds of steps untraced and inside
   `supermem.trace()` (what `supermem trace` records), interleaved; the median of the rounds' ratios
   (SUPERMEM_TEST_ROUNDS sets how many: many short rounds, as the host's pace drifts; rounds of 8 steps
-  of the same untraced step moved 37-52 ms on an H200 host). Fresh processes
-  are not compared: the same untraced script's step moved 38.6-43.3 ms between processes on one H200
-  (docs/measurements.md). GPT-24 through `supermem bench trace`;
+  of the same untraced step moved 37-52 ms on an H200 host). Fresh processes are not compared: the same
+  untraced script's step moved 38.6-43.3 ms between processes on one H200 (docs/measurements.md).
+  GPT-24 through `supermem bench trace`;
 - `report --budget` (75% of the traced peak) against a real run under supermem.pool at that budget:
   peak within 5%, step time within 15%."""
 
