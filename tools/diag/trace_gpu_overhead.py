@@ -33,6 +33,19 @@ from corpus import CASES  # noqa: E402
 import supermem  # noqa: E402
 
 
+def corpus_training(name: str, size: str):
+    """(device, sync, model, inputs, loss_of, AdamW) for a corpus model, seeded, on CUDA if there is one."""
+    cuda = torch.cuda.is_available()
+    dev = "cuda" if cuda else "cpu"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    torch.manual_seed(0)
+    model, batch, loss_of = CASES[name](size)
+    model = model.to(dev).train()
+    inputs = batch(torch.Generator().manual_seed(1))
+    inputs = inputs.to(dev) if isinstance(inputs, torch.Tensor) else tuple(x.to(dev) for x in inputs)
+    return dev, sync, model, inputs, loss_of, torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("model", nargs="?", default="timm-resnet50")
@@ -41,15 +54,8 @@ def main() -> int:
     p.add_argument("--size", default="real", help="the corpus size (tiny: a CPU check of this script)")
     p.add_argument("--inside", action="store_true", help="backward inside autocast")
     args = p.parse_args()
-    cuda = torch.cuda.is_available()
-    dev = "cuda" if cuda else "cpu"
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
-    torch.manual_seed(0)
-    model, batch, loss_of = CASES[args.model](args.size)
-    model = model.to(dev).train()
-    inputs = batch(torch.Generator().manual_seed(1))
-    inputs = inputs.to(dev) if isinstance(inputs, torch.Tensor) else tuple(x.to(dev) for x in inputs)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    dev, sync, model, inputs, loss_of, opt = corpus_training(args.model, args.size)
+    cuda = dev == "cuda"
 
     host: list[float] = []
 

@@ -19,7 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 
 import torch  # noqa: E402
-from corpus import CASES  # noqa: E402
+from trace_gpu_overhead import corpus_training  # noqa: E402  (this folder: the script's own)
 
 import supermem  # noqa: E402
 
@@ -30,15 +30,8 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--size", default="real")
     args = p.parse_args()
-    cuda = torch.cuda.is_available()
-    dev = "cuda" if cuda else "cpu"
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
-    torch.manual_seed(0)
-    model, batch, loss_of = CASES[args.model](args.size)
-    model = model.to(dev).train()
-    inputs = batch(torch.Generator().manual_seed(1))
-    inputs = inputs.to(dev) if isinstance(inputs, torch.Tensor) else tuple(x.to(dev) for x in inputs)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    dev, sync, model, inputs, loss_of, opt = corpus_training(args.model, args.size)
+    cuda = dev == "cuda"
 
     def step() -> float:
         sync()
