@@ -1,21 +1,44 @@
 """`supermem bench trace`: what recording a trace costs a training step, and the trace itself.
 
 One fresh process with supermem's allocator trains GPT-24 (or ResNet-152) in rounds, each of steps
-without a recording (the baseline) and steps inside `supermem.trace(...)`, the order alternating.
-Overhead is the median of the rounds' ratios of their median steps (the host's pace drifts between
-rounds). Each recording's first two steps, whose backwards a saved-tensor hook observes to check how
-activations are named (trace/context.py), run untimed: a run pays them once.
+without a recording (the baseline) and steps inside `supermem.trace(...)`, the order alternating
+(`interleaved`, which tests/gpu/test_trace_owners_gpu.py measures its models with too). Overhead is the
+median of the rounds' ratios of their median steps. Each round's first two steps, whose backwards a
+recording's saved-tensor hook observes to check how activations are named (trace/context.py), run
+untimed: a run pays them once.
 The last recording is written to --out (run.smtrace, and with --report the HTML and PNG report beside it).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from ..cli_args import positive_int
 from . import runner
+
+
+def interleaved(
+    timed: Callable[[], float], recording: Callable[[bool], Any], rounds: int, steps: int, warm: int
+) -> tuple[list[list[float]], list[list[float]], float]:
+    """Rounds of `steps` timed steps untraced and inside `recording(last round)`, the order alternating,
+    each after `warm` untimed ones: the untraced rounds' times, the traced ones', and the median of the
+    rounds' ratios of their median steps (the host's pace drifts between rounds more than tracing costs)."""
+    plain: list[list[float]] = []
+    traced: list[list[float]] = []
+    ratios = []
+    for r in range(rounds):
+        for times in (plain, traced)[:: 1 if r % 2 == 0 else -1]:
+            with recording(r == rounds - 1) if times is traced else contextlib.nullcontext():
+                for _ in range(warm):
+                    timed()
+                times.append([timed() for _ in range(steps)])
+        ratios.append(statistics.median(traced[-1]) / statistics.median(plain[-1]))
+    return plain, traced, statistics.median(ratios)
 
 
 def measure(spec: dict) -> dict:
@@ -47,29 +70,31 @@ def measure(spec: dict) -> dict:
         step()
     out = Path(spec["out"])
     out.mkdir(parents=True, exist_ok=True)
-    plain, traced, ratios, events = [], [], [], 0
-    for r in range(spec["rounds"]):
-        last = r == spec["rounds"] - 1
-        for mode in ("plain", "traced")[:: 1 if r % 2 == 0 else -1]:
-            if mode == "plain":
-                plain.append([_timed(step, cuda) for _ in range(spec["steps"])])
-                continue
-            rec = supermem.trace.record(  # (what supermem.trace(...) calls)
+    recordings = []
+
+    def recording(last: bool) -> Any:
+        recordings.append(
+            supermem.trace.record(  # (what supermem.trace(...) calls)
                 str(out / "run.smtrace"), model=model, optimizer=opt, report=spec["report"] and last
             )
-            with rec:
-                for _ in range(recorder.ACTIVATION_HOOK_BACKWARDS):
-                    step()
-                traced.append([_timed(step, cuda) for _ in range(spec["steps"])])
-            events = rec.status()["drained_events"]
-        ratios.append(statistics.median(traced[-1]) / statistics.median(plain[-1]))
+        )
+        return recordings[-1]
+
+    plain, traced, ratio = interleaved(
+        lambda: _timed(step, cuda),
+        recording,
+        spec["rounds"],
+        spec["steps"],
+        recorder.ACTIVATION_HOOK_BACKWARDS,
+    )
+    events = recordings[-1].status()["drained_events"]
     base = statistics.median(t for round_ in plain for t in round_)
     with_trace = statistics.median(t for round_ in traced for t in round_)
     return {
         "preset": preset.label,
         "plain_ms": round(base, 2),
         "traced_ms": round(with_trace, 2),
-        "overhead": statistics.median(ratios) - 1,
+        "overhead": ratio - 1,
         "events": events,
         "files": sorted(p.name for p in out.iterdir()),
     }

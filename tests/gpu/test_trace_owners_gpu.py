@@ -63,24 +63,17 @@ def step():
     return time.perf_counter() - t0
 
 
-if rounds:  # tracing's cost: rounds of an untraced and a traced run (the order alternates), each a ratio
+if rounds:  # tracing's cost: rounds untraced and traced, the order alternating (supermem bench trace's)
     import statistics, tempfile
+    from supermem.bench.trace import interleaved
     where = tempfile.mkdtemp()
     for _ in range(3):
         step()
-    got = {{"untraced": [], "traced": []}}
-    for r in range(rounds):
-        for mode in ("untraced", "traced")[:: 1 if r % 2 == 0 else -1]:
-            rec = supermem.trace(f"{{where}}/{{r}}.smtrace") if mode == "traced" else None
-            if rec is not None:
-                rec.__enter__()
-            for _ in range(3):  # (a recording's first two backwards: its saved-tensor hook's check)
-                step()
-            got[mode].append(statistics.median(step() for _ in range(steps)))
-            if rec is not None:
-                rec.__exit__(None, None, None)
-    ratio = statistics.median(t / u for t, u in zip(got["traced"], got["untraced"]))
-    print("@@RESULT " + json.dumps({{"ratio": ratio, **{{k: statistics.median(v) for k, v in got.items()}}}}))
+    # (3 untimed steps a round: a recording's first two backwards are its saved-tensor hook's check)
+    recording = lambda last: supermem.trace(f"{{where}}/run.smtrace")
+    plain, traced, ratio = interleaved(step, recording, rounds, steps, 3)
+    untraced, with_trace = (statistics.median(t for r in v for t in r) for v in (plain, traced))
+    print("@@RESULT " + json.dumps({{"ratio": ratio, "untraced": untraced, "traced": with_trace}}))
     sys.exit(0)
 times = []
 for i in range(steps):
