@@ -58,7 +58,13 @@ class TraceRing {
  private:
   std::mutex mu_;
   ForkRegistration fork_{&mu_, ForkLevel::trace};
-  std::unique_ptr<TraceEvent[]> buf_;  // capacity_ events; untouched (uncommitted) until written
+  struct Unmap {
+    size_t bytes;
+    void operator()(TraceEvent* p) const;
+  };
+  using Buffer = std::unique_ptr<TraceEvent[], Unmap>;
+  static Buffer map_buffer(size_t capacity);
+  Buffer buf_{nullptr, Unmap{0}};  // capacity_ events; untouched (uncommitted) until written
   std::atomic<size_t> capacity_{0};  // read without the lock on every push (the off check)
   size_t head_ = 0, size_ = 0;       // head_: index of the oldest event
   uint64_t dropped_ = 0;
