@@ -11,6 +11,8 @@ medians over rounds of each round's median step:
                         sync in the recording would cost)
     no-op wrapper       untraced, every module call through the context's wrapper, its hooks doing nothing
     no-op watch         untraced, every backward through the context's watch, doing nothing
+    ring only           untraced, the allocator's trace ring on at a recording's size (the allocations
+                        a step are printed first)
 Each row also gives the host's part of the step (until the closing sync): a step whose host part is
 its whole is host-bound, and pays the recording's Python hooks in full. --inside runs backward inside
 autocast too (tests/gpu/test_trace_owners_gpu.py's script does).
@@ -31,6 +33,7 @@ import torch  # noqa: E402
 from corpus import CASES  # noqa: E402
 
 import supermem  # noqa: E402
+from supermem.trace.recorder import DEFAULT_CAPACITY_EVENTS  # noqa: E402
 
 
 def corpus_training(name: str, size: str):
@@ -85,18 +88,37 @@ def main() -> int:
         "cuda-synced": None,
         "no-op wrapper": None,
         "no-op watch": None,
+        "ring only": None,
     }
     from supermem import torch_private as tp
 
     def noop(*_):
         return None
 
+    alloc = supermem.device_allocator(0) if cuda else None
+
+    def ring_only():  # the allocator's trace ring alone, at a recording's size, no Python context
+        alloc.trace_capacity = DEFAULT_CAPACITY_EVENTS
+
+        def off() -> None:
+            alloc.trace_capacity = 0
+
+        return off
+
     parts = {
         "no-op wrapper": lambda: tp.wrap_module_calls(noop, noop),
         "no-op watch": lambda: tp.watch_backward(noop, noop),
     }
+    if alloc is not None:
+        parts["ring only"] = ring_only
+    else:
+        del configs["ring only"]
     for _ in range(3):
         step()
+    if alloc is not None:
+        before = alloc.stats().num_allocs
+        step()
+        print(f"allocations a step: {alloc.stats().num_allocs - before}")
     got: dict[str, list[float]] = {name: [] for name in configs}
     hosts: dict[str, list[float]] = {name: [] for name in configs}
     names = list(configs)
