@@ -116,9 +116,13 @@ def main() -> int:
     for _ in range(3):
         step()
     if alloc is not None:
-        before = alloc.stats().num_allocs
+
+        def allocs() -> int:
+            return alloc.nested_stats()["allocation"]["all"]["allocated"]
+
+        before = allocs()
         step()
-        print(f"allocations a step: {alloc.stats().num_allocs - before}")
+        print(f"allocations a step: {allocs() - before}")
     got: dict[str, list[float]] = {name: [] for name in configs}
     hosts: dict[str, list[float]] = {name: [] for name in configs}
     names = list(configs)
