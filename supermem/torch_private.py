@@ -334,25 +334,38 @@ def wrap_module_calls(pre: Any, post: Any) -> Any:
     every module call takes _call_impl's slow path: +4.4 us a call, where this wrapper costs +0.8
     (300 tiny modules on the development CPU); a host-bound ResNet-50 step on an H200 ran 23% slower
     traced with global hooks, and as fast traced with this wrapper (docs/measurements.md). A class
-    with a __call__ of its own is not seen (it rarely skips Module's). A later patch on top of this one
-    is left in place by the undo, and this one then only passes calls through."""
+    with a __call__ of its own is not seen (it rarely skips Module's)."""
+    import torch
+
+    compiling = torch.compiler.is_compiling
+
+    def make(orig: Any, on: list[bool]) -> Any:
+        def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if not on[0] or compiling():
+                return orig(self, *args, **kwargs)
+            pre(self, args)
+            out = None
+            try:
+                out = orig(self, *args, **kwargs)
+                return out
+            finally:
+                post(self, args, kwargs, out)
+
+        return call
+
+    return patch_module_call(make)
+
+
+def patch_module_call(make: Any) -> Any:
+    """nn.Module.__call__ replaced by make(orig, on): a function of (module, *args, **kwargs) that calls
+    orig(module, *args, **kwargs), and only that where on[0] is False or dynamo traces (wrap_module_calls
+    is one; a hot path writes its own, one Python call a module call). Returns the undo. A later patch
+    on top of this one is left in place by the undo, and this one then only passes calls through."""
     import torch
 
     orig = torch.nn.Module.__call__
-    compiling = torch.compiler.is_compiling
     on = [True]
-
-    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if not on[0] or compiling():
-            return orig(self, *args, **kwargs)
-        pre(self, args)
-        out = None
-        try:
-            out = orig(self, *args, **kwargs)
-            return out
-        finally:
-            post(self, args, kwargs, out)
-
+    call = make(orig, on)
     torch.nn.Module.__call__ = call  # type: ignore[method-assign]
 
     def undo() -> None:

@@ -2,7 +2,7 @@
 """Where a recording's cost on a GPU step goes: a corpus model (default timm-resnet50, its "real" size,
 bf16 autocast, AdamW) trained in one process under SUPERMEM=1, rounds interleaved (the order rotates),
 each round a fresh recording whose first 3 steps (the saved-tensor hook's two backwards) run untimed;
-medians over rounds of each round's median step:
+medians over rounds of each round's median step, and of its ratio to the same round's untraced step:
     untraced
     traced              supermem.trace(): what `supermem trace` records
     no context          supermem.trace(context=False): no module calls, phases or activation names
@@ -14,8 +14,9 @@ medians over rounds of each round's median step:
     ring only           untraced, the allocator's trace ring on at a recording's size (the allocations
                         a step are printed first)
 Each row also gives the host's part of the step (until the closing sync): a step whose host part is
-its whole is host-bound, and pays the recording's Python hooks in full. --inside runs backward inside
-autocast too (tests/gpu/test_trace_owners_gpu.py's script does).
+its whole is host-bound, and pays the recording's Python hooks in full; "cpu" is the thread's CPU time
+in that part (less than it where the thread waited: for the GIL, a lock, the device's queue).
+--inside runs backward inside autocast too (tests/gpu/test_trace_owners_gpu.py's script does).
 
     SUPERMEM=1 python3 tools/diag/trace_gpu_overhead.py [model] [--rounds 5] [--steps 10]
 """
@@ -56,15 +57,17 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--size", default="real", help="the corpus size (tiny: a CPU check of this script)")
     p.add_argument("--inside", action="store_true", help="backward inside autocast")
+    p.add_argument("--rows", help="the rows to run, comma-separated (default: all; untraced always)")
     args = p.parse_args()
     dev, sync, model, inputs, loss_of, opt = corpus_training(args.model, args.size)
     cuda = dev == "cuda"
 
     host: list[float] = []
+    cpu: list[float] = []  # the thread's CPU time until the closing sync (time.thread_time)
 
     def step(sync_forward: bool = False) -> float:
         sync()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         opt.zero_grad(set_to_none=True)
         with torch.autocast(dev, torch.bfloat16, enabled=cuda):
             loss = loss_of(model, inputs)
@@ -76,6 +79,7 @@ def main() -> int:
             loss.backward()
         opt.step()
         host.append(time.perf_counter() - t0)
+        cpu.append(time.thread_time() - c0)
         sync()
         return time.perf_counter() - t0
 
@@ -113,6 +117,9 @@ def main() -> int:
         parts["ring only"] = ring_only
     else:
         del configs["ring only"]
+    if args.rows:
+        keep = {"untraced", *args.rows.split(",")}
+        configs = {k: v for k, v in configs.items() if k in keep}
     for _ in range(3):
         step()
     if alloc is not None:
@@ -125,6 +132,7 @@ def main() -> int:
         print(f"allocations a step: {allocs() - before}")
     got: dict[str, list[float]] = {name: [] for name in configs}
     hosts: dict[str, list[float]] = {name: [] for name in configs}
+    cpus: dict[str, list[float]] = {name: [] for name in configs}
     names = list(configs)
     for r in range(args.rounds):
         for name in names[r % len(names) :] + names[: r % len(names)]:
@@ -136,23 +144,32 @@ def main() -> int:
             for _ in range(3):
                 step()
             host.clear()
+            cpu.clear()
             times = [step(sync_forward=name == "cuda-synced") for _ in range(args.steps)]
             hosts[name].append(statistics.median(host))
+            cpus[name].append(statistics.median(cpu))
             if rec is not None:
                 rec.__exit__(None, None, None)
             if undo is not None:
                 undo()
             got[name].append(statistics.median(times))
-    base = statistics.median(got["untraced"])
     where = f"{args.model} on {torch.cuda.get_device_name() if cuda else 'cpu'}"
     print(
-        f"{where}: medians of {args.rounds} rounds of {args.steps} steps; backward in autocast: {args.inside}"
+        f"{where}: medians of {args.rounds} rounds of {args.steps} steps; backward in autocast: "
+        f"{args.inside}; x: the median of each round's ratio to that round's untraced step (over: the "
+        "rounds it was slower in)"
     )
     for name, xs in got.items():
         ms = statistics.median(xs)
+        ratios = [x / b for x, b in zip(xs, got["untraced"])]
+        over = sum(r > 1 for r in ratios)
         spread = f"{min(xs) * 1e3:.2f}-{max(xs) * 1e3:.2f}"
         hs = statistics.median(hosts[name]) * 1e3
-        print(f"  {name:12s} {ms * 1e3:7.2f} ms  {ms / base:.3f}x  host {hs:7.2f} ms  (rounds {spread})")
+        cs = statistics.median(cpus[name]) * 1e3
+        print(
+            f"  {name:12s} {ms * 1e3:7.2f} ms  {statistics.median(ratios):.3f}x  over {over:2d}/{len(ratios)}"
+            f"  host {hs:7.2f} ms  cpu {cs:7.2f} ms  (rounds {spread})"
+        )
     return 0
 
 
