@@ -233,7 +233,7 @@ class Context:
             forward = self.phase == FORWARD
             s.append(pid)
             log((start, pid, self.phase))
-            out = None
+            out: Any = None
             try:
                 out = orig(module, *args, **kwargs)
                 return out
