@@ -15,13 +15,15 @@ medians over rounds of each round's median step, and of its ratio to the same ro
                         a step are printed first)
 Each row also gives the host's part of the step (until the closing sync): a step whose host part is
 its whole is host-bound, and pays the recording's Python hooks in full; "cpu" is the thread's CPU time
-in that part (less than it where the thread waited: for the GIL, a lock, the device's queue).
+in that part (less than it where the thread waited: for the GIL, a lock, the device's queue; backward
+runs on autograd's device thread), "faults" the process's minor page faults a step (fresh memory touched).
 --inside runs backward inside autocast too (tests/gpu/test_trace_owners_gpu.py's script does).
 
     SUPERMEM=1 python3 tools/diag/trace_gpu_overhead.py [model] [--rounds 5] [--steps 10]
 """
 
 import argparse
+import resource
 import statistics
 import sys
 import tempfile
@@ -50,6 +52,10 @@ def corpus_training(name: str, size: str):
     return dev, sync, model, inputs, loss_of, torch.optim.AdamW(model.parameters(), lr=1e-4)
 
 
+def minor_faults() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("model", nargs="?", default="timm-resnet50")
@@ -64,10 +70,11 @@ def main() -> int:
 
     host: list[float] = []
     cpu: list[float] = []  # the thread's CPU time until the closing sync (time.thread_time)
+    faults: list[int] = []  # the process's page faults in the step (minor: fresh memory touched)
 
     def step(sync_forward: bool = False) -> float:
         sync()
-        t0, c0 = time.perf_counter(), time.thread_time()
+        t0, c0, f0 = time.perf_counter(), time.thread_time(), minor_faults()
         opt.zero_grad(set_to_none=True)
         with torch.autocast(dev, torch.bfloat16, enabled=cuda):
             loss = loss_of(model, inputs)
@@ -80,6 +87,7 @@ def main() -> int:
         opt.step()
         host.append(time.perf_counter() - t0)
         cpu.append(time.thread_time() - c0)
+        faults.append(minor_faults() - f0)
         sync()
         return time.perf_counter() - t0
 
@@ -133,6 +141,7 @@ def main() -> int:
     got: dict[str, list[float]] = {name: [] for name in configs}
     hosts: dict[str, list[float]] = {name: [] for name in configs}
     cpus: dict[str, list[float]] = {name: [] for name in configs}
+    fault_counts: dict[str, list[float]] = {name: [] for name in configs}
     names = list(configs)
     for r in range(args.rounds):
         for name in names[r % len(names) :] + names[: r % len(names)]:
@@ -145,9 +154,11 @@ def main() -> int:
                 step()
             host.clear()
             cpu.clear()
+            faults.clear()
             times = [step(sync_forward=name == "cuda-synced") for _ in range(args.steps)]
             hosts[name].append(statistics.median(host))
             cpus[name].append(statistics.median(cpu))
+            fault_counts[name].append(statistics.median(faults))
             if rec is not None:
                 rec.__exit__(None, None, None)
             if undo is not None:
@@ -166,9 +177,10 @@ def main() -> int:
         spread = f"{min(xs) * 1e3:.2f}-{max(xs) * 1e3:.2f}"
         hs = statistics.median(hosts[name]) * 1e3
         cs = statistics.median(cpus[name]) * 1e3
+        fs = statistics.median(fault_counts[name])
         print(
             f"  {name:12s} {ms * 1e3:7.2f} ms  {statistics.median(ratios):.3f}x  over {over:2d}/{len(ratios)}"
-            f"  host {hs:7.2f} ms  cpu {cs:7.2f} ms  (rounds {spread})"
+            f"  host {hs:7.2f} ms  cpu {cs:7.2f} ms  faults {fs:5.0f}  (rounds {spread})"
         )
     return 0
 
