@@ -16,13 +16,15 @@ medians over rounds of each round's median step, and of its ratio to the same ro
 Each row also gives the host's part of the step (until the closing sync): a step whose host part is
 its whole is host-bound, and pays the recording's Python hooks in full; "cpu" is the thread's CPU time
 in that part (less than it where the thread waited: for the GIL, a lock, the device's queue; backward
-runs on autograd's device thread), "faults" the process's minor page faults a step (fresh memory touched).
+runs on autograd's device thread), "faults" the process's minor page faults a step (fresh memory touched),
+"gc" Python's collections a step by generation (0/1/2; --gc-off: none in the timed steps).
 --inside runs backward inside autocast too (tests/gpu/test_trace_owners_gpu.py's script does).
 
     SUPERMEM=1 python3 tools/diag/trace_gpu_overhead.py [model] [--rounds 5] [--steps 10]
 """
 
 import argparse
+import gc
 import resource
 import statistics
 import sys
@@ -63,6 +65,7 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--size", default="real", help="the corpus size (tiny: a CPU check of this script)")
     p.add_argument("--inside", action="store_true", help="backward inside autocast")
+    p.add_argument("--gc-off", action="store_true", help="Python's collector off in the timed steps")
     p.add_argument("--rows", help="the rows to run, comma-separated (default: all; untraced always)")
     args = p.parse_args()
     dev, sync, model, inputs, loss_of, opt = corpus_training(args.model, args.size)
@@ -71,6 +74,13 @@ def main() -> int:
     host: list[float] = []
     cpu: list[float] = []  # the thread's CPU time until the closing sync (time.thread_time)
     faults: list[int] = []  # the process's page faults in the step (minor: fresh memory touched)
+    collections = [0, 0, 0]  # Python's collections so far, by generation
+
+    def on_gc(phase: str, info: dict) -> None:
+        if phase == "stop":
+            collections[info["generation"]] += 1
+
+    gc.callbacks.append(on_gc)
 
     def step(sync_forward: bool = False) -> float:
         sync()
@@ -142,6 +152,7 @@ def main() -> int:
     hosts: dict[str, list[float]] = {name: [] for name in configs}
     cpus: dict[str, list[float]] = {name: [] for name in configs}
     fault_counts: dict[str, list[float]] = {name: [] for name in configs}
+    gc_counts: dict[str, list[list[float]]] = {name: [] for name in configs}
     names = list(configs)
     for r in range(args.rounds):
         for name in names[r % len(names) :] + names[: r % len(names)]:
@@ -155,7 +166,12 @@ def main() -> int:
             host.clear()
             cpu.clear()
             faults.clear()
+            gcs = list(collections)
+            if args.gc_off:
+                gc.disable()
             times = [step(sync_forward=name == "cuda-synced") for _ in range(args.steps)]
+            gc.enable()
+            gc_counts[name].append([(b - a) / args.steps for a, b in zip(gcs, collections)])
             hosts[name].append(statistics.median(host))
             cpus[name].append(statistics.median(cpu))
             fault_counts[name].append(statistics.median(faults))
@@ -178,9 +194,10 @@ def main() -> int:
         hs = statistics.median(hosts[name]) * 1e3
         cs = statistics.median(cpus[name]) * 1e3
         fs = statistics.median(fault_counts[name])
+        per_gen = "/".join(f"{sum(g) / len(g):.2f}" for g in zip(*gc_counts[name]))
         print(
             f"  {name:12s} {ms * 1e3:7.2f} ms  {statistics.median(ratios):.3f}x  over {over:2d}/{len(ratios)}"
-            f"  host {hs:7.2f} ms  cpu {cs:7.2f} ms  faults {fs:5.0f}  (rounds {spread})"
+            f"  host {hs:7.2f} ms  cpu {cs:7.2f} ms  faults {fs:5.0f}  gc {per_gen}  (rounds {spread})"
         )
     return 0
 
