@@ -10,7 +10,8 @@ Llama and timm ResNet-50 (tests/corpus.py, real sizes), then `supermem report`. 
   untraced script's step moved 38.6-43.3 ms between processes on one H200 (docs/measurements.md).
   GPT-24 through `supermem bench trace`;
 - `report --budget` (75% of the traced peak) against a real run under supermem.pool at that budget:
-  peak within 5%, step time within 15%."""
+  peak within 5%, step time within 15%, the prediction taken at the run's pace (its step without the
+  pool, against the traced step the prediction was made from: the two are separate processes)."""
 
 import json
 import os
@@ -77,6 +78,11 @@ if rounds:  # tracing's cost: rounds untraced and traced, the order alternating 
     got = {{"ratio": ratio, "untraced": untraced, "traced": with_trace, "ratios": ratios}}
     print("@@RESULT " + json.dumps(got))
     sys.exit(0)
+plain_s = None
+if pool is not None:  # this process's pace: its steps without the pool first
+    use, pool = pool, None
+    plain_s = sorted(step() for _ in range(steps))[steps // 2]
+    pool = use
 times = []
 for i in range(steps):
     times.append(step())
@@ -84,7 +90,7 @@ for i in range(steps):
         torch.cuda.reset_peak_memory_stats()
 steady = sorted(times[3:])
 peak = torch.cuda.max_memory_allocated()
-print("@@RESULT " + json.dumps({{"step_s": steady[len(steady) // 2], "peak": peak}}))
+print("@@RESULT " + json.dumps({{"step_s": steady[len(steady) // 2], "peak": peak, "plain_s": plain_s}}))
 """
 
 
@@ -154,10 +160,16 @@ def test_what_if_matches_a_run_at_that_budget(traced):
     script = tmp / "train.py"
     cmd = [sys.executable, str(script), name, "12", str(budget)]
     run = _result(run_command(cmd, env={"SUPERMEM": "1"}, timeout=600))
+    # The prediction is the traced step plus what the plan adds; the run is another process, whose host
+    # may be faster or slower than the traced one's (the same untraced step: 38.6 and 43.3 ms in two
+    # processes), so the prediction is taken at the run's own pace, its step without the pool.
+    predicted = w.predicted_step_s * run["plain_s"] / w.measured_step_s
     print(
         f"\n{name} at {format_bytes(budget)}: predicted peak {format_bytes(w.predicted_peak_bytes)} "
-        f"step {w.predicted_step_s * 1e3:.1f} ms (fits: {w.fits}); measured peak {format_bytes(run['peak'])} "
-        f"step {run['step_s'] * 1e3:.1f} ms"
+        f"step {w.predicted_step_s * 1e3:.1f} ms from a traced step of {w.measured_step_s * 1e3:.1f} ms "
+        f"(pool's host work {w.pool_host_s * 1e3:.1f} ms; fits: {w.fits}); measured peak "
+        f"{format_bytes(run['peak'])}, step {run['step_s'] * 1e3:.1f} ms where the step without the pool "
+        f"took {run['plain_s'] * 1e3:.1f} ms: predicted at that pace {predicted * 1e3:.1f} ms"
     )
     assert abs(w.predicted_peak_bytes - run["peak"]) <= 0.05 * run["peak"]
-    assert abs(w.predicted_step_s - run["step_s"]) <= 0.15 * run["step_s"]
+    assert abs(predicted - run["step_s"]) <= 0.15 * run["step_s"]
