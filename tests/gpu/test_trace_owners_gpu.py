@@ -30,7 +30,7 @@ from supermem.units import format_bytes
 pytestmark = needs_cuda
 TESTS = Path(__file__).resolve().parents[1]
 MODELS = ["gpt2", "llama", "timm-resnet50"]
-ROUNDS = int(os.environ.get("SUPERMEM_TEST_ROUNDS", "12"))
+ROUNDS = int(os.environ.get("SUPERMEM_TEST_ROUNDS", "20"))
 
 TRAIN = """
 import json, sys, time
