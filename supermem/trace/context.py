@@ -4,8 +4,8 @@ The allocator's ring knows times, addresses and sizes only, and costs no Python 
 keeps the rest beside it as a log of changes, (time_ns, module, phase), one row per module call's
 start and end and per phase change; when a trace is built each block takes the row in force at its
 alloc (owners.py). Recording costs one deque append per module call start and end (nn.Module.__call__
-replaced: Context._module_call, ~2 us a call on an H200 host) and a Python call per backward:
-nothing per allocation, nothing per saved tensor once the first backwards are over.
+replaced: Context._module_call, +1.3 us a call of one tensor on an H200's host) and a Python call per
+backward: nothing per allocation, nothing per saved tensor once the first backwards are over.
 
 Phases are events, not guesses:
   forward   from an outermost module call (none open, not in backward or an optimizer step);
@@ -206,8 +206,8 @@ class Context:
     def _module_call(self, orig: Any, on: list[bool]) -> Any:
         """nn.Module.__call__ as recorded (torch_private.patch_module_call): a log row at the call's
         start and end, and for a forward's call a `calls` row. One function, no hooks of its own: a
-        module call is the hot path (GPT-2: 150 a step; ~2 us each on an H200's host, the wrapper's
-        own frame half of it)."""
+        module call is the hot path (GPT-2: 151 a step, +1.3 us for a call of one tensor on an H200's
+        host, more for one given a KV cache: tools/diag/module_call_profile.py)."""
         import torch
 
         compiling = torch.compiler.is_compiling
