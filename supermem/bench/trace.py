@@ -24,10 +24,11 @@ from . import runner
 
 def interleaved(
     timed: Callable[[], float], recording: Callable[[bool], Any], rounds: int, steps: int, warm: int
-) -> tuple[list[list[float]], list[list[float]], float]:
+) -> tuple[list[list[float]], list[list[float]], list[float]]:
     """Rounds of `steps` timed steps untraced and inside `recording(last round)`, the order alternating,
-    each after `warm` untimed ones: the untraced rounds' times, the traced ones', and the median of the
-    rounds' ratios of their median steps (the host's pace drifts between rounds more than tracing costs)."""
+    each after `warm` untimed ones: the untraced rounds' times, the traced ones', and each round's ratio
+    of its median steps, whose median is the overhead (the host's pace drifts between rounds more than
+    tracing costs)."""
     plain: list[list[float]] = []
     traced: list[list[float]] = []
     ratios = []
@@ -38,7 +39,7 @@ def interleaved(
                     timed()
                 times.append([timed() for _ in range(steps)])
         ratios.append(statistics.median(traced[-1]) / statistics.median(plain[-1]))
-    return plain, traced, statistics.median(ratios)
+    return plain, traced, ratios
 
 
 def measure(spec: dict) -> dict:
@@ -80,7 +81,7 @@ def measure(spec: dict) -> dict:
         )
         return recordings[-1]
 
-    plain, traced, ratio = interleaved(
+    plain, traced, ratios = interleaved(
         lambda: _timed(step, cuda),
         recording,
         spec["rounds"],
@@ -94,7 +95,7 @@ def measure(spec: dict) -> dict:
         "preset": preset.label,
         "plain_ms": round(base, 2),
         "traced_ms": round(with_trace, 2),
-        "overhead": ratio - 1,
+        "overhead": statistics.median(ratios) - 1,
         "events": events,
         "files": sorted(p.name for p in out.iterdir()),
     }

@@ -248,7 +248,7 @@ def held_state(call: tuple[tuple, dict]) -> str | None:
             continue
         if isinstance(top, _VALUE_TYPES):
             continue
-        if type(top) is tuple and all(isinstance(v, _VALUE_TYPES) for v in top):  # (RoPE's cos and sin)
+        if cls is tuple and all(isinstance(v, _VALUE_TYPES) for v in top):  # (RoPE's cos and sin)
             continue
         for x in (top,) if tp.tree_is_leaf(top) else tp.tree_leaves(top):
             if is_value(x):
