@@ -7,7 +7,6 @@ the same timing around a call that does nothing but pass through (what the timin
     SUPERMEM=1 python3 tools/diag/module_call_profile.py [model] [--steps 10] [--size real]
 """
 
-import argparse
 import collections
 import statistics
 import sys
@@ -18,7 +17,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-from trace_gpu_overhead import corpus_training  # noqa: E402
+from trace_gpu_overhead import corpus_parser, corpus_training, passthrough  # noqa: E402
 
 import supermem  # noqa: E402
 from supermem import torch_private as tp  # noqa: E402
@@ -59,19 +58,8 @@ def timed(make):
     return timed_make
 
 
-def passthrough(orig, on):
-    def call(module, *args, **kwargs):
-        return orig(module, *args, **kwargs)
-
-    return call
-
-
 def main() -> int:
-    p = argparse.ArgumentParser()
-    p.add_argument("model", nargs="?", default="gpt2")
-    p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--size", default="real")
-    args = p.parse_args()
+    args = corpus_parser("gpt2", 10).parse_args()
     dev, sync, model, inputs, loss_of, opt = corpus_training(args.model, args.size)
 
     def step() -> None:

@@ -9,7 +9,8 @@ medians over rounds of each round's median step, and of its ratio to the same ro
     given model         supermem.trace(model=, optimizer=): no gc walk for them
     cuda-synced         untraced, a torch.cuda.synchronize() after every step's forward (what one hidden
                         sync in the recording would cost)
-    no-op wrapper       untraced, every module call through the context's wrapper, its hooks doing nothing
+    pass-through        untraced, every module call through a function in place of nn.Module.__call__
+                        that only calls the module (the frame a recording's module call has)
     no-op watch         untraced, every backward through the context's watch, doing nothing
     ring only           untraced, the allocator's trace ring on at a recording's size (the allocations
                         a step are printed first)
@@ -54,16 +55,32 @@ def corpus_training(name: str, size: str):
     return dev, sync, model, inputs, loss_of, torch.optim.AdamW(model.parameters(), lr=1e-4)
 
 
+def corpus_parser(model: str, steps: int) -> argparse.ArgumentParser:
+    """The arguments the corpus diagnostics share: a model, its steps and its size."""
+    p = argparse.ArgumentParser()
+    p.add_argument("model", nargs="?", default=model)
+    p.add_argument("--steps", type=int, default=steps)
+    p.add_argument("--size", default="real", help="the corpus size (tiny: a CPU check of this script)")
+    return p
+
+
+def passthrough(orig, on):
+    """A module call that only calls the module (torch_private.patch_module_call's make): the frame a
+    recording's module call has, doing nothing in it."""
+
+    def call(module, *args, **kwargs):
+        return orig(module, *args, **kwargs)
+
+    return call
+
+
 def minor_faults() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def main() -> int:
-    p = argparse.ArgumentParser()
-    p.add_argument("model", nargs="?", default="timm-resnet50")
+    p = corpus_parser("timm-resnet50", 10)
     p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--size", default="real", help="the corpus size (tiny: a CPU check of this script)")
     p.add_argument("--inside", action="store_true", help="backward inside autocast")
     p.add_argument("--gc-off", action="store_true", help="Python's collector off in the timed steps")
     p.add_argument("--rows", help="the rows to run, comma-separated (default: all; untraced always)")
@@ -108,7 +125,7 @@ def main() -> int:
         "no context": {"context": False},
         "given model": {"model": model, "optimizer": opt},
         "cuda-synced": None,
-        "no-op wrapper": None,
+        "pass-through": None,
         "no-op watch": None,
         "ring only": None,
     }
@@ -128,7 +145,7 @@ def main() -> int:
         return off
 
     parts = {
-        "no-op wrapper": lambda: tp.wrap_module_calls(noop, noop),
+        "pass-through": lambda: tp.patch_module_call(passthrough),
         "no-op watch": lambda: tp.watch_backward(noop, noop),
     }
     if alloc is not None:

@@ -7,7 +7,6 @@ seconds per generation, and whether the saved-tensor hook came off.
     SUPERMEM=1 python3 tools/diag/trace_host_profile.py [model] [--steps 8] [--size real]
 """
 
-import argparse
 import cProfile
 import gc
 import io
@@ -19,17 +18,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 
 import torch  # noqa: E402
-from trace_gpu_overhead import corpus_training  # noqa: E402  (this folder: the script's own)
+from trace_gpu_overhead import corpus_parser, corpus_training  # noqa: E402  (this folder: the script's own)
 
 import supermem  # noqa: E402
 
 
 def main() -> int:
-    p = argparse.ArgumentParser()
-    p.add_argument("model", nargs="?", default="gpt2")
-    p.add_argument("--steps", type=int, default=8)
-    p.add_argument("--size", default="real")
-    args = p.parse_args()
+    args = corpus_parser("gpt2", 8).parse_args()
     dev, sync, model, inputs, loss_of, opt = corpus_training(args.model, args.size)
     cuda = dev == "cuda"
 
