@@ -66,6 +66,23 @@ def test_a_compiled_model_under_the_wrapper_has_no_graph_break():
     assert explained.graph_break_count == 0 and explained.graph_count == 1
 
 
+def test_a_compiled_model_under_a_recording_has_no_graph_break():
+    """The recording's own module call (Context._module_call) passes dynamo's tracing through too."""
+    import torch._dynamo
+
+    from supermem.trace.attribution import Observations
+    from supermem.trace.context import Context
+
+    c = Context(Observations()).start()
+    try:
+        m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+        explained = torch._dynamo.explain(m)(torch.randn(4, 8))
+    finally:
+        c.stop()
+        torch._dynamo.reset()
+    assert explained.graph_break_count == 0 and explained.graph_count == 1
+
+
 def test_a_recording_leaves_no_global_module_hook():
     from torch.nn.modules import module as nn_module
 
