@@ -10,8 +10,9 @@ Llama and timm ResNet-50 (tests/corpus.py, real sizes), then `supermem report`. 
   untraced script's step moved 38.6-43.3 ms between processes on one H200 (docs/measurements.md).
   GPT-24 through `supermem bench trace`;
 - `report --budget` (75% of the traced peak) against a real run under supermem.pool at that budget:
-  peak within 5%, step time within 15%, the prediction taken at the run's pace (its step without the
-  pool, against the traced step the prediction was made from: the two are separate processes)."""
+  peak within 5%; step time within 15%, as ratios: the predicted step to the traced step it was made
+  from, against the median of the run's rounds of pool steps to steps without the pool, interleaved
+  (the two are separate processes, and a host's pace drifts within one)."""
 
 import json
 import os
@@ -33,7 +34,7 @@ MODELS = ["gpt2", "llama", "timm-resnet50"]
 ROUNDS = int(os.environ.get("SUPERMEM_TEST_ROUNDS", "20"))
 
 TRAIN = """
-import json, sys, time
+import json, statistics, sys, time
 sys.path.insert(0, {tests!r})
 import torch
 import supermem
@@ -64,8 +65,15 @@ def step():
     return time.perf_counter() - t0
 
 
-if rounds:  # tracing's cost: rounds untraced and traced, the order alternating (supermem bench trace's)
-    import statistics, tempfile
+if pool is None and not rounds:  # traced by `supermem trace`: its step and peak
+    times = []
+    for i in range(steps):
+        times.append(step())
+        if i == 1:
+            torch.cuda.reset_peak_memory_stats()
+    got = {{"step_s": statistics.median(times[3:]), "peak": torch.cuda.max_memory_allocated()}}
+elif pool is None:  # tracing's cost: rounds untraced and traced, alternating (supermem bench trace's)
+    import tempfile
     from supermem.bench.trace import interleaved
     where = tempfile.mkdtemp()
     for _ in range(3):
@@ -75,22 +83,24 @@ if rounds:  # tracing's cost: rounds untraced and traced, the order alternating 
     plain, traced, ratios = interleaved(step, recording, rounds, steps, 3)
     untraced, with_trace = (statistics.median(t for r in v for t in r) for v in (plain, traced))
     got = {{"ratio": statistics.median(ratios), "untraced": untraced, "traced": with_trace}}
+else:  # at a budget: after the pool's planning steps, rounds of `steps` steps without the pool and
+    use = pool  # inside it, the order alternating; the peak is the pool's steps' alone
+    for _ in range(steps):
+        step()
+    plain, pooled, ratios, peak = [], [], [], 0
+    for r in range(rounds):
+        for on in (False, True)[:: 1 if r % 2 == 0 else -1]:
+            pool = use if on else None
+            torch.cuda.reset_peak_memory_stats()
+            (pooled if on else plain).append(statistics.median(step() for _ in range(steps)))
+            if on:
+                peak = max(peak, torch.cuda.max_memory_allocated())
+        ratios.append(pooled[-1] / plain[-1])
+    got = {{"ratio": statistics.median(ratios), "step_s": statistics.median(pooled), "peak": peak}}
+    got["plain_s"] = statistics.median(plain)
+if "ratio" in got:
     got["ratios"] = sorted(ratios)
-    print("@@RESULT " + json.dumps(got))
-    sys.exit(0)
-plain_s = None
-if pool is not None:  # this process's pace: its steps without the pool first
-    use, pool = pool, None
-    plain_s = sorted(step() for _ in range(steps))[steps // 2]
-    pool = use
-times = []
-for i in range(steps):
-    times.append(step())
-    if i == 1:
-        torch.cuda.reset_peak_memory_stats()
-steady = sorted(times[3:])
-peak = torch.cuda.max_memory_allocated()
-print("@@RESULT " + json.dumps({{"step_s": steady[len(steady) // 2], "peak": peak, "plain_s": plain_s}}))
+print("@@RESULT " + json.dumps(got))
 """
 
 
@@ -158,18 +168,20 @@ def test_what_if_matches_a_run_at_that_budget(traced):
     budget = int(0.75 * tr["peak"])
     w = what_if(trace, budget)
     script = tmp / "train.py"
-    cmd = [sys.executable, str(script), name, "12", str(budget)]
+    cmd = [sys.executable, str(script), name, "4", str(budget), "8"]
     run = _result(run_command(cmd, env={"SUPERMEM": "1"}, timeout=600))
-    # The prediction is the traced step plus what the plan adds; the run is another process, whose host
+    # The prediction is the traced step plus what the plan adds. The run is another process, whose host
     # may be faster or slower than the traced one's (the same untraced step: 38.6 and 43.3 ms in two
-    # processes), so the prediction is taken at the run's own pace, its step without the pool.
-    predicted = w.predicted_step_s * run["plain_s"] / w.measured_step_s
+    # processes) and drifts within it, so the prediction's ratio to the traced step is compared with the
+    # run's ratio to its own steps without the pool, interleaved with its pool's.
+    predicted = w.predicted_step_s / w.measured_step_s
     print(
         f"\n{name} at {format_bytes(budget)}: predicted peak {format_bytes(w.predicted_peak_bytes)} "
         f"step {w.predicted_step_s * 1e3:.1f} ms from a traced step of {w.measured_step_s * 1e3:.1f} ms "
-        f"(pool's host work {w.pool_host_s * 1e3:.1f} ms; fits: {w.fits}); measured peak "
-        f"{format_bytes(run['peak'])}, step {run['step_s'] * 1e3:.1f} ms where the step without the pool "
-        f"took {run['plain_s'] * 1e3:.1f} ms: predicted at that pace {predicted * 1e3:.1f} ms"
+        f"({predicted:.3f}x; pool's host work {w.pool_host_s * 1e3:.1f} ms; fits: {w.fits}); measured peak "
+        f"{format_bytes(run['peak'])}, step {run['step_s'] * 1e3:.1f} ms against {run['plain_s'] * 1e3:.1f} "
+        f"ms without the pool: a round's ratio, median {run['ratio']:.3f}x "
+        f"(rounds {' '.join(f'{r:.3f}' for r in run['ratios'])})"
     )
     assert abs(w.predicted_peak_bytes - run["peak"]) <= 0.05 * run["peak"]
-    assert abs(predicted - run["step_s"]) <= 0.15 * run["step_s"]
+    assert abs(predicted - run["ratio"]) <= 0.15 * run["ratio"]
