@@ -11,6 +11,7 @@ T1024 bf16; ResNet-152 b64 224px fp32).
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,19 +20,52 @@ from typing import Any
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 
 def _blocks(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """Runs model.blocks; checkpoints all of them (checkpoint_blocks True) or the first N (an int), by
-    torch's default non-reentrant checkpoint or (checkpoint_reentrant) its reentrant one."""
+    torch's default non-reentrant checkpoint or (checkpoint_reentrant) its reentrant one; selectively
+    where model.checkpoint_saves names what it keeps (SELECTIVE)."""
     ck: Any = model.checkpoint_blocks  # True or an int (nn.Module's attributes type as tensor or module)
     blocks: Any = model.blocks
     n = len(blocks) if ck is True else int(ck)
     reentrant = getattr(model, "checkpoint_reentrant", False)
+    saves = getattr(model, "checkpoint_saves", None)
+    kw: dict[str, Any] = {"context_fn": SELECTIVE[saves]} if saves else {}
     for i, b in enumerate(blocks):
-        x = checkpoint(b, x, use_reentrant=reentrant) if i < n else b(x)
+        x = checkpoint(b, x, use_reentrant=reentrant, **kw) if i < n else b(x)
     return x
+
+
+def _ops(*names: str) -> frozenset:
+    aten = torch.ops.aten
+    return frozenset(getattr(aten, n).default for n in names if hasattr(aten, n))
+
+
+def _keeping(saved: frozenset) -> Callable[[], Any]:
+    """A checkpoint context_fn that keeps the outputs of the ops in `saved` and recomputes the rest (a
+    partial made here, outside the forward: dynamo takes no function made inside what it traces)."""
+
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return functools.partial(create_selective_checkpoint_contexts, policy)
+
+
+_ATTENTION = (
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_flash_attention_for_cpu",
+)
+# Selective checkpointing: what a block keeps of its forward, the rest recomputed in its backward.
+# "matmuls": every matmul's, convolution's and the attention's output (torchtitan's "op" SAC without
+# its every-other-matmul rule); "attention": the attention's only
+SELECTIVE = {
+    "matmuls": _keeping(_ops("mm", "addmm", "bmm", "convolution", *_ATTENTION)),
+    "attention": _keeping(_ops(*_ATTENTION)),
+}
 
 
 class Block(nn.Module):

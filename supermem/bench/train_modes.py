@@ -132,6 +132,10 @@ def sweep_modes(device: str) -> list[Mode]:
         )
     blocks = {"memory_budget": 1.0, "per_block": True}  # each block compiled alone (torchtitan's way)
     compiles.append(Mode("compile per block", "native", "compile", options=blocks, models=BLOCK_MODELS))
+    if cuda:  # the model compiled whole, each block checkpointed inside its graph, fully or selectively
+        for name, saves in (("compile checkpoint", None), ("compile selective checkpoint", "matmuls")):
+            opts = {"compile": True, "memory_budget": 1.0, "checkpoint_saves": saves}
+            compiles.append(Mode(name, "native", "checkpoint", options=opts, models=BLOCK_MODELS))
     out += compiles
     out += [_chunked(m) for m in ckpts + compiles]
     budgets = [(f"{b:.0%}", b, "native") for b in SWEEP_BUDGETS] + [("ckpt peak", 1.0, "checkpoint")]

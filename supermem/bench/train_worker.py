@@ -182,6 +182,7 @@ def _prepare(model, spec: dict):
             "checkpoint_first": first,
         }.get(saver, False)
         model.checkpoint_reentrant = reentrant
+        model.checkpoint_saves = spec.get("checkpoint_saves")  # models.SELECTIVE's key, or None: all
     elif saver.startswith("checkpoint"):  # an HF model: its own checkpointing is hf_checkpoint
         raise ValueError(f"{saver} checkpoints model.blocks; {type(model).__name__} has none")
     if compiled(spec):

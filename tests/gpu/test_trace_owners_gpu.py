@@ -6,8 +6,10 @@ Llama and timm ResNet-50 (tests/corpus.py, real sizes), then `supermem report`. 
 - tracing costs <= 5% of step time: in one process under SUPERMEM=1, rounds of steps untraced and inside
   `supermem.trace()` (what `supermem trace` records), interleaved; the median of the rounds' ratios
   (SUPERMEM_TEST_ROUNDS sets how many: many short rounds, as the host's pace drifts; rounds of 8 steps
-  of the same untraced step moved 37-52 ms on an H200 host). Fresh processes are not compared: the same
-  untraced script's step moved 38.6-43.3 ms between processes on one H200 (docs/measurements.md).
+  of the same untraced step moved 37-52 ms on an H200 host, and a round of 4 steps' ratio -27% to +34%:
+  20 such rounds put the median within a few percent of the cost only). Fresh processes are not
+  compared: the same untraced script's step moved 38.6-43.3 ms between processes on one H200
+  (docs/measurements.md).
   GPT-24 through `supermem bench trace`;
 - `report --budget` (75% of the traced peak) against a real run under supermem.pool at that budget:
   peak within 5%; step time within 15%, as ratios: the predicted step to the traced step it was made
@@ -31,7 +33,7 @@ from supermem.units import format_bytes
 pytestmark = needs_cuda
 TESTS = Path(__file__).resolve().parents[1]
 MODELS = ["gpt2", "llama", "timm-resnet50"]
-ROUNDS = int(os.environ.get("SUPERMEM_TEST_ROUNDS", "20"))
+ROUNDS = int(os.environ.get("SUPERMEM_TEST_ROUNDS", "80"))  # of 2 steps each way (GPT-24: a quarter, of 8)
 
 TRAIN = """
 import json, statistics, sys, time
@@ -76,11 +78,12 @@ elif pool is None:  # tracing's cost: rounds untraced and traced, alternating (s
     import tempfile
     from supermem.bench.trace import interleaved
     where = tempfile.mkdtemp()
+    from supermem.trace.recorder import ACTIVATION_HOOK_BACKWARDS
     for _ in range(3):
         step()
-    # (3 untimed steps a round: a recording's first two backwards are its saved-tensor hook's check)
+    # (untimed steps a round: a recording's first backwards are its saved-tensor hook's check)
     recording = lambda last: supermem.trace(f"{{where}}/run.smtrace")
-    plain, traced, ratios = interleaved(step, recording, rounds, steps, 3)
+    plain, traced, ratios = interleaved(step, recording, rounds, steps, ACTIVATION_HOOK_BACKWARDS)
     untraced, with_trace = (statistics.median(t for r in v for t in r) for v in (plain, traced))
     got = {{"ratio": statistics.median(ratios), "untraced": untraced, "traced": with_trace}}
 else:  # at a budget: after the pool's planning steps, rounds of `steps` steps without the pool and
@@ -143,19 +146,22 @@ def test_the_peak_is_named_and_placed(traced):
 
 def test_tracing_costs_at_most_5_percent_of_a_step(traced):
     name, tmp, _, _ = traced
-    cmd = [sys.executable, str(tmp / "train.py"), name, "4", "0", str(ROUNDS)]
+    cmd = [sys.executable, str(tmp / "train.py"), name, "2", "0", str(ROUNDS)]
     got = _result(run_command(cmd, env={"SUPERMEM": "1"}, timeout=600))
+    r = got["ratios"]
     print(
-        f"\n{name}, {ROUNDS} rounds of 4 steps each way: untraced {got['untraced'] * 1e3:.1f} ms/step, "
+        f"\n{name}, {ROUNDS} rounds of 2 steps each way: untraced {got['untraced'] * 1e3:.1f} ms/step, "
         f"traced {got['traced'] * 1e3:.1f} ms/step; a round's ratio, median: {got['ratio'] - 1:+.1%} "
-        f"(rounds {' '.join(f'{r - 1:+.1%}' for r in got['ratios'])})"
+        f"(quartiles {r[len(r) // 4] - 1:+.1%} {r[3 * len(r) // 4] - 1:+.1%}; {sum(x > 1 for x in r)} of "
+        f"{len(r)} rounds slower traced)"
     )
     assert got["ratio"] <= 1.05
 
 
 def test_tracing_costs_gpt24_at_most_5_percent_of_a_step(tmp_path):
     out = tmp_path / "rows.json"
-    cmd = [sys.executable, *f"-m supermem bench trace --rounds {ROUNDS} --out {tmp_path}".split()]
+    rounds = max(ROUNDS // 4, 3)
+    cmd = [sys.executable, *f"-m supermem bench trace --rounds {rounds} --out {tmp_path}".split()]
     run = run_command([*cmd, "--json", str(out)], timeout=600)
     assert run.rc == 0, run.describe()
     (row,) = json.loads(out.read_text())["rows"]

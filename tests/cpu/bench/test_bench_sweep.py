@@ -5,6 +5,7 @@ No process runs here: the runner is replaced by one that records the specs."""
 
 import argparse
 import json
+import math
 
 import pytest
 import torch
@@ -86,6 +87,24 @@ def test_the_partitioner_offload_row_marks_every_node_of_a_compiled_model_cuda_o
     assert config.enable_activation_offloading and config.activation_offload_separate_stream
     graph = torch.fx.symbolic_trace(lambda x: torch.relu(x) * 2)
     assert all(n.meta.get("should_offload") for n in config.joint_custom_pass(graph, None).graph.nodes)
+
+
+def test_the_compiled_checkpoint_rows_checkpoint_inside_the_graph_cuda_only(functorch_config):
+    modes = _by_name("cuda")
+    assert not any(name.startswith("compile checkpoint") for name in _by_name("cpu"))  # (inductor builds)
+    saved = {}
+    for name in ("compile budget 1.0", "compile selective checkpoint", "compile checkpoint"):
+        m = modes[name]
+        assert m.compiled and m.models == BLOCK_MODELS and modes[f"{name} + chunked loss"].compiled
+        spec = {"bench": "train", "preset": "gpt-quick", "device": "cpu", "steps": 1, "warmup": 1}
+        row = train_worker.measure(
+            {**spec, "saved_peak": True, "allocator": "native", "saver": m.saver, **m.options}
+        )
+        saved[name] = row["peak_alloc_bytes"]
+        assert math.isfinite(row["loss"])
+    # the compiled graph saves fewer bytes for backward with each block checkpointed inside it, fewest
+    # where a block keeps none of its matmuls' outputs
+    assert saved["compile checkpoint"] < saved["compile selective checkpoint"] < saved["compile budget 1.0"]
 
 
 ROWS = ["checkpoint first half", "checkpoint + chunked loss", "cost_aware ckpt peak + chunked loss"]
