@@ -376,30 +376,32 @@ def patch_module_call(make: Any) -> Any:
     return undo
 
 
-def dynamo_code_calling(frame: Any, depth: int = 64) -> Any:
-    """The code dynamo made of a compiled frame (its cache entry's code: it calls the compiled graph)
-    running in `frame` or one of its `depth` callers; None where none is (a graph run by
-    aot_function, not by torch.compile). (torch/_dynamo/convert_frame.py: output_codes tracks each.)"""
+def dynamo_frame_calling(frame: Any, depth: int = 64) -> Any:
+    """The frame, `frame` or one of its `depth` callers, that runs code dynamo made of a compiled frame
+    (its cache entry's code, which calls the compiled graph; a compiled module's: its forward, `self`
+    among its locals); None where none is (a graph run by aot_function, not by torch.compile).
+    (torch/_dynamo/convert_frame.py: output_codes tracks each such code.)"""
     from torch._dynamo import convert_frame
 
     made = convert_frame.output_codes
     while frame is not None and depth > 0:
         if frame.f_code in made:
-            return frame.f_code
+            return frame
         frame, depth = frame.f_back, depth - 1
     return None
 
 
 def source_code(code: Any) -> Any:
-    """The code of the user's frame that dynamo made `code` of (dynamo_code_calling's): the same for
-    every cache entry of that frame, recompiles included; `code` itself where dynamo knows none."""
+    """The code of the user's frame that dynamo made `code` of (the code dynamo_frame_calling's frame
+    runs): the same for every cache entry of that frame, recompiles included; `code` itself where dynamo
+    knows none."""
     from torch._dynamo.utils import orig_code_map
 
     return orig_code_map.get(code, code) if code is not None else None
 
 
 def recompile_at_next_call(code: Any, why: str) -> bool:
-    """Drops dynamo's cache entry whose code is `code` (dynamo_code_calling's), so that its frame
+    """Drops dynamo's cache entry whose code is `code` (dynamo_frame_calling's frame's), so that its frame
     compiles again at its next call, under the config then; the frame's other entries (other models
     of the same class with other guards, other shapes) stay. torch._dynamo.reset() would drop every
     compiled frame of the process, and reset_code(frame's code) every entry of a frame that all

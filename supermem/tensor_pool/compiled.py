@@ -34,17 +34,28 @@ A graph that draws random numbers (dropout) keeps the user's share (torch_privat
 below it the partitioner may recompute its dropout in backward with a new mask. Without a budget
 nothing changes: the pool says once that it steps aside, and how to save memory under compile.
 
+Where the share cannot fit and a graph is the forward of a model with blocks (repeated_blocks: a
+decoder's layers), the pool checkpoints the blocks inside the graph, once: each block's forward becomes
+torch's non-reentrant checkpoint of it while dynamo traces inside the pool's context (a module global
+dynamo guards on, so outside the pool the same model keeps a graph without them), the graphs compile
+again at the user's share, and the share is planned anew from there. A chain compiled as one graph
+recomputes at share 0 all it did not save before its first gradient, so no share lowers its peak; with
+its blocks checkpointed, its backward recomputes one block at a time. On GPT-24 compiled whole with
+the chunked loss (an H200), every block checkpointed so: 0.91x native's eager step at 4.89 GiB;
+share 0.2 alone: 0.74x at 7.61 GiB (docs/measurements.md). So the share comes first: at the budgets it
+reaches it is the faster.
+
 Blocks compiled one by one (a graph whose every call saves at most BLOCK_SHARE of the step's compiled
-bytes) are the exception where the share cannot fit: such a graph saves while later blocks still run
-and reads back in its own backward only, so from then on the pool plans what it saves as it does eager
-code's (offload, recompute by regions: a replay calls the compiled block again), at the share reached.
-Not before: on GPT-24 (blocks compiled alone, an H200) the pool's plan of the blocks' saves took 2.0x
-native's step at 75% of its peak, where the share took 1.23x (docs/measurements.md). Tensors saved by
-eager code around a compiled graph (a loss outside it, an uncompiled head, the code between graph
-breaks) stay the pool's. Not yet: the partitioner's CPU offload (enable_activation_offloading, nodes
-marked should_offload by a joint_custom_pass; torch 2.11's side-stream version compiles once
-torch_private.repair_record_stream_fake has run, but raised the peak: docs/measurements.md), and
-per-graph shares (one share for every graph compiled under the pool).
+bytes) are the other exception where the share cannot fit: such a graph saves while later blocks still
+run and reads back in its own backward only, so from then on the pool plans what it saves as it does
+eager code's (offload, recompute by regions: a replay calls the compiled block again), at the share
+reached. Not before: on GPT-24 (blocks compiled alone, an H200) the pool's plan of the blocks' saves
+took 2.0x native's step at 75% of its peak, where the share took 1.23x (docs/measurements.md). Tensors
+saved by eager code around a compiled graph (a loss outside it, an uncompiled head, the code between
+graph breaks) stay the pool's. Not yet: the partitioner's CPU offload (enable_activation_offloading,
+nodes marked should_offload by a joint_custom_pass; torch 2.11's side-stream version compiles once
+torch_private.repair_record_stream_fake has run, but raised the peak: docs/measurements.md), and per-
+graph shares (one share for every graph compiled under the pool).
 
 How the pool tells: the pack hook runs inside torch.autograd.Function.apply of AOTAutograd's
 CompiledFunction (nothing on the tensor says so). One frame walk per saved tensor: well under a
@@ -53,6 +64,7 @@ microsecond for eager code, whose pack hooks are called from the op's own frame.
 
 from __future__ import annotations
 
+import functools
 import sys
 import threading
 import weakref
@@ -60,6 +72,7 @@ from types import FrameType
 from typing import Any
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from .. import torch_private as tp
 from ..log import logger, warn
@@ -87,6 +100,58 @@ PLANNED_MESSAGE = (
     "compiler: over its budget, the graphs compiled under it compile again with a lower "
     "torch._functorch.config.activation_memory_budget (their partitioner recomputes the rest)"
 )
+
+
+MIN_BLOCKS = 4  # a model's blocks: the children of its longest ModuleList or Sequential of one class
+
+
+def repeated_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The children of `model`'s longest nn.ModuleList or nn.Sequential whose children, MIN_BLOCKS or
+    more, are all of one class (a decoder's layers, a ResNet stage's blocks); [] where none is."""
+    best: list[torch.nn.Module] = []
+    for m in model.modules():
+        if isinstance(m, (torch.nn.ModuleList, torch.nn.Sequential)):
+            kids = list(m.children())
+            if len(kids) >= max(MIN_BLOCKS, len(best) + 1) and len({type(k) for k in kids}) == 1:
+                best = kids
+    return best
+
+
+CHECKPOINTING = False  # a pool that checkpoints blocks inside graphs is entered (dynamo reads it: a guard)
+_checkpointing_pools = 0
+
+
+def _checkpointing(delta: int) -> None:
+    global CHECKPOINTING, _checkpointing_pools
+    _checkpointing_pools += delta
+    CHECKPOINTING = _checkpointing_pools > 0
+
+
+def _checkpointed_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """A block's forward once the pool checkpoints it (CompiledGraphs._checkpoint): as dynamo traces it
+    inside a pool's context, torch's non-reentrant checkpoint of its class's forward, which the compiled
+    graph recomputes in its backward; else (eager code, outside the pool: dynamo keeps a graph for each)
+    the forward itself."""
+    forward = type(self).forward
+    if CHECKPOINTING and torch.compiler.is_compiling():
+        return checkpoint(forward, self, *args, use_reentrant=False, **kwargs)
+    return forward(self, *args, **kwargs)
+
+
+def _module_compiled(frame: FrameType | None) -> torch.nn.Module | None:
+    """The module dynamo's compiled `frame` runs: the forward's `self`, what dynamo's wrapper of a
+    compiled module calls (external_utils.wrap_inline's `fn`: the module, or a method of it), or the one
+    module among a compiled function's locals (`torch.compile(lambda x: model(x))`: its closure's);
+    None where none is."""
+    if frame is None:
+        return None
+    f_locals = frame.f_locals
+    for found in (f_locals.get("self"), f_locals.get("fn")):
+        found = getattr(found, "__self__", found)  # (a bound method: its module)
+        if isinstance(found, torch.nn.Module):
+            return found
+    modules = [v for v in f_locals.values() if isinstance(v, torch.nn.Module)]
+    return modules[0] if len(modules) == 1 else None
 
 
 class GraphKept(Kept):
@@ -130,6 +195,7 @@ class CompiledGraphs:
         self.share: float | None = None  # the compile budget share the pool compiles under; None: untouched
         self.measures: list[tuple[float, int]] = []  # (share, graphs' saved bytes) of each compiled step
         self.recompiles = 0
+        self._max_recompiles = MAX_RECOMPILES  # (once more for the share after blocks are checkpointed)
         self.best: tuple[int, float] | None = None  # (peak, share): the lowest peak measured, its share
         self.last_step_bytes = 0  # the graphs' saved bytes (activations) in the last measured step
         self.last_peak_bytes = 0  # and its peak as the pool measured it
@@ -142,6 +208,8 @@ class CompiledGraphs:
         self.blocks: set = set()  # the user's code of graphs whose calls each save a small part of a step
         self.movable: set = set()  # those of them the pool plans as eager code (where the share cannot fit)
         self._code_of: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # CompiledFunction -> codes
+        self._module_of: dict[Any, weakref.ref] = {}  # dynamo's code -> the module it compiled, if one
+        self.checkpointed: list[weakref.ref] = []  # blocks checkpointed inside their graphs (_checkpoint)
         self._backward = False  # the step's compiled backward began
         self._backward_bytes = 0  # bytes allocated on the device then
         self._warned = False
@@ -165,9 +233,13 @@ class CompiledGraphs:
             return False
         nbytes = t.numel() * t.element_size()
         codes = self._code_of.get(cls)
-        if codes is None:  # once per graph: the dynamo code that runs it (what a recompile drops), and
-            code = tp.dynamo_code_calling(f.f_back)  # the user's code it was made of (a recompile's too)
+        if codes is None:  # once per graph: the dynamo code that runs it (what a recompile drops), the
+            frame = tp.dynamo_frame_calling(f.f_back)  # user's code it was made of (a recompile's too),
+            code = frame.f_code if frame is not None else None  # and the module it is the forward of
             codes = self._code_of[cls] = (code, tp.source_code(code))
+            module = _module_compiled(frame)
+            if module is not None:
+                self._module_of[code] = weakref.ref(module)
         code, source = codes
         if source in self.movable:
             return False
@@ -312,21 +384,22 @@ class CompiledGraphs:
             why += f" than {best[1]:.3f} did ({format_bytes(best[0])})"
             if back:
                 why += f"; its graphs compile again at {best[1]:.3f}"
-            return self._unfit(pool, peak, why)
+            return self._unfit(pool, peak, why, codes)
         if before is not None and before[0] > share and graph_bytes >= before[1]:
             why = "a lower share saved no fewer bytes (a backend whose partitioner takes no memory budget?)"
-            return self._unfit(pool, peak, why)
+            return self._unfit(pool, peak, why, codes)
         if share <= 0:
-            return self._unfit(pool, peak, "its graphs recompute all they can already (share 0)")
-        if self.recompiles >= MAX_RECOMPILES:
-            return self._unfit(pool, peak, f"{MAX_RECOMPILES} recompiles did not reach it")
+            return self._unfit(pool, peak, "its graphs recompute all they can already (share 0)", codes)
+        if self.recompiles >= self._max_recompiles:
+            return self._unfit(pool, peak, f"{self.recompiles} recompiles did not reach it", codes)
         if None in codes:
-            return self._unfit(pool, peak, "a graph was not compiled by torch.compile (no code to recompile)")
+            why = "a graph was not compiled by torch.compile (no code to recompile)"
+            return self._unfit(pool, peak, why, codes)
         target = graph_bytes - excess - int(MARGIN * pool.budget_bytes)
         new = next_share(self.measures, target)
         dropped = self._compile_again(codes, new, "the pool's budget, a lower activation_memory_budget")
         if not dropped:
-            return self._unfit(pool, peak, "this torch cannot drop a compiled graph's cache entry")
+            return self._unfit(pool, peak, "this torch cannot drop a compiled graph's cache entry", codes)
         logger.info(
             "supermem: compiled graphs saved %s, the step peaked at %s over a budget of %s: %d graph(s) "
             "compile again with activation_memory_budget %.3f (was %.3f)",
@@ -344,10 +417,13 @@ class CompiledGraphs:
             self._set_share(share)
         return dropped
 
-    def _unfit(self, pool: Any, peak: int, why: str) -> None:
+    def _unfit(self, pool: Any, peak: int, why: str, codes: dict[Any, int]) -> None:
         """The share cannot fit the budget: where graphs are blocks', the pool plans what they save from
-        the next step on, as eager code's (module docstring); else it says so, once."""
+        the next step on, as eager code's; where a graph is a model's with blocks, they are checkpointed
+        inside it, once (module docstring); else it says so, once."""
         if self._said_unfit:
+            return
+        if not self.blocks and self._checkpoint(codes, pool, peak, why):
             return
         self._said_unfit = True
         if self._random is not None and self._random.pinned:
@@ -369,6 +445,38 @@ class CompiledGraphs:
             f" budget of {format_bytes(pool.budget_bytes)}, and the pool cannot lower what the graphs save:"
             f" {why}."
         )
+
+    def _checkpoint(self, codes: dict[Any, int], pool: Any, peak: int, why: str) -> bool:
+        """Caller holds the lock. Where the share cannot fit, the blocks of the models whose forward the
+        step's graphs are (repeated_blocks) are checkpointed inside them: the graphs compile again at the
+        user's share, each block recomputed in its backward, and the share is planned from there anew,
+        with MAX_RECOMPILES more. Once per pool; False where no graph is a model's with blocks."""
+        if self.checkpointed or None in codes:
+            return False
+        roots = [ref() for code in codes if (ref := self._module_of.get(code)) is not None]
+        blocks = [
+            b for m in roots if m is not None for b in repeated_blocks(m) if "forward" not in b.__dict__
+        ]
+        if not blocks:
+            return False
+        for b in blocks:  # (a partial: the model still pickles and deep-copies, its state_dict unchanged)
+            b.forward = functools.partial(_checkpointed_forward, b)
+        self.checkpointed = [weakref.ref(b) for b in blocks]
+        share = self._share_before if self._share_before is not None else tp.compile_memory_budget()
+        self._compile_again(codes, share, "the pool's budget: blocks checkpointed inside the graph")
+        self._set_share(share)  # (also where going back to the lowest peak's share dropped them already)
+        self.measures.clear()
+        self.best = None
+        self._max_recompiles = self.recompiles + MAX_RECOMPILES
+        if self._entered or pool.always_active:
+            _checkpointing(+1)
+        logger.info(
+            "supermem: a step with torch.compile'd graphs peaked at %s over a budget of %s (%s): %d "
+            "block(s) are checkpointed inside the graphs, which compile again at activation_memory_budget "
+            "%.3f",
+            *(format_bytes(peak), format_bytes(pool.budget_bytes), why, len(blocks), share),
+        )
+        return True
 
     # ------------------------------------------------------------------ the share, while the pool is entered
 
@@ -395,12 +503,18 @@ class CompiledGraphs:
             self._entered += 1
             if self._entered == 1 and self.share is not None and self._share_before is None:
                 self._put_share(self.share)
+            if self._entered == 1 and self.checkpointed:
+                _checkpointing(+1)
 
     def exited(self) -> None:
         with self._lock:
             self._entered -= 1
             pool = self._pool()
-            if self._entered == 0 and self._share_before is not None and not (pool and pool.always_active):
+            if pool is not None and pool.always_active:
+                return
+            if self._entered == 0 and self._share_before is not None:
                 tp.set_compile_memory_budget(self._share_before)
                 tp.keep_random_graphs_at(None)
                 self._share_before = None
+            if self._entered == 0 and self.checkpointed:
+                _checkpointing(-1)

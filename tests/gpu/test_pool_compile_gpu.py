@@ -1,8 +1,9 @@
 """The tensor pool beside torch.compile on a GPU. Without a budget the pool steps aside for a compiled
 graph's saved tensors, at the compiled step's own peak, bitwise, and says so once; its step time is
 printed beside the compiled step's, for the record (docs/measurements.md; a timing is a bench's to
-judge, not a test's: the card may be shared). Under a budget it has
-the graphs compile again at a lower activation_memory_budget until the step's peak fits (compiled.py)."""
+judge, not a test's: the card may be shared). Under a budget it has the graphs compile again at a lower
+activation_memory_budget until the step's peak fits, and where no share does, a model's blocks
+checkpointed inside the graph (compiled.py)."""
 
 import statistics
 import time
@@ -135,7 +136,45 @@ def test_compiled_step_over_the_budget_compiles_to_fit(capfd):
             f"share {s['compile_share']}, {s['compile_recompiles']} recompiles, measures "
             f"{pool.compiled.measures}, loss bitwise: {torch.equal(ref_loss, pool_loss)}; {unfit}"
         )
-    assert 1 <= s["compile_recompiles"] <= 4, s
+    assert 1 <= s["compile_recompiles"] <= (7 if pool.compiled.checkpointed else 4), s
     assert pool_peak <= ref_peak * 0.9, (pool_peak, ref_peak)
+    assert pool_peak <= pool.budget_bytes * 1.03 or len(unfit) == 1, (pool_peak, pool.budget_bytes, unfit)
+    torch.testing.assert_close(pool_loss, ref_loss, rtol=1e-5, atol=0)
+
+
+def test_a_chain_no_share_fits_has_its_blocks_checkpointed_inside_the_graph(capfd):
+    """A budget at 60% of the compiled step's peak, under what any share reaches on this chain (share
+    0.68 peaked at 75%; at share 0 its backward recomputes everything before its first gradient): the
+    pool checkpoints the eight layers inside the graph, and the step peaks at most 85% of the compiled
+    one, within the budget (x1.03) or with the one warning that says it can do no more. The loss as
+    compiled without the pool (close: inductor may fuse the recompute otherwise)."""
+    from supermem.tensor_pool import Pool
+
+    x = torch.randn(8192, 2048, device="cuda")
+    ref_m, pool_m = model(), model()
+    ref_fn, pool_fn = compiled_step(ref_m), compiled_step(pool_m)
+    for _ in range(2):
+        step(ref_fn, ref_m, x, None)
+    _, ref_peak = timed(ref_fn, ref_m, x, None)
+    ref_loss = step(ref_fn, ref_m, x, None)
+    ref_m.zero_grad(set_to_none=True)  # (the peaks compared are of one model's step)
+    pool = Pool(budget=int(ref_peak * 0.6), policy="lru")
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        for _ in range(14):  # the share's recompiles, the checkpoints', the share's again
+            step(pool_fn, pool_m, x, pool)
+        pool_loss = step(pool_fn, pool_m, x, pool)
+        pool_ms, pool_peak = timed(pool_fn, pool_m, x, pool)
+    unfit = [str(w.message) for w in said if "cannot lower" in str(w.message)]
+    s = pool.stats()
+    with capfd.disabled():
+        print(
+            f"\ncompiled chain ({torch.cuda.get_device_name()}): without the pool "
+            f"{ref_peak / 2**30:.3f} GiB; pool at 60% {pool_ms * 1e3:.2f} ms, {pool_peak / 2**30:.3f} GiB, "
+            f"blocks checkpointed {len(pool.compiled.checkpointed)}, share {s['compile_share']}, "
+            f"{s['compile_recompiles']} recompiles, measures {pool.compiled.measures}; {unfit}"
+        )
+    assert len(pool.compiled.checkpointed) == 8, pool.compiled.measures
+    assert pool_peak <= ref_peak * 0.85, (pool_peak, ref_peak)
     assert pool_peak <= pool.budget_bytes * 1.03 or len(unfit) == 1, (pool_peak, pool.budget_bytes, unfit)
     torch.testing.assert_close(pool_loss, ref_loss, rtol=1e-5, atol=0)

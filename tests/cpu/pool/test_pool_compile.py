@@ -102,7 +102,8 @@ def gpt_blocks(backend):
 
 
 CASES = {
-    "mlp": (lambda backend: torch.compile(MLP(), backend=backend), mlp_batch),
+    # three layers: fewer than MIN_BLOCKS, so no blocks the pool would checkpoint inside the graph
+    "mlp": (lambda backend: torch.compile(MLP(layers=3), backend=backend), mlp_batch),
     "gpt-blocks": (gpt_blocks, gpt_batch),
     "gpt-quick": (lambda backend: torch.compile(PRESETS["gpt-quick"].build(), backend=backend), gpt_batch),
     "eager-head": (Head, mlp_batch),
@@ -306,7 +307,7 @@ def saved_bytes(fn):
     return total[0]
 
 
-def plan_train(backend, pool=None, steps=PLAN_STEPS, gpu=None):
+def plan_train(backend, pool=None, steps=PLAN_STEPS, gpu=None, layers=4):
     """Like train("mlp"), without dynamo's reset (a model compiled before keeps its entries): a backend
     of its own (CompileCounterWithBackend: dynamo keeps entries per backend), so that this model's
     entries are its own. Losses, gradients, parameters; compiles per step; the model and its batch.
@@ -317,7 +318,7 @@ def plan_train(backend, pool=None, steps=PLAN_STEPS, gpu=None):
     if gpu is not None:
         gpu.counter = counter
     torch.manual_seed(0)
-    model = torch.compile(MLP(), backend=counter)
+    model = torch.compile(MLP(layers=layers), backend=counter)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     x, _ = mlp_batch(torch.Generator().manual_seed(1))
     out, compiles = [], []
@@ -389,10 +390,10 @@ def test_without_a_budget_nothing_changes(caplog):
 
 def test_a_budget_the_graphs_cannot_reach_is_said_once():
     """Budget 0: the share goes to 0 at once (one recompile), and the pool says once that it can do no
-    more; nothing compiles again after."""
+    more; nothing compiles again after. (Three layers: no blocks to checkpoint.)"""
     pool = Pool(budget=0, policy="lru", host_limit="256MiB")
     with pytest.warns(UserWarning, match="cannot lower what the graphs save") as said:
-        got, compiles = plan_train("aot_eager", pool, steps=4)
+        got, compiles = plan_train("aot_eager", pool, steps=4, layers=3)
     assert sum("cannot lower" in str(w.message) for w in said) == 1
     assert pool.compiled.share == 0 and pool.compiled.recompiles == 1 and compiles == [1, 1, 0, 0]
 
@@ -497,17 +498,98 @@ def test_a_lower_share_that_peaks_no_lower_goes_back_to_the_best_share(monkeypat
     """On an H200 the pool took the share of such a chain down to 0 in three recompiles, and the step
     still peaked as high, saving nothing and recomputing everything. Now a lower share that peaks no
     lower than the best share measured has the graphs compile once more at that best share, and the
-    pool says once that it can do no more; the step then runs as fast as it can at that peak."""
+    pool says once that it can do no more; the step then runs as fast as it can at that peak. (Three
+    layers: fewer than MIN_BLOCKS, no blocks to checkpoint.)"""
     gpu = AChainOnAGpu(monkeypatch, 100 * 1024)
     pool = Pool(budget=gpu.budget_bytes, policy="lru", host_limit="256MiB")
     pool.compiled = gpu.graphs
     with pytest.warns(UserWarning, match="peaked no lower") as said:
-        _, compiles = plan_train("aot_eager", pool, steps=8, gpu=gpu)
+        _, compiles = plan_train("aot_eager", pool, steps=8, gpu=gpu, layers=3)
     assert sum("cannot lower" in str(w.message) for w in said) == 1
     measured = [share for share, _ in pool.compiled.measures]
     assert measured[0] == 1.0 and measured[1] < 1.0, measured
     assert pool.compiled.share == 1.0 and pool.compiled.recompiles == 2, pool.compiled.measures
     assert sum(compiles[1:]) == 2 and compiles[-3:] == [0, 0, 0], compiles
+    assert not pool.compiled.checkpointed
+
+
+class AChainOfBlocksOnAGpu(AChainOnAGpu):
+    """The same chain, its four layers blocks (repeated_blocks) the pool may checkpoint inside the graph:
+    then its backward recomputes one block at a time, before that block's gradients, and the step peaks
+    at what the graph saved (the blocks' inputs) and one block's activations over the rest."""
+
+    def memory_allocated(self, device=None):
+        if not self.graphs.checkpointed:
+            return super().memory_allocated(device)
+        saved = self.graphs._step_bytes
+        compiled, self.compiles = self.compiles != self.counter.frame_count, self.counter.frame_count
+        peak = self.STATIC + saved + self.GRADS + MLP_ACTIVATION_BYTES // 4
+        self.true_peaks.append(peak + (self.COMPILER if compiled else 0))
+        return self.STATIC + saved
+
+
+def test_a_chain_the_share_cannot_fit_has_its_blocks_checkpointed_inside_the_graph(monkeypatch):
+    """The chain of four blocks at a budget no share reaches: the pool goes back to the best share,
+    checkpoints the blocks inside the graph, and the step fits, trained bitwise as
+    compiled without the pool; no warning. Outside the pool the model compiles without the checkpoints
+    (dynamo keeps a graph for each) and saves what it did."""
+    ref, _ = plan_train("aot_eager", steps=8)
+    gpu = AChainOfBlocksOnAGpu(monkeypatch, 140 * 1024)
+    pool = Pool(budget=gpu.budget_bytes, policy="lru", host_limit="256MiB")
+    pool.compiled = gpu.graphs
+    got, compiles = plan_train("aot_eager", pool, steps=8, gpu=gpu)
+    assert same(ref, got)
+    graphs = pool.compiled
+    assert len(graphs.checkpointed) == 4 and graphs.share == 1.0, graphs.measures
+    assert gpu.true_peaks[-1] <= gpu.budget_bytes < gpu.true_peaks[0], gpu.true_peaks
+    # a lower share, then back to the best one with the blocks checkpointed: one compile for both
+    assert graphs.recompiles == 2 == sum(compiles[1:]) and compiles[-3:] == [0, 0, 0], (
+        graphs.recompiles,
+        compiles,
+    )
+    assert not compiled_module.CHECKPOINTING  # (on inside the pool only)
+
+
+@pytest.mark.parametrize(("dropout", "how"), [(0.0, "module"), (0.1, "module"), (0.0, "function")])
+def test_a_decoder_compiled_whole_has_its_blocks_checkpointed_where_the_share_cannot_fit(dropout, how):
+    """GPT of six blocks compiled whole, at a budget under what the loss alone holds (256 KiB of logits,
+    the pool's, outside the graph): the share goes to 0 (with dropout it stays at 1: below it the
+    partitioner may draw new masks), cannot fit, and the blocks are checkpointed inside the graph, which
+    then saves a tenth as much at share 1; training stays bitwise the model's compiled without the pool,
+    dropout's masks included (torch's checkpoint restores the RNG state as it recomputes). The model
+    compiled, or a function of it (the model in its closure)."""
+
+    def run(pool):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = GPT(layers=6, d=64, heads=2, vocab=512, ctx=64, dropout=dropout)
+        target = model if how == "module" else lambda idx: model(idx)
+        compiled = torch.compile(target, backend="aot_eager")
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        x, y = gpt_batch(torch.Generator().manual_seed(1))
+        torch.manual_seed(2)
+        out, saved = [], []
+        for _ in range(6):
+            opt.zero_grad()
+            with pool or torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+                loss = loss_fn(compiled(x), y)
+                loss.backward()
+            opt.step()
+            out.append(loss.detach())
+            saved.append(pool.compiled.last_step_bytes if pool else 0)
+        return out + [p.detach().clone() for p in model.parameters()], saved
+
+    if not backend_works("aot_eager"):
+        pytest.skip("torch.compile does not run here")
+    ref, _ = run(None)
+    pool = Pool(budget=200_000, policy="lru", host_limit="256MiB")
+    with pytest.warns(UserWarning, match="cannot lower what the graphs save"):
+        got, saved = run(pool)
+    assert same(ref, got)
+    graphs = pool.compiled
+    assert len(graphs.checkpointed) == 6 and not compiled_module.CHECKPOINTING, graphs.measures
+    share_1 = [nbytes for share, nbytes in graphs.measures if share == 1.0]  # (since the checkpoints)
+    assert share_1 and 10 * share_1[0] < saved[0], (saved, graphs.measures)
 
 
 @pytest.mark.parametrize("policy", live_names())
@@ -539,7 +621,7 @@ def test_a_graph_is_a_block_when_each_of_its_calls_saves_a_quarter_of_the_step_o
     calls = [[a, 10], [b, 60], [a, 10], [a, 15], [None, 5]]
     assert graphs._note_blocks(calls, 100) == {a: 35, b: 60, None: 5}
     assert graphs.blocks == {a} and not graphs.movable
-    graphs._unfit(pool, 200, "a reason")  # the share cannot fit: the blocks are the pool's
+    graphs._unfit(pool, 200, "a reason", {a: 35})  # the share cannot fit: the blocks are the pool's
     assert graphs.movable == {a}
 
 
