@@ -37,6 +37,7 @@ import statistics
 from ..cli_args import check_names, comma_list, nonnegative_int, positive_float, positive_int
 from . import runner
 from .train_modes import BLOCK_MODELS as BLOCK_MODELS
+from .train_modes import COMPILED_POOL_WARMUP
 from .train_modes import HF_MODELS as HF_MODELS
 from .train_modes import MODELS as MODELS
 from .train_modes import SWEEP_WARMUP as SWEEP_WARMUP
@@ -156,7 +157,10 @@ def _run_model(model: str, chosen: list[Mode], args: argparse.Namespace) -> list
 
     def spec(m: Mode) -> dict:
         conf = args.conf if m.allocator == "supermem" else None
-        return {**base, **m.options, "allocator": m.allocator, "conf": conf, "saver": m.saver}
+        out = {**base, **m.options, "allocator": m.allocator, "conf": conf, "saver": m.saver}
+        if m.saver == "pool" and m.compiled and not args.quick:  # its recompiles, before the timed steps
+            out["warmup"] = max(out["warmup"], COMPILED_POOL_WARMUP)
+        return out
 
     # --sweep: every row `repeats` times, round robin, each row its median. Else the allocator rows, which
     # are compared to 1%, interleaved `repeats` times, each its best; the others once.

@@ -88,6 +88,9 @@ HF_SWEEP_BUDGETS = (0.75, 0.5)  # and each HF checkpointing row's peak; 15-25 s 
 # (PlanRunner: MAX_REPLANS) before its plan holds; the rows time the steps after (an H100 sweep with 3
 # warm-up steps timed GPT-24's planned 75% at 183.7 ms a step, its plan's own steps at 95.3)
 SWEEP_WARMUP = 10
+# a compiled pool row's, but --quick's: a recompile takes two steps (the compiling step is not measured
+# on CUDA), and the pool may recompile 3 times for the share, once for checkpoints, 3 more (compiled.py)
+COMPILED_POOL_WARMUP = 20
 COMPILE_BUDGETS = (1.0, 0.5, 0.2)  # torch._functorch.config.activation_memory_budget
 
 
@@ -148,7 +151,7 @@ def sweep_modes(device: str) -> list[Mode]:
                 Mode(f"{policy} {label}", "supermem", "pool", b, options=opts, models=ms, budget_of=of)
             )
     # The planned pool around the compiled model: it sets the compiler's activation_memory_budget itself
-    # (tensor_pool/compiled.py), from 1.0
+    # (tensor_pool/compiled.py), from 1.0, and checkpoints its blocks inside the graph where no share fits
     opts = {"policy": "planned", "compile": True, "memory_budget": 1.0}
     for label, b, of in budgets if cuda else budgets[-1:]:
         name = f"compiled planned {label}"

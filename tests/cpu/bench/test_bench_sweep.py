@@ -14,7 +14,14 @@ from supermem import cli
 from supermem import torch_private as tp
 from supermem.bench import runner, train_tables, train_worker
 from supermem.bench.models import PRESETS
-from supermem.bench.train_modes import BLOCK_MODELS, COMPILE_BUDGETS, SWEEP_BUDGETS, sweep_modes
+from supermem.bench.train_modes import (
+    BLOCK_MODELS,
+    COMPILE_BUDGETS,
+    COMPILED_POOL_WARMUP,
+    SWEEP_BUDGETS,
+    SWEEP_WARMUP,
+    sweep_modes,
+)
 
 LABELS = [f"{b:.0%}" for b in SWEEP_BUDGETS] + ["ckpt peak"]
 CKPTS = ["checkpoint", "checkpoint reentrant"] + [
@@ -145,6 +152,20 @@ def test_sweep_rows_run_round_robin_three_times_by_default_at_one_budget(monkeyp
     pool = [spec for label, spec in calls if "cost_aware" in label]
     assert [s["budget_bytes"] for s in pool] == [int(0.6 * (1 << 20) * 2)] * 3
     assert "medians of 3 runs a row, interleaved" in capsys.readouterr().out
+
+
+def test_a_compiled_pool_row_warms_up_through_its_recompiles_but_under_quick(monkeypatch):
+    calls = _fake_runner(monkeypatch, lambda label, n: 10.0)
+    rows = ["checkpoint", "compiled planned ckpt peak", "per block planned ckpt peak"]
+    argv = ["bench", "train", "--sweep", "--device", "cpu", "--model", "gpt", "--repeats", "1"]
+    assert cli.main([*argv, "--modes", ",".join(rows)]) == 0
+    warmups = {label.split(" (")[0]: spec["warmup"] for label, spec in calls}
+    assert sum("planned" in name for name in warmups) == 2 and "gpt native" in warmups, warmups
+    for name, warmup in warmups.items():
+        assert warmup == (COMPILED_POOL_WARMUP if "planned" in name else SWEEP_WARMUP), name
+    calls.clear()
+    assert _sweep("--repeats", "1", rows=rows) == 0  # --quick: its few steps
+    assert {spec["warmup"] for _, spec in calls} == {2}
 
 
 def test_each_rows_median_and_spread_are_printed(monkeypatch, capsys, tmp_path):
