@@ -61,11 +61,8 @@ _ATTENTION = (
 )
 # Selective checkpointing: what a block keeps of its forward, the rest recomputed in its backward.
 # "matmuls": every matmul's, convolution's and the attention's output (torchtitan's "op" SAC without
-# its every-other-matmul rule); "attention": the attention's only
-SELECTIVE = {
-    "matmuls": _keeping(_ops("mm", "addmm", "bmm", "convolution", *_ATTENTION)),
-    "attention": _keeping(_ops(*_ATTENTION)),
-}
+# its every-other-matmul rule)
+SELECTIVE = {"matmuls": _keeping(_ops("mm", "addmm", "bmm", "convolution", *_ATTENTION))}
 
 
 class Block(nn.Module):
