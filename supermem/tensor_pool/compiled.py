@@ -54,8 +54,8 @@ took 2.0x native's step at 75% of its peak, where the share took 1.23x (docs/mea
 saved by eager code around a compiled graph (a loss outside it, an uncompiled head, the code between
 graph breaks) stay the pool's. Not yet: the partitioner's CPU offload (enable_activation_offloading,
 nodes marked should_offload by a joint_custom_pass; torch 2.11's side-stream version compiles once
-torch_private.repair_record_stream_fake has run, but raised the peak: docs/measurements.md), and per-
-graph shares (one share for every graph compiled under the pool).
+torch_private.repair_record_stream_fake has run, but raised the peak: docs/measurements.md), and
+per-graph shares (one share for every graph compiled under the pool).
 
 How the pool tells: the pack hook runs inside torch.autograd.Function.apply of AOTAutograd's
 CompiledFunction (nothing on the tensor says so). One frame walk per saved tensor: well under a
@@ -195,7 +195,7 @@ class CompiledGraphs:
         self.share: float | None = None  # the compile budget share the pool compiles under; None: untouched
         self.measures: list[tuple[float, int]] = []  # (share, graphs' saved bytes) of each compiled step
         self.recompiles = 0
-        self._max_recompiles = MAX_RECOMPILES  # (once more for the share after blocks are checkpointed)
+        self._max_recompiles = MAX_RECOMPILES  # (MAX_RECOMPILES more once blocks are checkpointed)
         self.best: tuple[int, float] | None = None  # (peak, share): the lowest peak measured, its share
         self.last_step_bytes = 0  # the graphs' saved bytes (activations) in the last measured step
         self.last_peak_bytes = 0  # and its peak as the pool measured it

@@ -55,6 +55,16 @@ def timed(fn, m, x, pool):
     return statistics.median(times), torch.cuda.max_memory_allocated()
 
 
+def plan_said(pool, said):
+    """The pool's warnings among `said` that it cannot fit the graphs, and its compile plan in words."""
+    s = pool.stats()
+    words = (
+        f"blocks checkpointed {len(pool.compiled.checkpointed)}, share {s['compile_share']}, "
+        f"{s['compile_recompiles']} recompiles, measures {pool.compiled.measures}"
+    )
+    return [str(w.message) for w in said if "cannot lower" in str(w.message)], words
+
+
 def test_compiled_step_without_a_budget_keeps_its_peak_and_warns_once(capfd, caplog, monkeypatch):
     from supermem import log
     from supermem.tensor_pool import Pool
@@ -127,14 +137,13 @@ def test_compiled_step_over_the_budget_compiles_to_fit(capfd):
         pool_loss = alone(pool_fn, pool_m, pool, ref_m)
         pool_ms, pool_peak = alone(pool_fn, pool_m, pool, ref_m, measure=True)
     ref_ms, _ = alone(ref_fn, ref_m, None, pool_m, measure=True)
-    unfit = [str(w.message) for w in said if "cannot lower" in str(w.message)]
+    unfit, plan = plan_said(pool, said)
     s = pool.stats()
     with capfd.disabled():
         print(
             f"\ncompiled MLP ({torch.cuda.get_device_name()}): without the pool {ref_ms * 1e3:.2f} ms, "
             f"{ref_peak / 2**30:.3f} GiB; pool at 80% {pool_ms * 1e3:.2f} ms, {pool_peak / 2**30:.3f} GiB, "
-            f"share {s['compile_share']}, {s['compile_recompiles']} recompiles, measures "
-            f"{pool.compiled.measures}, loss bitwise: {torch.equal(ref_loss, pool_loss)}; {unfit}"
+            f"{plan}, loss bitwise: {torch.equal(ref_loss, pool_loss)}; {unfit}"
         )
     assert 1 <= s["compile_recompiles"] <= (7 if pool.compiled.checkpointed else 4), s
     assert pool_peak <= ref_peak * 0.9, (pool_peak, ref_peak)
@@ -165,14 +174,12 @@ def test_a_chain_no_share_fits_has_its_blocks_checkpointed_inside_the_graph(capf
             step(pool_fn, pool_m, x, pool)
         pool_loss = step(pool_fn, pool_m, x, pool)
         pool_ms, pool_peak = timed(pool_fn, pool_m, x, pool)
-    unfit = [str(w.message) for w in said if "cannot lower" in str(w.message)]
-    s = pool.stats()
+    unfit, plan = plan_said(pool, said)
     with capfd.disabled():
         print(
             f"\ncompiled chain ({torch.cuda.get_device_name()}): without the pool "
             f"{ref_peak / 2**30:.3f} GiB; pool at 60% {pool_ms * 1e3:.2f} ms, {pool_peak / 2**30:.3f} GiB, "
-            f"blocks checkpointed {len(pool.compiled.checkpointed)}, share {s['compile_share']}, "
-            f"{s['compile_recompiles']} recompiles, measures {pool.compiled.measures}; {unfit}"
+            f"{plan}; {unfit}"
         )
     assert len(pool.compiled.checkpointed) == 8, pool.compiled.measures
     assert pool_peak <= ref_peak * 0.85, (pool_peak, ref_peak)

@@ -36,10 +36,11 @@ MODELS = ["gpt2", "llama", "timm-resnet50"]
 ROUNDS = int(os.environ.get("SUPERMEM_TEST_ROUNDS", "80"))  # of 2 steps each way (GPT-24: a quarter, of 8)
 
 TRAIN = """
-import json, statistics, sys, time
+import contextlib, json, statistics, sys, time
 sys.path.insert(0, {tests!r})
 import torch
 import supermem
+from supermem.bench.trace import interleaved
 from corpus import CASES
 name, steps, budget = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 rounds = int(sys.argv[4]) if len(sys.argv) > 4 else 0
@@ -76,9 +77,8 @@ if pool is None and not rounds:  # traced by `supermem trace`: its step and peak
     got = {{"step_s": statistics.median(times[3:]), "peak": torch.cuda.max_memory_allocated()}}
 elif pool is None:  # tracing's cost: rounds untraced and traced, alternating (supermem bench trace's)
     import tempfile
-    from supermem.bench.trace import interleaved
-    where = tempfile.mkdtemp()
     from supermem.trace.recorder import ACTIVATION_HOOK_BACKWARDS
+    where = tempfile.mkdtemp()
     for _ in range(3):
         step()
     # (untimed steps a round: a recording's first backwards are its saved-tensor hook's check)
@@ -87,20 +87,25 @@ elif pool is None:  # tracing's cost: rounds untraced and traced, alternating (s
     untraced, with_trace = (statistics.median(t for r in v for t in r) for v in (plain, traced))
     got = {{"ratio": statistics.median(ratios), "untraced": untraced, "traced": with_trace}}
 else:  # at a budget: after the pool's planning steps, rounds of `steps` steps without the pool and
-    use = pool  # inside it, the order alternating; the peak is the pool's steps' alone
+    use, peaks = pool, []  # inside it, alternating (interleaved); the peak is the pool's steps' alone
     for _ in range(steps):
         step()
-    plain, pooled, ratios, peak = [], [], [], 0
-    for r in range(rounds):
-        for on in (False, True)[:: 1 if r % 2 == 0 else -1]:
-            pool = use if on else None
-            torch.cuda.reset_peak_memory_stats()
-            (pooled if on else plain).append(statistics.median(step() for _ in range(steps)))
-            if on:
-                peak = max(peak, torch.cuda.max_memory_allocated())
-        ratios.append(pooled[-1] / plain[-1])
-    got = {{"ratio": statistics.median(ratios), "step_s": statistics.median(pooled), "peak": peak}}
-    got["plain_s"] = statistics.median(plain)
+    pool = None
+
+    @contextlib.contextmanager
+    def inside(last):
+        global pool
+        pool = use
+        torch.cuda.reset_peak_memory_stats()
+        try:
+            yield
+        finally:
+            pool = None
+            peaks.append(torch.cuda.max_memory_allocated())
+
+    plain, pooled, ratios = interleaved(step, inside, rounds, steps, 0)
+    pool_s, plain_s = (statistics.median(t for r in v for t in r) for v in (pooled, plain))
+    got = {{"ratio": statistics.median(ratios), "step_s": pool_s, "plain_s": plain_s, "peak": max(peaks)}}
 if "ratio" in got:
     got["ratios"] = sorted(ratios)
 print("@@RESULT " + json.dumps(got))
