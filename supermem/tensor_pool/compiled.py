@@ -52,10 +52,12 @@ eager code's (offload, recompute by regions: a replay calls the compiled block a
 reached. Not before: on GPT-24 (blocks compiled alone, an H200) the pool's plan of the blocks' saves
 took 2.0x native's step at 75% of its peak, where the share took 1.23x (docs/measurements.md). Tensors
 saved by eager code around a compiled graph (a loss outside it, an uncompiled head, the code between
-graph breaks) stay the pool's. Not yet: the partitioner's CPU offload (enable_activation_offloading,
-nodes marked should_offload by a joint_custom_pass; torch 2.11's side-stream version compiles once
-torch_private.repair_record_stream_fake has run, but raised the peak: docs/measurements.md), and
-per-graph shares (one share for every graph compiled under the pool).
+graph breaks) stay the pool's, planned anew whenever the graphs compile again (the plans were made
+beside the old graphs' peak), never from a step in which the compiler ran (plan_run.py). Not yet: the
+partitioner's CPU offload (enable_activation_offloading, nodes marked should_offload by a
+joint_custom_pass; torch 2.11's side-stream version compiles once torch_private.repair_record_stream_fake
+has run, but raised the peak: docs/measurements.md), and per-graph shares (one share for every graph
+compiled under the pool).
 
 How the pool tells: the pack hook runs inside torch.autograd.Function.apply of AOTAutograd's
 CompiledFunction (nothing on the tensor says so). One frame walk per saved tensor: well under a
@@ -415,6 +417,9 @@ class CompiledGraphs:
         if dropped:
             self.recompiles += 1
             self._set_share(share)
+            pool = self._pool()
+            if pool is not None:  # the eager plans were made beside the old graphs' peak
+                pool.plans.stale = True
         return dropped
 
     def _unfit(self, pool: Any, peak: int, why: str, codes: dict[Any, int]) -> None:

@@ -12,6 +12,7 @@ clock and the counters it reaches through the pool that owns it.
 
 from __future__ import annotations
 
+import sys
 import time
 import weakref
 from typing import TYPE_CHECKING, Any
@@ -59,6 +60,8 @@ class PlanRunner:
         self.said_infeasible: set[tuple[int, ...]] = set()  # signatures whose budget no plan met (said once)
         self.profiles: dict[tuple[int, ...], Any] = {}  # by signature: the profile its plans come from
         self.last_step_s = 0.0  # the last step's measured duration (host clock)
+        self.stale = False  # compiled graphs compiled again: plans of their old saves go at the next step
+        self._compiles_at_open: int | None = None  # compiles begun when the step opened (_compiles)
 
     @property
     def _pool(self) -> PoolOwner:
@@ -377,7 +380,10 @@ class PlanRunner:
         """A step opened (StepClock.current): under the planned policy, what records it or counts its
         events."""
         pool = self._pool
+        if self.stale:
+            self._forget()
         if pool.planning and pool.budget_bytes is not None:
+            self._compiles_at_open = _compiles()
             plan = self.plan
             self.plan_ok = plan is not None
             if plan is not None and not self.record_full:
@@ -415,6 +421,8 @@ class PlanRunner:
         if not rec.full:  # it left its plan's shape, and only counted events: the next steps record
             self.record_full = True
             return
+        if _compiles() != self._compiles_at_open:  # the compiler ran in it: its time and bytes, not the
+            return  # step's (GPT-24 on an H200: a plan of a 22 s step); the next step records again
         if not rec.regions_on:
             return
         offload, compress = pool.by_kind.get("offload"), pool.by_kind.get("compress")
@@ -434,6 +442,17 @@ class PlanRunner:
         self.record_full = False
         self.profiles[profile.signature] = profile
         self.plan_from(profile, budget_bytes)
+
+    def _forget(self) -> None:
+        """Every plan and profile dropped (stale): the next step records its shape anew."""
+        self.stale = False
+        self.cached.clear()
+        self.profiles.clear()
+        self.aim.clear()
+        self.replans.clear()
+        self.said_infeasible.clear()
+        self.plan = None
+        self.record_full = False
 
     def tail_from(self, plan: Plan) -> int | None:
         """The event after which a step running `plan` times its tail: the profile's last, until one
@@ -509,6 +528,12 @@ class PlanRunner:
             "plans_cached": len(self.cached),
             "resting": pool.rest.resting,  # its steps run without the pool (rest.py), unmeasured
         }
+
+
+def _compiles() -> int | None:
+    """torch_private.compiles() where dynamo is loaded; None before (nothing compiled yet, and an eager
+    step does not import it)."""
+    return tp.compiles() if "torch._dynamo" in sys.modules else None
 
 
 def infeasible_message(plan: Plan, profile: Profile, budget: int) -> str:

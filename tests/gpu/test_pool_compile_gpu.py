@@ -25,6 +25,17 @@ def model(seed=0, d=2048, layers=8):
     ).cuda()
 
 
+def mlp_blocks(seed=0, d=1024, layers=8):
+    """A transformer's MLP blocks: each saves its input and a 4x wider activation or two; checkpointed,
+    its input only."""
+    torch.manual_seed(seed)
+    mlp = [
+        torch.nn.Sequential(torch.nn.Linear(d, 4 * d), torch.nn.GELU(), torch.nn.Linear(4 * d, d))
+        for _ in range(layers)
+    ]
+    return torch.nn.Sequential(*mlp).cuda()
+
+
 def compiled_step(m):
     """Forward and loss in one graph: every tensor saved for backward is the graph's."""
     return torch.compile(lambda x: m(x).square().mean())
@@ -152,36 +163,37 @@ def test_compiled_step_over_the_budget_compiles_to_fit(capfd):
 
 
 def test_a_chain_no_share_fits_has_its_blocks_checkpointed_inside_the_graph(capfd):
-    """A budget at 60% of the compiled step's peak, under what any share reaches on this chain (share
-    0.68 peaked at 75%; at share 0 its backward recomputes everything before its first gradient): the
-    pool checkpoints the eight layers inside the graph, and the step peaks at most 85% of the compiled
-    one, within the budget (x1.03) or with the one warning that says it can do no more. The loss as
-    compiled without the pool (close: inductor may fuse the recompute otherwise)."""
+    """A budget at half the compiled step's peak, under what any share reaches on this chain of MLP
+    blocks (a share under the one that recomputes GELU only recomputes the matmuls too, and a chain
+    compiled as one graph recomputes them all before its first gradient): the pool checkpoints the eight
+    blocks inside the graph, and the step peaks at most 60% of the compiled one, within the budget
+    (x1.03) or with the one warning that says it can do no more. The loss as compiled without the pool
+    (close: inductor may fuse the recompute otherwise)."""
     from supermem.tensor_pool import Pool
 
-    x = torch.randn(8192, 2048, device="cuda")
-    ref_m, pool_m = model(), model()
+    x = torch.randn(16384, 1024, device="cuda")
+    ref_m, pool_m = mlp_blocks(), mlp_blocks()
     ref_fn, pool_fn = compiled_step(ref_m), compiled_step(pool_m)
     for _ in range(2):
         step(ref_fn, ref_m, x, None)
     _, ref_peak = timed(ref_fn, ref_m, x, None)
     ref_loss = step(ref_fn, ref_m, x, None)
     ref_m.zero_grad(set_to_none=True)  # (the peaks compared are of one model's step)
-    pool = Pool(budget=int(ref_peak * 0.6), policy="lru")
+    pool = Pool(budget=int(ref_peak * 0.5), policy="lru")
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")
-        for _ in range(14):  # the share's recompiles, the checkpoints', the share's again
+        for _ in range(16):  # the share's recompiles, the checkpoints', the share's again
             step(pool_fn, pool_m, x, pool)
         pool_loss = step(pool_fn, pool_m, x, pool)
         pool_ms, pool_peak = timed(pool_fn, pool_m, x, pool)
     unfit, plan = plan_said(pool, said)
     with capfd.disabled():
         print(
-            f"\ncompiled chain ({torch.cuda.get_device_name()}): without the pool "
-            f"{ref_peak / 2**30:.3f} GiB; pool at 60% {pool_ms * 1e3:.2f} ms, {pool_peak / 2**30:.3f} GiB, "
+            f"\ncompiled MLP blocks ({torch.cuda.get_device_name()}): without the pool "
+            f"{ref_peak / 2**30:.3f} GiB; pool at 50% {pool_ms * 1e3:.2f} ms, {pool_peak / 2**30:.3f} GiB, "
             f"{plan}; {unfit}"
         )
     assert len(pool.compiled.checkpointed) == 8, pool.compiled.measures
-    assert pool_peak <= ref_peak * 0.85, (pool_peak, ref_peak)
+    assert pool_peak <= ref_peak * 0.6, (pool_peak, ref_peak)
     assert pool_peak <= pool.budget_bytes * 1.03 or len(unfit) == 1, (pool_peak, pool.budget_bytes, unfit)
     torch.testing.assert_close(pool_loss, ref_loss, rtol=1e-5, atol=0)

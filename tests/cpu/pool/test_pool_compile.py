@@ -11,6 +11,8 @@ import json
 import os
 import subprocess
 import sys
+import types
+import warnings
 
 import pytest
 import torch
@@ -434,6 +436,7 @@ class PyTorchAllocatorOnAGpu:
         self.budget = self  # (allocator(), seen_peak: the budget's part compiled.py reads)
         self.seen_peak = 0
         self.graphs = CompiledGraphs(self)
+        self.plans = types.SimpleNamespace(stale=False)  # (the eager plans: none)
         self.resets = 0
         self.true_peaks = []  # each step's
         self.counter, self.compiles = None, 0  # plan_train's compile counter: its frames compiled
@@ -651,3 +654,40 @@ def test_a_planned_pool_rests_around_blocks_compiled_alone():
         with pool:
             got.append(step())
     assert all(same(a, b) for a, b in zip(ref, got)) and pool.stats()["rest_steps"] > 0, pool.stats()
+
+
+def test_the_planned_pools_eager_plan_is_made_beside_the_graphs_it_runs_with(monkeypatch):
+    """GPT compiled whole, its loss eager (the planned pool's to plan), at a budget its graphs compile
+    again for, several times: no plan is made from a step in which the compiler ran (its time and bytes
+    the compiler's), and the plan the last steps run was made after the graphs' last recompile (one made
+    beside older graphs planned for their peak)."""
+    if not backend_works("aot_eager"):
+        pytest.skip("torch.compile does not run here")
+    from supermem.tensor_pool.plan_run import PlanRunner
+
+    made = []  # (the step, the graphs' recompiles) of each plan made
+    plan_from = PlanRunner.plan_from
+
+    def noted(self, profile, budget_bytes):
+        made.append((step, self._pool.compiled.recompiles))
+        return plan_from(self, profile, budget_bytes)
+
+    monkeypatch.setattr(PlanRunner, "plan_from", noted)
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = GPT(layers=6, d=64, heads=2, vocab=512, ctx=64)
+    compiled = torch.compile(model, backend="aot_eager")
+    x, y = gpt_batch(torch.Generator().manual_seed(1))
+    pool = Pool(budget=200_000, policy="planned", host_limit="256MiB")
+    compiling = set()  # the steps in which the compiler ran
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (that the graphs cannot fit this budget)
+        for step in range(12):
+            before = tp.compiles()
+            with pool:
+                loss_fn(compiled(x), y).backward()
+            if tp.compiles() != before:
+                compiling.add(step)
+    assert pool.compiled.recompiles >= 2 and made, (pool.compiled.measures, made)
+    assert not compiling & {s for s, _ in made}, (made, compiling)
+    assert made[-1][1] == pool.compiled.recompiles, (made, pool.compiled.recompiles)
