@@ -5,6 +5,7 @@ judge, not a test's: the card may be shared). Under a budget it has the graphs c
 activation_memory_budget until the step's peak fits, and where no share does, a model's blocks
 checkpointed inside the graph (compiled.py)."""
 
+import contextlib
 import statistics
 import time
 import warnings
@@ -23,17 +24,6 @@ def model(seed=0, d=2048, layers=8):
     return torch.nn.Sequential(
         *[torch.nn.Sequential(torch.nn.Linear(d, d), torch.nn.GELU()) for _ in range(layers)]
     ).cuda()
-
-
-def mlp_blocks(seed=0, d=1024, layers=8):
-    """A transformer's MLP blocks: each saves its input and a 4x wider activation or two; checkpointed,
-    its input only."""
-    torch.manual_seed(seed)
-    mlp = [
-        torch.nn.Sequential(torch.nn.Linear(d, 4 * d), torch.nn.GELU(), torch.nn.Linear(4 * d, d))
-        for _ in range(layers)
-    ]
-    return torch.nn.Sequential(*mlp).cuda()
 
 
 def compiled_step(m):
@@ -162,38 +152,57 @@ def test_compiled_step_over_the_budget_compiles_to_fit(capfd):
     torch.testing.assert_close(pool_loss, ref_loss, rtol=1e-5, atol=0)
 
 
-def test_a_chain_no_share_fits_has_its_blocks_checkpointed_inside_the_graph(capfd):
-    """A budget at half the compiled step's peak, under what any share reaches on this chain of MLP
-    blocks (a share under the one that recomputes GELU only recomputes the matmuls too, and a chain
-    compiled as one graph recomputes them all before its first gradient): the pool checkpoints the eight
-    blocks inside the graph, and the step peaks at most 60% of the compiled one, within the budget
-    (x1.03) or with the one warning that says it can do no more. The loss as compiled without the pool
-    (close: inductor may fuse the recompute otherwise)."""
+def test_a_decoder_no_share_fits_has_its_blocks_checkpointed_inside_the_graph(capfd):
+    """The bench's GPT (4 blocks, batch 16 x 1024) compiled up to its head, the chunked loss eager
+    after it, at a budget of 55% of the compiled step's peak: no share reaches it (on GPT-24 share 0.2
+    peaked at 67% of share 1's), so the pool checkpoints the four blocks inside the graph, and the step
+    peaks within the budget (x1.03) or with the one warning that says it can do no more, at most 60% of
+    the compiled one. The loss as compiled without the pool (close: inductor may fuse the recompute
+    otherwise)."""
+    from supermem import linear_cross_entropy
+    from supermem.bench.models import GPT
     from supermem.tensor_pool import Pool
 
-    x = torch.randn(16384, 1024, device="cuda")
-    ref_m, pool_m = mlp_blocks(), mlp_blocks()
-    ref_fn, pool_fn = compiled_step(ref_m), compiled_step(pool_m)
+    def decoder():
+        torch.manual_seed(0)
+        m = GPT(layers=4).cuda()
+        return m, torch.compile(m.hidden)
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    x, y = (torch.randint(0, 50304, (16, 1024), device="cuda", generator=g) for _ in range(2))
+    (ref_m, ref_h), (pool_m, pool_h) = decoder(), decoder()
+
+    def step(m, hidden, pool):
+        m.zero_grad(set_to_none=True)
+        with pool or contextlib.nullcontext():
+            loss = linear_cross_entropy(hidden(x), m.head.weight, y)
+            loss.backward()
+        return loss.detach()
+
+    def peak(m, hidden, pool):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        loss = step(m, hidden, pool)
+        torch.cuda.synchronize()
+        return loss, torch.cuda.max_memory_allocated()
+
     for _ in range(2):
-        step(ref_fn, ref_m, x, None)
-    _, ref_peak = timed(ref_fn, ref_m, x, None)
-    ref_loss = step(ref_fn, ref_m, x, None)
+        step(ref_m, ref_h, None)
+    ref_loss, ref_peak = peak(ref_m, ref_h, None)
     ref_m.zero_grad(set_to_none=True)  # (the peaks compared are of one model's step)
-    pool = Pool(budget=int(ref_peak * 0.5), policy="lru")
+    pool = Pool(budget=int(ref_peak * 0.55), policy="lru")
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")
-        for _ in range(16):  # the share's recompiles, the checkpoints', the share's again
-            step(pool_fn, pool_m, x, pool)
-        pool_loss = step(pool_fn, pool_m, x, pool)
-        pool_ms, pool_peak = timed(pool_fn, pool_m, x, pool)
+        for _ in range(12):  # the share's recompiles, the checkpoints', the share's again
+            step(pool_m, pool_h, pool)
+        pool_loss, pool_peak = peak(pool_m, pool_h, pool)
     unfit, plan = plan_said(pool, said)
     with capfd.disabled():
         print(
-            f"\ncompiled MLP blocks ({torch.cuda.get_device_name()}): without the pool "
-            f"{ref_peak / 2**30:.3f} GiB; pool at 50% {pool_ms * 1e3:.2f} ms, {pool_peak / 2**30:.3f} GiB, "
-            f"{plan}; {unfit}"
+            f"\ncompiled GPT, 4 blocks ({torch.cuda.get_device_name()}): without the pool "
+            f"{ref_peak / 2**30:.3f} GiB; pool at 55% {pool_peak / 2**30:.3f} GiB, {plan}; {unfit}"
         )
-    assert len(pool.compiled.checkpointed) == 8, pool.compiled.measures
+    assert len(pool.compiled.checkpointed) == 4, pool.compiled.measures
     assert pool_peak <= ref_peak * 0.6, (pool_peak, ref_peak)
     assert pool_peak <= pool.budget_bytes * 1.03 or len(unfit) == 1, (pool_peak, pool.budget_bytes, unfit)
-    torch.testing.assert_close(pool_loss, ref_loss, rtol=1e-5, atol=0)
+    torch.testing.assert_close(pool_loss, ref_loss, rtol=1e-4, atol=0)
