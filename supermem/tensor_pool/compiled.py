@@ -39,11 +39,11 @@ decoder's layers), the pool checkpoints the blocks inside the graph, once: each 
 torch's non-reentrant checkpoint of it while dynamo traces inside the pool's context (a module global
 dynamo guards on, so outside the pool the same model keeps a graph without them), the graphs compile
 again at the user's share, and the share is planned anew from there. A chain compiled as one graph
-recomputes at share 0 all it did not save before its first gradient, so no share lowers its peak; with
-its blocks checkpointed, its backward recomputes one block at a time. On GPT-24 compiled whole with
-the chunked loss (an H200), every block checkpointed so: 0.91x native's eager step at 4.89 GiB;
-share 0.2 alone: 0.74x at 7.61 GiB (docs/measurements.md). So the share comes first: at the budgets it
-reaches it is the faster.
+may recompute at share 0 all it did not save before its first gradient, so that no share lowers its
+peak; with its blocks checkpointed, its backward recomputes one block at a time. On GPT-24 compiled
+whole with the chunked loss (an H200), every block checkpointed so: 0.91-0.94x native's eager step at
+4.89 GiB; share 0.2 alone: 0.74x at 7.61 GiB (docs/measurements.md). So the share comes first: at the
+budgets it reaches it is the faster.
 
 Blocks compiled one by one (a graph whose every call saves at most BLOCK_SHARE of the step's compiled
 bytes) are the other exception where the share cannot fit: such a graph saves while later blocks still
