@@ -691,3 +691,36 @@ def test_the_planned_pools_eager_plan_is_made_beside_the_graphs_it_runs_with(mon
     assert pool.compiled.recompiles >= 2 and made, (pool.compiled.measures, made)
     assert not compiling & {s for s, _ in made}, (made, compiling)
     assert made[-1][1] == pool.compiled.recompiles, (made, pool.compiled.recompiles)
+
+
+def test_the_eager_plans_are_made_anew_when_the_graphs_compile_again():
+    """A planned pool with an eager plan cached: once it has compiled graphs compile again (a new share),
+    the next step records the eager shape anew and plans from it; the old plan is not run again."""
+    if not backend_works("aot_eager"):
+        pytest.skip("torch.compile does not run here")
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
+    x = torch.randn(32, 64)
+    pool = Pool(budget=40_000, policy="planned", host_limit="256MiB")
+
+    def step():
+        with pool:
+            model(x).square().mean().backward()
+
+    double = torch.compile(lambda t: t * 2, backend="aot_eager")
+    double(x)  # (a graph the pool may have compile again)
+    for _ in range(3):
+        step()
+    old = pool.plans.plan
+    assert old is not None and pool.stats()["plans"] == 1
+    step()
+    assert pool.plans.plan is old  # (its shape's plan, cached)
+    from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    (entry,) = _debug_get_cache_entry_list(double._torchdynamo_orig_callable.__code__)
+    with pool.compiled._lock:  # (the code dynamo made of it: what the pool finds a graph's save called by)
+        assert pool.compiled._compile_again({entry.code: 1}, 0.5, "a test")
+    for _ in range(2):
+        step()
+    assert pool.plans.plan is not old and pool.stats()["plans"] == 2, pool.stats()["plans"]
