@@ -181,7 +181,9 @@ class Budget:
 
     def _say_if_over(self, pool: Any, alloc: Any) -> None:
         """Once per pool: the device went over the budget (x1.03) under the pool where the planner had
-        not said that no plan fits (its own warning names the floor). With PyTorch's allocator the
+        not said that no plan fits (its own warning names the floor), nor were compiled graphs still
+        compiling toward it (GPT-24 compiled whole: 11.31 GiB over a 5.29 GiB budget in the steps before
+        its blocks were checkpointed; the one warning spent there). With PyTorch's allocator the
         peak is its max_memory_allocated, counted from the pool's first step (before it, the peak may
         be the user's own)."""
         if alloc is not None:
@@ -193,7 +195,7 @@ class Budget:
                 return
             if peak <= self.high_before:
                 return
-        if peak <= pool.budget_bytes * 1.03 or pool.plans.said_infeasible:
+        if peak <= pool.budget_bytes * 1.03 or pool.plans.said_infeasible or pool.compiled.planning:
             return
         self.said_over = True
         why = (

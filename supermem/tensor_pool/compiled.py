@@ -221,6 +221,12 @@ class CompiledGraphs:
         self._random: tp.RandomGraphsAt | None = None  # the pass keeping random graphs at the user's share
         self._lock = threading.Lock()
 
+    @property
+    def planning(self) -> bool:
+        """Compiled graphs saved under the pool, and it still has them compile toward the budget: no
+        measured step fit yet, nor has it said they cannot. A step over the budget now is one it acts on."""
+        return self.kept > 0 and not self._fits and not self._said_unfit
+
     # ------------------------------------------------------------------ recognising
 
     def saved_by_graph(self, t: torch.Tensor) -> bool:
