@@ -7,6 +7,7 @@ saved_tensors_hooks, torch.cuda.memory's public functions) is used directly else
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -314,9 +315,12 @@ def _compile_started(_args: Any) -> None:
 def compiles() -> int | None:
     """How many compiles began in this process since the first call: dynamo's of a frame and
     AOTAutograd's lazy one of a backward at its first run (torch/_dynamo/callback.py's start callbacks;
-    both fire them). None where this torch has no such callbacks. torch._dynamo.reset() drops the
+    both fire them), in any thread. None where this torch has no such callbacks, or before dynamo is
+    loaded (nothing compiled yet; an eager caller does not import it). torch._dynamo.reset() drops the
     callbacks: found gone, it is put back and counted as a compile (one may have begun unseen). A step
     in which one ran had the compiler allocate on the device (a backward is compiled inside it)."""
+    if "torch._dynamo" not in sys.modules:
+        return None
     try:
         from torch._dynamo.callback import callback_handler
     except ImportError:

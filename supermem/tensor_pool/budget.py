@@ -181,11 +181,12 @@ class Budget:
 
     def _say_if_over(self, pool: Any, alloc: Any) -> None:
         """Once per pool: the device went over the budget (x1.03) under the pool where the planner had
-        not said that no plan fits (its own warning names the floor), nor were compiled graphs still
-        compiling toward it (GPT-24 compiled whole: 11.31 GiB over a 5.29 GiB budget in the steps before
-        its blocks were checkpointed; the one warning spent there). With PyTorch's allocator the
-        peak is its max_memory_allocated, counted from the pool's first step (before it, the peak may
-        be the user's own)."""
+        not said that no plan fits, nor that compiled graphs cannot (their own warnings name why), and
+        the step's compiled graphs were not still compiling toward it (GPT-24 compiled whole: 11.31 GiB
+        over a 5.29 GiB budget in the steps before its blocks were checkpointed; the one warning was
+        spent there). With PyTorch's allocator the peak is its max_memory_allocated, counted from the
+        pool's first step (before it, the peak may be the user's own)."""
+        compiling = pool.compiled.take_unsettled()
         if alloc is not None:
             peak = self.last_peak_bytes
         else:
@@ -195,7 +196,8 @@ class Budget:
                 return
             if peak <= self.high_before:
                 return
-        if peak <= pool.budget_bytes * 1.03 or pool.plans.said_infeasible or pool.compiled.planning:
+        said = pool.plans.said_infeasible or pool.compiled.warned_unfit
+        if peak <= pool.budget_bytes * 1.03 or said or compiling:
             return
         self.said_over = True
         why = (

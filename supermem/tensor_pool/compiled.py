@@ -41,9 +41,10 @@ dynamo guards on, so outside the pool the same model keeps a graph without them)
 again at the user's share, and the share is planned anew from there. A chain compiled as one graph
 may recompute at share 0 all it did not save before its first gradient, so that no share lowers its
 peak; with its blocks checkpointed, its backward recomputes one block at a time. On GPT-24 compiled
-whole with the chunked loss (an H200), every block checkpointed so: 0.91-0.94x native's eager step at
-4.89 GiB; share 0.2 alone: 0.74x at 7.61 GiB (docs/measurements.md). So the share comes first: at the
-budgets it reaches it is the faster.
+whole with the chunked loss (an H200), every block checkpointed so (torch's checkpoint in the model,
+the bench's compile checkpoint row): 0.91-0.94x native's eager step at 4.89 GiB; share 0.2 alone:
+0.74x at 7.61 GiB (docs/measurements.md). So the share comes first: at the budgets it reaches it is the
+faster.
 
 Blocks compiled one by one (a graph whose every call saves at most BLOCK_SHARE of the step's compiled
 bytes) are the other exception where the share cannot fit: such a graph saves while later blocks still
@@ -216,16 +217,19 @@ class CompiledGraphs:
         self._backward_bytes = 0  # bytes allocated on the device then
         self._warned = False
         self._said_unfit = False
+        self.warned_unfit = False  # the pool warned that the graphs cannot fit (no other warning then)
+        self.unsettled = False  # the last step's graphs still compiling toward the budget (take_unsettled)
         self._entered = 0  # the pool's contexts entered, all threads: the share is on while any is
         self._share_before: float | None = None  # the config's share, to put back at the last exit
         self._random: tp.RandomGraphsAt | None = None  # the pass keeping random graphs at the user's share
         self._lock = threading.Lock()
 
-    @property
-    def planning(self) -> bool:
-        """Compiled graphs saved under the pool, and it still has them compile toward the budget: no
-        measured step fit yet, nor has it said they cannot. A step over the budget now is one it acts on."""
-        return self.kept > 0 and not self._fits and not self._said_unfit
+    def take_unsettled(self) -> bool:
+        """Whether the graphs of the step that ended were still compiling toward the budget (none of
+        their measured steps fit yet, nor did the pool say they cannot): a step over the budget then is
+        one the pool acts on. Read once, as the next step opens (Budget's over-budget warning)."""
+        unsettled, self.unsettled = self.unsettled, False
+        return unsettled
 
     # ------------------------------------------------------------------ recognising
 
@@ -327,11 +331,13 @@ class CompiledGraphs:
             codes = self._note_blocks(calls, graph_bytes)
             peak = self._peak(pool, graph_bytes)
             compiles, self._compiles = self._compiles, tp.compiles()
-            if pool.cuda and compiles != self._compiles:  # (the first step too: compiled here or before)
-                return  # the compiler allocated on the device in this step (the lazy backward's autotuning)
-            self.last_step_bytes, self.last_peak_bytes = graph_bytes, peak
-            if graph_bytes:
-                self._plan(pool, graph_bytes, peak, codes)
+            # (on CUDA a step in which the compiler ran, the first too, is not measured: it allocated on
+            # the device there, the lazy backward's autotuning)
+            if not (pool.cuda and compiles != self._compiles):
+                self.last_step_bytes, self.last_peak_bytes = graph_bytes, peak
+                if graph_bytes:
+                    self._plan(pool, graph_bytes, peak, codes)
+            self.unsettled = bool(graph_bytes) and not (self._fits or self._said_unfit)
 
     def _note_blocks(self, calls: list[list], graph_bytes: int) -> dict[Any, int]:
         """Caller holds the lock. The bytes each graph saved in the step; a graph whose every call saved
@@ -425,7 +431,7 @@ class CompiledGraphs:
             self._set_share(share)
             pool = self._pool()
             if pool is not None:  # the eager plans were made beside the old graphs' peak
-                pool.plans.stale = True
+                pool.plans.graphs_changed()
         return dropped
 
     def _unfit(self, pool: Any, peak: int, why: str, codes: dict[Any, int]) -> None:
@@ -451,6 +457,7 @@ class CompiledGraphs:
                 *(format_bytes(peak), format_bytes(pool.budget_bytes), why, len(self.blocks)),
             )
             return
+        self.warned_unfit = True
         warn(
             f"supermem pool: a step with torch.compile'd graphs peaked at {format_bytes(peak)}, over the"
             f" budget of {format_bytes(pool.budget_bytes)}, and the pool cannot lower what the graphs save:"

@@ -12,7 +12,6 @@ clock and the counters it reaches through the pool that owns it.
 
 from __future__ import annotations
 
-import sys
 import time
 import weakref
 from typing import TYPE_CHECKING, Any
@@ -60,8 +59,8 @@ class PlanRunner:
         self.said_infeasible: set[tuple[int, ...]] = set()  # signatures whose budget no plan met (said once)
         self.profiles: dict[tuple[int, ...], Any] = {}  # by signature: the profile its plans come from
         self.last_step_s = 0.0  # the last step's measured duration (host clock)
-        self.stale = False  # compiled graphs compiled again: plans of their old saves go at the next step
-        self._compiles_at_open: int | None = None  # compiles begun when the step opened (_compiles)
+        self.stale = False  # compiled graphs compiled again since the plans were made (graphs_changed)
+        self._compiles_at_open: int | None = None  # compiles begun when the step opened (tp.compiles)
 
     @property
     def _pool(self) -> PoolOwner:
@@ -380,10 +379,9 @@ class PlanRunner:
         """A step opened (StepClock.current): under the planned policy, what records it or counts its
         events."""
         pool = self._pool
-        if self.stale:
-            self._forget()
+        self.forget_if_stale()
         if pool.planning and pool.budget_bytes is not None:
-            self._compiles_at_open = _compiles()
+            self._compiles_at_open = tp.compiles()
             plan = self.plan
             self.plan_ok = plan is not None
             if plan is not None and not self.record_full:
@@ -408,6 +406,11 @@ class PlanRunner:
         budget_bytes = pool.budget_bytes
         if rec is None or rec.backward_event is None or budget_bytes is None:  # (a budget makes a rec)
             return
+        if self.stale or tp.compiles() != self._compiles_at_open:
+            # the compiler ran in it (its seconds and bytes the compiler's: GPT-24 on an H200 made a
+            # plan of a 22 s step), or its graphs have compiled again since: neither measured nor
+            # planned from; the next step records again
+            return
         if self.plan_ok:
             tail_s = rec.tail() if isinstance(rec, EventCounter) else None
             if tail_s is not None:
@@ -421,8 +424,6 @@ class PlanRunner:
         if not rec.full:  # it left its plan's shape, and only counted events: the next steps record
             self.record_full = True
             return
-        if _compiles() != self._compiles_at_open:  # the compiler ran in it: its time and bytes, not the
-            return  # step's (GPT-24 on an H200: a plan of a 22 s step); the next step records again
         if not rec.regions_on:
             return
         offload, compress = pool.by_kind.get("offload"), pool.by_kind.get("compress")
@@ -443,15 +444,25 @@ class PlanRunner:
         self.profiles[profile.signature] = profile
         self.plan_from(profile, budget_bytes)
 
-    def _forget(self) -> None:
-        """Every plan and profile dropped (stale): the next step records its shape anew."""
+    def graphs_changed(self) -> None:
+        """Compiled graphs compile again (compiled.py): the plans were made beside their old peak, and go
+        before the next step opens (forget_if_stale)."""
+        self.stale = True
+
+    def forget_if_stale(self) -> None:
+        """Between steps, where graphs changed: every plan and profile dropped, and the last step's
+        recorder with them (it ran beside the old graphs); the next step records its shape anew. A shape
+        said infeasible stays said."""
+        if not self.stale:
+            return
         self.stale = False
         self.cached.clear()
         self.profiles.clear()
         self.aim.clear()
         self.replans.clear()
-        self.said_infeasible.clear()
         self.plan = None
+        self.plan_ok = False
+        self.rec = None
         self.record_full = False
 
     def tail_from(self, plan: Plan) -> int | None:
@@ -528,12 +539,6 @@ class PlanRunner:
             "plans_cached": len(self.cached),
             "resting": pool.rest.resting,  # its steps run without the pool (rest.py), unmeasured
         }
-
-
-def _compiles() -> int | None:
-    """torch_private.compiles() where dynamo is loaded; None before (nothing compiled yet, and an eager
-    step does not import it)."""
-    return tp.compiles() if "torch._dynamo" in sys.modules else None
 
 
 def infeasible_message(plan: Plan, profile: Profile, budget: int) -> str:

@@ -152,6 +152,7 @@ class StepClock:
         plans = pool.plans
         s = self.step
         if s is None or self.between():
+            plans.forget_if_stale()  # (this call is the next step's: not a plan of the old graphs')
             self.early_plan = plans.plan  # what decides this call (the step opens later: Step.early_plan)
             if not self.needed_last_step():
                 return None

@@ -436,7 +436,7 @@ class PyTorchAllocatorOnAGpu:
         self.budget = self  # (allocator(), seen_peak: the budget's part compiled.py reads)
         self.seen_peak = 0
         self.graphs = CompiledGraphs(self)
-        self.plans = types.SimpleNamespace(stale=False)  # (the eager plans: none)
+        self.plans = types.SimpleNamespace(graphs_changed=lambda: None)  # (the eager plans: none)
         self.resets = 0
         self.true_peaks = []  # each step's
         self.counter, self.compiles = None, 0  # plan_train's compile counter: its frames compiled
@@ -665,11 +665,11 @@ def test_the_planned_pools_eager_plan_is_made_beside_the_graphs_it_runs_with(mon
         pytest.skip("torch.compile does not run here")
     from supermem.tensor_pool.plan_run import PlanRunner
 
-    made = []  # (the step, the graphs' recompiles) of each plan made
+    made = []  # (the step planned from, the graphs' recompiles) of each plan made
     plan_from = PlanRunner.plan_from
 
-    def noted(self, profile, budget_bytes):
-        made.append((step, self._pool.compiled.recompiles))
+    def noted(self, profile, budget_bytes):  # (at the next step's opening: its first save)
+        made.append((step - 1, self._pool.compiled.recompiles))
         return plan_from(self, profile, budget_bytes)
 
     monkeypatch.setattr(PlanRunner, "plan_from", noted)

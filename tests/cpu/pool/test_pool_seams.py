@@ -139,26 +139,35 @@ def test_the_watermark_from_before_the_pools_first_step_is_not_the_steps(monkeyp
 def test_the_one_over_budget_warning_waits_while_compiled_graphs_compile_toward_the_budget(monkeypatch):
     """GPT-24 compiled whole under a pool at 5.29 GiB: its steps peaked at 11.31 GiB until the pool's
     recompiles (its blocks checkpointed) brought them to 4.89, and the pool's one warning that the device
-    went over the budget was spent there, on steps it was acting on. Now it waits for a step measured
-    with the graphs fit (or said unfit): a step over the budget after that is said."""
+    went over the budget was spent there, on steps it was acting on. It waits for a step whose graphs
+    were not still compiling toward the budget (CompiledGraphs.take_unsettled): a step over the budget
+    after that is said. Where the pool said the graphs cannot fit, that warning is the one."""
     import warnings
 
-    pool = Pool(budget=1 << 20, policy="lru")
-    alloc = Watermark(high=0)
-    pool.budget.alloc = alloc
-    monkeypatch.setattr(pool, "cuda", True)
-    pool.budget.learn_margin()  # the first step opens
-    pool.clock.steps = 1
-    pool.compiled.kept = 1  # compiled graphs saved in it
-    with warnings.catch_warnings(record=True) as said:
-        warnings.simplefilter("always")
-        alloc.high = 3 << 20
-        pool.budget.learn_margin()  # over, while the graphs' share is planned
-        pool.compiled._plan(pool, 1 << 10, 1 << 19, {})  # a step measured within the budget: they fit
-        alloc.high = 2 << 20
-        pool.budget.learn_margin()  # over again, once they fit
-    over = [str(w.message) for w in said if "over its budget" in str(w.message)]
-    assert len(over) == 1 and "reached 2.00 MiB" in over[0], over
+    def pool_at_its_second_step():
+        pool = Pool(budget=1 << 20, policy="lru")
+        alloc = Watermark(high=0)
+        pool.budget.alloc = alloc
+        monkeypatch.setattr(pool, "cuda", True)
+        pool.budget.learn_margin()  # the first step opens
+        pool.clock.steps = 1
+        return pool, alloc
+
+    def over(pool, alloc, high, unsettled=False):
+        alloc.high = high
+        pool.compiled.unsettled = unsettled  # (what the step's compiled backward's end left)
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            pool.budget.learn_margin()  # the next step opens
+        return [str(w.message) for w in said if "over its budget" in str(w.message)]
+
+    pool, alloc = pool_at_its_second_step()
+    assert over(pool, alloc, 3 << 20, unsettled=True) == []
+    (said,) = over(pool, alloc, 2 << 20)
+    assert "reached 2.00 MiB" in said and over(pool, alloc, 4 << 20) == []  # (once)
+    pool, alloc = pool_at_its_second_step()
+    pool.compiled.warned_unfit = True
+    assert over(pool, alloc, 3 << 20) == []
 
 
 def test_a_recorded_steps_own_restores_under_pressure_do_not_raise_the_floor(monkeypatch):
