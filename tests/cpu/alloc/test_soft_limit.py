@@ -145,6 +145,7 @@ class _CudaPoolStub:
     def __init__(self, said_infeasible=()):
         self.plans = types.SimpleNamespace(said_infeasible=set(said_infeasible))
         self.clock = types.SimpleNamespace(steps=0)  # steps opened
+        self.compiled = types.SimpleNamespace(take_unsettled=lambda: False, warned_unfit=False)  # (none)
 
 
 @pytest.mark.parametrize("allocator", ["pytorch", "supermem"])

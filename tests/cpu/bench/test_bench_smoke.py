@@ -126,7 +126,9 @@ def test_bench_train_sweep_quick_cpu(tmp_path):
     assert sorted(order) == sorted(by_name) and peaks == sorted(peaks), "one table, sorted by peak"
     pareto = [line for line in stdout.splitlines() if line.startswith("pareto ")]
     assert [line.split(": ")[0].split(" ", 2)[2] for line in pareto] == pool_rows
-    assert all("predicted" in line for line in pareto if " planned " in line)
+    # (a block compiled alone compiles again at each of the quick rows' steps: no plan is made from a step
+    # in which the compiler ran)
+    assert all("predicted" in line for line in pareto if " planned " in line and "per block" not in line)
 
 
 def test_the_tools_trainer_steps_inside_the_saver_and_trains_the_same():
