@@ -120,13 +120,15 @@ def measure(spec: dict) -> dict:
             warmup_plans = {k: ctx.stats().get(k, 0) for k in ("plans", "replans")}
         if hasattr(ctx, "reset_stats"):
             ctx.reset_stats()
-    times_ms = []
+    times_ms: list[float] = []
+    host_ms: list[float] = []  # host: until step() returns, before the device's sync
     for _ in range(spec["steps"]):
-        times_ms.append(_timed(step, cuda))
+        times_ms.append(_timed(step, cuda, host_ms))
     row: dict[str, Any] = {
         "preset": preset.label,
         "step_ms": round(statistics.median(times_ms), 2),
         "step_ms_all": [round(t, 2) for t in times_ms],
+        "host_ms": round(statistics.median(host_ms), 2),
     }
     if cuda:
         alloc, reserved = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
@@ -272,16 +274,22 @@ class _Held:
             self.release()
 
 
-def _timed(step: Callable[[], object], cuda: bool) -> float:
+def _timed(step: Callable[[], object], cuda: bool, host_ms: list[float] | None = None) -> float:
+    """One step's ms (on CUDA, between events around it); its host's ms appended to host_ms."""
+    t = time.perf_counter()
     if not cuda:
-        t = time.perf_counter()
         step()
-        return (time.perf_counter() - t) * 1e3
+        host = (time.perf_counter() - t) * 1e3
+        if host_ms is not None:
+            host_ms.append(host)
+        return host
     import torch
 
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     step()
     end.record()
+    if host_ms is not None:
+        host_ms.append((time.perf_counter() - t) * 1e3)
     torch.cuda.synchronize()
     return start.elapsed_time(end)

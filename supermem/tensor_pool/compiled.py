@@ -219,6 +219,7 @@ class CompiledGraphs:
         self._said_unfit = False
         self.warned_unfit = False  # the pool warned that the graphs cannot fit (no other warning then)
         self.unsettled = False  # the last step's graphs still compiling toward the budget (take_unsettled)
+        self.settling = False  # the same, not taken: the graphs' peak is about to change (plan_run.py)
         self._entered = 0  # the pool's contexts entered, all threads: the share is on while any is
         self._share_before: float | None = None  # the config's share, to put back at the last exit
         self._random: tp.RandomGraphsAt | None = None  # the pass keeping random graphs at the user's share
@@ -338,6 +339,7 @@ class CompiledGraphs:
                 if graph_bytes:
                     self._plan(pool, graph_bytes, peak, codes)
             self.unsettled = bool(graph_bytes) and not (self._fits or self._said_unfit)
+            self.settling = self.unsettled
 
     def _note_blocks(self, calls: list[list], graph_bytes: int) -> dict[Any, int]:
         """Caller holds the lock. The bytes each graph saved in the step; a graph whose every call saved

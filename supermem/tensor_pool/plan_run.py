@@ -415,6 +415,7 @@ class PlanRunner:
             tail_s = rec.tail() if isinstance(rec, EventCounter) else None
             if tail_s is not None:
                 self.retime_tail(tail_s)
+            self.say_if_infeasible(self.running, budget_bytes)
             if s.early_plan is NO_EARLY_CALL or s.early_plan is None or s.early_plan is self.plan:
                 # (a step whose first call an older plan decided, before this one was made at the
                 # step's opening, ran this plan but for that call: not this plan's peak. The first
@@ -490,15 +491,24 @@ class PlanRunner:
         with label("plan", nvtx=pool.nvtx):
             plan: Plan = pool.policy.solve(profile, max(0, budget_bytes - self.aim.get(sig, 0)))
         self.plan = plan
-        if not plan.feasible and sig not in self.said_infeasible:
-            self.said_infeasible.add(sig)
-            warn(infeasible_message(plan, profile, budget_bytes))
         self.cached[sig] = plan
         if len(self.cached) > MAX_PLANS:  # shapes that keep changing: the oldest plan goes
             oldest = next(iter(self.cached))
             del self.cached[oldest]
             self.profiles.pop(oldest, None)
         pool.count("plans")
+        self.say_if_infeasible(plan, budget_bytes)
+
+    def say_if_infeasible(self, plan: Plan, budget_bytes: int) -> None:
+        """Once per shape, that no plan meets the budget; not while compiled graphs compile toward it
+        (their peak is about to change: GPT-24 compiled whole read 11.08 GiB beside its first graphs, 4.89
+        once their blocks were checkpointed), but at a step that runs the plan once they settled."""
+        sig = plan.signature
+        profile = self.profiles.get(sig)
+        if plan.feasible or sig in self.said_infeasible or profile is None or self._pool.compiled.settling:
+            return
+        self.said_infeasible.add(sig)
+        warn(infeasible_message(plan, profile, budget_bytes))
 
     def check_plan(self, plan: Plan, budget_bytes: int) -> None:
         """A step that ran a feasible plan and still rose over the budget (a transient that fell

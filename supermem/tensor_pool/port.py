@@ -69,6 +69,7 @@ class PoolInternals(PoolPort, Protocol):
     busy_s: float  # minus the seconds the pool spent in its own work (CPU region timing)
     device_total_bytes: int | None  # the card's memory; None on CPU
     light_graphs: Any  # LightGraphs (light_graphs.py), made at the first light call on CUDA
+    compiled: Any  # CompiledGraphs (compiled.py)
 
     def room_for(self, nbytes: int, spare: list[Any]) -> None:
         """A rebuild is about to bring `nbytes` back at once: entries backward has not used yet, but

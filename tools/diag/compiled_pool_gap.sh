@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The pool's compiled GPT-24 row (chunked loss, planned, BUDGET_BYTES: default 5.29 GiB, the eager
-# checkpoint's peak) beside native eager and compile checkpoint with PyTorch's and supermem's
-# allocators, one worker process each, in one call; prints each row's step times, peak, pool stats and
+# checkpoint's peak) beside native eager and compile checkpoint, ROUNDS times interleaved, one worker
+# process each, in one call; prints each row's step times (and the host's), peak, pool stats and
 # eager plan. Run on the GPU machine from the repository root (docs/measurements.md, "Blocks
 # checkpointed inside the graph").
 set -uo pipefail
@@ -16,18 +16,20 @@ W() {  # W LABEL SPEC: one worker process; its row under LABEL, or a line that s
 }
 W "native eager" '{"bench":"train","preset":"gpt","device":"cuda","steps":10,"warmup":10,"saved_peak":true,"allocator":"native","conf":null,"saver":"none"}'
 B='"bench":"train","preset":"gpt","device":"cuda","steps":10,"saved_peak":true,"loss":"chunked","compile":true,"memory_budget":1.0'
-W "compile checkpoint, native" "{$B,\"warmup\":10,\"allocator\":\"native\",\"conf\":null,\"saver\":\"checkpoint\",\"checkpoint_saves\":null}"
-W "compile checkpoint, supermem" "{$B,\"warmup\":10,\"allocator\":\"supermem\",\"conf\":null,\"saver\":\"checkpoint\",\"checkpoint_saves\":null}"
-W "the pool" "{$B,\"warmup\":20,\"allocator\":\"supermem\",\"conf\":null,\"saver\":\"pool\",\"policy\":\"planned\",\"budget_bytes\":$BUDGET_BYTES}"
-W "compile checkpoint, native" "{$B,\"warmup\":10,\"allocator\":\"native\",\"conf\":null,\"saver\":\"checkpoint\",\"checkpoint_saves\":null}"
+CKPT="{$B,\"warmup\":10,\"allocator\":\"native\",\"conf\":null,\"saver\":\"checkpoint\",\"checkpoint_saves\":null}"
+POOL="{$B,\"warmup\":20,\"allocator\":\"supermem\",\"conf\":null,\"saver\":\"pool\",\"policy\":\"planned\",\"budget_bytes\":$BUDGET_BYTES}"
+for i in $(seq ${ROUNDS:-2}); do  # interleaved: the pool's row moved 0.99-1.2x of the baseline's between processes
+  W "compile checkpoint, native" "$CKPT"
+  W "the pool" "$POOL"
+done
 python3 - <<'PY'
 import json, os
 for line in open(os.environ["OUT"] + "/rows.tsv"):
     label, row = line.rstrip("\n").split("\t", 1)
     r = json.loads(row)
     p = r.get("pool") or {}
-    print(label, r.get("step_ms"), r.get("step_ms_all"), round(r.get("peak_alloc_bytes", 0) / 2**30, 3),
-          {k: p.get(k) for k in ("compile_share", "compile_recompiles", "offloads", "dropped", "sync_restores", "packed", "plans", "steps", "light_calls", "replays")},
+    print(label, r.get("step_ms"), "host", r.get("host_ms"), r.get("step_ms_all"), round(r.get("peak_alloc_bytes", 0) / 2**30, 3),
+          {k: p.get(k) for k in ("compile_share", "compile_recompiles", "compiled_kept_bytes", "offloads", "dropped", "sync_restores", "packed", "plans", "steps", "light_calls", "replays")},
           {k: v for k, v in p.get("plan", {}).items() if k in ("offload", "recompute", "keep", "feasible", "predicted_peak_bytes", "predicted_step_s", "measured_step_s")} if p.get("plan") else None)
 PY
 tail -3 $OUT/worker_err.log
