@@ -60,15 +60,16 @@ joint_custom_pass; torch 2.11's side-stream version compiles once torch_private.
 has run, but raised the peak: docs/measurements.md), and per-graph shares (one share for every graph
 compiled under the pool).
 
-How the pool tells: the pack hook runs inside torch.autograd.Function.apply of AOTAutograd's
-CompiledFunction (nothing on the tensor says so). One frame walk per saved tensor: well under a
-microsecond for eager code, whose pack hooks are called from the op's own frame.
+How the pool tells: the pack hook is called from torch.autograd.Function.apply of AOTAutograd's
+CompiledFunction (nothing on the tensor says so): its caller's frame, read once per saved tensor (eager
+ops' saves are called from other frames). Such a save takes the pool's fast path, in both hooks: GPT-24
+compiled whole saves about 300 tensors a step (its weights among them), and the pool's general path
+cost about 3-5 us each (pack and unpack, development CPU).
 """
 
 from __future__ import annotations
 
 import functools
-import sys
 import threading
 import weakref
 from types import FrameType
@@ -84,9 +85,8 @@ from .entry import Kept, alive_anyway
 from .port import PoolOwner
 
 _apply: Any = torch.autograd.function.Function.apply  # (a bound classmethod; to mypy, with no __func__)
-_APPLY = _apply.__func__.__code__
+APPLY_CODE = _apply.__func__.__code__  # the frame a custom Function's pack hooks are called from
 _AOT_MODULE = tp.AOT_MODULE  # where CompiledFunction classes are made
-_OWN = __name__.split(".")[0] + "."  # the pool's own frames, between the hook and its caller
 
 MAX_RECOMPILES = 3  # per pool: each is a compile of every graph that saved in the step (seconds each)
 BLOCK_SHARE = 0.25  # of a step's compiled bytes: a graph whose calls each save no more is a block's
@@ -167,7 +167,8 @@ class GraphKept(Kept):
         self.graphs = graphs
 
     def unpack(self) -> torch.Tensor:
-        self.graphs.unpacked()
+        if not self.graphs.backward:
+            self.graphs.unpacked()
         return super().unpack()
 
 
@@ -213,7 +214,7 @@ class CompiledGraphs:
         self._code_of: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # CompiledFunction -> codes
         self._module_of: dict[Any, weakref.ref] = {}  # dynamo's code -> the module it compiled, if one
         self.checkpointed: list[weakref.ref] = []  # blocks checkpointed inside their graphs (_checkpoint)
-        self._backward = False  # the step's compiled backward began
+        self.backward = False  # the step's compiled backward began (its first unpack)
         self._backward_bytes = 0  # bytes allocated on the device then
         self._warned = False
         self._said_unfit = False
@@ -234,35 +235,39 @@ class CompiledGraphs:
 
     # ------------------------------------------------------------------ recognising
 
-    def saved_by_graph(self, t: torch.Tensor) -> bool:
-        """Whether `t` is being saved by a compiled graph; call it from the pack hook."""
-        f: FrameType | None = sys._getframe(1)
-        while f is not None and f.f_globals.get("__name__", "").startswith(_OWN):
-            f = f.f_back
-        if f is None or f.f_code is not _APPLY:
-            return False
-        cls = f.f_locals.get("cls")  # a custom autograd.Function: only AOTAutograd's are compiled graphs
-        if not getattr(cls, "__module__", "").startswith(_AOT_MODULE):
-            return False
-        nbytes = t.numel() * t.element_size()
+    def keep(self, t: torch.Tensor, caller: FrameType) -> GraphKept | None:
+        """`t` as the pool keeps it where a compiled graph saves it (left where it is), else None; from
+        the pack hook, `caller` its caller's frame, autograd.Function.apply's (the pool's fast path:
+        about 300 such saves a step on GPT-24 compiled whole)."""
+        f_locals = caller.f_locals
+        cls = f_locals.get("cls")  # a custom autograd.Function: only AOTAutograd's are compiled graphs
         codes = self._code_of.get(cls)
-        if codes is None:  # once per graph: the dynamo code that runs it (what a recompile drops), the
-            frame = tp.dynamo_frame_calling(f.f_back)  # user's code it was made of (a recompile's too),
-            code = frame.f_code if frame is not None else None  # and the module it is the forward of
+        if codes is None:
+            if not getattr(cls, "__module__", "").startswith(_AOT_MODULE):
+                return None
+            # once per graph: the dynamo code that runs it (what a recompile drops), the user's code it
+            # was made of (a recompile's too), and the module it is the forward of
+            frame = tp.dynamo_frame_calling(caller.f_back)
+            code = frame.f_code if frame is not None else None
             codes = self._code_of[cls] = (code, tp.source_code(code))
             module = _module_compiled(frame)
             if module is not None:
                 self._module_of[code] = weakref.ref(module)
         code, source = codes
         if source in self.movable:
-            return False
-        args = f.f_locals.get("args")  # the call's own tuple: a new one tells the next call
+            return None
+        self._count(t, code, f_locals.get("args"))  # (the call's own tuple: a new one tells the next call)
+        return GraphKept(t, self)
+
+    def _count(self, t: torch.Tensor, code: Any, args: Any) -> None:
+        """A compiled graph's save of `t`, in the call of `args` to `code`: counted into the step."""
+        nbytes = t.numel() * t.element_size()
         replay = tp.in_backward()  # a graph run again inside backward (a region's replay): not the step's
         with self._lock:
             self.kept += 1
             self.kept_bytes += nbytes
-            if self._backward and not replay:  # a save after the last backward began, which never ended
-                self._backward = False
+            if self.backward and not replay:  # a save after the last backward began, which never ended
+                self.backward = False
                 self._counting = False
                 self._step_bytes = 0
                 self._calls.clear()
@@ -279,7 +284,6 @@ class CompiledGraphs:
                 pool = self._pool()
                 planned = pool is not None and pool.budget_bytes is not None
                 logger.warning(PLANNED_MESSAGE if planned else MESSAGE)
-        return True
 
     # ------------------------------------------------------------------ the step's events
 
@@ -301,15 +305,16 @@ class CompiledGraphs:
         self._counting = True
 
     def unpacked(self) -> None:
-        """A compiled graph's saved tensor was unpacked: at the step's first, its compiled backward began
-        (the peak of what compiled graphs save is about now), and the step is measured at its end."""
-        if self._backward:
-            return
+        """The step's first unpack of a compiled graph's saved tensor: its compiled backward began (the
+        peak of what compiled graphs save is about now; the pool's step clock is told), and the step is
+        measured at its end."""
         pool = self._pool()
+        if pool is not None:
+            pool.backward_began()
         with self._lock:
-            if self._backward:
+            if self.backward:
                 return
-            self._backward = True
+            self.backward = True
             self._call_args = None
             if pool is None or pool.budget_bytes is None:
                 return
@@ -325,7 +330,7 @@ class CompiledGraphs:
         if pool is None:
             return
         with self._lock:
-            if not self._backward:
+            if not self.backward:
                 return
             graph_bytes, calls = self._step_bytes, self._calls
             self._step_bytes, self._calls = 0, []

@@ -19,9 +19,11 @@ tensors the pool keeps.
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 import time
 from collections.abc import Iterator
+from types import FrameType
 from typing import Any, cast
 
 import torch
@@ -32,7 +34,7 @@ from ..transfer.host import shared_host_pool
 from ..units import format_bytes
 from .budget import CANDIDATES, Budget  # noqa: F401  (CANDIDATES: read here by tests)
 from .cast import Cast, autocast_copy_of
-from .compiled import CompiledGraphs, GraphKept
+from .compiled import APPLY_CODE, CompiledGraphs, GraphKept
 from .entry import Entry, Kept, PlanKept, State, alive_anyway, check_version, dedup_key, movable
 from .labels import label, nvtx_wanted, recording
 from .ledger import Ledger
@@ -47,6 +49,8 @@ from .step import StepClock
 from .top import serve_to_top
 from .top import top_view as _top_view  # noqa: F401  (read here by tests)
 from .treatments import Offload, Recompute, Treatment, checked_treatments
+
+_OWN = __name__.split(".")[0] + "."  # the package's frames: between a pack hook and its caller
 
 
 class Pool:
@@ -188,6 +192,13 @@ class Pool:
         """The saved-tensor pack hook."""
         if self.passthrough:
             return t
+        caller: FrameType | None = sys._getframe(1)
+        while caller is not None and caller.f_globals.get("__name__", "").startswith(_OWN):
+            caller = caller.f_back  # (SUPERMEM_CONF's hook calls this one)
+        if caller is not None and caller.f_code is APPLY_CODE:  # a custom Function saves: a graph's?
+            kept = self.compiled.keep(t, caller)
+            if kept is not None:
+                return kept  # moving it would cost time and save nothing: compiled.py
         if self.nvtx or recording():  # (checked here: a range, even an empty one, costs every saved tensor)
             with label("pack", nvtx=self.nvtx):
                 return self.own_work(self.pack_saved, t)
@@ -195,8 +206,6 @@ class Pool:
 
     def pack_saved(self, t: torch.Tensor) -> Any:
         """The pack hook's work, inside own_work: what a recorded step does not count."""
-        if self.compiled.saved_by_graph(t):
-            return GraphKept(t, self.compiled)  # moving it would cost time and save nothing: compiled.py
         if self.plans.plan_ok and self.regions.top() is None:
             packed = self.plans.lean_pack(t)  # plan_run.py: a running plan's common saves, fast
             if packed is not None:
@@ -289,19 +298,26 @@ class Pool:
 
     def unpack(self, packed: Any) -> torch.Tensor:
         """The saved-tensor unpack hook."""
+        if type(packed) is GraphKept:  # (the fast path: every tensor a compiled graph saves)
+            return packed.unpack()
         if self.nvtx or recording():
             with label("unpack", nvtx=self.nvtx):
                 return self.own_work(self._unpack_saved, packed)
         return self.own_work(self._unpack_saved, packed)
 
+    def backward_began(self) -> None:
+        """Backward unpacked a tensor the pool left where it was: the step clock is told (StepClock.
+        backward_began), and region profiling ends (maybe no entry was saved at all)."""
+        self.clock.backward_began()
+        if self.regions.phase == "profiling":
+            with self.lock:
+                self.regions.end_profiling()
+
     def _unpack_saved(self, packed: Any) -> torch.Tensor:
         if type(packed) is PlanKept:
             return self.plans.unpack_kept(packed)
-        if type(packed) is Kept or type(packed) is GraphKept:
-            self.clock.backward_began()
-            if self.regions.phase == "profiling":  # backward began, and maybe no entry was saved at all
-                with self.lock:
-                    self.regions.end_profiling()
+        if type(packed) is Kept:
+            self.backward_began()
             return packed.unpack()
         if not isinstance(packed, Entry):
             return packed

@@ -131,6 +131,9 @@ class PoolOwner(PoolInternals, Protocol):
     def unpack(self, packed: Any) -> torch.Tensor:
         """The pool's unpack hook."""
 
+    def backward_began(self) -> None:
+        """Backward unpacked a tensor the pool left where it was."""
+
 
 P = TypeVar("P")
 

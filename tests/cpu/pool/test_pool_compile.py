@@ -446,6 +446,9 @@ class PyTorchAllocatorOnAGpu:
     def allocator(self):
         return None  # PyTorch's
 
+    def backward_began(self):
+        pass  # (the pool's step clock: none here)
+
     def memory_allocated(self, device=None):
         """Read when the compiled backward begins: the step's true peak is known from here. A step
         that compiled (dynamo's frame, the lazy backward) also peaks at the compiler's COMPILER bytes
