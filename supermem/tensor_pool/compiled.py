@@ -162,8 +162,9 @@ class GraphKept(Kept):
 
     __slots__ = ("graphs",)
 
-    def __init__(self, tensor: torch.Tensor, graphs: CompiledGraphs):
-        super().__init__(tensor)
+    def __init__(self, tensor: torch.Tensor, graphs: CompiledGraphs):  # (Kept's, inlined: a fast path)
+        self.tensor = tensor if tensor.grad_fn is None else tensor.detach()  # (entry._graphless)
+        self.version = tensor._version
         self.graphs = graphs
 
     def unpack(self) -> torch.Tensor:
@@ -256,11 +257,7 @@ class CompiledGraphs:
         code, source = codes
         if source in self.movable:
             return None
-        self._count(t, code, f_locals.get("args"))  # (the call's own tuple: a new one tells the next call)
-        return GraphKept(t, self)
-
-    def _count(self, t: torch.Tensor, code: Any, args: Any) -> None:
-        """A compiled graph's save of `t`, in the call of `args` to `code`: counted into the step."""
+        args = f_locals.get("args")  # (the call's own tuple: a new one tells the next call)
         nbytes = t.numel() * t.element_size()
         replay = tp.in_backward()  # a graph run again inside backward (a region's replay): not the step's
         with self._lock:
@@ -271,8 +268,8 @@ class CompiledGraphs:
                 self._counting = False
                 self._step_bytes = 0
                 self._calls.clear()
-            if not (self._counting or replay):
-                self._count_peak()  # (it asks whether the pool still plans)
+            if not (self._counting or replay or self._fits or self._said_unfit):
+                self._count_peak()
             if not alive_anyway(t) and not replay:
                 if args is not self._call_args or not self._calls:
                     self._call_args = args
@@ -284,6 +281,7 @@ class CompiledGraphs:
                 pool = self._pool()
                 planned = pool is not None and pool.budget_bytes is not None
                 logger.warning(PLANNED_MESSAGE if planned else MESSAGE)
+        return GraphKept(t, self)
 
     # ------------------------------------------------------------------ the step's events
 
