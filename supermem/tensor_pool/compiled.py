@@ -44,7 +44,10 @@ peak; with its blocks checkpointed, its backward recomputes one block at a time.
 whole with the chunked loss (an H200), every block checkpointed so (torch's checkpoint in the model,
 the bench's compile checkpoint row): 0.91-0.94x native's eager step at 4.89 GiB; share 0.2 alone:
 0.74x at 7.61 GiB (docs/measurements.md). So the share comes first: at the budgets it reaches it is the
-faster.
+faster. Once a step fits with every block checkpointed, at the user's share, where the budget has room
+for some blocks saved whole (each, on average, the peak the checkpoints took off the first step's), the
+last of them are checkpointed no more, once (their recompute saved; over the budget after all, they
+are checkpointed again).
 
 Blocks compiled one by one (a graph whose every call saves at most BLOCK_SHARE of the step's compiled
 bytes) are the other exception where the share cannot fit: such a graph saves while later blocks still
@@ -202,6 +205,8 @@ class CompiledGraphs:
         self.recompiles = 0
         self._max_recompiles = MAX_RECOMPILES  # (MAX_RECOMPILES more once blocks are checkpointed)
         self.best: tuple[int, float] | None = None  # (peak, share): the lowest peak measured, its share
+        self._first: tuple[float, int] | None = None  # (share, peak) of the first measured step
+        self._released: list[weakref.ref] | None = None  # blocks checkpointed no more (_release); once
         self.last_step_bytes = 0  # the graphs' saved bytes (activations) in the last measured step
         self.last_peak_bytes = 0  # and its peak as the pool measured it
         self._fits = False  # the last measured step was within the budget: planning is over
@@ -392,8 +397,17 @@ class CompiledGraphs:
         best, excess = self.best, peak - pool.budget_bytes
         if best is None or peak < best[0]:
             self.best = (peak, share)
+        if self._first is None:
+            self._first = (share, peak)
         self._fits = excess <= 0
         if self._fits:
+            return self._release(codes, pool, share, peak)
+        if self._released:  # the blocks released peaked over the budget: checkpointed again, for good
+            blocks = [b for ref in self._released if (b := ref()) is not None]
+            self._released = []
+            self._compile_again(codes, share, "the pool's budget: blocks checkpointed inside the graph again")
+            self._wrap(blocks)
+            self.checkpointed += [weakref.ref(b) for b in blocks]
             return
         del self.measures[:-8]
         before = self.measures[-2] if len(self.measures) > 1 else None
@@ -482,8 +496,7 @@ class CompiledGraphs:
         ]
         if not blocks:
             return False
-        for b in blocks:  # (a partial: the model still pickles and deep-copies, its state_dict unchanged)
-            b.forward = functools.partial(_checkpointed_forward, b)
+        self._wrap(blocks)
         self.checkpointed = [weakref.ref(b) for b in blocks]
         share = self._share_before if self._share_before is not None else tp.compile_memory_budget()
         self._compile_again(codes, share, "the pool's budget: blocks checkpointed inside the graph")
@@ -500,6 +513,49 @@ class CompiledGraphs:
             *(format_bytes(peak), format_bytes(pool.budget_bytes), why, len(blocks), share),
         )
         return True
+
+    def _wrap(self, blocks: list[torch.nn.Module]) -> None:
+        """Caller holds the lock. `blocks` checkpointed inside their graphs from their next compile (a
+        partial: the model still pickles and deep-copies, its state_dict unchanged)."""
+        for b in blocks:
+            b.forward = functools.partial(_checkpointed_forward, b)
+
+    def _release(self, codes: dict[Any, int], pool: Any, share: float, peak: int) -> None:
+        """Caller holds the lock. A step fits with the blocks checkpointed, at the share of the first
+        step measured: where the budget has room for some of them whole (each, on average, the peak
+        the checkpoints took off the first step's), the last of them are checkpointed no more, once,
+        and their recompute is saved (GPT-24 compiled whole: 11.31 GiB, 4.89 with its 24 blocks
+        checkpointed, about 0.27 GiB a block). Blocks from the end: the last one's checkpoint takes
+        nothing off the peak (its backward recomputes it first). Over the budget then, they are
+        checkpointed again, for good."""
+        if self._released is not None or not self.checkpointed or self._first is None:
+            return
+        self._released = []
+        first_share, first_peak = self._first
+        blocks = [b for ref in self.checkpointed if (b := ref()) is not None]
+        if share != first_share or first_peak <= peak or self.recompiles >= self._max_recompiles - 1:
+            return
+        per_block = (first_peak - peak) / len(blocks)
+        room = pool.budget_bytes - int(MARGIN * pool.budget_bytes) - peak
+        n = min(int(room // per_block), len(blocks) - 1)
+        if n < 1:
+            return
+        # (the entries dropped first: a module's attribute changed may drop them as dynamo's guards see it)
+        if not self._compile_again(
+            codes, share, "the pool's budget: fewer blocks checkpointed inside the graph"
+        ):
+            return
+        released = blocks[-n:]
+        for b in released:
+            del b.forward  # (the partial, from the instance: its class's forward again)
+        self._released = [weakref.ref(b) for b in released]
+        self.checkpointed = [weakref.ref(b) for b in blocks[:-n]]
+        self._fits = False  # (the next step is measured)
+        logger.info(
+            "supermem: compiled graphs with %d checkpointed block(s) peaked at %s under a budget of %s: "
+            "the last %d are checkpointed no more, and the graphs compile again",
+            *(len(blocks), format_bytes(peak), format_bytes(pool.budget_bytes), n),
+        )
 
     # ------------------------------------------------------------------ the share, while the pool is entered
 

@@ -555,6 +555,50 @@ def test_a_chain_the_share_cannot_fit_has_its_blocks_checkpointed_inside_the_gra
     assert not compiled_module.CHECKPOINTING  # (on inside the pool only)
 
 
+def test_a_budget_with_room_for_some_blocks_whole_checkpoints_only_the_others(monkeypatch):
+    """The chain of four blocks at a budget with room, once they are checkpointed, for two of them
+    saved whole (each, on average, a quarter of what the checkpoints took off the first step's peak):
+    the last two are checkpointed no more (one recompile: their recompute saved), and the step still
+    fits, trained bitwise as compiled without the pool."""
+    ref, _ = plan_train("aot_eager", steps=10)
+    gpu = AChainOfBlocksOnAGpu(monkeypatch, 180 * 1024)
+    pool = Pool(budget=gpu.budget_bytes, policy="lru", host_limit="256MiB")
+    pool.compiled = gpu.graphs
+    got, compiles = plan_train("aot_eager", pool, steps=10, gpu=gpu)
+    assert same(ref, got)
+    graphs = pool.compiled
+    all_checkpointed = min(gpu.true_peaks)
+    assert len(graphs.checkpointed) == 2 and len(graphs._released) == 2, gpu.true_peaks
+    assert all_checkpointed < gpu.true_peaks[-1] <= gpu.budget_bytes, gpu.true_peaks
+    assert graphs.recompiles == 3 == sum(compiles[1:]) and compiles[-3:] == [0, 0, 0], compiles
+
+
+class ReleasedBlocksPeakHigher(AChainOfBlocksOnAGpu):
+    """The chain of blocks, whose blocks, once checkpointed no more, raise the peak by more than the
+    pool's estimate (a block's average share of what the checkpoints took off)."""
+
+    def memory_allocated(self, device=None):
+        out = super().memory_allocated(device)
+        if self.graphs._released:
+            self.true_peaks[-1] += 64 * 1024
+        return out + (64 * 1024 if self.graphs._released else 0)
+
+
+def test_blocks_checkpointed_no_more_that_peak_over_the_budget_are_checkpointed_again(monkeypatch):
+    """Where the blocks released peak over the budget after all, they are checkpointed again, for good
+    (one more recompile), and the step fits as it did, trained bitwise as compiled without the pool."""
+    ref, _ = plan_train("aot_eager", steps=12)
+    gpu = ReleasedBlocksPeakHigher(monkeypatch, 180 * 1024)
+    pool = Pool(budget=gpu.budget_bytes, policy="lru", host_limit="256MiB")
+    pool.compiled = gpu.graphs
+    got, compiles = plan_train("aot_eager", pool, steps=12, gpu=gpu)
+    assert same(ref, got)
+    graphs = pool.compiled
+    assert len(graphs.checkpointed) == 4 and graphs._released == [], gpu.true_peaks
+    assert max(gpu.true_peaks[-3:]) <= gpu.budget_bytes < max(gpu.true_peaks[-7:]), gpu.true_peaks
+    assert graphs.recompiles == 4 == sum(compiles[1:]) and compiles[-3:] == [0, 0, 0], compiles
+
+
 @pytest.mark.parametrize(("dropout", "how"), [(0.0, "module"), (0.1, "module"), (0.0, "function")])
 def test_a_decoder_compiled_whole_has_its_blocks_checkpointed_where_the_share_cannot_fit(dropout, how):
     """GPT of six blocks compiled whole, at a budget under what the loss alone holds (256 KiB of logits,
