@@ -534,17 +534,23 @@ class AChainOfBlocksOnAGpu(AChainOnAGpu):
         return self.STATIC + saved
 
 
+def train_bitwise_on(gpu, steps):
+    """plan_train's chain under a pool whose compiled graphs see `gpu` (a modelled GPU allocator, with
+    the pool's budget), checked bitwise against the chain compiled without the pool: (gpu, the pool's
+    compiled graphs, compiles per step)."""
+    ref, _ = plan_train("aot_eager", steps=steps)
+    pool = Pool(budget=gpu.budget_bytes, policy="lru", host_limit="256MiB")
+    pool.compiled = gpu.graphs
+    got, compiles = plan_train("aot_eager", pool, steps=steps, gpu=gpu)
+    assert same(ref, got)
+    return gpu, pool.compiled, compiles
+
+
 def test_a_chain_the_share_cannot_fit_has_its_blocks_checkpointed_inside_the_graph(monkeypatch):
     """The chain of four blocks at a budget no share reaches: the pool goes back to the best share,
     checkpoints the blocks inside the graph, and the step fits, trained bitwise as compiled without the
     pool; no warning."""
-    ref, _ = plan_train("aot_eager", steps=8)
-    gpu = AChainOfBlocksOnAGpu(monkeypatch, 140 * 1024)
-    pool = Pool(budget=gpu.budget_bytes, policy="lru", host_limit="256MiB")
-    pool.compiled = gpu.graphs
-    got, compiles = plan_train("aot_eager", pool, steps=8, gpu=gpu)
-    assert same(ref, got)
-    graphs = pool.compiled
+    gpu, graphs, compiles = train_bitwise_on(AChainOfBlocksOnAGpu(monkeypatch, 140 * 1024), steps=8)
     assert len(graphs.checkpointed) == 4 and graphs.share == 1.0, graphs.measures
     assert gpu.true_peaks[-1] <= gpu.budget_bytes < gpu.true_peaks[0], gpu.true_peaks
     # a lower share, then back to the best one with the blocks checkpointed: one compile for both
@@ -560,13 +566,7 @@ def test_a_budget_with_room_for_some_blocks_whole_checkpoints_only_the_others(mo
     saved whole (each, on average, a quarter of what the checkpoints took off the first step's peak):
     the last two are checkpointed no more (one recompile: their recompute saved), and the step still
     fits, trained bitwise as compiled without the pool."""
-    ref, _ = plan_train("aot_eager", steps=10)
-    gpu = AChainOfBlocksOnAGpu(monkeypatch, 180 * 1024)
-    pool = Pool(budget=gpu.budget_bytes, policy="lru", host_limit="256MiB")
-    pool.compiled = gpu.graphs
-    got, compiles = plan_train("aot_eager", pool, steps=10, gpu=gpu)
-    assert same(ref, got)
-    graphs = pool.compiled
+    gpu, graphs, compiles = train_bitwise_on(AChainOfBlocksOnAGpu(monkeypatch, 180 * 1024), steps=10)
     all_checkpointed = min(gpu.true_peaks)
     assert len(graphs.checkpointed) == 2 and len(graphs._released) == 2, gpu.true_peaks
     assert all_checkpointed < gpu.true_peaks[-1] <= gpu.budget_bytes, gpu.true_peaks
@@ -587,13 +587,7 @@ class ReleasedBlocksPeakHigher(AChainOfBlocksOnAGpu):
 def test_blocks_checkpointed_no_more_that_peak_over_the_budget_are_checkpointed_again(monkeypatch):
     """Where the blocks released peak over the budget after all, they are checkpointed again, for good
     (one more recompile), and the step fits as it did, trained bitwise as compiled without the pool."""
-    ref, _ = plan_train("aot_eager", steps=12)
-    gpu = ReleasedBlocksPeakHigher(monkeypatch, 180 * 1024)
-    pool = Pool(budget=gpu.budget_bytes, policy="lru", host_limit="256MiB")
-    pool.compiled = gpu.graphs
-    got, compiles = plan_train("aot_eager", pool, steps=12, gpu=gpu)
-    assert same(ref, got)
-    graphs = pool.compiled
+    gpu, graphs, compiles = train_bitwise_on(ReleasedBlocksPeakHigher(monkeypatch, 180 * 1024), steps=12)
     assert len(graphs.checkpointed) == 4 and graphs._released == [], gpu.true_peaks
     assert max(gpu.true_peaks[-3:]) <= gpu.budget_bytes < max(gpu.true_peaks[-7:]), gpu.true_peaks
     assert graphs.recompiles == 4 == sum(compiles[1:]) and compiles[-3:] == [0, 0, 0], compiles
