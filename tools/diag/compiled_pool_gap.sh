@@ -2,12 +2,12 @@
 # The pool's compiled GPT-24 row (chunked loss, planned, BUDGET_BYTES: default 5.29 GiB, the eager
 # checkpoint's peak) beside native eager and compile checkpoint, ROUNDS times interleaved, one worker
 # process each, in one call; prints each row's step times (and the host's), peak, pool stats and
-# eager plan. Run on the GPU machine from the repository root (docs/measurements.md, "Blocks
+# eager plan (NO_INSTALL=1: the package is installed already). Run on the GPU machine from the repository root (docs/measurements.md, "Blocks
 # checkpointed inside the graph").
 set -uo pipefail
 export OUT=${OUT:-$(mktemp -d)}
 BUDGET_BYTES=${BUDGET_BYTES:-5680000000}
-python3 -m pip install -q --no-build-isolation --no-deps -e . > $OUT/install.log 2>&1 || { tail -5 $OUT/install.log; exit 1; }
+[[ -n ${NO_INSTALL:-} ]] || python3 -m pip install -q --no-build-isolation --no-deps -e . > $OUT/install.log 2>&1 || { tail -5 $OUT/install.log; exit 1; }
 nvidia-smi --query-gpu=name --format=csv,noheader > $OUT/card.txt
 W() {  # W LABEL SPEC: one worker process; its row under LABEL, or a line that says it gave none
   local row
@@ -22,6 +22,7 @@ for i in $(seq ${ROUNDS:-2}); do  # interleaved: the pool's row moved 0.99-1.2x 
   W "compile checkpoint, native" "$CKPT"
   W "the pool" "$POOL"
 done
+W "compile checkpoint, native" "$CKPT"  # each pool row between two of the baseline's
 python3 - <<'PY'
 import json, os
 for line in open(os.environ["OUT"] + "/rows.tsv"):
