@@ -440,7 +440,10 @@ class PyTorchAllocatorOnAGpu:
         self.resets = 0
         self.true_peaks = []  # each step's
         self.counter, self.compiles = None, 0  # plan_train's compile counter: its frames compiled
+        self.emptied = []  # the steps (true_peaks' lengths) at which the cache was given back
         for name in ("memory_allocated", "max_memory_allocated", "reset_peak_memory_stats"):
+            monkeypatch.setattr(torch.cuda, name, getattr(self, name))
+        for name in ("memory_reserved", "empty_cache"):
             monkeypatch.setattr(torch.cuda, name, getattr(self, name))
 
     def allocator(self):
@@ -464,6 +467,13 @@ class PyTorchAllocatorOnAGpu:
 
     def reset_peak_memory_stats(self, device=None):
         self.resets += 1
+
+    def memory_reserved(self, device=None):
+        """The cache keeps the highest peak since it was last emptied."""
+        return max(self.true_peaks[self.emptied[-1] if self.emptied else 0 :], default=self.STATIC)
+
+    def empty_cache(self):
+        self.emptied.append(len(self.true_peaks))
 
 
 def test_with_pytorchs_allocator_the_peak_counts_the_compiled_backward(monkeypatch):
@@ -559,6 +569,9 @@ def test_a_chain_the_share_cannot_fit_has_its_blocks_checkpointed_inside_the_gra
         compiles,
     )
     assert not compiled_module.CHECKPOINTING  # (on inside the pool only)
+    # the memory cached at the peaks over the budget given back once, as the first step fits
+    first_fit = next(i for i, p in enumerate(gpu.true_peaks) if p <= gpu.budget_bytes)
+    assert gpu.emptied == [first_fit + 1], (gpu.emptied, gpu.true_peaks)
 
 
 def test_a_budget_with_room_for_some_blocks_whole_checkpoints_only_the_others(monkeypatch):
