@@ -397,7 +397,7 @@ class CompiledGraphs:
         most = pool.budget_bytes * 1.03
         alloc = pool.budget.allocator()
         if alloc is not None:
-            reserved = alloc.stats().reserved_bytes
+            reserved = alloc.stats()["reserved_bytes"]
         else:
             reserved = torch.cuda.memory_reserved(pool.device)
         if reserved <= most:

@@ -19,6 +19,7 @@ import torch
 import torch.nn as nn
 
 from supermem import torch_private as tp
+from supermem.allocator import CachingAllocator, SimulatedDevice
 from supermem.bench.models import GPT, PRESETS, loss_fn
 from supermem.policies import live_names
 from supermem.tensor_pool import Pool
@@ -584,6 +585,31 @@ def test_a_budget_with_room_for_some_blocks_whole_checkpoints_only_the_others(mo
     assert len(graphs.checkpointed) == 2 and len(graphs._released) == 2, gpu.true_peaks
     assert all_checkpointed < gpu.true_peaks[-1] <= gpu.budget_bytes, gpu.true_peaks
     assert graphs.recompiles == 3 == sum(compiles[1:]) and compiles[-3:] == [0, 0, 0], compiles
+
+
+MiB = 1 << 20
+
+
+def test_the_cache_given_back_is_supermems_where_it_serves_the_device():
+    """With supermem's allocator serving the device, the cache the pool gives back once the graphs fit is
+    that allocator's: its free segments go back to the device where it holds more than the budget."""
+
+    class OnAGpu:  # (the pool's parts _give_back reads)
+        cuda, budget_bytes = True, 24 * MiB
+        budget = types.SimpleNamespace(allocator=lambda: alloc)
+
+    alloc = CachingAllocator(SimulatedDevice(256 * MiB))
+    pool = OnAGpu()
+    graphs = CompiledGraphs(pool)
+    live = alloc.malloc(8 * MiB)
+    alloc.free(alloc.malloc(30 * MiB))  # the search's peak, cached: 50 MiB reserved
+    graphs._give_back(pool)
+    assert alloc.stats()["reserved_bytes"] < pool.budget_bytes
+    alloc.free(alloc.malloc(MiB))  # a small block's 2 MiB segment, cached
+    reserved = alloc.stats()["reserved_bytes"]
+    graphs._give_back(pool)  # within the budget: the cache is left alone
+    assert alloc.stats()["reserved_bytes"] == reserved == 22 * MiB
+    alloc.free(live)
 
 
 class ReleasedBlocksPeakHigher(AChainOfBlocksOnAGpu):
