@@ -2,7 +2,7 @@
 # The pool's compiled GPT-24 row (chunked loss, planned, BUDGET_BYTES: default 5.29 GiB, the eager
 # checkpoint's peak) beside native eager and compile checkpoint, ROUNDS times interleaved, one worker
 # process each, in one call; prints each row's step times (and the host's), peak, pool stats and
-# eager plan (NO_INSTALL=1: the package is installed already). Run on the GPU machine from the repository root (docs/measurements.md, "Blocks
+# eager plan (NO_INSTALL=1: the package is installed already; NATIVE=0: no native row). Run on the GPU machine from the repository root (docs/measurements.md, "Blocks
 # checkpointed inside the graph").
 set -uo pipefail
 export OUT=${OUT:-$(mktemp -d)}
@@ -14,7 +14,7 @@ W() {  # W LABEL SPEC: one worker process; its row under LABEL, or a line that s
   row=$(timeout 400 python3 -m supermem.bench.worker "$2" 2>>$OUT/worker_err.log | grep '^@@ROW' | tail -1)
   if [[ -n $row ]]; then printf '%s\t%s\n' "$1" "${row#@@ROW }" >> $OUT/rows.tsv; else echo "$1: no row"; fi
 }
-W "native eager" '{"bench":"train","preset":"gpt","device":"cuda","steps":10,"warmup":10,"saved_peak":true,"allocator":"native","conf":null,"saver":"none"}'
+[[ ${NATIVE:-1} == 0 ]] || W "native eager" '{"bench":"train","preset":"gpt","device":"cuda","steps":10,"warmup":10,"saved_peak":true,"allocator":"native","conf":null,"saver":"none"}'
 B='"bench":"train","preset":"gpt","device":"cuda","steps":10,"saved_peak":true,"loss":"chunked","compile":true,"memory_budget":1.0'
 CKPT="{$B,\"warmup\":10,\"allocator\":\"native\",\"conf\":null,\"saver\":\"checkpoint\",\"checkpoint_saves\":null}"
 POOL="{$B,\"warmup\":20,\"allocator\":\"supermem\",\"conf\":null,\"saver\":\"pool\",\"policy\":\"planned\",\"budget_bytes\":$BUDGET_BYTES}"
