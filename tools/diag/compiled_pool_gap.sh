@@ -2,8 +2,8 @@
 # The pool's compiled GPT-24 row (chunked loss, planned, BUDGET_BYTES: default 5.29 GiB, the eager
 # checkpoint's peak) beside native eager and compile checkpoint, ROUNDS times interleaved, one worker
 # process each, in one call; prints each row's step times (and the host's), peak, pool stats and
-# eager plan (NO_INSTALL=1: the package is installed already; NATIVE=0: no native row). Run on the GPU machine from the repository root (docs/measurements.md, "Blocks
-# checkpointed inside the graph").
+# eager plan. NO_INSTALL=1: the package is installed already; NATIVE=0: no native row. Run on the GPU
+# machine from the repository root (docs/measurements.md, "Blocks checkpointed inside the graph").
 set -uo pipefail
 export OUT=${OUT:-$(mktemp -d)}
 BUDGET_BYTES=${BUDGET_BYTES:-5680000000}
