@@ -157,6 +157,7 @@ class Pool:
             stack[-1].wake(self)  # stay on in the context around
         self.budget.watch(-1)
         self.compiled.exited()
+        self.clock.collector.resume()
 
     def start(self) -> None:
         """What entering does first; the SUPERMEM_CONF pool, whose hooks serve every thread, is never
@@ -547,6 +548,7 @@ class Pool:
         there make a new pool). Between steps, with no backward of its pending; the pool is not to be
         entered again."""
         self.regions.close()
+        self.clock.collector.resume()
         self.closed = True
 
     def reset_stats(self) -> None:
