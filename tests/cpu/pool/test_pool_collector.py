@@ -2,6 +2,9 @@
 CollectorPause): from the step's first save to its backward's end, and never longer than a step."""
 
 import gc
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -67,3 +70,25 @@ def test_a_program_that_turned_it_off_keeps_it_off():
         forward(x).backward()
         assert not gc.isenabled()
     assert not gc.isenabled()
+
+
+PROCESS_WIDE = """
+import gc, torch
+x = torch.randn(64, 64, requires_grad=True)
+for i in range(3):
+    loss = (x * 2).tanh().sin().sum()
+    during = gc.isenabled()
+    loss.backward()
+    print(during, gc.isenabled())
+"""
+
+
+def test_the_process_wide_pool_turns_it_on_at_each_backwards_end():
+    """SUPERMEM_CONF=pool:...: no context to exit, so the backward's end alone turns it on again."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SUPERMEM")}
+    env["SUPERMEM_CONF"] = "pool:lru,budget:0"
+    r = subprocess.run(
+        [sys.executable, "-c", PROCESS_WIDE], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["False", "True"] * 3, r.stdout + r.stderr
