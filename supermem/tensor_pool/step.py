@@ -84,11 +84,11 @@ class CollectorPause:
     """Python's garbage collector off while a step's saved tensors are the pool's: from the step's
     opening (its first save) to its backward's end (autograd's queue_callback, queued at its first
     unpack) or the pool's exit, as torchtitan keeps it off for a whole run. The pool keeps a few Python
-    objects per saved tensor; alive through the forward, they were promoted by the step's young
-    collections (5.5 a step: GPT-24 at toy width, planned at 30% of its saved bytes), and the promoted
-    objects set off a full collection of every object the process holds about every 30 steps (145 ms
-    on the development CPU). Off, they die by reference count in the backward unseen, and the
-    collector runs between steps. Only where it is on: a program that turned it off keeps it off. A
+    objects per saved tensor; alive through the forward, they would be promoted by the step's young
+    collections (5.5 a step: GPT-24 at toy width, planned at 30% of its saved bytes), and promoted
+    objects set off a full collection of every object the process holds every 30-40 steps (145 ms on
+    the development CPU). Off, they die by reference count in the backward unseen, and the collector
+    runs between steps. Only where it is on: a program that turned it off keeps it off. A
     step that opens before the last one's backward ended (a forward without backward) leaves it on,
     so it is never off for more than a step."""
 
