@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The pool's compiled GPT-24 row (chunked loss, planned, BUDGET_BYTES: default 5.29 GiB, the eager
 # checkpoint's peak) beside native eager and compile checkpoint, ROUNDS times interleaved, one worker
-# process each, in one call; prints each row's step times (and the host's), peak, pool stats and
-# eager plan. NO_INSTALL=1: the package is installed already; NATIVE=0: no native row. Run on the GPU
-# machine from the repository root (docs/measurements.md, "Blocks checkpointed inside the graph").
+# process each, in one call; prints each row's step times (and the host's), peak allocated, the timed
+# steps' reserved, pool stats and eager plan (or the row's error). NO_INSTALL=1: the package is
+# installed already; NATIVE=0: no native row. Run on the GPU machine from the repository root
+# (docs/measurements.md, "Blocks checkpointed inside the graph").
 set -uo pipefail
 export OUT=${OUT:-$(mktemp -d)}
 BUDGET_BYTES=${BUDGET_BYTES:-5680000000}
@@ -30,6 +31,7 @@ for line in open(os.environ["OUT"] + "/rows.tsv"):
     r = json.loads(row)
     p = r.get("pool") or {}
     print(label, r.get("step_ms"), "host", r.get("host_ms"), r.get("step_ms_all"), round(r.get("peak_alloc_bytes", 0) / 2**30, 3),
+          "reserved", round(r.get("peak_reserved_bytes", 0) / 2**30, 3), r.get("error"),
           {k: p.get(k) for k in ("compile_share", "compile_recompiles", "compiled_kept_bytes", "offloads", "dropped", "sync_restores", "packed", "plans", "steps", "light_calls", "replays")},
           {k: v for k, v in p.get("plan", {}).items() if k in ("offload", "recompute", "keep", "feasible", "predicted_peak_bytes", "predicted_step_s", "measured_step_s")} if p.get("plan") else None)
 PY
