@@ -30,6 +30,7 @@ from .port import PoolOwner, owner
 
 PREFETCH_SCAN = 64  # entries looked at, going back from the one just used, for prefetch
 CANDIDATES = 32  # least recently used entries priced per decision (the stalest score best anyway)
+OVER = 1.03  # times the budget: the device above it is over (the warning; compiled.py's cache given back)
 
 
 class Budget:
@@ -180,7 +181,7 @@ class Budget:
             self._say_if_over(pool, alloc)
 
     def _say_if_over(self, pool: Any, alloc: Any) -> None:
-        """Once per pool: the device went over the budget (x1.03) under the pool where the planner had
+        """Once per pool: the device went over the budget (x1.03: OVER) under the pool where the planner had
         not said that no plan fits, nor that compiled graphs cannot (their own warnings name why), and
         the step's compiled graphs were not still compiling toward it (GPT-24 compiled whole: 11.31 GiB
         over a 5.29 GiB budget in the steps before its blocks were checkpointed; the one warning was
@@ -197,7 +198,7 @@ class Budget:
             if peak <= self.high_before:
                 return
         said = pool.plans.said_infeasible or pool.compiled.warned_unfit
-        if peak <= pool.budget_bytes * 1.03 or said or compiling:
+        if peak <= pool.budget_bytes * OVER or said or compiling:
             return
         self.said_over = True
         why = (

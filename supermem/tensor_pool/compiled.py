@@ -86,6 +86,7 @@ from torch.utils.checkpoint import checkpoint
 from .. import torch_private as tp
 from ..log import logger, warn
 from ..units import format_bytes
+from .budget import OVER
 from .entry import Kept, alive_anyway
 from .port import PoolOwner
 
@@ -394,18 +395,14 @@ class CompiledGraphs:
         back to the device, so that the process holds no more than the budget once the graphs settle."""
         if not pool.cuda:
             return
-        most = pool.budget_bytes * 1.03
         alloc = pool.budget.allocator()
         if alloc is not None:
-            reserved = alloc.stats()["reserved_bytes"]
+            reserved, empty_cache = alloc.stats()["reserved_bytes"], alloc.empty_cache
         else:
-            reserved = torch.cuda.memory_reserved(pool.device)
-        if reserved <= most:
+            reserved, empty_cache = torch.cuda.memory_reserved(pool.device), torch.cuda.empty_cache
+        if reserved <= pool.budget_bytes * OVER:
             return
-        if alloc is not None:
-            alloc.empty_cache()
-        else:
-            torch.cuda.empty_cache()
+        empty_cache()
         logger.info(
             "supermem: compiled graphs settled under the budget of %s, %s reserved: the cache given back",
             format_bytes(pool.budget_bytes),
