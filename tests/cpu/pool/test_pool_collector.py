@@ -83,10 +83,11 @@ for i in range(3):
 """
 
 
-def test_the_process_wide_pool_turns_it_on_at_each_backwards_end():
-    """SUPERMEM_CONF=pool:...: no context to exit, so the backward's end alone turns it on again."""
+def test_the_process_wide_pool_turns_it_on_at_each_backwards_end(request):
+    """SUPERMEM_CONF=pool:...: no context to exit, so the backward's end alone turns it on again (the
+    process-wide pool under the policy the test runs under)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("SUPERMEM")}
-    env["SUPERMEM_CONF"] = "pool:lru,budget:0"
+    env["SUPERMEM_CONF"] = f"pool:{request.getfixturevalue('policy')},budget:0"
     r = subprocess.run(
         [sys.executable, "-c", PROCESS_WIDE], env=env, capture_output=True, text=True, timeout=300
     )
