@@ -43,6 +43,12 @@ from typing import Any
 from .attribution import Observations
 from .phases import BACKWARD, FORWARD, NONE, OPTIMIZER, PHASES, STEP_MARK
 
+# The forward's module calls (Context.calls: what `report --budget` plans recomputes from) are recorded
+# in a recording's first 3 steps and every CALLS_EVERY-th after (steps 10, 18, ...): they are half of
+# what a recording costs a module call (+0.5 of +1.15 us, one tensor in and out, on the development
+# CPU), and step_profile.py plans from the last step that has them.
+CALLS_EVERY = 8
+
 
 def tensors_in(x: Any, depth: int = 3):
     """Tensors in a call's arguments or outputs: nested tuples, lists and dicts (HF's ModelOutput)."""
@@ -86,9 +92,10 @@ class Context:
         self.hooked_backwards = 0  # backwards over while the hook was on: what checked the rule
         self.hook_off_ns: int | None = None  # when the hook came off, or the start if never on (None: on)
         self.log: collections.deque[tuple[int, int, int]] = collections.deque(maxlen=capacity)
-        # each module call begun in a forward: (start_ns, end_ns, path id, its first positional tensor
-        # argument's data_ptr or 0, the type name of an argument that is state, not a value, or "", the
-        # data_ptrs of the tensors it returned: itself, or those of a tuple or list of them)
+        # each module call begun in a forward that records them (CALLS_EVERY): (start_ns, end_ns, path
+        # id, its first positional tensor argument's data_ptr or 0, the type name of an argument that is
+        # state, not a value, or "", the data_ptrs of the tensors it returned: itself, or those of a
+        # tuple or list of them)
         self.calls: collections.deque[tuple[int, int, int, int, str, tuple[int, ...]]] = collections.deque(
             maxlen=capacity
         )
@@ -100,6 +107,7 @@ class Context:
         self._local = threading.local()
         self.phase = NONE
         self.steps = 0
+        self.record_calls = True  # this step's forward records its module calls (CALLS_EVERY)
         self._hooks: list[Any] = []
         self._unwrap: Any = None  # takes the module call wrapper off (torch_private.patch_module_call)
         self._hook_thread: int | None = None  # the thread whose hook stack holds the pack hook
@@ -212,6 +220,8 @@ class Context:
 
         compiling = torch.compiler.is_compiling
         tensor = torch.Tensor
+        # PyTorch's own __call__ is two lines, run here in its place: a frame less a call
+        direct = orig is torch.nn.Module._wrapped_call_impl
         local, paths, clock = self._local, self._module_path, time.monotonic_ns
         log, calls = self.log.append, self.calls.append
 
@@ -230,12 +240,17 @@ class Context:
                 if self.phase != FORWARD:
                     self._set_phase(FORWARD, start)
                 self._inputs(args, start)  # the batch (a keyword argument's: below)
-            forward = self.phase == FORWARD
+            forward = self.phase == FORWARD and self.record_calls
             s.append(pid)
             log((start, pid, self.phase))
             out: Any = None
             try:
-                out = orig(module, *args, **kwargs)
+                if not direct:
+                    out = orig(module, *args, **kwargs)
+                elif module._compiled_call_impl is None:
+                    out = module._call_impl(*args, **kwargs)
+                else:
+                    out = module._compiled_call_impl(*args, **kwargs)
                 return out
             finally:
                 s.pop()
@@ -307,6 +322,7 @@ class Context:
 
     def _optimizer_ends(self, *_: Any) -> None:
         self.steps += 1
+        self.record_calls = self.steps < 3 or self.steps % CALLS_EVERY == 2
         self._set_phase(NONE, time.monotonic_ns(), STEP_MARK)
 
     # ---------------------------------------------------------------- reading

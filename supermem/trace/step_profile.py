@@ -1,6 +1,6 @@
-"""A trace's last whole step as the planner's profile (tensor_pool/profile.py's Profile), so that
-`report --budget` (whatif.py) plans with the solver and the simulator the live pool runs
-(tensor_pool/planner/'s make_plan):
+"""A trace's last whole step (of those with module calls: last_step) as the planner's profile
+(tensor_pool/profile.py's Profile), so that `report --budget` (whatif.py) plans with the solver and the
+simulator the live pool runs (tensor_pool/planner/'s make_plan):
 
 - each activation block of the step is a saved tensor, saved at its alloc and used at its free (its last
   use in backward: the trace holds no unpack times);
@@ -75,21 +75,37 @@ class StepProfile:
 
 
 def last_step(trace: Trace) -> tuple[int, int] | None:
-    """(start, end) times of the last step that ran whole: from the forward after the next-to-last
-    step's end (or the trace's first forward) to the last step's end."""
-    starts = _step_starts(trace)
-    return starts[-1] if starts else None
+    """(start, end) times of the last step that ran whole and, where the trace records module calls,
+    recorded them (context.py records them on some steps only): from the forward after the step before
+    it ended (or the trace's first forward) to its end."""
+    k = _last(trace)
+    return None if k is None else _step_starts(trace)[k]
 
 
 def step_period_s(trace: Trace) -> float | None:
-    """Seconds from the forward of the step before the last to the last one's: a step as the training
-    loop takes it (zero_grad, and on a GPU the wait for its kernels where the host ran ahead of them:
-    the trace's times are the host's). None unless that step is neither the trace's first (first-time
-    costs: the optimizer's state made) nor missing."""
-    starts = _step_starts(trace)
-    if len(starts) < 3:
+    """Seconds from the forward of the step before last_step's to its own: a step as the training loop
+    takes it (zero_grad, and on a GPU the wait for its kernels where the host ran ahead of them: the
+    trace's times are the host's). None unless the step before it is neither the trace's first
+    (first-time costs: the optimizer's state made) nor missing."""
+    k = _last(trace)
+    if k is None or k < 2:
         return None
-    return (starts[-1][0] - starts[-2][0]) / 1e9
+    starts = _step_starts(trace)
+    return (starts[k][0] - starts[k - 1][0]) / 1e9
+
+
+def _last(trace: Trace) -> int | None:
+    """The index in _step_starts of last_step's step."""
+    starts = _step_starts(trace)
+    if not starts:
+        return None
+    if CALL_ACTION in trace.actions:
+        t = np.sort(trace.cols["time_ns"][trace.cols["action"] == trace.actions.index(CALL_ACTION)])
+        w = np.array(starts, np.int64)
+        with_calls = np.flatnonzero(np.searchsorted(t, w[:, 1]) > np.searchsorted(t, w[:, 0]))
+        if len(with_calls):
+            return int(with_calls[-1])
+    return len(starts) - 1
 
 
 def _step_starts(trace: Trace) -> list[tuple[int, int]]:

@@ -97,3 +97,24 @@ def test_a_recording_leaves_no_global_module_hook():
     finally:
         c.stop()
     assert torch.nn.Module.__call__ is torch.nn.Module._wrapped_call_impl
+
+
+def test_a_recorded_call_runs_what_module_call_runs_a_compiled_modules_graph_and_hooks_included():
+    """A recording runs PyTorch's Module.__call__ in place (one frame less a call): a module given a
+    compiled call (Module.compile sets _compiled_call_impl) runs that, another its hooks and forward;
+    both are recorded."""
+    from supermem.trace.attribution import Observations
+    from supermem.trace.context import Context
+
+    compiled, plain = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    compiled._compiled_call_impl = lambda *a, **k: ("compiled", a, k)
+    seen = []
+    plain.register_forward_hook(lambda m, args, out: seen.append(out.shape))
+    x = torch.ones(1, 2)
+    c = Context(Observations()).start()
+    try:
+        assert compiled(x, k=1) == ("compiled", (x,), {"k": 1})
+        assert plain(x).shape == (1, 2) and seen == [(1, 2)]
+    finally:
+        c.stop()
+    assert c.paths == ["Linear"] and [row[1] for row in c.log][-4:] == [0, -1, 0, -1] and len(c.calls) == 2

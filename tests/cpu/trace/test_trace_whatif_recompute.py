@@ -17,10 +17,11 @@ from supermem.tensor_pool import Pool
 from supermem.tensor_pool.planner import make_plan
 from supermem.tensor_pool.treatments import Recompute
 from supermem.trace import format as fmt
+from supermem.trace.context import CALLS_EVERY
 from supermem.trace.cpu_source import ProfiledCPU
 from supermem.trace.loader import load
 from supermem.trace.phases import CALL_ACTION, OUTPUT_ACTION, RETURN_ACTION
-from supermem.trace.step_profile import last_step, module_calls, step_profile
+from supermem.trace.step_profile import _step_starts, last_step, module_calls, step_period_s, step_profile
 from supermem.trace.whatif import summary, what_if
 
 D, ROWS, BLOCKS = 64, 2048, 6
@@ -78,6 +79,24 @@ def test_a_recording_holds_each_forward_call_with_its_input_and_outputs(trace, t
         if k:  # each block reads what the one before it returned
             assert b.input_ptr == blocks[k - 1].output_ptrs[0]
     assert seq.output_ptrs == blocks[-1].output_ptrs
+
+
+def test_module_calls_are_recorded_on_sampled_steps_and_the_profile_takes_the_last_of_them():
+    """A recording keeps the forward's module calls on its first 3 steps and every CALLS_EVERY-th after
+    (steps 10, 18, ...): of 12 steps, 0-2 and 10. The profile is step 10's, its units the blocks; its
+    period is from step 9's forward to step 10's."""
+    assert CALLS_EVERY == 8
+    trace = train_traced(_build, "cpu", [ProfiledCPU()], steps=12, optimizer=_sgd)[0]
+    windows = _step_starts(trace)
+    assert len(windows) == 12
+    with_calls = [k for k, w in enumerate(windows) if module_calls(trace, *w)]
+    assert with_calls == [0, 1, 2, 10]
+    assert last_step(trace) == windows[10]
+    assert step_period_s(trace) == (windows[10][0] - windows[9][0]) / 1e9
+    made = step_profile(trace, 0)
+    assert [made.unit_calls[u].module for u in sorted(made.profile.unit_cost_s)] == [
+        f"blocks.{k}" for k in range(BLOCKS)
+    ]
 
 
 def test_the_profiles_units_are_the_blocks(trace):
