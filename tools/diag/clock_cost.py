@@ -61,13 +61,16 @@ def main() -> None:
 
     before = alloc.trace_capacity
     rows = {}
-    for _ in range(5):
-        for cap in (0, 1 << 20):
+    for _ in range(5):  # a recording's fresh ring (its pages touched as it fills) and a small one (wraps
+        for cap in (0, 1 << 20, 4096):  # in the cache: the push alone)
             alloc.trace_capacity = cap
             rows.setdefault(cap, []).append(per_call_us(pair, 50_000))
     alloc.trace_capacity = before
-    off, on = statistics.median(rows[0]), statistics.median(rows[1 << 20])
-    print(f"torch.empty + del: ring off {off:.3f} us, ring on {on:.3f} us ({on - off:+.3f} us a pair)")
+    off, on, small = (statistics.median(rows[c]) for c in (0, 1 << 20, 4096))
+    print(
+        f"torch.empty + del: ring off {off:.3f} us, ring on {on:.3f} us ({on - off:+.3f} us a pair), "
+        f"a ring of 4096 events {small:.3f} us ({small - off:+.3f})"
+    )
 
 
 if __name__ == "__main__":

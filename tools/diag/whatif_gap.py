@@ -20,6 +20,7 @@ sys.path.insert(0, str(TESTS / "gpu"))
 
 # After the test's script: the live pool's plan and the profile it planned from
 EPILOGUE = """
+pool = pool if pool is not None else globals().get("use")  # (the run at a budget keeps it in `use`)
 if pool is not None:
     s, prof = pool.stats(), list(pool.plans.profiles.values())[-1]
     regions = set(prof.unit_start)
@@ -74,7 +75,7 @@ def main() -> None:
         f"{made.step_peak / 2**30:.3f} GiB, untreated peak "
         f"{max(map(sum, zip(p.base_bytes, p.transient_bytes))) / 2**30:.3f} GiB, step {p.step_s * 1e3:.1f} ms"
     )
-    pooled = [str(script), name, steps, str(budget)]
+    pooled = [str(script), name, "4", str(budget), "4"]  # 4 steps to plan, 4 rounds of 4 each way
     if os.environ.get("KEEP"):  # a directory: both runs' traces go there (the pooled run traced too)
         keep = Path(os.environ["KEEP"])
         (keep / f"{name}.smtrace").write_bytes(out.read_bytes())
