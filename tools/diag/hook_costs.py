@@ -101,6 +101,12 @@ def main() -> None:
     native, planned = phases(tr, None), phases(tr, pool)
     for name, p in (("native", native), ("planned", planned)):
         print(f"{name:8s} step {p[3]:7.1f} ms; host: forward {p[0]:.1f}, backward {p[1]:.1f}, opt {p[2]:.1f}")
+    plan = pool.stats()["plan"]
+    print(
+        f"the plan: step {plan['predicted_step_s'] * 1e3:.1f} ms predicted (untreated "
+        f"{plan['untreated_step_s'] * 1e3:.1f}), {plan['measured_step_s'] * 1e3:.1f} measured; "
+        f"recompute {plan['recompute']}, offload {plan['offload']}, keep {plan['keep']}"
+    )
     before = pool.stats()
     on = True
     phases(tr, pool)
