@@ -78,8 +78,8 @@ def last_step(trace: Trace) -> tuple[int, int] | None:
     """(start, end) times of the last step that ran whole and, where the trace records module calls,
     recorded them (context.py records them on some steps only): from the forward after the step before
     it ended (or the trace's first forward) to its end."""
-    k = _last(trace)
-    return None if k is None else _step_starts(trace)[k]
+    starts, k = _steps(trace)
+    return None if k is None else starts[k]
 
 
 def step_period_s(trace: Trace) -> float | None:
@@ -87,25 +87,24 @@ def step_period_s(trace: Trace) -> float | None:
     takes it (zero_grad, and on a GPU the wait for its kernels where the host ran ahead of them: the
     trace's times are the host's). None unless the step before it is neither the trace's first
     (first-time costs: the optimizer's state made) nor missing."""
-    k = _last(trace)
+    starts, k = _steps(trace)
     if k is None or k < 2:
         return None
-    starts = _step_starts(trace)
     return (starts[k][0] - starts[k - 1][0]) / 1e9
 
 
-def _last(trace: Trace) -> int | None:
-    """The index in _step_starts of last_step's step."""
+def _steps(trace: Trace) -> tuple[list[tuple[int, int]], int | None]:
+    """The steps that ran whole (_step_starts), and the index among them of last_step's."""
     starts = _step_starts(trace)
     if not starts:
-        return None
+        return starts, None
     if CALL_ACTION in trace.actions:
         t = np.sort(trace.cols["time_ns"][trace.cols["action"] == trace.actions.index(CALL_ACTION)])
         w = np.array(starts, np.int64)
         with_calls = np.flatnonzero(np.searchsorted(t, w[:, 1]) > np.searchsorted(t, w[:, 0]))
         if len(with_calls):
-            return int(with_calls[-1])
-    return len(starts) - 1
+            return starts, int(with_calls[-1])
+    return starts, len(starts) - 1
 
 
 def _step_starts(trace: Trace) -> list[tuple[int, int]]:
