@@ -360,6 +360,15 @@ def wrap_module_calls(pre: Any, post: Any) -> Any:
     return patch_module_call(make)
 
 
+def is_torchs_module_call(fn: Any) -> bool:
+    """Whether `fn` is PyTorch's own nn.Module.__call__ (_wrapped_call_impl: the module's
+    _compiled_call_impl where Module.compile set one, else its _call_impl), which a wrapper may run in
+    place (trace/context.py: a frame less a module call)."""
+    import torch
+
+    return fn is torch.nn.Module._wrapped_call_impl
+
+
 def patch_module_call(make: Any) -> Any:
     """nn.Module.__call__ replaced by make(orig, on): a function of (module, *args, **kwargs) that calls
     orig(module, *args, **kwargs), and only that where on[0] is False or dynamo traces (wrap_module_calls

@@ -218,10 +218,11 @@ class Context:
         host, more for one given a KV cache: tools/diag/module_call_profile.py)."""
         import torch
 
+        from .. import torch_private as tp
+
         compiling = torch.compiler.is_compiling
         tensor = torch.Tensor
-        # PyTorch's own __call__ is two lines, run here in its place: a frame less a call
-        direct = orig is torch.nn.Module._wrapped_call_impl
+        direct = tp.is_torchs_module_call(orig)  # (its two lines then run here: a frame less a call)
         local, paths, clock = self._local, self._module_path, time.monotonic_ns
         log, calls = self.log.append, self.calls.append
 

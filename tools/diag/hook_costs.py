@@ -103,8 +103,8 @@ def main() -> None:
         print(f"{name:8s} step {p[3]:7.1f} ms; host: forward {p[0]:.1f}, backward {p[1]:.1f}, opt {p[2]:.1f}")
     plan = pool.stats()["plan"]
     print(
-        f"the plan: step {plan['predicted_step_s'] * 1e3:.1f} ms predicted (untreated "
-        f"{plan['untreated_step_s'] * 1e3:.1f}), {plan['measured_step_s'] * 1e3:.1f} measured; "
+        f"the plan: {plan['predicted_step_s'] * 1e3:.1f} ms predicted, untreated "
+        f"{plan['untreated_step_s'] * 1e3:.1f}, {plan['measured_step_s'] * 1e3:.1f} measured (a step); "
         f"recompute {plan['recompute']}, offload {plan['offload']}, keep {plan['keep']}"
     )
     before = pool.stats()
