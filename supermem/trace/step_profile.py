@@ -87,7 +87,11 @@ def step_period_s(trace: Trace) -> float | None:
     takes it (zero_grad, and on a GPU the wait for its kernels where the host ran ahead of them: the
     trace's times are the host's). None unless the step before it is neither the trace's first
     (first-time costs: the optimizer's state made) nor missing."""
-    starts, k = _steps(trace)
+    return _period_s(*_steps(trace))
+
+
+def _period_s(starts: list[tuple[int, int]], k: int | None) -> float | None:
+    """step_period_s of step `k` among `starts`."""
     if k is None or k < 2:
         return None
     return (starts[k][0] - starts[k - 1][0]) / 1e9
@@ -193,10 +197,10 @@ def step_profile(trace: Trace, device: int) -> StepProfile | None:
     """The trace's last whole step as the planner's profile on `device`; None without a whole step."""
     from ..tensor_pool.profile import Profile, Saved
 
-    window = last_step(trace)
-    if window is None:
+    starts, k = _steps(trace)  # (last_step's and step_period_s's, read once)
+    if k is None:
         return None
-    w0, w1 = window
+    w0, w1 = starts[k]
     lt = lifetimes(trace, device)
     s = series(trace, device, lt)
     t = trace.cols["time_ns"]
@@ -225,7 +229,7 @@ def step_profile(trace: Trace, device: int) -> StepProfile | None:
     step_peak = int(s.active[sel].max()) if sel.any() else int(s.active.max(initial=s.initial_active))
     transient = _rises(s.time_ns[sel], s.active[sel], times[order], base, w1)
     link_bytes_per_s, sync_copies, _ = copy_rate(trace, device)
-    step_s = max((w1 - w0) / 1e9, step_period_s(trace) or 0.0)
+    step_s = max((w1 - w0) / 1e9, _period_s(starts, k) or 0.0)
     profile = Profile(
         saved=saved,
         times_s=((times[order] - w0) / 1e9).tolist(),
