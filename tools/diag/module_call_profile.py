@@ -4,7 +4,10 @@ call (trace/context.py, Context._module_call) timed around the module's own forw
 summed a step (the module's forward and the calls nested in it excluded), by module class; beside it
 the same timing around a call that does nothing but pass through (what the timing itself costs).
 
-    SUPERMEM=1 python3 tools/diag/module_call_profile.py [model] [--steps 10] [--size real]
+    SUPERMEM=1 python3 tools/diag/module_call_profile.py [model] [--steps 10] [--size real] [--calls on]
+
+--calls on/off: the recording's forward records its module calls (Context.record_calls, what `report
+--budget` plans from) in every timed step, or in none (default: as a recording does, some steps only).
 """
 
 import collections
@@ -59,7 +62,9 @@ def timed(make):
 
 
 def main() -> int:
-    args = corpus_parser("gpt2", 10).parse_args()
+    p = corpus_parser("gpt2", 10)
+    p.add_argument("--calls", choices=("auto", "on", "off"), default="auto")
+    args = p.parse_args()
     dev, sync, model, inputs, loss_of, opt = corpus_training(args.model, args.size)
 
     def step() -> None:
@@ -88,6 +93,8 @@ def main() -> int:
         own.clear()
         count.clear()
         for _ in range(args.steps):
+            if rec is not None and args.calls != "auto":
+                rec.context.record_calls = args.calls == "on"
             step()
         if rec is not None:
             rec.__exit__(None, None, None)

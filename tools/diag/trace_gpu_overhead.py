@@ -5,6 +5,8 @@ each round a fresh recording whose first 3 steps (the saved-tensor hook's two ba
 medians over rounds of each round's median step, and of its ratio to the same round's untraced step:
     untraced
     traced              supermem.trace(): what `supermem trace` records
+    traced+calls        the same, its forward's module calls recorded every step (Context.record_calls)
+    traced-no-calls     the same, never (a recording's steps but 3 and every CALLS_EVERY-th)
     no context          supermem.trace(context=False): no module calls, phases or activation names
     given model         supermem.trace(model=, optimizer=): no gc walk for them
     cuda-synced         untraced, a torch.cuda.synchronize() after every step's forward (what one hidden
@@ -18,7 +20,8 @@ Each row also gives the host's part of the step (until the closing sync): a step
 its whole is host-bound, and pays the recording's Python hooks in full; "cpu" is the thread's CPU time
 in that part (less than it where the thread waited: for the GIL, a lock, the device's queue; backward
 runs on autograd's device thread), "faults" the process's minor page faults a step (fresh memory touched),
-"gc" Python's collections a step by generation (0/1/2; --gc-off: none in the timed steps).
+"gc" Python's collections a step by generation (0/1/2; --gc-off: none in the timed steps); "fwd/bwd/opt"
+the host's seconds in the forward, the backward and the optimizer step.
 --inside runs backward inside autocast too (tests/gpu/test_trace_owners_gpu.py's script does).
 
     SUPERMEM=1 python3 tools/diag/trace_gpu_overhead.py [model] [--rounds 5] [--steps 10]
@@ -91,6 +94,7 @@ def main() -> int:
     host: list[float] = []
     cpu: list[float] = []  # the thread's CPU time until the closing sync (time.thread_time)
     faults: list[int] = []  # the process's page faults in the step (minor: fresh memory touched)
+    phase_s: list[tuple[float, float, float]] = []  # the host's forward, backward and optimizer seconds
     collections = [0, 0, 0]  # Python's collections so far, by generation
 
     def on_gc(phase: str, info: dict) -> None:
@@ -107,12 +111,16 @@ def main() -> int:
             loss = loss_of(model, inputs)
             if sync_forward:
                 sync()
+            t1 = time.perf_counter()
             if args.inside:
                 loss.backward()
         if not args.inside:
             loss.backward()
+        t2 = time.perf_counter()
         opt.step()
-        host.append(time.perf_counter() - t0)
+        t3 = time.perf_counter()
+        host.append(t3 - t0)
+        phase_s.append((t1 - t0, t2 - t1, t3 - t2))
         cpu.append(time.thread_time() - c0)
         faults.append(minor_faults() - f0)
         sync()
@@ -122,6 +130,8 @@ def main() -> int:
     configs = {
         "untraced": None,
         "traced": {},
+        "traced+calls": {},
+        "traced-no-calls": {},
         "no context": {"context": False},
         "given model": {"model": model, "optimizer": opt},
         "cuda-synced": None,
@@ -169,6 +179,7 @@ def main() -> int:
     hosts: dict[str, list[float]] = {name: [] for name in configs}
     cpus: dict[str, list[float]] = {name: [] for name in configs}
     fault_counts: dict[str, list[float]] = {name: [] for name in configs}
+    phases: dict[str, list[tuple[float, ...]]] = {name: [] for name in configs}
     gc_counts: dict[str, list[list[float]]] = {name: [] for name in configs}
     names = list(configs)
     for r in range(args.rounds):
@@ -183,15 +194,21 @@ def main() -> int:
             host.clear()
             cpu.clear()
             faults.clear()
+            phase_s.clear()
             gcs = list(collections)
             if args.gc_off:
                 gc.disable()
-            times = [step(sync_forward=name == "cuda-synced") for _ in range(args.steps)]
+            times = []
+            for _ in range(args.steps):
+                if rec is not None and name.startswith("traced") and name != "traced":
+                    rec.context.record_calls = name == "traced+calls"
+                times.append(step(sync_forward=name == "cuda-synced"))
             gc.enable()
             gc_counts[name].append([(b - a) / args.steps for a, b in zip(gcs, collections)])
             hosts[name].append(statistics.median(host))
             cpus[name].append(statistics.median(cpu))
             fault_counts[name].append(statistics.median(faults))
+            phases[name].append(tuple(statistics.median(x) for x in zip(*phase_s)))
             if rec is not None:
                 rec.__exit__(None, None, None)
             if undo is not None:
@@ -212,9 +229,11 @@ def main() -> int:
         cs = statistics.median(cpus[name]) * 1e3
         fs = statistics.median(fault_counts[name])
         per_gen = "/".join(f"{sum(g) / len(g):.2f}" for g in zip(*gc_counts[name]))
+        fbo = "/".join(f"{statistics.median(x) * 1e3:.2f}" for x in zip(*phases[name]))
         print(
-            f"  {name:12s} {ms * 1e3:7.2f} ms  {statistics.median(ratios):.3f}x  over {over:2d}/{len(ratios)}"
-            f"  host {hs:7.2f} ms  cpu {cs:7.2f} ms  faults {fs:5.0f}  gc {per_gen}  (rounds {spread})"
+            f"  {name:16s} {ms * 1e3:7.2f} ms  {statistics.median(ratios):.3f}x  over {over:2d}/{len(ratios)}"
+            f"  host {hs:7.2f} ms  cpu {cs:7.2f} ms  fwd/bwd/opt {fbo} ms  faults {fs:5.0f}  gc {per_gen}"
+            f"  (rounds {spread})"
         )
     return 0
 
