@@ -2,10 +2,11 @@
 
 One fresh process with supermem's allocator trains GPT-24 (or ResNet-152) in rounds, each of steps
 without a recording (the baseline) and steps inside `supermem.trace(...)`, the order alternating
-(`interleaved`, which tests/gpu/test_trace_owners_gpu.py measures its models with too). Overhead is the
-median of the rounds' ratios of their median steps. Each round's first two steps, whose backwards a
-recording's saved-tensor hook observes to check how activations are named (trace/context.py), run
-untimed: a run pays them once.
+(`interleaved`, which tests/gpu/test_trace_owners_gpu.py measures its models with too). Overhead is what
+a step of a long recording costs (`steady_cost`): each traced step's ratio to its round's median untraced
+step, the steps that record module calls (one in 8 in a long run) and the others each by their median,
+weighted as a long run has them. Each round's first two steps, whose backwards a recording's saved-tensor
+hook observes to check how activations are named (trace/context.py), run untimed: a run pays them once.
 The last recording is written to --out (run.smtrace, and with --report the HTML and PNG report beside it).
 """
 
@@ -27,7 +28,7 @@ def interleaved(
 ) -> tuple[list[list[float]], list[list[float]], list[float]]:
     """Rounds of `steps` timed steps untraced and inside `recording(last round)`, the order alternating,
     each after `warm` untimed ones: the untraced rounds' times, the traced ones', and each round's ratio
-    of its median steps, whose median is the overhead (the host's pace drifts between rounds more than
+    of its median steps (steady_cost weighs the steps: the host's pace drifts between rounds more than
     tracing costs)."""
     plain: list[list[float]] = []
     traced: list[list[float]] = []
@@ -40,6 +41,26 @@ def interleaved(
                 times.append([timed() for _ in range(steps)])
         ratios.append(statistics.median(traced[-1]) / statistics.median(plain[-1]))
     return plain, traced, ratios
+
+
+def steady_cost(plain: list[list[float]], traced: list[list[float]], warm: int) -> tuple[float, dict]:
+    """What tracing costs a step of a long recording, from `interleaved`'s rounds run after `warm` untimed
+    steps: each traced step's ratio to its round's median untraced step, split by whether that step of
+    its recording records module calls (context.records_calls: the first 3, then one in CALLS_EVERY);
+    the median of each kind, weighted by the share it has in a long run. Returns (cost, {kind: median
+    ratio}) for the kinds timed; with one kind only, its median is the cost."""
+    from ..trace.context import CALLS_EVERY, records_calls
+
+    kinds: dict[str, list[float]] = {}
+    for p, t in zip(plain, traced, strict=True):
+        base = statistics.median(p)
+        for i, x in enumerate(t):
+            kinds.setdefault("calls" if records_calls(warm + i) else "no calls", []).append(x / base)
+    medians = {k: statistics.median(v) for k, v in kinds.items()}
+    if len(medians) == 1:
+        return next(iter(medians.values())) - 1, medians
+    share = 1 / CALLS_EVERY
+    return share * medians["calls"] + (1 - share) * medians["no calls"] - 1, medians
 
 
 def measure(spec: dict) -> dict:
@@ -81,13 +102,9 @@ def measure(spec: dict) -> dict:
         )
         return recordings[-1]
 
-    plain, traced, ratios = interleaved(
-        lambda: _timed(step, cuda),
-        recording,
-        spec["rounds"],
-        spec["steps"],
-        recorder.ACTIVATION_HOOK_BACKWARDS,
-    )
+    warm = recorder.ACTIVATION_HOOK_BACKWARDS
+    plain, traced, _ = interleaved(lambda: _timed(step, cuda), recording, spec["rounds"], spec["steps"], warm)
+    cost, by_kind = steady_cost(plain, traced, warm)
     events = recordings[-1].status()["drained_events"]
     base = statistics.median(t for round_ in plain for t in round_)
     with_trace = statistics.median(t for round_ in traced for t in round_)
@@ -95,7 +112,8 @@ def measure(spec: dict) -> dict:
         "preset": preset.label,
         "plain_ms": round(base, 2),
         "traced_ms": round(with_trace, 2),
-        "overhead": statistics.median(ratios) - 1,
+        "overhead": cost,
+        "by_kind": by_kind,  # the median ratio of the steps that record module calls, and of the others
         "events": events,
         "files": sorted(p.name for p in out.iterdir()),
     }
@@ -132,5 +150,7 @@ def run(args: argparse.Namespace) -> dict:
         f"untraced {row['plain_ms']:.2f} ms/step, traced {row['traced_ms']:.2f} ms/step: "
         f"{100 * row['overhead']:+.2f}% (target <= 5%)"
     )
+    kinds = ", ".join(f"{k} {100 * (v - 1):+.2f}%" for k, v in row["by_kind"].items())
+    print(f"steps that record module calls (one in 8 of a long recording) and the others: {kinds}")
     print(f"files in {args.out}: {', '.join(row['files'])}")
     return {"rows": [row]}

@@ -50,6 +50,11 @@ from .phases import BACKWARD, FORWARD, NONE, OPTIMIZER, PHASES, STEP_MARK
 CALLS_EVERY = 8
 
 
+def records_calls(step: int) -> bool:
+    """Whether a recording's step `step` (0: its first) records its forward's module calls."""
+    return step < 3 or step % CALLS_EVERY == 2
+
+
 def tensors_in(x: Any, depth: int = 3):
     """Tensors in a call's arguments or outputs: nested tuples, lists and dicts (HF's ModelOutput)."""
     import torch
@@ -323,7 +328,7 @@ class Context:
 
     def _optimizer_ends(self, *_: Any) -> None:
         self.steps += 1
-        self.record_calls = self.steps < 3 or self.steps % CALLS_EVERY == 2
+        self.record_calls = records_calls(self.steps)
         self._set_phase(NONE, time.monotonic_ns(), STEP_MARK)
 
     # ---------------------------------------------------------------- reading

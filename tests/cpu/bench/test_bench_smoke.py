@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 
 def _bench(tmp_path, *args, timeout=300):
     out = tmp_path / "rows.json"
@@ -59,8 +61,8 @@ def test_bench_alloc_quick_cpu(tmp_path):
 
 
 def test_bench_trace_quick_cpu(tmp_path):
-    """Rounds of untraced and traced steps in one process: the overhead is the median of the rounds'
-    ratios, the last recording written where asked."""
+    """Rounds of untraced and traced steps in one process: the overhead is what a step of a long
+    recording costs (steady_cost), the last recording written where asked."""
     out = tmp_path / "rows.json"
     cmd = [sys.executable, "-m", "supermem", "bench", "trace", "--quick", "--device", "cpu"]
     cmd += ["--rounds", "3", "--steps", "2", "--out", str(tmp_path / "t"), "--json", str(out)]
@@ -71,6 +73,23 @@ def test_bench_trace_quick_cpu(tmp_path):
     assert row["plain_ms"] > 0 and row["traced_ms"] > 0 and -1 < row["overhead"] < 10
     assert row["files"] == ["run.smtrace"] and row["events"] == 0  # (CPU tensors: no allocator events)
     assert f"{100 * row['overhead']:+.2f}%" in r.stdout
+    assert set(row["by_kind"]) == {"calls", "no calls"}  # (timed steps 2 and 3: step 2 records calls)
+
+
+def test_the_trace_cost_weighs_the_steps_that_record_calls_as_a_long_recording_has_them():
+    """steady_cost: each traced step against its round's median untraced step, the kinds of step by
+    their medians, weighted one step with module calls in CALLS_EVERY; a single kind is its own cost."""
+    from supermem.bench.trace import steady_cost
+    from supermem.trace.context import CALLS_EVERY, records_calls
+
+    assert [s for s in range(30) if records_calls(s)] == [0, 1, 2, 10, 18, 26]
+    plain = [[1.0, 3.0], [2.0, 2.0], [1.0, 1.0]]  # round medians 2, 2, 1
+    traced = [[2.8, 2.04], [3.0, 2.1], [1.2, 1.02]]  # after 2 warm: step 2 records calls, step 3 not
+    cost, kinds = steady_cost(plain, traced, warm=2)
+    assert kinds == pytest.approx({"calls": 1.4, "no calls": 1.02})
+    assert cost == pytest.approx(0.4 / CALLS_EVERY + 0.02 * (CALLS_EVERY - 1) / CALLS_EVERY)
+    cost, kinds = steady_cost([[1.0, 1.0]], [[1.1, 1.3]], warm=3)  # steps 3 and 4: none records calls
+    assert kinds == pytest.approx({"no calls": 1.2}) and cost == pytest.approx(0.2)
 
 
 def test_bench_train_sweep_quick_cpu(tmp_path):
