@@ -146,8 +146,11 @@ class ModelScanner:
         self._steps: dict[int, int] = {}  # id(optimizer) -> steps seen
         self._hooks: list[Any] = []
         self._paths: dict[int, str] = {}  # id(parameter) -> its module's path, as of the last scan
+        # id(optimizer) -> (its param lists as (id, len), [(parameter, path)]): what before_step reads
+        self._params: dict[int, tuple[tuple[tuple[int, int], ...], list[tuple[Any, str]]]] = {}
 
     def scan(self, gradients_only: bool = False) -> None:
+        self._params.clear()  # (paths may change: before_step reads them again)
         if self.find:
             models, self.optimizers = find_models_and_optimizers()
             self.models = roots_of(models)
@@ -178,13 +181,27 @@ class ModelScanner:
             self._hooks.append(opt.register_step_post_hook(lambda o, *_: self.after_step(o)))
 
     def before_step(self, opt: Any) -> None:
-        params = [p for group in opt.param_groups for p in group["params"]]
-        if any(id(p) not in self._paths for p in params):
-            self._learn_paths(opt)
+        """Observes the gradients. Their parameters and paths are read again only when the optimizer's
+        parameter lists change (one made or grown): a step pays one row per gradient (a host-bound HF
+        Llama step: 111 gradients, ~0.3 ms on an H200's host read afresh each step)."""
+        lists = tuple((id(g["params"]), len(g["params"])) for g in opt.param_groups)
+        known = self._params.get(id(opt))
+        if known is None or known[0] != lists:
+            params = [p for group in opt.param_groups for p in group["params"]]
+            if any(id(p) not in self._paths for p in params):
+                self._learn_paths(opt)
+            known = self._params[id(opt)] = (lists, [(p, self._paths.get(id(p), "")) for p in params])
         now = time.monotonic_ns()
-        for p in params:
-            if p.grad is not None:
-                self.obs.add_tensor(p.grad, "gradient", now, module=self._paths.get(id(p), ""))
+        add = self.obs.rows.append
+        for p, path in known[1]:
+            g = p.grad
+            if g is not None:
+                try:
+                    address = g.untyped_storage().data_ptr()
+                except (RuntimeError, AttributeError, NotImplementedError):  # (Observations.add_tensor)
+                    continue
+                if address:
+                    add((now, address, "gradient", -1, path))
 
     def after_step(self, opt: Any) -> None:
         n = self._steps[id(opt)] = self._steps.get(id(opt), 0) + 1

@@ -130,3 +130,35 @@ def test_the_export_keeps_module_and_phase_as_frames(traced):
     placed = [h[0]["name"] for h in heads if h[0]["filename"] == "<module>"]
     assert placed and set(placed) <= names  # (a loss computed outside the model: no module, a phase)
     assert {h[-1]["filename"] for h in heads} == {"<phase>"} and {h[-1]["name"] for h in heads} == {"forward"}
+
+
+def test_gradients_are_observed_after_the_optimizer_gains_a_parameter_group():
+    """before_step reads the optimizer's parameters again when its lists change: a group added after
+    the first steps has its gradients observed, with their module's path, at the next step."""
+    from supermem.trace.attribution import ModelScanner, Observations
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    opt = torch.optim.SGD(model[0].parameters(), lr=0.1)
+    obs = Observations()
+    scanner = ModelScanner(obs, [model], [opt], find=False)
+    scanner.scan()
+
+    def step_gradients() -> dict[int, str]:
+        model(torch.ones(3, 4)).sum().backward()
+        obs.rows.clear()
+        scanner.before_step(opt)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return {r[1]: r[4] for r in obs.rows if r[2] == "gradient"}
+
+    def storage(p: torch.Tensor) -> int:
+        return p.grad.untyped_storage().data_ptr()
+
+    for _ in range(2):
+        assert set(step_gradients().values()) == {"0"}
+    opt.add_param_group({"params": list(model[1].parameters())})
+    model(torch.ones(3, 4)).sum().backward()
+    want = {storage(p): name.rpartition(".")[0] for name, p in model.named_parameters()}
+    obs.rows.clear()
+    scanner.before_step(opt)
+    assert {r[1]: r[4] for r in obs.rows if r[2] == "gradient"} == want
