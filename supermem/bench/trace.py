@@ -96,8 +96,11 @@ def measure(spec: dict) -> dict:
 
     def recording(last: bool) -> Any:
         recordings.append(
-            supermem.trace.record(  # (what supermem.trace(...) calls)
-                str(out / "run.smtrace"), model=model, optimizer=opt, report=spec["report"] and last
+            supermem.trace.record(  # (what supermem.trace(...) calls; only the last round's is written)
+                str(out / "run.smtrace") if last else None,
+                model=model,
+                optimizer=opt,
+                report=spec["report"] and last,
             )
         )
         return recordings[-1]

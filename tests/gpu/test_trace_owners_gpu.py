@@ -36,7 +36,7 @@ from supermem.units import format_bytes
 pytestmark = needs_cuda
 TESTS = Path(__file__).resolve().parents[1]
 MODELS = ["gpt2", "llama", "timm-resnet50"]
-ROUNDS = int(os.environ.get("SUPERMEM_TEST_ROUNDS", "80"))  # of 2 steps each way (GPT-24: a quarter, of 8)
+ROUNDS = int(os.environ.get("SUPERMEM_TEST_ROUNDS", "120"))  # of 2 steps each way (GPT-24: a quarter, of 8)
 
 TRAIN = """
 import contextlib, json, statistics, sys, time
@@ -85,7 +85,7 @@ elif pool is None:  # tracing's cost: rounds untraced and traced, alternating (s
     for _ in range(3):
         step()
     # (untimed steps a round: a recording's first backwards are its saved-tensor hook's check)
-    recording = lambda last: supermem.trace(f"{{where}}/run.smtrace")
+    recording = lambda last: supermem.trace(f"{{where}}/run.smtrace" if last else None)  # (written once)
     plain, traced, ratios = interleaved(step, recording, rounds, steps, ACTIVATION_HOOK_BACKWARDS)
     untraced, with_trace = (statistics.median(t for r in v for t in r) for v in (plain, traced))
     cost, by_kind = steady_cost(plain, traced, ACTIVATION_HOOK_BACKWARDS)
