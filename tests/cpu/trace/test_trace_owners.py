@@ -133,8 +133,8 @@ def test_the_export_keeps_module_and_phase_as_frames(traced):
 
 
 def test_gradients_are_observed_after_the_optimizer_gains_a_parameter_group():
-    """before_step reads the optimizer's parameters again when its lists change: a group added after
-    the first steps has its gradients observed, with their module's path, at the next step."""
+    """before_step looks its parameters' paths up again when the optimizer's lists change: a group added
+    after the first steps has its gradients observed, with their module's path, at the next step."""
     from supermem.trace.attribution import ModelScanner, Observations
 
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
