@@ -197,10 +197,10 @@ class ModelScanner:
         add = self.obs.rows.append
         for p, path in zip(params, known[1], strict=True):
             g = p.grad
-            if g is not None:
-                try:
+            if g is not None:  # (Observations.add_tensor, inline: a call a gradient took this hook
+                try:  # from 25 to ~40 us a step for 75 gradients on the development CPU)
                     address = g.untyped_storage().data_ptr()
-                except (RuntimeError, AttributeError, NotImplementedError):  # (Observations.add_tensor)
+                except (RuntimeError, AttributeError, NotImplementedError):
                     continue
                 if address:
                     add((now, address, "gradient", -1, path))
